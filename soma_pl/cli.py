@@ -1,0 +1,146 @@
+"""`python -m soma_pl.cli <command>`: the suite's single entry point.
+
+- `fit`, `validate`, `test`, `predict`: LightningCLI over the LightningModules and DataModules.
+- `prepare --config configs/data/<name>.yaml`: build a prepared dataset folder.
+- `bench data --config ... --out FILE.json`: measurements, written as JSON.
+- `analyze params --out FILE.json`: analyses behind the paper's tables and figures.
+
+Bad input ends with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+
+from soma_pl.errors import SomaError
+from soma_pl.io import write_json_atomic
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+
+
+def _prepare_parser() -> ArgumentParser:
+    from soma_pl.data.prepare import PrepareConfig
+
+    parser = ArgumentParser(description="Build a prepared dataset folder (shards, evaluation sets, manifest).")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML with a `dataset:` section")
+    parser.add_argument("--dataset", type=PrepareConfig, default=PrepareConfig(), help="what to prepare")
+    parser.add_argument("--progress", type=bool, default=True, help="show progress bars")
+    return parser
+
+
+def _run_prepare(args: Namespace) -> None:
+    from soma_pl.data.prepare import prepare, read_manifest
+
+    output = prepare(args.dataset, progress=args.progress)
+    manifest = read_manifest(output)
+    summary = {
+        "output_dir": str(output),
+        "train_documents": manifest["train"]["documents"],
+        "train_bytes": manifest["train"]["bytes"],
+        "shards": len(manifest["train"]["shards"]),
+        "ensemble_val_windows": manifest["ensemble_val"]["windows"],
+        "test_windows": manifest["test"]["windows"],
+        "test_excluded": manifest["test"]["excluded"],
+        "prepare_seconds": manifest["prepare_seconds"],
+    }
+    print(json.dumps(summary, indent=2))
+
+
+def _bench_data_parser() -> ArgumentParser:
+    from soma_pl.data.prepare import PrepareConfig
+
+    parser = ArgumentParser(description="Training-stream throughput from shards (windows/s, MB/s).")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML with a `dataset:` section")
+    parser.add_argument("--dataset", type=PrepareConfig, default=PrepareConfig())
+    parser.add_argument("--experts_dir", type=str | None, default=None, help="a sharded dataset folder")
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=200, help="timed batches per worker count")
+    parser.add_argument("--workers", type=list[int], default=[0, 2], help="DataLoader worker counts to time")
+    parser.add_argument("--out", type=str, default="bench_data.json")
+    return parser
+
+
+def _run_bench_data(args: Namespace) -> None:
+    from soma_pl.bench.data import bench_data
+
+    result = bench_data(args.dataset, args.batch_size, args.batches, workers=tuple(args.workers),
+                        experts_dir=args.experts_dir)
+    _emit(result, args.out)
+
+
+def _analyze_params_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Table 2: parameter counts computed from the real modules.")
+    parser.add_argument("--out", type=str, default="params.json")
+    return parser
+
+
+def _run_analyze_params(args: Namespace) -> None:
+    from soma_pl.models.counts import table2_rows
+
+    _emit({"analysis": "params", "table": "Table 2", "rows": table2_rows()}, args.out)
+
+
+# command -> subcommand -> (parser factory, runner); a None subcommand means the command has none.
+TOOLS: dict[str, dict[str | None, tuple[Callable[[], ArgumentParser], Callable[[Namespace], None]]]] = {
+    "prepare": {None: (_prepare_parser, _run_prepare)},
+    "bench": {"data": (_bench_data_parser, _run_bench_data)},
+    "analyze": {"params": (_analyze_params_parser, _run_analyze_params)},
+}
+
+
+def _emit(result: dict, out: str) -> None:
+    path = write_json_atomic(Path(out), result)
+    print(json.dumps(result, indent=2))
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def _usage() -> str:
+    tools = [f"{c} {s}" if s else c for c, subs in TOOLS.items() for s in subs]
+    return "usage: python -m soma_pl.cli {" + ",".join([*LIGHTNING_COMMANDS, *tools]) + "} [options]"
+
+
+def _run_tool(argv: Sequence[str]) -> None:
+    command, rest = argv[0], list(argv[1:])
+    subcommands = TOOLS[command]
+    if None in subcommands:
+        make_parser, run = subcommands[None]
+    elif rest and rest[0] in subcommands:
+        make_parser, run = subcommands[rest.pop(0)]
+    else:
+        raise SystemExit(f"usage: python -m soma_pl.cli {command} {{{','.join(subcommands)}}} [options]")
+    parser = make_parser()
+    parser.prog = f"python -m soma_pl.cli {' '.join(argv[: len(argv) - len(rest)])}"
+    args = parser.parse_args(rest)
+    run(parser.instantiate(args))
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.formatwarning = _one_line_warning
+    try:
+        if argv and argv[0] in LIGHTNING_COMMANDS:
+            from soma_pl.lightning_cli import run_lightning
+
+            run_lightning(argv)
+        elif argv and argv[0] in TOOLS:
+            _run_tool(argv)
+        else:
+            print(_usage(), file=sys.stderr)
+            raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+    except SomaError as error:
+        print(f"soma_pl: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""`ByteDataModule`: training windows streamed from shards, fixed evaluation windows.
+
+Training batches are `[E, B, 1025] uint8` (E = 1 for a monolithic model; E = N expert streams when
+`experts_dir` names a sharded dataset). Validation and test batches are `(windows [b, 1025] uint8,
+index [b])` from the prepared ensemble-validation and test sets.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+from soma_pl.data.evalsets import EvalDataset, EvalSet
+from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
+from soma_pl.data.shards import ShardRecord, Verify, verify_shards
+from soma_pl.data.stream import WindowStream
+from soma_pl.errors import DataError
+
+EXPERTS_MANIFEST = "experts.json"
+
+
+@dataclass
+class ExpertShards:
+    """One expert's shards as `experts.json` records them (paths relative to the experts folder)."""
+
+    train: list[ShardRecord] = field(default_factory=list)
+    val: list[ShardRecord] = field(default_factory=list)
+
+
+def read_expert_shards(folder: Path) -> list[ExpertShards]:
+    """The per-expert shard records of a sharded dataset folder (`experts.json`)."""
+    path = Path(folder) / EXPERTS_MANIFEST
+    try:
+        payload = json.loads(path.read_text())
+        return [
+            ExpertShards([ShardRecord(**r) for r in e["train"]], [ShardRecord(**r) for r in e.get("val", [])])
+            for e in payload["experts"]
+        ]
+    except FileNotFoundError as error:
+        raise DataError(f"not a sharded dataset (no {EXPERTS_MANIFEST}): {folder}") from error
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"unreadable {path}: {error}") from error
+
+
+class ByteDataModule(L.LightningDataModule):
+    """Byte-level windows for ZO and BPTT training.
+
+    Args:
+        dataset: what `prepare` builds; prepared on first use when `auto_prepare` is on.
+        experts_dir: a sharded dataset folder (`experts.json`); its N expert shard sets give
+            `[N, B, 1025]` training batches. None: the prepared training shards, `[1, B, 1025]`.
+        batch_size: training windows per expert per batch (B).
+        eval_batch_size: windows per validation/test batch.
+        shuffle_buffer: windows held per expert stream for shuffling.
+        num_workers: DataLoader worker processes for the training stream.
+        seed: seed of the training stream.
+        verify: check shards against the manifest by `size` or by `sha256` before reading.
+        auto_prepare: run `prepare` in `prepare_data()` when the dataset is missing or stale.
+    """
+
+    def __init__(self, dataset: PrepareConfig = PrepareConfig(), experts_dir: str | None = None,
+                 batch_size: int = 64, eval_batch_size: int = 64, shuffle_buffer: int = 1024,
+                 num_workers: int = 0, seed: int = 0, verify: Verify = Verify.sha256, auto_prepare: bool = True):
+        super().__init__()
+        self.dataset = dataset
+        self.experts_dir = experts_dir
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.shuffle_buffer = shuffle_buffer
+        self.num_workers = num_workers
+        self.seed = seed
+        self.verify = Verify(verify)
+        self.auto_prepare = auto_prepare
+        self.shard_sets: list[list[Path]] = []
+        self.val_set: EvalSet | None = None
+        self.test_set: EvalSet | None = None
+
+    @property
+    def root(self) -> Path:
+        return Path(self.dataset.output_dir).expanduser()
+
+    def prepare_data(self) -> None:
+        if self.auto_prepare:
+            prepare(self.dataset)
+
+    def setup(self, stage: str | None = None) -> None:
+        manifest = read_manifest(self.root)
+        if self.experts_dir is None:
+            records = [ShardRecord(**r) for r in manifest["train"]["shards"]]
+            self.shard_sets = [verify_shards(self.root, records, self.verify)]
+        else:
+            folder = Path(self.experts_dir).expanduser()
+            self.shard_sets = [verify_shards(folder, e.train, self.verify) for e in read_expert_shards(folder)]
+        self.val_set = EvalSet.load(self.root / manifest["ensemble_val"]["file"])
+        self.test_set = EvalSet.load(self.root / manifest["test"]["file"])
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.shard_sets)
+
+    def train_stream(self, skip_batches: int = 0) -> WindowStream:
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        return WindowStream(self.shard_sets, self.batch_size, self.seed, self.shuffle_buffer, rank, world,
+                            skip_batches)
+
+    def train_dataloader(self) -> DataLoader:
+        # One batch per optimizer step: a resumed run skips the batches its restored steps consumed.
+        skip = self.trainer.global_step if self.trainer else 0
+        return DataLoader(self.train_stream(skip), batch_size=None, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.val_set)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.test_set)
+
+    def _eval_loader(self, evalset: EvalSet | None) -> DataLoader:
+        if evalset is None:
+            raise DataError("evaluation set not loaded: call setup() first")
+        return DataLoader(EvalDataset(evalset), batch_size=self.eval_batch_size, shuffle=False)

@@ -1,0 +1,224 @@
+"""`prepare`: turn a corpus into a prepared dataset folder.
+
+```
+<output_dir>/
+  train/train-000000.tar ...   training documents, WebDataset shards cut by size
+  ensemble_val.npz             fixed 1,025-byte windows from held-out documents
+  test.npz                     one window per held-out, overlap-screened test document
+  manifest.json                counts, bytes, sources, seed, screening, sha256 of every shard
+```
+
+Two streaming passes over the corpus: the first picks the held-out documents (smallest seeded hash of
+the id), the second writes every other document into shards and screens the test candidates
+against it. The folder is built under a temporary name and renamed into place with its manifest, so
+an interrupted run leaves nothing that reads as a prepared dataset. The manifest records a hash of
+the config and of the corpus's identity: an identical re-run is a no-op, a changed one rebuilds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from soma_pl import WINDOW_BYTES
+from soma_pl.data.documents import Document
+from soma_pl.data.evalsets import EvalSet
+from soma_pl.data.heldout import HeldOutSelector, OverlapScreen, test_window_offset, validation_windows
+from soma_pl.data.readers import CorpusConfig, corpus_fingerprint, iter_corpus
+from soma_pl.data.shards import ShardRecord, ShardWriter
+from soma_pl.errors import DataError
+from soma_pl.io import write_json_atomic
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 2
+
+
+@dataclass
+class PrepareConfig:
+    """What `prepare` builds, and where.
+
+    Attributes:
+        corpus: the documents to read.
+        output_dir: the prepared dataset folder.
+        seed: decides which documents are held out.
+        val_documents: held-out documents for ensemble validation (paper: 202).
+        val_windows: ensemble-validation windows taken round-robin from them (paper: 976).
+        test_windows: test documents, one window each, after the overlap screen (paper: 4,096).
+        test_oversample: test candidates held out per test window wanted, to absorb exclusions.
+        shingle_bytes: a test candidate sharing a substring this long with a training document is
+            excluded.
+        shard_max_bytes: a training shard is cut once it reaches this size.
+    """
+
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    output_dir: str = "data/demo"
+    seed: int = 0
+    val_documents: int = 202
+    val_windows: int = 976
+    test_windows: int = 4096
+    test_oversample: float = 1.25
+    shingle_bytes: int = 50
+    shard_max_bytes: int = 64_000_000
+
+    @property
+    def test_candidates(self) -> int:
+        return math.ceil(self.test_windows * self.test_oversample)
+
+    def fingerprint(self) -> str:
+        """Hash of everything the output depends on: settings, corpus identity, format."""
+        settings = asdict(self)
+        settings.pop("output_dir")
+        identity = {"settings": settings, "corpus": corpus_fingerprint(self.corpus), "format": FORMAT_VERSION}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def prepare(config: PrepareConfig, progress: bool = True) -> Path:
+    """Build `config.output_dir` unless an identical build is already there; return its path."""
+    output = Path(config.output_dir).expanduser()
+    fingerprint = config.fingerprint()
+    existing = read_manifest(output) if (output / MANIFEST).is_file() else None
+    if existing is not None and existing.get("fingerprint") == fingerprint:
+        return output
+    if existing is not None:
+        warnings.warn(f"{output}: prepared with another config or corpus; rebuilding", stacklevel=2)
+    work = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        manifest = _build(config, work, progress)
+        manifest["fingerprint"] = fingerprint
+        write_json_atomic(work / MANIFEST, manifest)
+        _swap_into_place(work, output)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return output
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a prepared folder.
+
+    Raises:
+        DataError: the folder or its manifest is missing or unreadable.
+    """
+    path = Path(folder) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise DataError(f"not a prepared dataset (no {MANIFEST}): {folder}") from error
+    except (OSError, json.JSONDecodeError) as error:
+        raise DataError(f"unreadable manifest {path}: {error}") from error
+
+
+def _build(config: PrepareConfig, work: Path, progress: bool) -> dict:
+    started = time.perf_counter()
+    keep_bytes = max(config.val_windows, 1) * WINDOW_BYTES
+    selector = HeldOutSelector(config.seed, config.val_documents + config.test_candidates, keep_bytes)
+    short = Counter()
+    for document in tqdm(iter_corpus(config.corpus), desc="prepare: select held-out", unit="doc",
+                         disable=not progress):
+        if len(document.text) < WINDOW_BYTES:
+            short[document.source] += 1
+        else:
+            selector.offer(document)
+    held = selector.selected()
+    if not held and not short:
+        raise DataError(f"empty corpus: no documents in {_describe(config.corpus)}")
+    if len(held) < config.val_documents + config.test_candidates:
+        raise DataError(f"corpus too small: {len(held)} documents of >= {WINDOW_BYTES} bytes, "
+                        f"{config.val_documents + config.test_candidates} needed for held-out sets")
+    if sum(short.values()):
+        warnings.warn(f"skipped {sum(short.values())} documents shorter than {WINDOW_BYTES} bytes", stacklevel=2)
+    val_docs, candidates = held[: config.val_documents], held[config.val_documents :]
+    held_ids = {d.doc_id for d in held}
+    offsets = [test_window_offset(config.seed, d) for d in candidates]
+    screen = OverlapScreen([d.text[o : o + WINDOW_BYTES] for d, o in zip(candidates, offsets)], config.shingle_bytes)
+    shards, train_stats = _write_training(config, work, held_ids, screen, progress)
+    val = _validation_set(val_docs, config.val_windows)
+    test, test_stats = _test_set(candidates, offsets, screen.contaminated, config.test_windows, config.shingle_bytes)
+    val.save(work / "ensemble_val.npz")
+    test.save(work / "test.npz")
+    return {
+        "format": FORMAT_VERSION,
+        "config": json.loads(json.dumps(asdict(config), default=str)),
+        "seed": config.seed,
+        "window_bytes": WINDOW_BYTES,
+        "train": {**train_stats, "shards": [s.to_json() for s in shards]},
+        "skipped_short_documents": dict(sorted(short.items())),
+        "ensemble_val": {"file": "ensemble_val.npz", "documents": len(set(val.doc_ids)), "windows": len(val)},
+        "test": {"file": "test.npz", **test_stats},
+        "prepare_seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _write_training(config: PrepareConfig, work: Path, held_ids: set[str], screen: OverlapScreen,
+                    progress: bool) -> tuple[list[ShardRecord], dict]:
+    writer = ShardWriter(work / "train", "train", config.shard_max_bytes)
+    documents, sizes = Counter(), Counter()
+    for document in tqdm(iter_corpus(config.corpus), desc="prepare: write shards", unit="doc",
+                         disable=not progress):
+        if len(document.text) < WINDOW_BYTES or document.doc_id in held_ids:
+            continue
+        writer.write(document)
+        screen.screen(document.text)
+        documents[document.source] += 1
+        sizes[document.source] += len(document.text)
+    records = writer.close()
+    if not records:
+        raise DataError(f"no training documents left in {_describe(config.corpus)}")
+    stats = {
+        "documents": sum(documents.values()),
+        "bytes": sum(sizes.values()),
+        "sources": {s: {"documents": documents[s], "bytes": sizes[s]} for s in sorted(documents)},
+    }
+    return records, stats
+
+
+def _validation_set(documents: list[Document], count: int) -> EvalSet:
+    picks = validation_windows(documents, count, WINDOW_BYTES)
+    if len(picks) < count:
+        warnings.warn(f"ensemble validation: only {len(picks)} of {count} windows available", stacklevel=3)
+    return EvalSet.from_picks(documents, picks)
+
+
+def _test_set(candidates: list[Document], offsets: list[int], contaminated: np.ndarray, count: int,
+              shingle_bytes: int) -> tuple[EvalSet, dict]:
+    clean = [i for i, bad in enumerate(contaminated.tolist()) if not bad]
+    chosen = clean[:count]
+    if len(chosen) < count:
+        warnings.warn(f"test set: only {len(chosen)} of {count} clean documents", stacklevel=3)
+    stats = {
+        "documents": len(chosen),
+        "windows": len(chosen),
+        "window_position": "one window per document at a seeded uniform offset",
+        "screening": f"excluded candidates sharing any {shingle_bytes}-byte substring with a training document "
+                     "(64-bit polynomial hashes of every shingle)",
+        "candidates": len(candidates),
+        "excluded": int(contaminated.sum()),
+        "unused_clean_candidates": len(clean) - len(chosen),
+    }
+    return EvalSet.from_picks(candidates, [(i, offsets[i]) for i in chosen]), stats
+
+
+def _swap_into_place(work: Path, output: Path) -> None:
+    """Replace `output` by `work` with renames, so no reader ever sees a half-written folder."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    stale = output.parent / f".{output.name}.old-{os.getpid()}"
+    if output.exists():
+        os.replace(output, stale)
+    os.replace(work, output)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def _describe(corpus: CorpusConfig) -> str:
+    return "the demo corpus" if str(getattr(corpus.kind, "value", corpus.kind)) == "demo" else ", ".join(corpus.paths)

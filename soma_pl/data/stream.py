@@ -1,0 +1,123 @@
+"""The endless training stream: `[E, B, 1025] uint8` batches, row block e from expert e's shards.
+
+Each expert's stream reads its shards in a freshly shuffled order every pass, cuts each document
+into consecutive 1,025-byte windows from a random start, and mixes them through a shuffle buffer.
+Every consumer (DataLoader worker × DDP rank) reads a disjoint part of each expert's data: whole
+shards when there are enough of them, otherwise every consumer reads all shards and keeps every
+`consumers`-th document. The stream is a pure function of (seed, consumer layout), so a resumed run
+replays it and skips the batches already consumed (`skip_batches`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from soma_pl import WINDOW_BYTES
+from soma_pl.data.shards import iter_shard_documents
+from soma_pl.errors import DataError
+
+
+def consumer_slice(shards: Sequence[Path], consumer: int, consumers: int) -> tuple[list[Path], int, int]:
+    """The part of `shards` one consumer reads: `(shards, document stride, document offset)`.
+
+    With at least as many shards as consumers, shards are dealt out round-robin and every document
+    of them is kept (stride 1); with fewer, all shards are read and documents are dealt out.
+    """
+    if len(shards) >= consumers:
+        return list(shards[consumer::consumers]), 1, 0
+    return list(shards), consumers, consumer
+
+
+def document_windows(text: bytes, rng: np.random.Generator, window: int = WINDOW_BYTES) -> list[np.ndarray]:
+    """Consecutive non-overlapping windows of `text` from a random start in `[0, window)`."""
+    data = np.frombuffer(text, dtype=np.uint8)
+    spare = len(data) - window
+    if spare < 0:
+        return []
+    start = int(rng.integers(0, min(spare, window - 1) + 1))
+    return [data[offset : offset + window] for offset in range(start, len(data) - window + 1, window)]
+
+
+class ExpertWindows:
+    """One expert's endless window iterator for one consumer."""
+
+    def __init__(self, shards: Sequence[Path], consumer: int, consumers: int, buffer_size: int,
+                 rng: np.random.Generator):
+        if not shards:
+            raise DataError("an expert stream has no training shards")
+        self.shards, self.stride, self.offset = consumer_slice(shards, consumer, consumers)
+        self.buffer_size = max(1, buffer_size)
+        self.rng = rng
+        self.buffer: list[np.ndarray] = []
+        self._source = self._windows()
+
+    def _windows(self) -> Iterator[np.ndarray]:
+        while True:
+            produced = 0
+            for shard_index in self.rng.permutation(len(self.shards)).tolist():
+                for number, document in enumerate(iter_shard_documents(self.shards[shard_index])):
+                    if number % self.stride == self.offset:
+                        windows = document_windows(document.text, self.rng)
+                        produced += len(windows)
+                        yield from windows
+            if produced == 0:
+                raise DataError(f"no {WINDOW_BYTES}-byte window in shards {self.shards[0].parent}")
+
+    def take(self, count: int) -> np.ndarray:
+        """`count` windows drawn through the shuffle buffer: `[count, 1025] uint8`."""
+        rows = np.empty((count, WINDOW_BYTES), dtype=np.uint8)
+        for row in range(count):
+            while len(self.buffer) < self.buffer_size:
+                self.buffer.append(next(self._source))
+            pick = int(self.rng.integers(len(self.buffer)))
+            rows[row] = self.buffer[pick]
+            self.buffer[pick] = self.buffer[-1]
+            self.buffer.pop()
+        return rows
+
+
+class WindowStream(IterableDataset):
+    """Endless `[E, B, 1025] uint8` training batches for E experts (E = 1: monolithic).
+
+    Args:
+        shard_sets: per expert, its training shard paths.
+        batch_size: rows per expert per batch (B).
+        seed: the stream's seed; with the consumer layout it fixes every batch.
+        shuffle_buffer: windows held per expert for shuffling.
+        rank, world_size: this process's DDP rank and the number of ranks.
+        skip_batches: batches to skip from the start (a resumed run's consumed batches).
+    """
+
+    def __init__(self, shard_sets: Sequence[Sequence[Path]], batch_size: int, seed: int = 0,
+                 shuffle_buffer: int = 1024, rank: int = 0, world_size: int = 1, skip_batches: int = 0):
+        super().__init__()
+        self.shard_sets = [list(shards) for shards in shard_sets]
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+        self.rank = rank
+        self.world_size = world_size
+        self.skip_batches = skip_batches
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        consumer, consumers = self.rank * workers + worker, self.world_size * workers
+        experts = [
+            ExpertWindows(shards, consumer, consumers, self.shuffle_buffer,
+                          np.random.default_rng([self.seed, expert, consumer, consumers]))
+            for expert, shards in enumerate(self.shard_sets)
+        ]
+        # A DataLoader hands out its workers' batches round-robin: this worker makes batches
+        # worker, worker + workers, ... of the global sequence.
+        index = worker
+        while True:
+            batch = np.stack([expert.take(self.batch_size) for expert in experts])
+            if index >= self.skip_batches:
+                yield torch.from_numpy(batch)
+            index += workers

@@ -1,0 +1,286 @@
+"""E byte-level LSTM experts in one module, every weight carrying a leading expert dimension.
+
+Each expert (Table 2) is a tied byte embedding / output head of 256×d_E (d_E = 32), bias-free
+projections d_E→d_t→d_E when d_t ≠ d_E, and a body of four bias-free LSTM layers of width d_t, each
+behind an RMSNorm gain, with a final RMSNorm gain: 32·d_t² + 5·d_t body parameters. Layers are
+pre-norm residual (``x + LSTM(norm(x))``) so that a deep recurrent stack trains from a cold start.
+
+Zero-order training evaluates the loss at many perturbed copies of the weights. The functional
+entry points (:meth:`StackedExperts.forward_with`, :meth:`StackedExperts.loss_per_group`) take
+weights with a leading *group* dimension ``G`` (e.g. E experts × C perturbed copies, expert-major)
+and run all groups as one batched computation: a loop over time only, never over experts or
+directions. The same code runs under ``torch.no_grad()`` (ZO) and under autograd (BPTT).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from soma_pl import VOCAB_SIZE
+
+_NORM_EPS = 1e-6
+_LSTM_GATES = 4
+_EMBED_INIT_STD = 0.02
+"""Small tied embeddings make the initial logits near-uniform (loss ≈ ln 256); the pre-norm
+rescales the residual stream, so the body still sees unit-scale inputs."""
+
+
+class HeadMode(str, Enum):
+    """How the tied byte embedding / output head is held."""
+
+    PER_EXPERT = "per_expert"
+    """Each expert owns a trainable head: ``head`` is ``[E, 256, d_E]`` (Table 2, N ≤ 8)."""
+    SHARED = "shared"
+    """One head for all experts: ``head`` is ``[256, d_E]`` (N = 256, where the trainer freezes it)."""
+
+
+def _group_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weightᵀ`` per group. x: ``[G, ..., in]``; weight: ``[G, out, in]`` → ``[G, ..., out]``."""
+    flat = x.reshape(x.shape[0], -1, x.shape[-1])
+    return torch.bmm(flat, weight.transpose(1, 2)).reshape(*x.shape[:-1], weight.shape[1])
+
+
+def _rms_norm(x: Tensor, gain: Tensor) -> Tensor:
+    """RMSNorm over the last dim. x: ``[G, b, T, d]``; gain: ``[G, d]``."""
+    scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _NORM_EPS)
+    return x * scale * gain[:, None, None, :]
+
+
+def _embed(head: Tensor, tokens: Tensor) -> Tensor:
+    """Embedding lookup. head: ``[G, 256, d_E]`` or shared ``[256, d_E]``; tokens: ``[G, b, T]``."""
+    index = tokens.long()
+    if head.dim() == 2:
+        return head[index]
+    groups = torch.arange(head.shape[0], device=head.device)[:, None, None]
+    return head[groups, index]
+
+
+def _logits(head: Tensor, features: Tensor) -> Tensor:
+    """Tied output head. features: ``[G, b, T, d_E]`` → logits ``[G, b, T, 256]``."""
+    if head.dim() == 2:
+        return features @ head.t()
+    return _group_linear(features, head)
+
+
+def _lstm_chunk(
+    x: Tensor, w_ih: Tensor, w_hh: Tensor, state: tuple[Tensor, Tensor]
+) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """One bias-free LSTM layer over a chunk of time steps, all groups at once.
+
+    Args:
+        x: ``[G, b, Tc, d]`` normalised layer input.
+        w_ih: ``[G, 4d, d]`` input weights, gate rows ordered (input, forget, output, cell).
+        w_hh: ``[G, 4d, d]`` recurrent weights, same order.
+        state: ``(h, c)``, each ``[G, b, d]``.
+
+    Returns:
+        out: ``[G, b, Tc, d]`` hidden states; the final ``(h, c)``.
+    """
+    groups, batch, steps, width = x.shape
+    # Time-major input projections: one large GEMM for the chunk, then slice a contiguous [b, 4d]
+    # block per step instead of recomputing it inside the recurrence.
+    gates_in = _group_linear(x.transpose(1, 2), w_ih)
+    w_hh_t = w_hh.transpose(1, 2)
+    h, c = state
+    outputs = []
+    for t in range(steps):
+        gates = torch.baddbmm(gates_in[:, t], h, w_hh_t)
+        sig = torch.sigmoid(gates[..., : 3 * width])
+        cell = torch.tanh(gates[..., 3 * width :])
+        # New tensors each step (no in-place updates) so autograd can backpropagate through time.
+        c = torch.addcmul(sig[..., width : 2 * width] * c, sig[..., :width], cell)
+        h = sig[..., 2 * width :] * torch.tanh(c)
+        outputs.append(h)
+    return torch.stack(outputs, dim=2), (h, c)
+
+
+class StackedExperts(nn.Module):
+    """E byte-level LSTM language models whose weights carry a leading expert dimension.
+
+    Parameters (per expert shapes after the leading ``E``):
+        head: ``[256, d_E]`` tied embedding / output head (``[256, d_E]`` without ``E`` if shared);
+        in_proj: ``[d_t, d_E]`` and out_proj: ``[d_E, d_t]``, only when ``d_t ≠ d_E``;
+        norm_gains: ``[L + 1, d_t]`` (one RMSNorm gain before each layer, one final);
+        w_ih, w_hh: ``[L, 4·d_t, d_t]`` bias-free LSTM weights.
+
+    Args:
+        num_experts: E (Table 2: N).
+        width: body width d_t.
+        embed_dim: head width d_E.
+        num_layers: number of LSTM layers L.
+        head: per-expert or shared head.
+        time_chunk: time steps whose input projections and logits are held at once; bounds
+            activation memory at ``G·b·time_chunk·4·d_t`` floats.
+        device: where to allocate (``"meta"`` counts parameters without allocating).
+        dtype: parameter dtype.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        width: int,
+        embed_dim: int = 32,
+        num_layers: int = 4,
+        head: HeadMode = HeadMode.PER_EXPERT,
+        time_chunk: int = 64,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if min(num_experts, width, embed_dim, num_layers, time_chunk) < 1:
+            raise ValueError("num_experts, width, embed_dim, num_layers, time_chunk must be >= 1")
+        self.num_experts, self.width, self.embed_dim = num_experts, width, embed_dim
+        self.num_layers, self.head_mode, self.time_chunk = num_layers, HeadMode(head), time_chunk
+        make = {"device": device, "dtype": dtype}
+        experts = () if self.head_mode == HeadMode.SHARED else (num_experts,)
+        self.head = nn.Parameter(torch.empty(*experts, VOCAB_SIZE, embed_dim, **make))
+        self.has_projections = width != embed_dim
+        if self.has_projections:
+            self.in_proj = nn.Parameter(torch.empty(num_experts, width, embed_dim, **make))
+            self.out_proj = nn.Parameter(torch.empty(num_experts, embed_dim, width, **make))
+        self.norm_gains = nn.Parameter(torch.empty(num_experts, num_layers + 1, width, **make))
+        gates = _LSTM_GATES * width
+        self.w_ih = nn.Parameter(torch.empty(num_experts, num_layers, gates, width, **make))
+        self.w_hh = nn.Parameter(torch.empty(num_experts, num_layers, gates, width, **make))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """PyTorch's LSTM init (uniform ±1/√d_t), fan-in normal projections, unit gains."""
+        nn.init.normal_(self.head, std=_EMBED_INIT_STD)
+        bound = 1.0 / math.sqrt(self.width)
+        nn.init.uniform_(self.w_ih, -bound, bound)
+        nn.init.uniform_(self.w_hh, -bound, bound)
+        nn.init.ones_(self.norm_gains)
+        if self.has_projections:
+            nn.init.normal_(self.in_proj, std=1.0 / math.sqrt(self.embed_dim))
+            nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.width))
+
+    def head_parameter_names(self) -> tuple[str, ...]:
+        """Names of the tied embedding / output head parameters."""
+        return ("head",)
+
+    def body_parameter_names(self) -> tuple[str, ...]:
+        """Names of the body parameters (LSTM layers, norm gains, projections)."""
+        heads = self.head_parameter_names()
+        return tuple(name for name, _ in self.named_parameters() if name not in heads)
+
+    def is_shared(self, name: str) -> bool:
+        """Whether parameter ``name`` has no expert dimension (the shared head)."""
+        return name == "head" and self.head_mode == HeadMode.SHARED
+
+    def expert_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters with a leading expert dimension, ``[E, ...]``, in flat-vector order."""
+        return {n: p for n, p in self.named_parameters() if not self.is_shared(n)}
+
+    def expert_param_shapes(self) -> dict[str, torch.Size]:
+        """Per-expert shape (without ``E``) of each expert parameter, in flat-vector order."""
+        return {name: p.shape[1:] for name, p in self.expert_parameters().items()}
+
+    def flatten_experts(self) -> Tensor:
+        """Each expert's flat parameter vector. Returns ``[E, D]`` (a copy)."""
+        params = self.expert_parameters().values()
+        return torch.cat([p.detach().reshape(self.num_experts, -1) for p in params], dim=1)
+
+    @torch.no_grad()
+    def load_flat_experts(self, flat: Tensor) -> None:
+        """Inverse of :meth:`flatten_experts`. flat: ``[E, D]``."""
+        start = 0
+        for param in self.expert_parameters().values():
+            size = param[0].numel()
+            param.copy_(flat[:, start : start + size].reshape(param.shape))
+            start += size
+        if start != flat.shape[1]:
+            raise ValueError(f"flat vector has {flat.shape[1]} coordinates, experts have {start}")
+
+    def group_parameters(self, params: Mapping[str, Tensor], groups: int) -> dict[str, Tensor]:
+        """Complete ``params`` (``[G, ...]`` each) with this module's own weights.
+
+        A missing expert parameter is repeated expert-major over the ``G = E·C`` groups (group
+        ``g`` belongs to expert ``g // C``); the shared head is used as it is.
+        """
+        own = dict(self.named_parameters())
+        unknown = set(params) - set(own)
+        if unknown:
+            raise KeyError(f"unknown parameter names {sorted(unknown)}; expected {sorted(own)}")
+        if groups % self.num_experts:
+            raise ValueError(f"{groups} groups is not a multiple of {self.num_experts} experts")
+        copies = groups // self.num_experts
+        full = {}
+        for name, param in own.items():
+            if name in params:
+                full[name] = params[name]
+            elif self.is_shared(name):
+                full[name] = param
+            else:
+                full[name] = param.repeat_interleave(copies, dim=0)
+        return full
+
+    def _features(self, params: Mapping[str, Tensor], tokens: Tensor) -> Iterator[Tensor]:
+        """Final d_E-wide features per time chunk. tokens: ``[G, b, T]`` → yields ``[G, b, Tc, d_E]``."""
+        groups, batch, steps = tokens.shape
+        zeros = params["w_hh"].new_zeros(groups, batch, self.width)
+        states = [(zeros, zeros)] * self.num_layers
+        gains = params["norm_gains"]
+        for start in range(0, steps, self.time_chunk):
+            x = _embed(params["head"], tokens[:, :, start : start + self.time_chunk])
+            if self.has_projections:
+                x = _group_linear(x, params["in_proj"])
+            for layer in range(self.num_layers):
+                w_ih, w_hh = params["w_ih"][:, layer], params["w_hh"][:, layer]
+                out, states[layer] = _lstm_chunk(_rms_norm(x, gains[:, layer]), w_ih, w_hh, states[layer])
+                x = x + out
+            x = _rms_norm(x, gains[:, self.num_layers])
+            yield _group_linear(x, params["out_proj"]) if self.has_projections else x
+
+    def forward_with(self, params: Mapping[str, Tensor], tokens: Tensor) -> Tensor:
+        """Logits under the given weights.
+
+        Args:
+            params: name → ``[G, ...]`` weights (missing ones filled by :meth:`group_parameters`).
+            tokens: ``[G, b, T]`` uint8 or long bytes.
+
+        Returns:
+            logits: ``[G, b, T, 256]``.
+        """
+        full = self.group_parameters(params, tokens.shape[0])
+        chunks = [_logits(full["head"], y) for y in self._features(full, tokens)]
+        return torch.cat(chunks, dim=2)
+
+    def loss_per_group(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0) -> Tensor:
+        """Mean next-byte cross entropy (nats) per group, without keeping all logits.
+
+        Args:
+            params: name → ``[G, ...]`` weights (missing ones filled by :meth:`group_parameters`).
+            tokens: ``[G, b, T]`` uint8 or long; inputs ``tokens[..., :-1]``, targets ``tokens[..., 1:]``.
+            score_from: first target position scored (evaluation: 256 of a 1,025-byte window).
+
+        Returns:
+            loss: ``[G]``.
+        """
+        groups, batch, steps = tokens.shape
+        if not 0 <= score_from < steps - 1:
+            raise ValueError(f"score_from={score_from} leaves no targets in {steps} bytes")
+        full = self.group_parameters(params, groups)
+        total = tokens.new_zeros(groups, dtype=full["w_hh"].dtype)
+        start = 0
+        for features in self._features(full, tokens[..., :-1]):
+            stop = start + features.shape[2]
+            first = max(score_from, start)
+            if first < stop:
+                logits = _logits(full["head"], features[:, :, first - start :])
+                targets = tokens[:, :, first + 1 : stop + 1].long()
+                nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="none")
+                total = total + nll.view(groups, -1).sum(1)
+            start = stop
+        return total / (batch * (steps - 1 - score_from))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits of each expert on its own bytes. tokens: ``[E, b, T]`` → ``[E, b, T, 256]``."""
+        return self.forward_with({}, tokens)
