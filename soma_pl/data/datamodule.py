@@ -7,44 +7,17 @@ index [b])` from the prepared ensemble-validation and test sets.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
 from torch.utils.data import DataLoader
 
 from soma_pl.data.evalsets import EvalDataset, EvalSet
+from soma_pl.data.experts import read_expert_shards
 from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
 from soma_pl.data.shards import ShardRecord, Verify, verify_shards
 from soma_pl.data.stream import WindowStream
 from soma_pl.errors import DataError
-
-EXPERTS_MANIFEST = "experts.json"
-
-
-@dataclass
-class ExpertShards:
-    """One expert's shards as `experts.json` records them (paths relative to the experts folder)."""
-
-    train: list[ShardRecord] = field(default_factory=list)
-    val: list[ShardRecord] = field(default_factory=list)
-
-
-def read_expert_shards(folder: Path) -> list[ExpertShards]:
-    """The per-expert shard records of a sharded dataset folder (`experts.json`)."""
-    path = Path(folder) / EXPERTS_MANIFEST
-    try:
-        payload = json.loads(path.read_text())
-        return [
-            ExpertShards([ShardRecord(**r) for r in e["train"]], [ShardRecord(**r) for r in e.get("val", [])])
-            for e in payload["experts"]
-        ]
-    except FileNotFoundError as error:
-        raise DataError(f"not a sharded dataset (no {EXPERTS_MANIFEST}): {folder}") from error
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DataError(f"unreadable {path}: {error}") from error
-
 
 class ByteDataModule(L.LightningDataModule):
     """Byte-level windows for ZO and BPTT training.

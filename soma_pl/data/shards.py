@@ -63,7 +63,8 @@ class ShardWriter:
         self.folder = folder
         self.prefix = prefix
         self._writer = wds.ShardWriter(
-            str(folder / f"{prefix}-%06d.tar"), maxsize=max_bytes, maxcount=max_documents, verbose=0
+            str(folder / f"{prefix}-%06d.tar"), maxsize=max_bytes, maxcount=max_documents, verbose=0,
+            mtime=0.0,  # fixed member times: the same documents give byte-identical shards
         )
         self._counts: dict[str, int] = {}
         self._next_key = 0

@@ -107,15 +107,17 @@ class WindowStream(IterableDataset):
     def __iter__(self) -> Iterator[torch.Tensor]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        consumer, consumers = self.rank * workers + worker, self.world_size * workers
+        # A DataLoader takes batches from its workers round-robin starting at worker 0, so global
+        # batch i comes from the worker playing role i % workers. Rotating roles by the skip makes
+        # worker 0 play the role that owns batch `skip_batches`, the first one a resumed run needs.
+        role = (worker + self.skip_batches) % workers
+        consumer, consumers = self.rank * workers + role, self.world_size * workers
         experts = [
             ExpertWindows(shards, consumer, consumers, self.shuffle_buffer,
                           np.random.default_rng([self.seed, expert, consumer, consumers]))
             for expert, shards in enumerate(self.shard_sets)
         ]
-        # A DataLoader hands out its workers' batches round-robin: this worker makes batches
-        # worker, worker + workers, ... of the global sequence.
-        index = worker
+        index = role
         while True:
             batch = np.stack([expert.take(self.batch_size) for expert in experts])
             if index >= self.skip_batches:

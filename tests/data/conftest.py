@@ -1,10 +1,7 @@
-"""Small generated corpora whose every window names the document it came from."""
+"""Fixtures: a small generated JSONL corpus and a prepare config for it."""
 
 from __future__ import annotations
 
-import json
-import random
-import re
 from pathlib import Path
 
 import pytest
@@ -12,40 +9,7 @@ import pytest
 from soma_pl.data.prepare import PrepareConfig
 from soma_pl.data.readers import CorpusConfig
 
-WORDS = "river stone maple quartz lantern harbor cedar violet ember meadow falcon copper tundra orchid".split()
-MARKER = re.compile(rb"<([a-z]+):(\d{5})>")
-
-
-def synthetic_text(source: str, number: int, words: int, rng: random.Random) -> str:
-    """A document whose marker `<source:number>` recurs every ~10 words, so any window names it."""
-    parts = []
-    for i in range(words):
-        if i % 10 == 0:
-            parts.append(f"<{source}:{number:05d}>")
-        parts.append(f"{rng.choice(WORDS)}{rng.randint(0, 99)}")
-    return " ".join(parts)
-
-
-def window_owner(window: bytes) -> tuple[str, int]:
-    """The (source, number) a window was cut from, read off its markers (all must agree)."""
-    owners = {(m.group(1).decode(), int(m.group(2))) for m in MARKER.finditer(window)}
-    assert len(owners) == 1, f"window spans {owners}"
-    return owners.pop()
-
-
-def write_jsonl_corpus(folder: Path, sources: dict[str, int], seed: int = 0, min_words: int = 60,
-                       max_words: int = 900) -> dict[str, str]:
-    """One JSONL file per source with `sources[name]` documents; returns marker key -> text."""
-    rng = random.Random(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    texts = {}
-    for source, count in sources.items():
-        with open(folder / f"{source}.jsonl", "w") as handle:
-            for number in range(count):
-                text = synthetic_text(source, number, rng.randint(min_words, max_words), rng)
-                texts[f"{source}:{number:05d}"] = text
-                handle.write(json.dumps({"text": text, "id": number}) + "\n")
-    return texts
+from .corpora import write_jsonl_corpus
 
 
 @pytest.fixture

@@ -1,0 +1,233 @@
+"""Central-difference SPSA gradient estimates for E experts, all ± evaluations batched.
+
+Paper symbols and their names here:
+    ε       ``SPSAConfig.eps``        perturbation step;
+    n_pert  ``SPSAConfig.n_pert``     directions per micro-batch (Fig. 7: 64);
+    B       ``batch.shape[1]``        effective batch, accumulated as ``B / micro_batch``
+                                      micro-batches of ``SPSAConfig.micro_batch`` (64) windows, each
+                                      with its own n_pert directions (Fig. 7 caption);
+    N       ``E = batch.shape[0]``    experts, each estimated from its own loss (FSO) unless
+                                      ``SPSAConfig.loss_grouping`` > 1 joins them (Fig. 11).
+
+For expert e the estimate is ``ĝ_e = 1/(M·n_pert) Σ_{m,k} δ_ek · z_ek`` with
+``δ_ek = (L(θ + ε z_k) − L(θ − ε z_k)) / 2ε`` on micro-batch m, where L is the expert's own loss or,
+with grouping, the SUM of its group's losses. The sum (not the mean) keeps ``E[ĝ_e] = ∇L_e``: the
+other experts' losses do not depend on θ_e, so grouping adds variance but no bias or rescaling.
+Direction ``k`` of micro-batch ``m`` has direction index ``m·n_pert + k``.
+
+The loss function sees weights with a leading group dimension ``G = E·2K`` laid out expert-major,
+``[E, 2 (±), K]``, so that one call evaluates K directions of every expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from soma_pl.estimators.directions import DirectionKind, direction_keys, directions_from_keys
+
+LossFn = Callable[[Mapping[str, Tensor], Tensor], Tensor]
+"""``loss_fn(params, tokens) -> [G]``: params name → ``[G, ...]``, tokens ``[G, b, T]``."""
+
+
+@dataclass(frozen=True)
+class SPSAConfig:
+    """Settings of one SPSA estimate."""
+
+    eps: float = 1e-3
+    """ε: perturbation step."""
+    n_pert: int = 64
+    """n_pert: directions per micro-batch."""
+    micro_batch: int = 64
+    """Windows per micro-batch; the batch size B must be a multiple of it."""
+    direction: DirectionKind = DirectionKind.RADEMACHER
+    """Distribution of the direction entries."""
+    loss_grouping: int = 1
+    """Experts per joint loss: 1 = one loss per expert (SOMA's FSO); K > 1 = consecutive groups of
+    K experts share the summed loss difference."""
+    max_rows: int | None = None
+    """Most windows one loss call may evaluate (``E · 2K · micro_batch`` for K directions); directions
+    are split into chunks to respect it (at least one direction per chunk). None: all at once."""
+
+    def __post_init__(self) -> None:
+        if self.eps <= 0 or self.n_pert < 1 or self.micro_batch < 1 or self.loss_grouping < 1:
+            raise ValueError(f"invalid SPSA settings {self}")
+
+
+@dataclass
+class SPSAResult:
+    """One SPSA estimate."""
+
+    gradient: dict[str, Tensor]
+    """Estimate ĝ, name → tensor shaped like the parameter ``[E, ...]``."""
+    loss: Tensor
+    """``[E]`` mean of L+ and L− over all directions and micro-batches."""
+    projected: Tensor
+    """``[E, M·n_pert]`` the δ that multiplied each direction (group sums when grouped)."""
+    expert_projected: Tensor
+    """``[E, M·n_pert]`` each expert's own δ; regroup it with :func:`group_sums`."""
+
+
+def group_sums(values: Tensor, group_size: int) -> Tensor:
+    """Give every expert the sum over its group of consecutive experts.
+
+    Args:
+        values: ``[E, K]`` per-expert loss differences; E must be a multiple of group_size.
+        group_size: experts per joint loss.
+
+    Returns:
+        ``[E, K]``.
+    """
+    experts = values.shape[0]
+    if experts % group_size:
+        raise ValueError(f"{experts} experts cannot form groups of {group_size}")
+    grouped = values.reshape(experts // group_size, group_size, -1).sum(1, keepdim=True)
+    return grouped.expand(-1, group_size, -1).reshape(values.shape)
+
+
+def _layout(params: Mapping[str, Tensor]) -> dict[str, int]:
+    """Flat offset of each parameter within an expert's vector (dict order)."""
+    offsets, start = {}, 0
+    for name, param in params.items():
+        offsets[name] = start
+        start += param[0].numel()
+    return offsets
+
+
+def _chunk_size(config: SPSAConfig, experts: int) -> int:
+    if config.max_rows is None:
+        return config.n_pert
+    per_direction = experts * 2 * config.micro_batch
+    return max(1, min(config.n_pert, config.max_rows // per_direction))
+
+
+def _direction_chunks(total: int, chunk: int, start: int = 0) -> Iterator[Tensor]:
+    """Direction indices ``start .. start+total-1`` in chunks of at most ``chunk``."""
+    for first in range(start, start + total, chunk):
+        yield torch.arange(first, min(first + chunk, start + total))
+
+
+def _generate(params: Mapping[str, Tensor], kind: DirectionKind, keys: Tensor) -> dict[str, Tensor]:
+    """Directions for every parameter. keys: ``[E, K]`` → name → ``[E, K, *shape]``."""
+    offsets = _layout(params)
+    out = {}
+    for name, param in params.items():
+        z = directions_from_keys(kind, keys, offsets[name], param[0].numel(), param.dtype)
+        out[name] = z.view(*keys.shape, *param.shape[1:])
+    return out
+
+
+def _accumulate(gradient: dict[str, Tensor], coefficients: Tensor, z: Mapping[str, Tensor]) -> None:
+    """``gradient[e] += Σ_k coefficients[e, k] · z[e, k]``. coefficients: ``[E, K]``."""
+    for name, grad in gradient.items():
+        flat = z[name].reshape(*coefficients.shape, -1)
+        step = torch.bmm(coefficients.to(flat.dtype)[:, None, :], flat)
+        grad += step.view(grad.shape)
+
+
+def _evaluate_pairs(
+    loss_fn: LossFn, params: Mapping[str, Tensor], z: Mapping[str, Tensor], tokens: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Losses at θ ± ε·z for K directions of every expert in one call.
+
+    Args:
+        params: name → ``[E, ...]``; z: name → ``[E, K, ...]``; tokens: ``[E, b, T]``.
+
+    Returns:
+        ``(L+ − L−) / 2ε`` and ``(L+ + L−) / 2``, each ``[E, K]``.
+    """
+    experts, count = next(iter(z.values())).shape[:2]
+    perturbed = {}
+    for name, param in params.items():
+        both = param.new_empty(experts, 2, count, *param.shape[1:])
+        torch.add(param[:, None], z[name], alpha=eps, out=both[:, 0])
+        torch.sub(param[:, None], z[name], alpha=eps, out=both[:, 1])
+        perturbed[name] = both.view(experts * 2 * count, *param.shape[1:])
+    rows = tokens[:, None].expand(experts, 2 * count, *tokens.shape[1:]).reshape(-1, *tokens.shape[1:])
+    losses = loss_fn(perturbed, rows).view(experts, 2, count)
+    return (losses[:, 0] - losses[:, 1]) / (2 * eps), losses.mean(1)
+
+
+@torch.no_grad()
+def spsa_estimate(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Tensor,
+    config: SPSAConfig,
+    step: int,
+    seed: int,
+    expert_ids: Tensor | None = None,
+) -> SPSAResult:
+    """SPSA estimate of every expert's gradient from its (or its group's) loss differences.
+
+    Args:
+        loss_fn: ``(params [G, ...], tokens [G, b, T]) -> [G]`` losses.
+        params: name → ``[E, ...]`` the perturbed (trainable) weights; frozen ones stay in loss_fn.
+        batch: ``[E, B, T]`` each expert's windows.
+        config: ε, n_pert, micro-batch, direction kind, grouping, chunking.
+        step: update counter; seed: run seed (directions are regenerated from both).
+        expert_ids: ``[E]`` global expert indices for the direction keys (default ``0..E-1``).
+
+    Returns:
+        The estimate, per-expert losses and projected gradients.
+    """
+    experts, windows = batch.shape[:2]
+    micro_batches, leftover = divmod(windows, config.micro_batch)
+    if leftover or not micro_batches:
+        raise ValueError(f"batch of {windows} is not a multiple of micro_batch={config.micro_batch}")
+    device = batch.device
+    ids = torch.arange(experts, device=device) if expert_ids is None else expert_ids.to(device)
+    gradient = {name: torch.zeros_like(param) for name, param in params.items()}
+    projected, own, losses = [], [], []
+    for m in range(micro_batches):
+        tokens = batch[:, m * config.micro_batch : (m + 1) * config.micro_batch]
+        for dirs in _direction_chunks(config.n_pert, _chunk_size(config, experts), m * config.n_pert):
+            z = _generate(params, config.direction, direction_keys(seed, step, ids, dirs.to(device)))
+            delta, mean_loss = _evaluate_pairs(loss_fn, params, z, tokens, config.eps)
+            coefficients = group_sums(delta, config.loss_grouping)
+            _accumulate(gradient, coefficients, z)
+            projected.append(coefficients)
+            own.append(delta)
+            losses.append(mean_loss)
+    total = micro_batches * config.n_pert
+    for grad in gradient.values():
+        grad /= total
+    return SPSAResult(gradient, torch.cat(losses, 1).mean(1), torch.cat(projected, 1), torch.cat(own, 1))
+
+
+@torch.no_grad()
+def assemble_estimate(
+    params: Mapping[str, Tensor],
+    projected: Tensor,
+    config: SPSAConfig,
+    step: int,
+    seed: int,
+    expert_ids: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Rebuild ``ĝ_e = mean_k projected[e, k] · z_ek`` by regenerating the directions.
+
+    Lets an analysis regroup the same forward evaluations (Fig. 11): pass
+    ``group_sums(result.expert_projected, K)`` to get the joint-loss estimate for groups of K.
+
+    Args:
+        params: name → ``[E, ...]`` (only shapes, dtypes and devices are read).
+        projected: ``[E, M·n_pert]`` coefficients, direction index = column.
+        config: the direction kind and chunking of the original estimate.
+        step, seed, expert_ids: as in :func:`spsa_estimate`.
+
+    Returns:
+        name → ``[E, ...]``.
+    """
+    experts, total = projected.shape
+    device = projected.device
+    ids = torch.arange(experts, device=device) if expert_ids is None else expert_ids.to(device)
+    gradient = {name: torch.zeros_like(param) for name, param in params.items()}
+    for dirs in _direction_chunks(total, _chunk_size(config, experts)):
+        z = _generate(params, config.direction, direction_keys(seed, step, ids, dirs.to(device)))
+        _accumulate(gradient, projected[:, dirs.to(device)], z)
+    for grad in gradient.values():
+        grad /= total
+    return gradient

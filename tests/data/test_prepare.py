@@ -1,0 +1,208 @@
+"""prepare: held-out sets, overlap screen, shards, manifest, determinism, atomicity."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from soma_pl import WINDOW_BYTES
+from soma_pl.data.evalsets import EvalSet
+from soma_pl.data.heldout import OverlapScreen, shingle_hashes, validation_windows
+from soma_pl.data.documents import Document
+from soma_pl.data.prepare import prepare, read_manifest
+from soma_pl.data.readers import CorpusConfig, iter_corpus
+from soma_pl.data.shards import ShardRecord, iter_shard_documents, verify_shards
+from soma_pl.errors import DataError
+
+from .corpora import window_owner, write_jsonl_corpus
+
+
+def training_documents(folder: Path) -> list[Document]:
+    manifest = read_manifest(folder)
+    return [d for s in manifest["train"]["shards"] for d in iter_shard_documents(folder / s["path"])]
+
+
+def test_prepared_folder_is_consistent(small_config, jsonl_corpus):
+    _, texts = jsonl_corpus
+    with pytest.warns(UserWarning, match="shorter than 1025 bytes"):
+        folder = prepare(small_config, progress=False)
+    manifest = read_manifest(folder)
+    train = training_documents(folder)
+    val = EvalSet.load(folder / "ensemble_val.npz")
+    test = EvalSet.load(folder / "test.npz")
+    short = sum(len(t.encode()) < WINDOW_BYTES for t in texts.values())
+    assert sum(manifest["skipped_short_documents"].values()) == short
+    held = set(val.doc_ids) | set(test.doc_ids)
+    assert not held & {d.doc_id for d in train}, "held-out documents leaked into training shards"
+    assert manifest["train"]["documents"] == len(train) == len(texts) - short - 6 - manifest["test"]["candidates"]
+    assert manifest["train"]["bytes"] == sum(len(d.text) for d in train)
+    assert (len(val), len(set(val.doc_ids))) == (20, 6)
+    assert len(test) == 12 and len(set(test.doc_ids)) == 12
+    assert len(manifest["train"]["shards"]) >= 3
+    by_id = {f"{d.source}:{d.doc_id}": d for d in iter_corpus(small_config.corpus)}
+    for evalset in (val, test):
+        for window, doc_id, source, offset in zip(evalset.windows, evalset.doc_ids, evalset.sources, evalset.offsets):
+            document = by_id[f"{source}:{doc_id}"].text
+            assert window.tobytes() == document[offset : offset + WINDOW_BYTES]
+
+
+def test_shards_open_with_stock_webdataset_and_tar(small_config):
+    folder = prepare(small_config, progress=False)
+    manifest = read_manifest(folder)
+    first = folder / manifest["train"]["shards"][0]["path"]
+    names = subprocess.run(["tar", "-tf", str(first)], capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(names[:2]) == ["000000000.json", "000000000.txt"]
+    samples = list(wds.WebDataset(str(first), shardshuffle=False))
+    assert len(samples) == manifest["train"]["shards"][0]["documents"] == len(names) // 2
+    assert json.loads(samples[0]["json"])["source"].endswith(".jsonl")
+
+
+def _shingles(data: bytes, size: int) -> set[bytes]:
+    return {data[i : i + size] for i in range(len(data) - size + 1)}
+
+
+def test_test_windows_share_no_shingle_with_training(tmp_path, small_config):
+    # Half the documents reappear with a new opening: their originals must be excluded from test.
+    folder = tmp_path / "corpus"
+    texts = write_jsonl_corpus(folder, {"alpha": 60, "beta": 60}, min_words=150, max_words=400)
+    with open(folder / "copies.jsonl", "w") as handle:
+        for key, text in list(texts.items())[::2]:
+            handle.write(json.dumps({"text": f"a fresh opening for {key}. " + text[40:]}) + "\n")
+    config = replace(small_config, corpus=CorpusConfig(kind="jsonl", paths=[str(folder)]), test_oversample=3.0)
+    output = prepare(config, progress=False)
+    manifest = read_manifest(output)
+    train_shingles = set().union(*(_shingles(d.text, 50) for d in training_documents(output)))
+    test = EvalSet.load(output / "test.npz")
+    assert all(not _shingles(w.tobytes(), 50) & train_shingles for w in test.windows)
+    assert manifest["test"]["excluded"] > 0
+    assert manifest["test"]["documents"] == 12
+
+
+def test_overlap_screen_threshold_is_exact():
+    rng = np.random.default_rng(0)
+    window = rng.integers(128, 256, 300, dtype=np.uint8).tobytes()  # no byte in common with the ASCII around it
+    screen = OverlapScreen([window, window[::-1]], shingle_bytes=50)
+    screen.screen(b"unrelated" + window[100:149] + b"prefix")  # 49 shared bytes: not enough
+    assert screen.contaminated.tolist() == [False, False]
+    screen.screen(b"unrelated" + window[100:150] + b"prefix")  # 50 shared bytes
+    assert screen.contaminated.tolist() == [True, False]
+    assert len(shingle_hashes(window, 50)) == 251
+
+
+def test_validation_windows_round_robin():
+    documents = [Document(b"a" * 3 * WINDOW_BYTES, "s", "d0"), Document(b"b" * WINDOW_BYTES, "s", "d1")]
+    assert validation_windows(documents, 3, WINDOW_BYTES) == [(0, 0), (1, 0), (0, WINDOW_BYTES)]
+
+
+def test_deterministic_for_a_seed(small_config, tmp_path):
+    first = prepare(small_config, progress=False)
+    second = prepare(replace(small_config, output_dir=str(tmp_path / "again")), progress=False)
+    other_seed = prepare(replace(small_config, output_dir=str(tmp_path / "seed1"), seed=1), progress=False)
+    shas = [[s["sha256"] for s in read_manifest(f)["train"]["shards"]] for f in (first, second, other_seed)]
+    assert shas[0] == shas[1] and shas[0] != shas[2]
+    for name in ("ensemble_val.npz", "test.npz"):
+        a, b, c = (EvalSet.load(f / name) for f in (first, second, other_seed))
+        assert np.array_equal(a.windows, b.windows) and list(a.doc_ids) == list(b.doc_ids)
+        assert list(a.doc_ids) != list(c.doc_ids)
+
+
+def test_identical_rerun_is_a_noop_and_a_change_rebuilds(small_config):
+    folder = prepare(small_config, progress=False)
+    stamp = (folder / "manifest.json").stat().st_mtime_ns
+    prepare(small_config, progress=False)
+    assert (folder / "manifest.json").stat().st_mtime_ns == stamp
+    changed = replace(small_config, val_windows=10)
+    with pytest.warns(UserWarning, match="rebuilding"):
+        prepare(changed, progress=False)
+    assert read_manifest(folder)["ensemble_val"]["windows"] == 10
+    assert read_manifest(folder)["fingerprint"] == changed.fingerprint() != small_config.fingerprint()
+
+
+def test_failure_mid_write_leaves_nothing_valid(small_config, monkeypatch):
+    from soma_pl.data.shards import ShardWriter
+
+    calls = {"n": 0}
+    original = ShardWriter.write
+
+    def failing_write(self, document):
+        calls["n"] += 1
+        if calls["n"] == 40:
+            raise KeyboardInterrupt
+        original(self, document)
+
+    monkeypatch.setattr(ShardWriter, "write", failing_write)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(small_config, progress=False)
+    output = Path(small_config.output_dir)
+    assert not output.exists()
+    assert not list(output.parent.glob(f".{output.name}.tmp-*"))
+
+
+def test_killed_prepare_leaves_nothing_that_reads_as_valid(tmp_path):
+    write_jsonl_corpus(tmp_path / "corpus", {"alpha": 3000}, min_words=200, max_words=600)
+    output = tmp_path / "prepared"
+    command = [sys.executable, "-m", "soma_pl.cli", "prepare", "--progress", "false",
+               "--dataset.corpus.kind", "jsonl", f"--dataset.corpus.paths=[{tmp_path / 'corpus'}]",
+               f"--dataset.output_dir={output}", "--dataset.val_documents=4", "--dataset.val_windows=8",
+               "--dataset.test_windows=4", "--dataset.shard_max_bytes=100000"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".prepared.tmp-*/train/*.tar")) and time.monotonic() < deadline:
+        assert process.poll() is None, "prepare finished before it could be killed"
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not output.exists()
+    with pytest.raises(DataError, match="not a prepared dataset"):
+        read_manifest(output)
+
+
+def test_truncated_shard_is_never_read_as_valid(small_config):
+    folder = prepare(small_config, progress=False)
+    records = [ShardRecord(**s) for s in read_manifest(folder)["train"]["shards"]]
+    path = folder / records[0].path
+    data = path.read_bytes()
+    # Cut inside the end-of-archive padding: tar still parses it as a complete, valid archive.
+    path.write_bytes(data[:-1024])
+    with tarfile.open(path) as archive:
+        assert len(archive.getnames()) == 2 * records[0].documents
+    with pytest.raises(DataError, match=f"truncated or altered shard .*{path.name}"):
+        verify_shards(folder, records)
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=f"corrupt shard .*{path.name}"):
+        list(iter_shard_documents(path))
+    path.write_bytes(data[:-1] + b"x")
+    with pytest.raises(DataError, match="sha256 differs"):
+        verify_shards(folder, records, "sha256")
+
+
+def test_empty_corpus_and_too_small_corpus(tmp_path, small_config):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.jsonl").write_text("")
+    with pytest.raises(DataError, match="empty corpus"):
+        prepare(replace(small_config, corpus=CorpusConfig(kind="jsonl", paths=[str(tmp_path / "empty")])))
+    with pytest.raises(DataError, match="corpus too small"):
+        prepare(replace(small_config, test_windows=500), progress=False)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--dataset.corpus.kind", "jsonl", "--dataset.corpus.paths=[/no/such/corpus]"], "corpus path not found: /no/such/corpus"),
+    (["--dataset.bogus_key", "1"], "bogus_key"),
+])
+def test_cli_bad_input_exits_nonzero_with_a_clear_line(tmp_path, arguments, message):
+    result = subprocess.run([sys.executable, "-m", "soma_pl.cli", "prepare", "--progress", "false",
+                             f"--dataset.output_dir={tmp_path / 'out'}", *arguments],
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert message in result.stderr.strip().splitlines()[-1]
