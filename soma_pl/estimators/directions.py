@@ -9,7 +9,9 @@ bits. Rademacher entries are therefore identical across devices; Gaussian entrie
 
 Coordinates are numbered within one expert's flat parameter vector: a parameter tensor that starts
 at flat offset ``o`` asks for coordinates ``o .. o + numel - 1`` of the same stream, so splitting
-the vector into tensors (or chunks) never changes the direction.
+the vector into tensors (or chunks) never changes the direction. A Rademacher coordinate ``j`` is
+bit ``j mod 64`` of stream word ``j div 64`` (one hash serves 64 coordinates); Gaussian coordinates
+``2w`` and ``2w + 1`` are the two Box-Muller outputs of word ``w``.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _mix64_(x: Tensor) -> Tensor:
 
 
 def _mix64_int(x: int) -> int:
-    """``_mix64`` on a Python int (the scalar counters are folded in exactly, before any tensor)."""
+    """``_mix64_`` on a Python int (seed and step are folded in exactly, before any tensor)."""
     x &= _MASK64
     x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
     x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
@@ -72,7 +74,7 @@ def _mix64_int(x: int) -> int:
 
 
 def direction_keys(seed: int, step: int, experts: Tensor, dirs: Tensor) -> Tensor:
-    """Stream keys of the directions ``(seed, step, e, k)`` for every ``e`` in experts, ``k`` in dirs.
+    """Stream keys of the directions ``(seed, step, e, k)`` for all ``e`` in experts, ``k`` in dirs.
 
     Args:
         seed: run seed.
@@ -86,10 +88,9 @@ def direction_keys(seed: int, step: int, experts: Tensor, dirs: Tensor) -> Tenso
     scalar = _GOLDEN
     for word in (seed, step):
         scalar = _mix64_int((scalar ^ (word & _MASK64)) + _GOLDEN)
-    device = experts.device
     golden = _as_signed(_GOLDEN)
-    by_expert = _mix64_((experts.to(device, torch.int64) ^ _as_signed(scalar)) + golden)
-    by_dir = (by_expert[:, None] ^ dirs.to(device, torch.int64)[None, :]) + golden
+    by_expert = _mix64_((experts.to(torch.int64) ^ _as_signed(scalar)) + golden)
+    by_dir = (by_expert[:, None] ^ dirs.to(experts.device, torch.int64)[None, :]) + golden
     return _mix64_(by_dir)
 
 
@@ -110,8 +111,7 @@ def stream_words(keys: Tensor, first: int, count: int) -> Tensor:
 
 
 def _rademacher(keys: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
-    # Coordinate j is bit (j mod 64) of word (j div 64): one hash serves 64 coordinates. The byte
-    # view is little-endian on every device torch supports, so bit b of byte i is bit 8i+b.
+    # The byte view is little-endian on every device torch supports: bit b of byte i is bit 8i+b.
     first, skip = divmod(offset, 64)
     count = (skip + numel + 63) // 64
     words = stream_words(keys, first, count)
@@ -122,7 +122,6 @@ def _rademacher(keys: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Te
 
 
 def _gaussian(keys: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
-    # Coordinates 2w and 2w+1 are the cosine and sine halves of one Box-Muller pair from word w.
     first, skip = divmod(offset, 2)
     count = (skip + numel + 1) // 2
     words = stream_words(keys, first, count)
@@ -131,10 +130,13 @@ def _gaussian(keys: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tens
     low_mask = (1 << _UNIFORM_BITS) - 1
     # u1 in (0, 1] keeps log finite; u2 in [0, 1) is the angle.
     u1 = (_shift_right(words, 64 - _UNIFORM_BITS).to(work) + 1.0) * scale
-    angle = (_shift_right(words, 64 - 2 * _UNIFORM_BITS) & low_mask).to(work) * (2.0 * torch.pi * scale)
+    angle = (_shift_right(words, 64 - 2 * _UNIFORM_BITS) & low_mask).to(work)
+    angle *= 2.0 * torch.pi * scale
     del words
     radius = torch.sqrt(u1.log_().mul_(-2.0))
-    pairs = torch.stack((radius * torch.cos(angle), radius.mul_(torch.sin(angle))), dim=-1)
+    cosine = radius * torch.cos(angle)
+    sine = radius.mul_(torch.sin(angle))
+    pairs = torch.stack((cosine, sine), dim=-1)
     return pairs.reshape(*keys.shape, count * 2)[..., skip : skip + numel].to(dtype)
 
 

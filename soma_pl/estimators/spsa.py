@@ -49,8 +49,10 @@ class SPSAConfig:
     """Experts per joint loss: 1 = one loss per expert (SOMA's FSO); K > 1 = consecutive groups of
     K experts share the summed loss difference."""
     max_rows: int | None = None
-    """Most windows one loss call may evaluate (``E · 2K · micro_batch`` for K directions); directions
-    are split into chunks to respect it (at least one direction per chunk). None: all at once."""
+    """Most windows one loss call may evaluate (``E · 2K · micro_batch`` for K directions). The
+    directions are split into chunks to respect it, at least one direction per chunk; None: all
+    n_pert at once. Besides bounding memory, on CPU chunks whose perturbed weights fit in the
+    last-level cache run faster (d_t = 181: 8 directions per call ≈ 2× faster than 64)."""
 
     def __post_init__(self) -> None:
         if self.eps <= 0 or self.n_pert < 1 or self.micro_batch < 1 or self.loss_grouping < 1:
@@ -110,8 +112,16 @@ def _direction_chunks(total: int, chunk: int, start: int = 0) -> Iterator[Tensor
         yield torch.arange(first, min(first + chunk, start + total))
 
 
-def _generate(params: Mapping[str, Tensor], kind: DirectionKind, keys: Tensor) -> dict[str, Tensor]:
-    """Directions for every parameter. keys: ``[E, K]`` → name → ``[E, K, *shape]``."""
+def _generate(
+    params: Mapping[str, Tensor],
+    kind: DirectionKind,
+    seed: int,
+    step: int,
+    ids: Tensor,
+    dirs: Tensor,
+) -> dict[str, Tensor]:
+    """Directions of experts ids ``[E]``, indices dirs ``[K]``: name → ``[E, K, *shape]``."""
+    keys = direction_keys(seed, step, ids, dirs.to(ids.device))
     offsets = _layout(params)
     out = {}
     for name, param in params.items():
@@ -124,12 +134,16 @@ def _accumulate(gradient: dict[str, Tensor], coefficients: Tensor, z: Mapping[st
     """``gradient[e] += Σ_k coefficients[e, k] · z[e, k]``. coefficients: ``[E, K]``."""
     for name, grad in gradient.items():
         flat = z[name].reshape(*coefficients.shape, -1)
-        step = torch.bmm(coefficients.to(flat.dtype)[:, None, :], flat)
-        grad += step.view(grad.shape)
+        update = torch.bmm(coefficients.to(flat.dtype)[:, None, :], flat)
+        grad += update.view(grad.shape)
 
 
 def _evaluate_pairs(
-    loss_fn: LossFn, params: Mapping[str, Tensor], z: Mapping[str, Tensor], tokens: Tensor, eps: float
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    z: Mapping[str, Tensor],
+    tokens: Tensor,
+    eps: float,
 ) -> tuple[Tensor, Tensor]:
     """Losses at θ ± ε·z for K directions of every expert in one call.
 
@@ -146,7 +160,8 @@ def _evaluate_pairs(
         torch.add(param[:, None], z[name], alpha=eps, out=both[:, 0])
         torch.sub(param[:, None], z[name], alpha=eps, out=both[:, 1])
         perturbed[name] = both.view(experts * 2 * count, *param.shape[1:])
-    rows = tokens[:, None].expand(experts, 2 * count, *tokens.shape[1:]).reshape(-1, *tokens.shape[1:])
+    window_shape = tokens.shape[1:]
+    rows = tokens[:, None].expand(experts, 2 * count, *window_shape).reshape(-1, *window_shape)
     losses = loss_fn(perturbed, rows).view(experts, 2, count)
     return (losses[:, 0] - losses[:, 1]) / (2 * eps), losses.mean(1)
 
@@ -177,15 +192,16 @@ def spsa_estimate(
     experts, windows = batch.shape[:2]
     micro_batches, leftover = divmod(windows, config.micro_batch)
     if leftover or not micro_batches:
-        raise ValueError(f"batch of {windows} is not a multiple of micro_batch={config.micro_batch}")
+        raise ValueError(f"batch {windows} is not a multiple of micro_batch {config.micro_batch}")
     device = batch.device
     ids = torch.arange(experts, device=device) if expert_ids is None else expert_ids.to(device)
     gradient = {name: torch.zeros_like(param) for name, param in params.items()}
     projected, own, losses = [], [], []
+    chunk = _chunk_size(config, experts)
     for m in range(micro_batches):
         tokens = batch[:, m * config.micro_batch : (m + 1) * config.micro_batch]
-        for dirs in _direction_chunks(config.n_pert, _chunk_size(config, experts), m * config.n_pert):
-            z = _generate(params, config.direction, direction_keys(seed, step, ids, dirs.to(device)))
+        for dirs in _direction_chunks(config.n_pert, chunk, start=m * config.n_pert):
+            z = _generate(params, config.direction, seed, step, ids, dirs)
             delta, mean_loss = _evaluate_pairs(loss_fn, params, z, tokens, config.eps)
             coefficients = group_sums(delta, config.loss_grouping)
             _accumulate(gradient, coefficients, z)
@@ -195,7 +211,8 @@ def spsa_estimate(
     total = micro_batches * config.n_pert
     for grad in gradient.values():
         grad /= total
-    return SPSAResult(gradient, torch.cat(losses, 1).mean(1), torch.cat(projected, 1), torch.cat(own, 1))
+    mean_loss = torch.cat(losses, 1).mean(1)
+    return SPSAResult(gradient, mean_loss, torch.cat(projected, 1), torch.cat(own, 1))
 
 
 @torch.no_grad()
@@ -226,7 +243,7 @@ def assemble_estimate(
     ids = torch.arange(experts, device=device) if expert_ids is None else expert_ids.to(device)
     gradient = {name: torch.zeros_like(param) for name, param in params.items()}
     for dirs in _direction_chunks(total, _chunk_size(config, experts)):
-        z = _generate(params, config.direction, direction_keys(seed, step, ids, dirs.to(device)))
+        z = _generate(params, config.direction, seed, step, ids, dirs)
         _accumulate(gradient, projected[:, dirs.to(device)], z)
     for grad in gradient.values():
         grad /= total

@@ -1,1 +1,7 @@
-"""lit."""
+"""LightningModules, one per file: SPSA, BPTT (SOMA, EGGROLL, DDPP follow)."""
+
+from soma_pl.lit.base import ByteLMModule
+from soma_pl.lit.bptt import BPTTModule
+from soma_pl.lit.spsa import EpsSchedule, SPSAModule
+
+__all__ = ["BPTTModule", "ByteLMModule", "EpsSchedule", "SPSAModule"]

@@ -37,11 +37,11 @@ class HeadMode(str, Enum):
     PER_EXPERT = "per_expert"
     """Each expert owns a trainable head: ``head`` is ``[E, 256, d_E]`` (Table 2, N ≤ 8)."""
     SHARED = "shared"
-    """One head for all experts: ``head`` is ``[256, d_E]`` (N = 256, where the trainer freezes it)."""
+    """One head for all experts: ``head`` is ``[256, d_E]`` (N = 256; the trainer freezes it)."""
 
 
 def _group_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``x @ weightᵀ`` per group. x: ``[G, ..., in]``; weight: ``[G, out, in]`` → ``[G, ..., out]``."""
+    """``x @ weightᵀ`` per group: x ``[G, ..., in]``, weight ``[G, out, in]`` → ``[G, ..., out]``"""
     flat = x.reshape(x.shape[0], -1, x.shape[-1])
     return torch.bmm(flat, weight.transpose(1, 2)).reshape(*x.shape[:-1], weight.shape[1])
 
@@ -82,7 +82,7 @@ def _lstm_chunk(
     Returns:
         out: ``[G, b, Tc, d]`` hidden states; the final ``(h, c)``.
     """
-    groups, batch, steps, width = x.shape
+    steps, width = x.shape[2], x.shape[3]
     # Time-major input projections: one large GEMM for the chunk, then slice a contiguous [b, 4d]
     # block per step instead of recomputing it inside the recurrence.
     gates_in = _group_linear(x.transpose(1, 2), w_ih)
@@ -104,7 +104,7 @@ class StackedExperts(nn.Module):
     """E byte-level LSTM language models whose weights carry a leading expert dimension.
 
     Parameters (per expert shapes after the leading ``E``):
-        head: ``[256, d_E]`` tied embedding / output head (``[256, d_E]`` without ``E`` if shared);
+        head: ``[256, d_E]`` tied embedding / output head (no leading ``E`` when shared);
         in_proj: ``[d_t, d_E]`` and out_proj: ``[d_E, d_t]``, only when ``d_t ≠ d_E``;
         norm_gains: ``[L + 1, d_t]`` (one RMSNorm gain before each layer, one final);
         w_ih, w_hh: ``[L, 4·d_t, d_t]`` bias-free LSTM weights.
@@ -191,13 +191,15 @@ class StackedExperts(nn.Module):
     @torch.no_grad()
     def load_flat_experts(self, flat: Tensor) -> None:
         """Inverse of :meth:`flatten_experts`. flat: ``[E, D]``."""
+        params = self.expert_parameters().values()
+        expected = sum(param[0].numel() for param in params)
+        if tuple(flat.shape) != (self.num_experts, expected):
+            raise ValueError(f"flat shape {tuple(flat.shape)} != ({self.num_experts}, {expected})")
         start = 0
-        for param in self.expert_parameters().values():
+        for param in params:
             size = param[0].numel()
             param.copy_(flat[:, start : start + size].reshape(param.shape))
             start += size
-        if start != flat.shape[1]:
-            raise ValueError(f"flat vector has {flat.shape[1]} coordinates, experts have {start}")
 
     def group_parameters(self, params: Mapping[str, Tensor], groups: int) -> dict[str, Tensor]:
         """Complete ``params`` (``[G, ...]`` each) with this module's own weights.
@@ -223,7 +225,7 @@ class StackedExperts(nn.Module):
         return full
 
     def _features(self, params: Mapping[str, Tensor], tokens: Tensor) -> Iterator[Tensor]:
-        """Final d_E-wide features per time chunk. tokens: ``[G, b, T]`` → yields ``[G, b, Tc, d_E]``."""
+        """Final features per time chunk. tokens: ``[G, b, T]`` → yields ``[G, b, Tc, d_E]``."""
         groups, batch, steps = tokens.shape
         zeros = params["w_hh"].new_zeros(groups, batch, self.width)
         states = [(zeros, zeros)] * self.num_layers
@@ -234,7 +236,8 @@ class StackedExperts(nn.Module):
                 x = _group_linear(x, params["in_proj"])
             for layer in range(self.num_layers):
                 w_ih, w_hh = params["w_ih"][:, layer], params["w_hh"][:, layer]
-                out, states[layer] = _lstm_chunk(_rms_norm(x, gains[:, layer]), w_ih, w_hh, states[layer])
+                normed = _rms_norm(x, gains[:, layer])
+                out, states[layer] = _lstm_chunk(normed, w_ih, w_hh, states[layer])
                 x = x + out
             x = _rms_norm(x, gains[:, self.num_layers])
             yield _group_linear(x, params["out_proj"]) if self.has_projections else x
@@ -253,12 +256,14 @@ class StackedExperts(nn.Module):
         chunks = [_logits(full["head"], y) for y in self._features(full, tokens)]
         return torch.cat(chunks, dim=2)
 
-    def loss_per_group(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0) -> Tensor:
+    def loss_per_group(
+        self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0
+    ) -> Tensor:
         """Mean next-byte cross entropy (nats) per group, without keeping all logits.
 
         Args:
             params: name → ``[G, ...]`` weights (missing ones filled by :meth:`group_parameters`).
-            tokens: ``[G, b, T]`` uint8 or long; inputs ``tokens[..., :-1]``, targets ``tokens[..., 1:]``.
+            tokens: ``[G, b, T]`` uint8 or long bytes; inputs ``[..., :-1]``, targets ``[..., 1:]``.
             score_from: first target position scored (evaluation: 256 of a 1,025-byte window).
 
         Returns:
@@ -268,7 +273,38 @@ class StackedExperts(nn.Module):
         if not 0 <= score_from < steps - 1:
             raise ValueError(f"score_from={score_from} leaves no targets in {steps} bytes")
         full = self.group_parameters(params, groups)
-        total = tokens.new_zeros(groups, dtype=full["w_hh"].dtype)
+        total = full["w_hh"].new_zeros(groups)
+        start = 0
+        for features in self._features(full, tokens[..., :-1]):
+            stop = start + features.shape[2]
+            first = max(score_from, start)
+            if first < stop:
+                logits = _logits(full["head"], features[:, :, first - start :])
+                targets = tokens[:, :, first + 1 : stop + 1].long()
+                flat_logits = logits.reshape(-1, VOCAB_SIZE)
+                nll = F.cross_entropy(flat_logits, targets.reshape(-1), reduction="none")
+                total = total + nll.view(groups, -1).sum(1)
+            start = stop
+        return total / (batch * (steps - 1 - score_from))
+
+    def window_losses(
+        self, tokens: Tensor, score_from: int = 0, params: Mapping[str, Tensor] | None = None
+    ) -> Tensor:
+        """Mean scored next-byte cross entropy (nats/byte) of every window, per group.
+
+        Args:
+            tokens: ``[G, b, T]`` uint8 or long bytes; inputs ``[..., :-1]``, targets ``[..., 1:]``.
+            score_from: first target position scored (evaluation: 256 of a 1,025-byte window).
+            params: name → ``[G, ...]`` weights; None: this module's own (G = E).
+
+        Returns:
+            loss: ``[G, b]``.
+        """
+        groups, batch, steps = tokens.shape
+        if not 0 <= score_from < steps - 1:
+            raise ValueError(f"score_from={score_from} leaves no targets in {steps} bytes")
+        full = self.group_parameters(params or {}, groups)
+        total = full["w_hh"].new_zeros(groups, batch)
         start = 0
         for features in self._features(full, tokens[..., :-1]):
             stop = start + features.shape[2]
@@ -277,9 +313,9 @@ class StackedExperts(nn.Module):
                 logits = _logits(full["head"], features[:, :, first - start :])
                 targets = tokens[:, :, first + 1 : stop + 1].long()
                 nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="none")
-                total = total + nll.view(groups, -1).sum(1)
+                total = total + nll.view(groups, batch, -1).sum(2)
             start = stop
-        return total / (batch * (steps - 1 - score_from))
+        return total / (steps - 1 - score_from)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits of each expert on its own bytes. tokens: ``[E, b, T]`` → ``[E, b, T, 256]``."""

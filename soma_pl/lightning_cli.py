@@ -1,0 +1,65 @@
+"""LightningCLI for `fit`, `validate`, `test` and `predict`.
+
+Defaults a researcher expects: a W&B logger that runs offline (no account, no network; `wandb sync`
+later) next to a local CSV logger, a last-and-periodic checkpoint, and `summary.json` in the run
+directory. The `--model` and `--data` classes are picked by `class_path` in the YAML.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+from soma_pl.callbacks.summary import RunSummary
+from soma_pl.data.datamodule import ByteDataModule
+from soma_pl.lit.base import ByteLMModule
+
+RUNS_DIR = "runs"
+
+
+def trainer_defaults() -> dict:
+    return {
+        "default_root_dir": RUNS_DIR,
+        "logger": [
+            {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": RUNS_DIR, "name": "soma_pl"}},
+            {"class_path": "lightning.pytorch.loggers.WandbLogger",
+             "init_args": {"project": "soma_pl", "save_dir": RUNS_DIR, "offline": True}},
+        ],
+    }
+
+
+class SomaCLI(LightningCLI):
+    """LightningCLI with the suite's forced callbacks (checkpointing, run summary)."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # Checkpoints are written when a validation ends, after the learning-rate decay it drives:
+        # the state a resumed run needs to continue exactly as an uninterrupted one.
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 1,
+                             "checkpoint.save_on_train_epoch_end": False})
+        parser.add_lightning_class_args(RunSummary, "summary")
+
+    def _parse_ckpt_path(self) -> None:
+        """Keep the model the config describes when `--ckpt_path` is given.
+
+        LightningCLI would otherwise replace the configured model arguments with the checkpoint's
+        hyperparameters, silently overriding what the user asked for; instead the checkpoint is
+        checked against the configured shapes and a mismatch is an error naming both.
+        """
+
+
+def run_lightning(argv: Sequence[str]) -> None:
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    SomaCLI(
+        model_class=ByteLMModule,
+        datamodule_class=ByteDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        trainer_defaults=trainer_defaults(),
+        save_config_kwargs={"overwrite": True},
+        args=list(argv),
+    )

@@ -1,0 +1,120 @@
+"""`SPSAModule`: monolithic zero-order training with the central-difference SPSA estimator.
+
+Manual optimization: the estimate goes into `.grad` and a real torch optimizer (from the config)
+steps. ε follows the learning rate (`eps_schedule: proportional`): when validation plateaus and
+the learning rate decays, ε decays by the same factor.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+from torch import Tensor
+
+from soma_pl import ROUTE_BYTES
+from soma_pl.estimators.directions import DirectionKind
+from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
+from soma_pl.lit.base import ByteLMModule, UpdateClock
+from soma_pl.models.experts import HeadMode
+
+
+class EpsSchedule(str, Enum):
+    """How ε moves during training (member names are what configs write)."""
+
+    proportional = "proportional"
+    """ε = ε₀ · lr / lr₀: ε decays with the learning rate."""
+    constant = "constant"
+
+
+class SPSAModule(ByteLMModule):
+    """Zero-order training of a monolithic byte LM (E = 1) or, by subclassing, of stacked experts.
+
+    Args:
+        eps: initial ε (the paper sweeps 0.00125–0.005, Table 6).
+        n_pert: directions per micro-batch (the paper: 64).
+        micro_batch: windows per micro-batch; each has its own n_pert directions.
+        direction: Rademacher (default) or Gaussian entries.
+        max_rows: most windows one batched forward may hold; directions are chunked to fit.
+        eps_schedule: `proportional` (ε follows the learning rate) or `constant`.
+        optimizer: the torch optimizer the estimate steps (SGD by default; set its lr in YAML).
+        plateau_factor: learning-rate decay factor when validation loss plateaus.
+        plateau_patience: validations without improvement before a decay.
+        min_lr: floor of the decayed learning rate.
+        seed: seed of the perturbation directions (regenerated from seed, step, expert, direction).
+        Other arguments: see `ByteLMModule`.
+    """
+
+    def __init__(self, width: int = 509, num_layers: int = 4, embed_dim: int = 32, eps: float = 0.0025,
+                 n_pert: int = 64, micro_batch: int = 64, direction: DirectionKind = DirectionKind.RADEMACHER,
+                 max_rows: int | None = None, eps_schedule: EpsSchedule = EpsSchedule.proportional,
+                 optimizer: OptimizerCallable = torch.optim.SGD, plateau_factor: float = 0.5,
+                 plateau_patience: int = 2, min_lr: float = 0.0, seed: int = 0, train_context: int = 1024,
+                 score_from: int = ROUTE_BYTES, time_chunk: int = 64, num_experts: int = 1,
+                 head: HeadMode = HeadMode.PER_EXPERT):
+        super().__init__(num_experts, width, num_layers, embed_dim, head, train_context, score_from, time_chunk)
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.automatic_optimization = False
+        self.spsa = SPSAConfig(eps=eps, n_pert=n_pert, micro_batch=micro_batch, direction=DirectionKind(direction),
+                               max_rows=max_rows)
+        self.eps_schedule = EpsSchedule(eps_schedule)
+        self.optimizer_factory = optimizer
+        self.seed = seed
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(self.trainable_parameters().values())
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, mode="min", factor=self.hparams.plateau_factor, patience=self.hparams.plateau_patience,
+            min_lr=self.hparams.min_lr)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss"}}
+
+    def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters the estimator perturbs: `[E, ...]` each."""
+        return {n: p for n, p in self.model.expert_parameters().items() if p.requires_grad}
+
+    def current_lr(self) -> float:
+        return self.optimizers().param_groups[0]["lr"]
+
+    def current_eps(self) -> float:
+        if self.eps_schedule is EpsSchedule.constant:
+            return self.spsa.eps
+        initial = self.optimizers().param_groups[0].get("initial_lr") or self._initial_lr()
+        return self.spsa.eps * self.current_lr() / initial
+
+    def _initial_lr(self) -> float:
+        group = self.optimizers().param_groups[0]
+        group.setdefault("initial_lr", group["lr"])
+        return group["initial_lr"]
+
+    def estimate(self, tokens: Tensor, eps: float):
+        """The SPSA estimate of every expert's gradient on `tokens: [E, B, T]`."""
+        params = self.trainable_parameters()
+        config = SPSAConfig(eps=eps, n_pert=self.spsa.n_pert, micro_batch=self.spsa.micro_batch,
+                            direction=self.spsa.direction, max_rows=self.spsa.max_rows)
+        return spsa_estimate(self.model.loss_per_group, params, tokens, config, step=self.global_step, seed=self.seed)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> None:
+        tokens = self.training_tokens(batch)
+        optimizer = self.optimizers()
+        self._initial_lr()
+        clock = UpdateClock(tokens.device)
+        clock.start()
+        eps = self.current_eps()
+        result = self.estimate(tokens, eps)
+        for name, param in self.trainable_parameters().items():
+            param.grad = result.gradient[name]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds = clock.stop()
+        self.log_update(result.loss, tokens, seconds, eps)
+
+    def log_update(self, losses: Tensor, tokens: Tensor, seconds: float, eps: float) -> None:
+        experts, windows, length = tokens.shape
+        forwards = 2 * self.spsa.n_pert * experts * windows * (length - 1)
+        self.log("train/loss", losses.mean(), prog_bar=True)
+        self.log_dict({"train/lr": self.current_lr(), "train/eps": eps, "train/update_seconds": seconds,
+                       "train/token_forwards_per_s": forwards / max(seconds, 1e-12)})
+
+    def after_validation(self, value: Tensor) -> None:
+        self.lr_schedulers().step(float(value))
