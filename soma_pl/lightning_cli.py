@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from soma_pl.callbacks.summary import RunSummary
 from soma_pl.data.datamodule import ByteDataModule
@@ -21,14 +22,16 @@ RUNS_DIR = "runs"
 
 
 def trainer_defaults() -> dict:
-    return {
-        "default_root_dir": RUNS_DIR,
-        "logger": [
-            {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": RUNS_DIR, "name": "soma_pl"}},
-            {"class_path": "lightning.pytorch.loggers.WandbLogger",
-             "init_args": {"project": "soma_pl", "save_dir": RUNS_DIR, "offline": True}},
-        ],
-    }
+    return {"default_root_dir": RUNS_DIR}
+
+
+def default_loggers(root: str) -> list:
+    """A CSV logger (the run directory is its `root/version_N`) and W&B, offline unless
+    `WANDB_MODE=online` is set, writing under the same root."""
+    return [
+        CSVLogger(save_dir=root, name=""),
+        WandbLogger(project="soma_pl", save_dir=root, offline=os.environ.get("WANDB_MODE", "offline") != "online"),
+    ]
 
 
 class SomaCLI(LightningCLI):
@@ -41,6 +44,13 @@ class SomaCLI(LightningCLI):
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 1,
                              "checkpoint.save_on_train_epoch_end": False})
         parser.add_lightning_class_args(RunSummary, "summary")
+
+    def instantiate_trainer(self, **kwargs):
+        """Replace Lightning's default logger (`logger: true`) by the CSV + offline W&B pair."""
+        config = self._get(self.config_init, "trainer", default={})
+        if config.get("logger") in (True, None) and "logger" not in kwargs:
+            kwargs["logger"] = default_loggers(config.get("default_root_dir") or RUNS_DIR)
+        return super().instantiate_trainer(**kwargs)
 
     def _parse_ckpt_path(self) -> None:
         """Keep the model the config describes when `--ckpt_path` is given.

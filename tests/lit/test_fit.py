@@ -30,18 +30,19 @@ def test_resume_after_a_crash_reaches_the_same_weights_bitwise(corpus_dir, tmp_p
 
 
 def test_summary_json_and_offline_loggers(corpus_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     args = [a for a in fit_args(corpus_dir, tmp_path / "data", tmp_path / "run") if a != "--trainer.logger=false"]
     run_cli(args + ["--trainer.max_steps=4"])
-    summaries = list((tmp_path / "runs").rglob("summary.json"))
-    assert len(summaries) == 1
+    summaries = list((tmp_path / "run").rglob("summary.json"))
+    assert [s.parent for s in summaries] == [tmp_path / "run" / "version_0"]
     summary = json.loads(summaries[0].read_text())
     assert summary["global_step"] == 4 and 0 < summary["metrics"]["val/loss"] < 6
     assert summary["last_checkpoint"].endswith("last.ckpt")
-    metrics = list((tmp_path / "runs").rglob("metrics.csv"))
+    metrics = list((tmp_path / "run").rglob("metrics.csv"))
     assert metrics and "train/token_forwards_per_s" in metrics[0].read_text().splitlines()[0]
-    assert list((tmp_path / "runs").rglob("offline-run-*")), "W&B should have written an offline run"
-    assert "run directory:" in capsys.readouterr().err
+    offline_runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert offline_runs and list(offline_runs[0].glob("*.wandb")), "W&B should have written an offline run"
+    assert f"run directory: {tmp_path / 'run' / 'version_0'}" in capsys.readouterr().err
 
 
 def test_unknown_config_key_is_one_clear_error(corpus_dir, tmp_path):
@@ -60,3 +61,21 @@ def test_checkpoint_of_another_shape_names_both_shapes(corpus_dir, tmp_path, cap
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "[1, 2, 8]" in message and "[1, 2, 12]" in message and "model.norm_gains" in message
+
+
+@pytest.mark.network
+def test_quickstart_fast_dev_run_on_the_demo_corpus(tmp_path):
+    run_cli(["fit", "--config", "configs/quickstart.yaml", "--trainer.fast_dev_run=2",
+             f"--data.init_args.dataset.output_dir={tmp_path / 'demo'}", f"--trainer.default_root_dir={tmp_path}"])
+    manifest = json.loads((tmp_path / "demo" / "manifest.json").read_text())
+    assert set(manifest["train"]["sources"]) == {"wikipedia", "sotu", "python_docs"}
+
+
+def test_bptt_trains_through_the_cli(corpus_dir, tmp_path):
+    run_cli(fit_args(corpus_dir, tmp_path / "data", tmp_path / "bptt", "--model=soma_pl.lit.BPTTModule",
+                     "--model.init_args.width=8", "--model.init_args.num_layers=1", "--model.init_args.embed_dim=8",
+                     "--model.init_args.train_context=24", "--model.init_args.optimizer=torch.optim.Adam",
+                     "--model.init_args.optimizer.lr=0.01", "--trainer.max_steps=8"))
+    checkpoint = torch.load(tmp_path / "bptt" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 8
+    assert checkpoint["optimizer_states"][0]["state"], "Adam should hold moment estimates after 8 steps"
