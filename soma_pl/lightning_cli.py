@@ -61,10 +61,11 @@ class SomaCLI(LightningCLI):
         """
 
 
-def run_lightning(argv: Sequence[str]) -> None:
+def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
+    """Parse `argv` (a subcommand first when `run`), instantiate, and run the subcommand."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
-    SomaCLI(
+    return SomaCLI(
         model_class=ByteLMModule,
         datamodule_class=ByteDataModule,
         subclass_mode_model=True,
@@ -72,4 +73,9 @@ def run_lightning(argv: Sequence[str]) -> None:
         trainer_defaults=trainer_defaults(),
         save_config_kwargs={"overwrite": True},
         args=list(argv),
+        run=run,
     )
+
+
+def run_lightning(argv: Sequence[str]) -> None:
+    make_cli(argv)

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from soma_pl.cli import _prepare_parser
-from soma_pl.lightning_cli import SomaCLI, trainer_defaults
 from soma_pl.data.datamodule import ByteDataModule
+from soma_pl.lightning_cli import make_cli
 from soma_pl.lit.base import ByteLMModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,6 @@ def test_config_parses(path, monkeypatch):
         assert config.dataset.output_dir
         return
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cli = SomaCLI(ByteLMModule, ByteDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                  trainer_defaults=trainer_defaults(), run=False, args=["--config", str(path)])
+    cli = make_cli(["--config", str(path)], run=False)
     assert isinstance(cli.model, ByteLMModule) and isinstance(cli.datamodule, ByteDataModule)
     assert cli.trainer.max_steps > 0

@@ -92,6 +92,10 @@ class ByteDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader(self.test_set)
 
+    def predict_dataloader(self) -> DataLoader:
+        """`predict` scores the test windows one by one."""
+        return self._eval_loader(self.test_set)
+
     def _eval_loader(self, evalset: EvalSet | None) -> DataLoader:
         if evalset is None:
             raise DataError("evaluation set not loaded: call setup() first")

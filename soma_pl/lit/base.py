@@ -10,6 +10,7 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
@@ -70,11 +71,16 @@ class ByteLMModule(L.LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, self.test_loss)
 
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """Per-window scored loss (nats/byte) of each expert: `{"index": [b], "loss": [E, b]}`."""
+        windows, index = batch
+        return {"index": index, "loss": self.window_losses(windows)}
+
     def on_validation_epoch_end(self) -> None:
         value = self.val_loss.compute()
         self.val_loss.reset()
         self.log("val/loss", value, prog_bar=True, sync_dist=False)
-        if not self.trainer.sanity_checking:
+        if self.trainer.state.fn == TrainerFn.FITTING and not self.trainer.sanity_checking:
             self.after_validation(value)
 
     def on_test_epoch_end(self) -> None:

@@ -79,3 +79,23 @@ def test_bptt_trains_through_the_cli(corpus_dir, tmp_path):
     checkpoint = torch.load(tmp_path / "bptt" / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 8
     assert checkpoint["optimizer_states"][0]["state"], "Adam should hold moment estimates after 8 steps"
+
+
+def test_validate_test_and_predict_from_a_checkpoint(corpus_dir, tmp_path):
+    from soma_pl.lightning_cli import make_cli
+
+    data = tmp_path / "data"
+    run_cli(fit_args(corpus_dir, data, tmp_path / "run", "--trainer.max_steps=4"))
+    ckpt = f"--ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}"
+    common = [a for a in fit_args(corpus_dir, data, tmp_path / "eval")[1:] if not a.startswith("--checkpoint")]
+    runs = {}
+    for command in ("validate", "test", "predict"):
+        runs[command] = make_cli([command, *common, ckpt])
+    val_loss = runs["validate"].trainer.callback_metrics["val/loss"].item()
+    test_loss = runs["test"].trainer.callback_metrics["test/loss"].item()
+    assert 2.0 < val_loss < 5.6 and 2.0 < test_loss < 5.6
+    predictions = runs["predict"].trainer.predict_loop.predictions
+    indices = torch.cat([p["index"] for p in predictions])
+    losses = torch.cat([p["loss"] for p in predictions], dim=1)
+    assert indices.tolist() == list(range(4)) and losses.shape == (1, 4)
+    assert losses.mean().item() == pytest.approx(test_loss, rel=1e-5)  # equal windows: mean of means
