@@ -143,27 +143,35 @@ def _evaluate_pairs(
     params: Mapping[str, Tensor],
     z: Mapping[str, Tensor],
     tokens: Tensor,
-    eps: float,
+    eps: float | Tensor,
 ) -> tuple[Tensor, Tensor]:
     """Losses at θ ± ε·z for K directions of every expert in one call.
 
     Args:
         params: name → ``[E, ...]``; z: name → ``[E, K, ...]``; tokens: ``[E, b, T]``.
+        eps: ε, one for all experts or ``[E]`` one per expert.
 
     Returns:
         ``(L+ − L−) / 2ε`` and ``(L+ + L−) / 2``, each ``[E, K]``.
     """
     experts, count = next(iter(z.values())).shape[:2]
+    per_expert = torch.as_tensor(eps, dtype=torch.float64).expand(experts).to(tokens.device)
     perturbed = {}
     for name, param in params.items():
         both = param.new_empty(experts, 2, count, *param.shape[1:])
-        torch.add(param[:, None], z[name], alpha=eps, out=both[:, 0])
-        torch.sub(param[:, None], z[name], alpha=eps, out=both[:, 1])
+        if isinstance(eps, Tensor):
+            step = per_expert.to(param.dtype).view(experts, *[1] * (param.dim()))
+            torch.addcmul(param[:, None], z[name], step, out=both[:, 0])
+            torch.addcmul(param[:, None], z[name], -step, out=both[:, 1])
+        else:
+            torch.add(param[:, None], z[name], alpha=eps, out=both[:, 0])
+            torch.sub(param[:, None], z[name], alpha=eps, out=both[:, 1])
         perturbed[name] = both.view(experts * 2 * count, *param.shape[1:])
     window_shape = tokens.shape[1:]
     rows = tokens[:, None].expand(experts, 2 * count, *window_shape).reshape(-1, *window_shape)
     losses = loss_fn(perturbed, rows).view(experts, 2, count)
-    return (losses[:, 0] - losses[:, 1]) / (2 * eps), losses.mean(1)
+    scale = (2 * per_expert).to(losses.dtype)[:, None]
+    return (losses[:, 0] - losses[:, 1]) / scale, losses.mean(1)
 
 
 @torch.no_grad()
@@ -175,6 +183,7 @@ def spsa_estimate(
     step: int,
     seed: int,
     expert_ids: Tensor | None = None,
+    expert_eps: Tensor | None = None,
 ) -> SPSAResult:
     """SPSA estimate of every expert's gradient from its (or its group's) loss differences.
 
@@ -185,6 +194,8 @@ def spsa_estimate(
         config: ε, n_pert, micro-batch, direction kind, grouping, chunking.
         step: update counter; seed: run seed (directions are regenerated from both).
         expert_ids: ``[E]`` global expert indices for the direction keys (default ``0..E-1``).
+        expert_eps: ``[E]`` per-expert ε replacing ``config.eps`` (SOMA decays each expert's ε
+            with its own learning rate).
 
     Returns:
         The estimate, per-expert losses and projected gradients.
@@ -202,7 +213,8 @@ def spsa_estimate(
         tokens = batch[:, m * config.micro_batch : (m + 1) * config.micro_batch]
         for dirs in _direction_chunks(config.n_pert, chunk, start=m * config.n_pert):
             z = _generate(params, config.direction, seed, step, ids, dirs)
-            delta, mean_loss = _evaluate_pairs(loss_fn, params, z, tokens, config.eps)
+            eps = config.eps if expert_eps is None else expert_eps
+            delta, mean_loss = _evaluate_pairs(loss_fn, params, z, tokens, eps)
             coefficients = group_sums(delta, config.loss_grouping)
             _accumulate(gradient, coefficients, z)
             projected.append(coefficients)

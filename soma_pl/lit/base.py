@@ -7,6 +7,7 @@ Evaluation follows Table 1: windows of 1,025 bytes, the loss scores the targets 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -15,7 +16,10 @@ from torch import Tensor
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.errors import ConfigError
+from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.eval.ensemble import EnsembleScores, score_windows
 from soma_pl.eval.metrics import NatsPerByte
+from soma_pl.io import write_json_atomic
 from soma_pl.models.experts import HeadMode, StackedExperts
 
 
@@ -45,6 +49,8 @@ class ByteLMModule(L.LightningModule):
         self.score_from = score_from
         self.val_loss = NatsPerByte()
         self.test_loss = NatsPerByte()
+        self._metrics = {"val": self.val_loss, "test": self.test_loss}
+        self._records: dict[str, list] = {}
 
     def training_tokens(self, batch: Tensor) -> Tensor:
         """`batch: [E, B, 1025] uint8` → `[E, B, train_context + 1]`."""
@@ -59,17 +65,31 @@ class ByteLMModule(L.LightningModule):
         tokens = windows.unsqueeze(0).expand(self.model.num_experts, -1, -1)
         return self.model.window_losses(tokens, score_from=self.score_from)
 
-    def _evaluate(self, batch: tuple[Tensor, Tensor], metric: NatsPerByte) -> None:
-        windows, _ = batch
-        losses = self.window_losses(windows).mean(0)  # E = 1 here; ensembles override evaluation
+    @property
+    def eval_k(self) -> int:
+        """Ensemble size whose loss is `val/loss` and `test/loss` (1: the model alone)."""
+        return 1
+
+    def ranking(self, windows: Tensor) -> Tensor:
+        """Expert order per window, best first: `[b, E]`. Without a router: expert index order."""
+        return torch.arange(self.model.num_experts, device=windows.device).expand(windows.shape[0], -1)
+
+    def score(self, windows: Tensor) -> EnsembleScores:
+        return score_windows(self.model, self.ranking(windows), windows, self.model.num_experts, self.score_from)
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str) -> None:
+        windows, index = batch
+        scores = self.score(windows)
+        losses = scores.loss_by_k[:, self.eval_k - 1]
         targets = windows.shape[1] - 1 - self.score_from
-        metric.update(losses.sum() * targets, losses.numel() * targets)
+        self._metrics[stage].update(losses.sum() * targets, losses.numel() * targets)
+        self._records.setdefault(stage, []).append((index, scores.loss_by_k, scores.expert_losses.T))
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, self.val_loss)
+        self._evaluate(batch, "val")
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, self.test_loss)
+        self._evaluate(batch, "test")
 
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """Per-window scored loss (nats/byte) of each expert: `{"index": [b], "loss": [E, b]}`."""
@@ -77,16 +97,41 @@ class ByteLMModule(L.LightningModule):
         return {"index": index, "loss": self.window_losses(windows)}
 
     def on_validation_epoch_end(self) -> None:
-        value = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log("val/loss", value, prog_bar=True, sync_dist=False)
+        value = self._finish_evaluation("val")
         if self.trainer.state.fn == TrainerFn.FITTING and not self.trainer.sanity_checking:
             self.after_validation(value)
 
     def on_test_epoch_end(self) -> None:
-        value = self.test_loss.compute()
-        self.test_loss.reset()
-        self.log("test/loss", value)
+        self._finish_evaluation("test")
+
+    def _finish_evaluation(self, stage: str) -> Tensor:
+        """Log `<stage>/loss`; outside `fit`, also its document-bootstrap interval and a JSON report."""
+        metric = self._metrics[stage]
+        value = metric.compute()
+        metric.reset()
+        self.log(f"{stage}/loss", value, prog_bar=stage == "val")
+        records = self._records.pop(stage, [])
+        if records and self.trainer.state.fn != TrainerFn.FITTING:
+            self._report(stage, records)
+        return value
+
+    def _report(self, stage: str, records: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        # all_gather adds a leading rank dimension under DDP; flatten it away.
+        index, by_k, experts = (self.all_gather(torch.cat(parts)) for parts in zip(*records))
+        index, by_k, experts = index.reshape(-1), by_k.reshape(-1, by_k.shape[-1]), experts.reshape(-1, experts.shape[-1])
+        evalset = getattr(self.trainer.datamodule, f"{stage}_set", None) if self.trainer.datamodule else None
+        if evalset is None:
+            return
+        losses = by_k[:, self.eval_k - 1].double().cpu().numpy()
+        interval = document_bootstrap(losses, evalset.doc_ids[index.cpu().numpy()])
+        self.log_dict({f"{stage}/loss_ci_low": interval.low, f"{stage}/loss_ci_high": interval.high})
+        if self.trainer.is_global_zero and self.trainer.log_dir:
+            write_json_atomic(Path(self.trainer.log_dir) / f"{stage}_scores.json", {
+                "stage": stage, "k": self.eval_k, "loss": interval.mean,
+                "bootstrap_95": [interval.low, interval.high], "documents": interval.documents,
+                "windows": interval.windows, "loss_by_k": by_k.double().mean(0).tolist(),
+                "expert_losses": experts.double().mean(0).tolist(),
+            })
 
     def after_validation(self, value: Tensor) -> None:
         """Hook for learning-rate decay on the validation loss."""

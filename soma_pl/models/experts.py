@@ -24,6 +24,8 @@ from torch import Tensor, nn
 
 from soma_pl import VOCAB_SIZE
 
+EMBED_HEAD = "embed_head"
+"""Optional ``params`` key: weights that embed the input bytes in place of the tied ``head``."""
 _NORM_EPS = 1e-6
 _LSTM_GATES = 4
 _EMBED_INIT_STD = 0.02
@@ -205,10 +207,12 @@ class StackedExperts(nn.Module):
         """Complete ``params`` (``[G, ...]`` each) with this module's own weights.
 
         A missing expert parameter is repeated expert-major over the ``G = E·C`` groups (group
-        ``g`` belongs to expert ``g // C``); the shared head is used as it is.
+        ``g`` belongs to expert ``g // C``); the shared head is used as it is. An ``EMBED_HEAD``
+        entry (``[G, 256, d_E]``) embeds the input bytes instead of ``head``, which then only
+        decodes: perturbing ``head`` alone then probes the tied head through the decoder only.
         """
         own = dict(self.named_parameters())
-        unknown = set(params) - set(own)
+        unknown = set(params) - set(own) - {EMBED_HEAD}
         if unknown:
             raise KeyError(f"unknown parameter names {sorted(unknown)}; expected {sorted(own)}")
         if groups % self.num_experts:
@@ -222,6 +226,8 @@ class StackedExperts(nn.Module):
                 full[name] = param
             else:
                 full[name] = param.repeat_interleave(copies, dim=0)
+        if EMBED_HEAD in params:
+            full[EMBED_HEAD] = params[EMBED_HEAD]
         return full
 
     def _features(self, params: Mapping[str, Tensor], tokens: Tensor) -> Iterator[Tensor]:
@@ -231,7 +237,7 @@ class StackedExperts(nn.Module):
         states = [(zeros, zeros)] * self.num_layers
         gains = params["norm_gains"]
         for start in range(0, steps, self.time_chunk):
-            x = _embed(params["head"], tokens[:, :, start : start + self.time_chunk])
+            x = _embed(params.get(EMBED_HEAD, params["head"]), tokens[:, :, start : start + self.time_chunk])
             if self.has_projections:
                 x = _group_linear(x, params["in_proj"])
             for layer in range(self.num_layers):
@@ -256,55 +262,23 @@ class StackedExperts(nn.Module):
         chunks = [_logits(full["head"], y) for y in self._features(full, tokens)]
         return torch.cat(chunks, dim=2)
 
-    def loss_per_group(
+    def target_log_probs(
         self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0
-    ) -> Tensor:
-        """Mean next-byte cross entropy (nats) per group, without keeping all logits.
+    ) -> Iterator[Tensor]:
+        """Log-probability of each scored next byte, one time chunk at a time (no full logits kept).
 
         Args:
             params: name → ``[G, ...]`` weights (missing ones filled by :meth:`group_parameters`).
             tokens: ``[G, b, T]`` uint8 or long bytes; inputs ``[..., :-1]``, targets ``[..., 1:]``.
             score_from: first target position scored (evaluation: 256 of a 1,025-byte window).
 
-        Returns:
-            loss: ``[G]``.
+        Yields:
+            ``[G, b, Tc]`` log p(target) for consecutive chunks of the scored positions.
         """
         groups, batch, steps = tokens.shape
         if not 0 <= score_from < steps - 1:
             raise ValueError(f"score_from={score_from} leaves no targets in {steps} bytes")
         full = self.group_parameters(params, groups)
-        total = full["w_hh"].new_zeros(groups)
-        start = 0
-        for features in self._features(full, tokens[..., :-1]):
-            stop = start + features.shape[2]
-            first = max(score_from, start)
-            if first < stop:
-                logits = _logits(full["head"], features[:, :, first - start :])
-                targets = tokens[:, :, first + 1 : stop + 1].long()
-                flat_logits = logits.reshape(-1, VOCAB_SIZE)
-                nll = F.cross_entropy(flat_logits, targets.reshape(-1), reduction="none")
-                total = total + nll.view(groups, -1).sum(1)
-            start = stop
-        return total / (batch * (steps - 1 - score_from))
-
-    def window_losses(
-        self, tokens: Tensor, score_from: int = 0, params: Mapping[str, Tensor] | None = None
-    ) -> Tensor:
-        """Mean scored next-byte cross entropy (nats/byte) of every window, per group.
-
-        Args:
-            tokens: ``[G, b, T]`` uint8 or long bytes; inputs ``[..., :-1]``, targets ``[..., 1:]``.
-            score_from: first target position scored (evaluation: 256 of a 1,025-byte window).
-            params: name → ``[G, ...]`` weights; None: this module's own (G = E).
-
-        Returns:
-            loss: ``[G, b]``.
-        """
-        groups, batch, steps = tokens.shape
-        if not 0 <= score_from < steps - 1:
-            raise ValueError(f"score_from={score_from} leaves no targets in {steps} bytes")
-        full = self.group_parameters(params or {}, groups)
-        total = full["w_hh"].new_zeros(groups, batch)
         start = 0
         for features in self._features(full, tokens[..., :-1]):
             stop = start + features.shape[2]
@@ -313,9 +287,28 @@ class StackedExperts(nn.Module):
                 logits = _logits(full["head"], features[:, :, first - start :])
                 targets = tokens[:, :, first + 1 : stop + 1].long()
                 nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="none")
-                total = total + nll.view(groups, batch, -1).sum(2)
+                yield -nll.view(groups, batch, -1)
             start = stop
-        return total / (steps - 1 - score_from)
+
+    def window_losses(
+        self, tokens: Tensor, score_from: int = 0, params: Mapping[str, Tensor] | None = None
+    ) -> Tensor:
+        """Mean scored next-byte cross entropy (nats/byte) of every window, per group.
+
+        Args:
+            tokens: ``[G, b, T]`` uint8 or long bytes.
+            score_from: first target position scored.
+            params: name → ``[G, ...]`` weights; None: this module's own (G = E).
+
+        Returns:
+            loss: ``[G, b]``.
+        """
+        total = sum(-chunk.sum(2) for chunk in self.target_log_probs(params or {}, tokens, score_from))
+        return total / (tokens.shape[2] - 1 - score_from)
+
+    def loss_per_group(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0) -> Tensor:
+        """Mean next-byte cross entropy (nats) per group. tokens: ``[G, b, T]`` → ``[G]``."""
+        return self.window_losses(tokens, score_from, params).mean(1)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits of each expert on its own bytes. tokens: ``[E, b, T]`` → ``[E, b, T, 256]``."""

@@ -99,3 +99,7 @@ def test_validate_test_and_predict_from_a_checkpoint(corpus_dir, tmp_path):
     losses = torch.cat([p["loss"] for p in predictions], dim=1)
     assert indices.tolist() == list(range(4)) and losses.shape == (1, 4)
     assert losses.mean().item() == pytest.approx(test_loss, rel=1e-5)  # equal windows: mean of means
+    report = json.loads(next((tmp_path / "eval").rglob("test_scores.json")).read_text())
+    low, high = report["bootstrap_95"]
+    assert low <= test_loss <= high and report["windows"] == 4 and report["documents"] == 4
+    assert report["loss"] == pytest.approx(test_loss, rel=1e-5)

@@ -1,0 +1,71 @@
+"""Ensemble evaluation (Table 1, Fig. 16): route on 256 bytes, average top-k experts' probabilities.
+
+Every expert scores every window once; the router's ranking orders the experts per window, and a
+cumulative log-sum-exp over that order gives the log-probability of each target under the average
+of the top-k experts' distributions for every k at once, so the whole top-k curve comes from one
+pass. The average of k distributions is itself a distribution: only target probabilities are
+needed, never the averaged 256-way distribution (`ensemble_probabilities` builds it for checks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from soma_pl.models.experts import StackedExperts
+
+
+@dataclass
+class EnsembleScores:
+    """Per-window results of one evaluation pass.
+
+    Attributes:
+        loss_by_k: ``[b, K]`` mean scored nats/byte of the top-k average, k = 1..K.
+        expert_losses: ``[E, b]`` each expert's own mean scored nats/byte.
+        ranking: ``[b, E]`` the router's expert order for each window, best first.
+    """
+
+    loss_by_k: Tensor
+    expert_losses: Tensor
+    ranking: Tensor
+
+
+@torch.no_grad()
+def score_windows(model: StackedExperts, ranking: Tensor, windows: Tensor, max_k: int,
+                  score_from: int) -> EnsembleScores:
+    """Score `windows: [b, T] uint8` with every expert and every top-k ensemble up to `max_k`.
+
+    Args:
+        model: E stacked experts.
+        ranking: ``[b, E]`` expert indices per window, best first (the router's order).
+        windows: ``[b, T]`` bytes; targets from position ``score_from`` on are scored.
+        max_k: largest ensemble size scored (capped at E).
+        score_from: first scored target (256 in the paper's protocol).
+    """
+    experts = model.num_experts
+    max_k = min(max_k, experts)
+    tokens = windows.unsqueeze(0).expand(experts, *windows.shape)
+    top = ranking[:, :max_k]
+    log_k = torch.log(torch.arange(1, max_k + 1, device=windows.device, dtype=torch.float32))
+    ensemble_nats, expert_nats = 0.0, 0.0
+    for chunk in model.target_log_probs({}, tokens, score_from):  # [E, b, Tc]
+        expert_nats = expert_nats - chunk.sum(2)
+        ranked = chunk.permute(1, 0, 2).gather(1, top[:, :, None].expand(-1, -1, chunk.shape[2]))  # [b, k, Tc]
+        mixture = torch.logcumsumexp(ranked, dim=1) - log_k[None, :, None]
+        ensemble_nats = ensemble_nats - mixture.sum(2)
+    targets = windows.shape[1] - 1 - score_from
+    return EnsembleScores(ensemble_nats / targets, expert_nats / targets, ranking)
+
+
+@torch.no_grad()
+def ensemble_probabilities(model: StackedExperts, ranking: Tensor, windows: Tensor, k: int) -> Tensor:
+    """The averaged next-byte distribution of each window's top-k experts: ``[b, T, 256]``."""
+    experts = model.num_experts
+    tokens = windows.unsqueeze(0).expand(experts, *windows.shape)
+    probs = torch.softmax(model(tokens), dim=-1)  # [E, b, T, 256]
+    top = ranking[:, :k]
+    batch_index = torch.arange(windows.shape[0], device=windows.device)[:, None]
+    return probs[top, batch_index].mean(1)
+
