@@ -2,7 +2,7 @@
 
 - `fit`, `validate`, `test`, `predict`: LightningCLI over the LightningModules and DataModules.
 - `prepare --config configs/data/<name>.yaml`: build a prepared dataset folder.
-- `bench data --config ... --out FILE.json`: measurements, written as JSON.
+- `bench data --config ... --out FILE.json`, `bench zo --out FILE.json`: measurements, written as JSON.
 - `analyze params --out FILE.json`: analyses behind the paper's tables and figures.
 
 Bad input ends with one line on stderr and exit status 2.
@@ -52,6 +52,31 @@ def _run_prepare(args: Namespace) -> None:
     print(json.dumps(summary, indent=2))
 
 
+def _shard_parser() -> ArgumentParser:
+    from soma_pl.data.sharding import ShardConfig
+
+    parser = ArgumentParser(description="Split a prepared dataset into N expert shard sets and fit the router.")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML with a `shard:` section")
+    parser.add_argument("--shard", type=ShardConfig, default=ShardConfig(), help="what to shard")
+    parser.add_argument("--progress", type=bool, default=True, help="show progress bars")
+    return parser
+
+
+def _run_shard(args: Namespace) -> None:
+    from soma_pl.data.sharding import read_shard_manifest, shard
+
+    output = shard(args.shard, progress=args.progress)
+    manifest = read_shard_manifest(output)
+    keys = ("num_experts", "documents", "shard_sizes", "rebalanced_documents", "contingency", "purity",
+            "router_agreement", "shard_seconds")
+    summary = {"output_dir": str(output), "router": str(output / manifest["router"]),
+               "embedder": manifest["config"]["embedder"], "sharding": manifest["config"]["sharding"],
+               **{key: manifest[key] for key in keys},
+               "train_documents": [e["train"]["documents"] for e in manifest["expert_sizes"]],
+               "val_documents": [e["val"]["documents"] for e in manifest["expert_sizes"]]}
+    print(json.dumps(summary, indent=2))
+
+
 def _bench_data_parser() -> ArgumentParser:
     from soma_pl.data.prepare import PrepareConfig
 
@@ -74,6 +99,30 @@ def _run_bench_data(args: Namespace) -> None:
     _emit(result, args.out)
 
 
+def _bench_zo_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Zero-order update throughput: batched SPSA vs inference and a naive loop.")
+    parser.add_argument("--widths", type=list[int], default=[32, 181], help="body widths d_t, one record each")
+    parser.add_argument("--n_pert", type=int, default=64, help="directions per update")
+    parser.add_argument("--micro_batch", type=int, default=8, help="windows per update (B)")
+    parser.add_argument("--context", type=int, default=256, help="predicted bytes per window (T)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed updates per measurement (median)")
+    parser.add_argument("--max_rows", type=int | None, default=None,
+                        help="windows per loss call; default: the fastest of a few, measured")
+    parser.add_argument("--naive_directions", type=int, default=8, help="directions the naive loop is timed on")
+    parser.add_argument("--soma_experts", type=int, default=8, help="experts of the SOMA record; 0 skips it")
+    parser.add_argument("--out", type=str, default="bench_zo.json")
+    return parser
+
+
+def _run_bench_zo(args: Namespace) -> None:
+    from soma_pl.bench.zo import ZOBenchSettings, bench_zo
+
+    settings = ZOBenchSettings(n_pert=args.n_pert, micro_batch=args.micro_batch, context=args.context,
+                               repeats=args.repeats, max_rows=args.max_rows,
+                               naive_directions=args.naive_directions)
+    _emit(bench_zo(tuple(args.widths), settings, soma_experts=args.soma_experts), args.out)
+
+
 def _analyze_params_parser() -> ArgumentParser:
     parser = ArgumentParser(description="Table 2: parameter counts computed from the real modules.")
     parser.add_argument("--out", type=str, default="params.json")
@@ -89,7 +138,8 @@ def _run_analyze_params(args: Namespace) -> None:
 # command -> subcommand -> (parser factory, runner); a None subcommand means the command has none.
 TOOLS: dict[str, dict[str | None, tuple[Callable[[], ArgumentParser], Callable[[Namespace], None]]]] = {
     "prepare": {None: (_prepare_parser, _run_prepare)},
-    "bench": {"data": (_bench_data_parser, _run_bench_data)},
+    "shard": {None: (_shard_parser, _run_shard)},
+    "bench": {"data": (_bench_data_parser, _run_bench_data), "zo": (_bench_zo_parser, _run_bench_zo)},
     "analyze": {"params": (_analyze_params_parser, _run_analyze_params)},
 }
 

@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from soma_pl.cli import _prepare_parser
+from soma_pl.cli import _prepare_parser, _shard_parser
 from soma_pl.data.datamodule import ByteDataModule
 from soma_pl.lightning_cli import make_cli
 from soma_pl.lit.base import ByteLMModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
-EXPECTED = 5  # configs/{quickstart,spsa,bptt}.yaml, configs/data/{demo,fineweb_edu}.yaml
+EXPECTED = 10  # configs/{quickstart,spsa,bptt,seed,soma_quickstart}.yaml, data/{demo,fineweb_edu}, shard/{demo_n2,demo_n3,fineweb_n8}
+# configs/shard/{demo_n2,demo_n3,fineweb_n8}.yaml
 
 
 def test_found_every_config():
@@ -24,6 +25,11 @@ def test_found_every_config():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_config_parses(path, monkeypatch):
     content = yaml.safe_load(path.read_text())
+    if "shard" in content:
+        parser = _shard_parser()
+        config = parser.instantiate(parser.parse_args(["--config", str(path)]))
+        assert config.shard.output_dir and config.shard.num_experts >= 1
+        return
     if "dataset" in content:
         parser = _prepare_parser()
         config = parser.instantiate(parser.parse_args(["--config", str(path)]))

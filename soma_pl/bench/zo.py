@@ -13,6 +13,7 @@ Records:
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -138,3 +139,119 @@ class Updater:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+
+
+@torch.no_grad()
+def inference(model: StackedExperts, rows: Tensor, max_rows: int | None) -> None:
+    """Loss of the unperturbed model on rows ``[E, R, T + 1]``, at most max_rows windows per call."""
+    chunk = rows.shape[1] if max_rows is None else max(1, max_rows // rows.shape[0])
+    for part in rows.split(chunk, dim=1):
+        model.loss_per_group({}, part)
+
+
+def choose_rows(run: Callable[[int | None], object], total_rows: int,
+                settings: ZOBenchSettings) -> tuple[int | None, list[dict]]:
+    """The fastest windows-per-call for ``run(max_rows)``: the given one, or the best candidate.
+
+    Each candidate below ``total_rows`` (None = all rows in one call) is timed once after one
+    warmup run. Returns the choice and each candidate's seconds.
+    """
+    if settings.max_rows is not None:
+        return settings.max_rows, []
+    candidates = [rows for rows in ROW_CANDIDATES if rows is None or rows < total_rows]
+    timings = [{"max_rows": rows, "seconds": median_seconds(lambda: run(rows), 1, 1)}
+               for rows in candidates]
+    best = min(timings, key=lambda timing: timing["seconds"])
+    return best["max_rows"], timings
+
+
+def _throughput(tokens: int, seconds: float) -> float:
+    return round(tokens / seconds, 1)
+
+
+def zo_record(width: int, settings: ZOBenchSettings) -> dict:
+    """One expert of width d_t: batched SPSA updates vs inference and vs a naive MeZO loop.
+
+    Inference runs the unperturbed model on the same windows repeated ``2 · n_pert`` times (the
+    same token count as one update), under the same threads, dtype and time chunk, at its own
+    fastest windows-per-call. The naive loop is timed on ``naive_directions`` directions and its
+    time scaled linearly to n_pert (every direction costs the same two forwards).
+    """
+    model, windows = build_model(1, width, settings), random_windows(1, settings)
+    updater = Updater(model, windows, settings)
+    total_rows = 2 * settings.n_pert * settings.micro_batch
+    tokens = total_rows * settings.context
+    max_rows, chunk_timings = choose_rows(updater.spsa, total_rows, settings)
+    update = median_seconds(lambda: updater.spsa(max_rows), settings.repeats, settings.warmup)
+    repeated = windows.repeat(1, 2 * settings.n_pert, 1)
+    inference_rows, _ = choose_rows(lambda rows: inference(model, repeated, rows), total_rows, settings)
+    inferred = median_seconds(lambda: inference(model, repeated, inference_rows), settings.repeats,
+                              settings.warmup)
+    timed = min(settings.n_pert, settings.naive_directions)
+    naive = median_seconds(lambda: updater.naive(timed), settings.repeats, settings.warmup)
+    naive *= settings.n_pert / timed
+    zo_speed, inference_speed = _throughput(tokens, update), _throughput(tokens, inferred)
+    return {
+        "record": "zo", "d_t": width, "experts": 1, "params": sum(p.numel() for p in model.parameters()),
+        "n_pert": settings.n_pert, "micro_batch": settings.micro_batch, "context": settings.context,
+        "max_rows": max_rows, "max_rows_timings": chunk_timings, "inference_max_rows": inference_rows,
+        "token_forwards_per_update": tokens,
+        "update_seconds": update, "inference_seconds": inferred, "naive_update_seconds": naive,
+        "naive_directions_timed": timed,
+        "zo_tokens_per_s": zo_speed, "inference_tokens_per_s": inference_speed,
+        "efficiency": round(zo_speed / inference_speed, 4), "naive_speedup": round(naive / update, 2),
+    }
+
+
+def soma_record(experts: int, width: int, settings: ZOBenchSettings) -> dict:
+    """E experts of width d_t: one batched update of all of them vs E single-expert updates in turn.
+
+    Both sides run the same SPSA update (n_pert, B, T) on the same windows, each at its own fastest
+    windows-per-call; ``speedup`` = sequential seconds / batched seconds.
+    """
+    windows = random_windows(experts, settings)
+    batched = Updater(build_model(experts, width, settings), windows, settings)
+    singles = [Updater(build_model(1, width, settings), windows[e : e + 1], settings)
+               for e in range(experts)]
+    rows_per_expert = 2 * settings.n_pert * settings.micro_batch
+    max_rows, _ = choose_rows(batched.spsa, experts * rows_per_expert, settings)
+    single_rows, _ = choose_rows(singles[0].spsa, rows_per_expert, settings)
+    together = median_seconds(lambda: batched.spsa(max_rows), settings.repeats, settings.warmup)
+
+    def one_after_another() -> None:
+        for single in singles:
+            single.spsa(single_rows)
+
+    sequential = median_seconds(one_after_another, settings.repeats, settings.warmup)
+    tokens = experts * rows_per_expert * settings.context
+    return {
+        "record": "soma_batched_vs_sequential", "d_t": width, "experts": experts,
+        "params": sum(p.numel() for p in batched.model.parameters()),
+        "n_pert": settings.n_pert, "micro_batch": settings.micro_batch, "context": settings.context,
+        "max_rows": max_rows, "sequential_max_rows": single_rows, "token_forwards_per_update": tokens,
+        "batched_seconds": together, "sequential_seconds": sequential,
+        "batched_tokens_per_s": _throughput(tokens, together),
+        "sequential_tokens_per_s": _throughput(tokens, sequential),
+        "speedup": round(sequential / together, 2),
+    }
+
+
+def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBenchSettings(),
+             soma_experts: int = 8, soma_width: int = 32) -> dict:
+    """One ``zo`` record per width, then (unless ``soma_experts`` is 0) the SOMA record.
+
+    Returns ``{"benchmark": "zo", "machine": ..., "settings": ..., "results": [...]}``; the load
+    average before and after shows whether other jobs shared the CPU.
+    """
+    load_before = os.getloadavg()
+    results = [zo_record(width, settings) for width in widths]
+    if soma_experts:
+        results.append(soma_record(soma_experts, soma_width, settings))
+    return {
+        "benchmark": "zo",
+        "machine": {"processor": platform.processor() or platform.machine(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "load_average_before": load_before,
+                    "load_average_after": os.getloadavg()},
+        "settings": asdict(settings),
+        "results": results,
+    }

@@ -7,16 +7,18 @@ index [b])` from the prepared ensemble-validation and test sets.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader
 
-from soma_pl.data.evalsets import EvalDataset, EvalSet
+from soma_pl.data.evalsets import EvalDataset, EvalSet, ExpertWindowsDataset
 from soma_pl.data.experts import read_expert_shards
 from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
 from soma_pl.data.shards import ShardRecord, Verify, verify_shards
-from soma_pl.data.stream import WindowStream
+from soma_pl.data.stream import WindowStream, fixed_windows
 from soma_pl.errors import DataError
 
 class ByteDataModule(L.LightningDataModule):
@@ -32,12 +34,15 @@ class ByteDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes for the training stream.
         seed: seed of the training stream.
         verify: check shards against the manifest by `size` or by `sha256` before reading.
+        expert_val_windows: with `experts_dir`, fixed windows per expert from its own
+            expert-validation split (drives that expert's learning-rate decay).
         auto_prepare: run `prepare` in `prepare_data()` when the dataset is missing or stale.
     """
 
     def __init__(self, dataset: PrepareConfig = PrepareConfig(), experts_dir: str | None = None,
                  batch_size: int = 64, eval_batch_size: int = 64, shuffle_buffer: int = 1024,
-                 num_workers: int = 0, seed: int = 0, verify: Verify = Verify.sha256, auto_prepare: bool = True):
+                 num_workers: int = 0, seed: int = 0, verify: Verify = Verify.sha256, auto_prepare: bool = True,
+                 expert_val_windows: int = 16):
         super().__init__()
         self.dataset = dataset
         self.experts_dir = experts_dir
@@ -48,6 +53,8 @@ class ByteDataModule(L.LightningDataModule):
         self.seed = seed
         self.verify = Verify(verify)
         self.auto_prepare = auto_prepare
+        self.expert_val_windows = expert_val_windows
+        self.expert_val: torch.Tensor | None = None
         self.shard_sets: list[list[Path]] = []
         self.val_set: EvalSet | None = None
         self.test_set: EvalSet | None = None
@@ -67,7 +74,14 @@ class ByteDataModule(L.LightningDataModule):
             self.shard_sets = [verify_shards(self.root, records, self.verify)]
         else:
             folder = Path(self.experts_dir).expanduser()
-            self.shard_sets = [verify_shards(folder, e.train, self.verify) for e in read_expert_shards(folder)]
+            experts = read_expert_shards(folder)
+            self.shard_sets = [verify_shards(folder, e.train, self.verify) for e in experts]
+            val_sets = [verify_shards(folder, e.val, self.verify) for e in experts]
+            if all(val_sets):
+                self.expert_val = torch.stack([fixed_windows(paths, self.expert_val_windows) for paths in val_sets])
+            else:
+                warnings.warn(f"{folder}: some experts have no validation shards; no per-expert validation",
+                              stacklevel=2)
         self.val_set = EvalSet.load(self.root / manifest["ensemble_val"]["file"])
         self.test_set = EvalSet.load(self.root / manifest["test"]["file"])
 
@@ -86,8 +100,13 @@ class ByteDataModule(L.LightningDataModule):
         return DataLoader(self.train_stream(skip), batch_size=None, num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.val_set)
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """Ensemble validation; with expert shards also each expert's own windows, `[E, b, 1025]`."""
+        ensemble = self._eval_loader(self.val_set)
+        if self.expert_val is None:
+            return ensemble
+        per_expert = DataLoader(ExpertWindowsDataset(self.expert_val), batch_size=None)
+        return [ensemble, per_expert]
 
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader(self.test_set)

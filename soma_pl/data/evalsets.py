@@ -85,3 +85,16 @@ class EvalDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.windows[index], index
+
+
+class ExpertWindowsDataset(torch.utils.data.Dataset):
+    """Item i is `[E, b, 1025] uint8`: batch i of every expert's own validation windows."""
+
+    def __init__(self, windows: torch.Tensor, batch_size: int = 16):
+        self.batches = windows.split(batch_size, dim=1)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.batches[index]

@@ -1,7 +1,8 @@
-"""LightningModules, one per file: SPSA, BPTT (SOMA, EGGROLL, DDPP follow)."""
+"""LightningModules, one per file: SPSA, BPTT, SOMA (EGGROLL and DDPP follow)."""
 
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.lit.bptt import BPTTModule
+from soma_pl.lit.soma import HeadTraining, Init, SOMAModule
 from soma_pl.lit.spsa import EpsSchedule, SPSAModule
 
-__all__ = ["BPTTModule", "ByteLMModule", "EpsSchedule", "SPSAModule"]
+__all__ = ["BPTTModule", "ByteLMModule", "EpsSchedule", "HeadTraining", "Init", "SOMAModule", "SPSAModule"]

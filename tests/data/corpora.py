@@ -12,13 +12,14 @@ WORDS = "river stone maple quartz lantern harbor cedar violet ember meadow falco
 MARKER = re.compile(rb"<([a-z]+):(\d{5})>")
 
 
-def synthetic_text(source: str, number: int, words: int, rng: random.Random) -> str:
+def synthetic_text(source: str, number: int, words: int, rng: random.Random,
+                   vocabulary: list[str] | None = None) -> str:
     """A document whose marker `<source:number>` recurs every ~10 words, so any window names it."""
     parts = []
     for i in range(words):
         if i % 10 == 0:
             parts.append(f"<{source}:{number:05d}>")
-        parts.append(f"{rng.choice(WORDS)}{rng.randint(0, 99)}")
+        parts.append(f"{rng.choice(vocabulary or WORDS)}{rng.randint(0, 99)}")
     return " ".join(parts)
 
 
@@ -30,15 +31,19 @@ def window_owner(window: bytes) -> tuple[str, int]:
 
 
 def write_jsonl_corpus(folder: Path, sources: dict[str, int], seed: int = 0, min_words: int = 60,
-                       max_words: int = 900) -> dict[str, str]:
-    """One JSONL file per source with `sources[name]` documents; returns marker key -> text."""
+                       max_words: int = 900, vocabularies: dict[str, list[str]] | None = None) -> dict[str, str]:
+    """One JSONL file per source with `sources[name]` documents; returns marker key -> text.
+
+    `vocabularies` gives a source its own word list (default: the shared `WORDS`).
+    """
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
     texts = {}
     for source, count in sources.items():
         with open(folder / f"{source}.jsonl", "w") as handle:
             for number in range(count):
-                text = synthetic_text(source, number, rng.randint(min_words, max_words), rng)
+                vocabulary = (vocabularies or {}).get(source)
+                text = synthetic_text(source, number, rng.randint(min_words, max_words), rng, vocabulary)
                 texts[f"{source}:{number:05d}"] = text
                 handle.write(json.dumps({"text": text, "id": number}) + "\n")
     return texts

@@ -1,0 +1,1 @@
+"""Benchmarks (structure only; never timing thresholds)."""
