@@ -135,10 +135,9 @@ class SOMAModule(SPSAModule):
         # A fresh fit starts from the seed; a resumed one gets its weights from the checkpoint.
         if stage == "fit" and self.init is Init.seed and self.trainer.ckpt_path is None:
             self._warm_start(self.seed_checkpoint)
-        if self.router is None:
-            path = self.router_path or self._default_router_path()
-            self.router = Router.load(path)
-        if self.router.num_experts != self.model.num_experts:
+        if self.router is None and self.trainer.ckpt_path is None:  # a checkpoint brings its own router
+            self.router = Router.load(self.router_path or self._default_router_path())
+        if self.router is not None and self.router.num_experts != self.model.num_experts:
             raise ConfigError(f"router has {self.router.num_experts} centroids, the model {self.model.num_experts} experts")
 
     def _default_router_path(self) -> str:

@@ -49,3 +49,123 @@ def test_expert_plateau_decays_only_the_expert_that_stalls():
         plateau.step(torch.tensor(losses))
     assert plateau.scale.tolist() == [1.0, 0.5, 1.0]
     assert plateau.bad.tolist() == [0, 1, 0]
+
+
+# --- end to end through the CLI -------------------------------------------------------------
+
+from pathlib import Path  # noqa: E402
+
+from soma_pl.data.prepare import PrepareConfig  # noqa: E402
+from soma_pl.data.readers import CorpusConfig  # noqa: E402
+from soma_pl.data.sharding import ShardConfig, shard  # noqa: E402
+from soma_pl.lightning_cli import make_cli  # noqa: E402
+from soma_pl.models.router import Router  # noqa: E402
+
+
+TINY_SOMA = Path(__file__).with_name("tiny_soma.yaml")
+
+
+@pytest.fixture(scope="module")
+def sharded(corpus_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("soma")
+    dataset = PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(corpus_dir)]), output_dir=str(root / "data"),
+                            val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000)
+    experts = shard(ShardConfig(dataset=dataset, num_experts=2, output_dir=str(root / "experts"), val_fraction=0.05,
+                                shard_max_bytes=40000), progress=False)
+    return root, dataset, experts
+
+
+def soma_args(corpus: Path, root: Path, experts: Path, run: str, *extra: str) -> list[str]:
+    return ["--config", str(TINY_SOMA), f"--data.init_args.dataset.corpus.paths=[{corpus}]",
+            f"--data.init_args.dataset.output_dir={root / 'data'}", f"--data.init_args.experts_dir={experts}",
+            f"--trainer.default_root_dir={root / run}", f"--checkpoint.dirpath={root / run / 'checkpoints'}",
+            "--trainer.logger=false", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(sharded, corpus_dir):
+    root, _, experts = sharded
+    cli = make_cli(["fit", *soma_args(corpus_dir, root, experts, "fit")])
+    return cli, root / "fit" / "checkpoints" / "last.ckpt"
+
+
+def test_soma_fit_trains_every_expert_and_logs_per_expert(trained):
+    cli, checkpoint_path = trained
+    metrics = cli.trainer.callback_metrics
+    assert {f"expert/{e}/{m}" for e in (0, 1) for m in ("train_loss", "val_loss", "lr")} <= set(metrics)
+    assert 0 < metrics["val/loss"].item() < 6
+    checkpoint = torch.load(checkpoint_path, weights_only=False)
+    assert checkpoint["global_step"] == 8 and "router" in checkpoint
+    w = checkpoint["state_dict"]["model.w_hh"]
+    assert not torch.equal(w[0], w[1]), "random init: the experts differ"
+
+
+def test_checkpoint_round_trips_with_its_router(trained, sharded, corpus_dir, tmp_path):
+    _, checkpoint = trained
+    root, _, experts = sharded
+    original = Router.load(experts / "router.pt")
+    flipped = Router(original.encoder, original.centroids.flip(0))  # another router on disk
+    flipped.save(tmp_path / "router.pt")
+    cli = make_cli(["validate", *soma_args(corpus_dir, root, experts, "validate"),
+                    f"--model.init_args.router_path={tmp_path / 'router.pt'}", f"--ckpt_path={checkpoint}"])
+    windows = torch.randint(0, 256, (6, 1025), dtype=torch.uint8)
+    assert torch.equal(cli.model.router.ranking(windows), original.ranking(windows))
+    assert not torch.equal(flipped.ranking(windows), original.ranking(windows))
+    assert cli.trainer.callback_metrics["val/loss"].item() == pytest.approx(
+        trained[0].trainer.callback_metrics["val/loss"].item(), rel=1e-5)
+
+
+def _seed_checkpoint(path: Path, width: int) -> Path:
+    from soma_pl.lit.spsa import SPSAModule
+
+    seed = SPSAModule(width=width, num_layers=1, embed_dim=8)
+    torch.save({"state_dict": seed.state_dict(), "hyper_parameters": dict(seed.hparams)}, path)
+    return path
+
+
+def _soma(tmp_path, **kwargs) -> SOMAModule:
+    from soma_pl.lit.soma import SOMAModule
+
+    settings = {"num_experts": 2, "width": 8, "num_layers": 1, "embed_dim": 8, **kwargs}
+    return SOMAModule(**settings)
+
+
+def test_warm_start_copies_the_seed_into_every_expert(tmp_path):
+    path = _seed_checkpoint(tmp_path / "seed.ckpt", width=8)
+    seed_state = torch.load(path, weights_only=False)["state_dict"]
+    module = _soma(tmp_path, init="seed", seed_checkpoint=str(path))
+    module._warm_start(str(path))
+    for name, param in module.model.named_parameters():
+        for expert in range(2):
+            assert torch.equal(param[expert], seed_state[f"model.{name}"][0]), name
+
+
+def test_warm_start_from_another_width_names_both_shapes(tmp_path):
+    path = _seed_checkpoint(tmp_path / "seed.ckpt", width=6)
+    module = _soma(tmp_path, init="seed", seed_checkpoint=str(path))
+    with pytest.raises(ConfigError, match=r"'norm_gains' has shape \[2, 6\] per expert.*have \[2, 8\]"):
+        module._warm_start(str(path))
+
+
+def test_frozen_shared_head_is_one_frozen_copy_of_the_seed_head(tmp_path):
+    path = _seed_checkpoint(tmp_path / "seed.ckpt", width=8)
+    module = _soma(tmp_path, init="seed", seed_checkpoint=str(path), head_training="frozen_shared")
+    module._warm_start(str(path))
+    assert module.model.head.shape == (256, 8) and not module.model.head.requires_grad
+    assert "head" not in module.trainable_parameters()
+    assert torch.equal(module.model.head, torch.load(path, weights_only=False)["state_dict"]["model.head"][0])
+    random_head = _soma(tmp_path, init="seed", seed_checkpoint=str(path), head_training="frozen_random")
+    random_head._warm_start(str(path))
+    assert not torch.equal(random_head.model.head, module.model.head)
+
+
+def test_decoder_only_embeds_with_the_unperturbed_head(tmp_path):
+    from soma_pl.models.experts import EMBED_HEAD
+
+    module = _soma(tmp_path, init="random", head_training="decoder_only")
+    tokens = torch.randint(0, 256, (4, 2, 12), dtype=torch.uint8)  # 2 experts x 2 copies
+    perturbed = {"head": module.model.head.repeat_interleave(2, 0) + 0.5 * torch.randn(4, 256, 8)}
+    decoder_only = module.loss_fn(perturbed, tokens)
+    expected = module.model.loss_per_group({**perturbed, EMBED_HEAD: module.model.head.repeat_interleave(2, 0)}, tokens)
+    torch.testing.assert_close(decoder_only, expected)
+    assert not torch.allclose(decoder_only, module.model.loss_per_group(perturbed, tokens))
