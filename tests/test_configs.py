@@ -14,7 +14,7 @@ from soma_pl.lit.base import ByteLMModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
-EXPECTED = 10  # configs/{quickstart,spsa,bptt,seed,soma_quickstart}.yaml, data/{demo,fineweb_edu}, shard/{demo_n2,demo_n3,fineweb_n8}
+EXPECTED = 15  # configs/{quickstart,spsa,bptt,seed,soma_quickstart,soma_n2,soma_n8,soma_n256}, data/ (2), shard/ (3), demo/ (2)
 # configs/shard/{demo_n2,demo_n3,fineweb_n8}.yaml
 
 

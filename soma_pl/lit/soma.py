@@ -24,7 +24,6 @@ from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
 from soma_pl.eval.metrics import PerExpertNats
 from soma_pl.lit.base import UpdateClock
 from soma_pl.lit.spsa import EpsSchedule, SPSAModule
-from soma_pl.models.checkpoints import monolithic_state
 from soma_pl.models.experts import EMBED_HEAD, HeadMode
 from soma_pl.models.router import Router
 
@@ -105,36 +104,17 @@ class SOMAModule(SPSAModule):
         self.top_k = top_k
         self.router_path = router_path
         self.router: Router | None = None
-        self.init = Init(init)
-        self.seed_checkpoint = seed_checkpoint
-        if self.init is Init.seed and seed_checkpoint is None:
+        if Init(init) is Init.seed and seed_checkpoint is None:
             raise ConfigError("init: seed needs model.init_args.seed_checkpoint (or set init: random)")
+        self.init_checkpoint = seed_checkpoint if Init(init) is Init.seed else None
+        self.keep_head = head_training is HeadTraining.frozen_random
         if shared:
             self.model.head.requires_grad_(False)
         self.plateau = ExpertPlateau(num_experts, plateau_factor, plateau_patience)
         self.expert_val_loss = PerExpertNats(num_experts)
 
-    @torch.no_grad()
-    def _warm_start(self, path: str) -> None:
-        """Copy the seed model into every expert (and into the shared head, unless it is random)."""
-        state, _ = monolithic_state(path)
-        for name, param in self.model.named_parameters():
-            if name == "head" and self.head_training is HeadTraining.frozen_random:
-                continue
-            if name not in state:
-                raise ConfigError(f"seed checkpoint {path}: no '{name}'")
-            source = state[name]
-            one = source if name == "head" and source.dim() == 2 else source[0]  # one expert's tensor
-            wanted = param.shape if self.model.is_shared(name) else param.shape[1:]
-            if one.shape != wanted:
-                raise ConfigError(f"seed checkpoint {path}: '{name}' has shape {list(one.shape)} per expert, "
-                                  f"the configured experts have {list(wanted)}")
-            param.copy_(one if self.model.is_shared(name) else one.expand_as(param))
-
     def setup(self, stage: str) -> None:
-        # A fresh fit starts from the seed; a resumed one gets its weights from the checkpoint.
-        if stage == "fit" and self.init is Init.seed and self.trainer.ckpt_path is None:
-            self._warm_start(self.seed_checkpoint)
+        super().setup(stage)
         if self.router is None and self.trainer.ckpt_path is None:  # a checkpoint brings its own router
             self.router = Router.load(self.router_path or self._default_router_path())
         if self.router is not None and self.router.num_experts != self.model.num_experts:

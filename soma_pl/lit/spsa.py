@@ -16,7 +16,9 @@ from torch import Tensor
 from soma_pl import ROUTE_BYTES
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
+from soma_pl.errors import ConfigError
 from soma_pl.lit.base import ByteLMModule, UpdateClock
+from soma_pl.models.checkpoints import monolithic_state
 from soma_pl.models.experts import HeadMode
 
 
@@ -43,6 +45,8 @@ class SPSAModule(ByteLMModule):
         plateau_patience: validations without improvement before a decay.
         min_lr: floor of the decayed learning rate.
         seed: seed of the perturbation directions (regenerated from seed, step, expert, direction).
+        init_checkpoint: a monolithic checkpoint of the same shapes to start from (a seed model);
+            every expert starts as a copy of it. Ignored when resuming (`--ckpt_path`).
         Other arguments: see `ByteLMModule`.
     """
 
@@ -52,15 +56,39 @@ class SPSAModule(ByteLMModule):
                  optimizer: OptimizerCallable = torch.optim.SGD, plateau_factor: float = 0.5,
                  plateau_patience: int = 2, min_lr: float = 0.0, seed: int = 0, train_context: int = 1024,
                  score_from: int = ROUTE_BYTES, time_chunk: int = 64, num_experts: int = 1,
-                 head: HeadMode = HeadMode.PER_EXPERT):
+                 head: HeadMode = HeadMode.PER_EXPERT, init_checkpoint: str | None = None):
         super().__init__(num_experts, width, num_layers, embed_dim, head, train_context, score_from, time_chunk)
         self.save_hyperparameters(ignore=["optimizer"])
+        self.init_checkpoint = init_checkpoint
+        self.keep_head = False
         self.automatic_optimization = False
         self.spsa = SPSAConfig(eps=eps, n_pert=n_pert, micro_batch=micro_batch, direction=DirectionKind(direction),
                                max_rows=max_rows)
         self.eps_schedule = EpsSchedule(eps_schedule)
         self.optimizer_factory = optimizer
         self.seed = seed
+
+    def setup(self, stage: str) -> None:
+        # A fresh fit starts from the seed; a resumed one gets its weights from the checkpoint.
+        if stage == "fit" and self.init_checkpoint and self.trainer.ckpt_path is None:
+            self._warm_start(self.init_checkpoint)
+
+    @torch.no_grad()
+    def _warm_start(self, path: str) -> None:
+        """Copy the seed model into every expert (and into the shared head, unless it is random)."""
+        state, _ = monolithic_state(path)
+        for name, param in self.model.named_parameters():
+            if name == "head" and self.keep_head:
+                continue
+            if name not in state:
+                raise ConfigError(f"seed checkpoint {path}: no '{name}'")
+            source = state[name]
+            one = source if name == "head" and source.dim() == 2 else source[0]  # one expert's tensor
+            wanted = param.shape if self.model.is_shared(name) else param.shape[1:]
+            if one.shape != wanted:
+                raise ConfigError(f"seed checkpoint {path}: '{name}' has shape {list(one.shape)} per expert, "
+                                  f"the configured experts have {list(wanted)}")
+            param.copy_(one if self.model.is_shared(name) else one.expand_as(param))
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.trainable_parameters().values())
