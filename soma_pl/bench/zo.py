@@ -17,7 +17,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -51,22 +51,33 @@ class ZOBenchSettings:
     naive_directions: int = 8
     """Directions the naive loop is timed on; its time is scaled to n_pert."""
     embed_dim: int = 32
+    """Head width d_E."""
     num_layers: int = 4
+    """LSTM layers per expert."""
     eps: float = 1e-3
+    """SPSA ε."""
     lr: float = 1e-3
+    """SGD learning rate (small: the weights barely move over a benchmark's updates)."""
     seed: int = 0
+    """Seed of the weights, the windows and the directions."""
 
 
-def median_seconds(run: Callable[[], object], repeats: int, warmup: int) -> float:
-    """Median wall time of ``run()`` over ``repeats`` calls after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        run()
-    times = []
+def median_seconds(runs: Mapping[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median wall time of each ``run()`` over ``repeats`` calls, after ``warmup`` untimed calls each.
+
+    The runs take turns (a, b, a, b, ...) so that a slow spell from another process on the machine
+    lands on all of them alike and their ratios stay fair.
+    """
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def random_windows(experts: int, settings: ZOBenchSettings) -> Tensor:
@@ -159,7 +170,7 @@ def choose_rows(run: Callable[[int | None], object], total_rows: int,
     if settings.max_rows is not None:
         return settings.max_rows, []
     candidates = [rows for rows in ROW_CANDIDATES if rows is None or rows < total_rows]
-    timings = [{"max_rows": rows, "seconds": median_seconds(lambda: run(rows), 1, 1)}
+    timings = [{"max_rows": rows, "seconds": median_seconds({"run": lambda: run(rows)}, 1, 1)["run"]}
                for rows in candidates]
     best = min(timings, key=lambda timing: timing["seconds"])
     return best["max_rows"], timings
@@ -175,21 +186,24 @@ def zo_record(width: int, settings: ZOBenchSettings) -> dict:
     Inference runs the unperturbed model on the same windows repeated ``2 · n_pert`` times (the
     same token count as one update), under the same threads, dtype and time chunk, at its own
     fastest windows-per-call. The naive loop is timed on ``naive_directions`` directions and its
-    time scaled linearly to n_pert (every direction costs the same two forwards).
+    time scaled linearly to n_pert (every direction costs the same two forwards; scaling its one
+    optimizer step too overstates the naive time by a negligible few milliseconds).
     """
     model, windows = build_model(1, width, settings), random_windows(1, settings)
     updater = Updater(model, windows, settings)
     total_rows = 2 * settings.n_pert * settings.micro_batch
     tokens = total_rows * settings.context
-    max_rows, chunk_timings = choose_rows(updater.spsa, total_rows, settings)
-    update = median_seconds(lambda: updater.spsa(max_rows), settings.repeats, settings.warmup)
     repeated = windows.repeat(1, 2 * settings.n_pert, 1)
+    max_rows, chunk_timings = choose_rows(updater.spsa, total_rows, settings)
     inference_rows, _ = choose_rows(lambda rows: inference(model, repeated, rows), total_rows, settings)
-    inferred = median_seconds(lambda: inference(model, repeated, inference_rows), settings.repeats,
-                              settings.warmup)
     timed = min(settings.n_pert, settings.naive_directions)
-    naive = median_seconds(lambda: updater.naive(timed), settings.repeats, settings.warmup)
-    naive *= settings.n_pert / timed
+    seconds = median_seconds({
+        "update": lambda: updater.spsa(max_rows),
+        "inference": lambda: inference(model, repeated, inference_rows),
+        "naive": lambda: updater.naive(timed),
+    }, settings.repeats, settings.warmup)
+    update, inferred = seconds["update"], seconds["inference"]
+    naive = seconds["naive"] * settings.n_pert / timed
     zo_speed, inference_speed = _throughput(tokens, update), _throughput(tokens, inferred)
     return {
         "record": "zo", "d_t": width, "experts": 1, "params": sum(p.numel() for p in model.parameters()),
@@ -216,13 +230,14 @@ def soma_record(experts: int, width: int, settings: ZOBenchSettings) -> dict:
     rows_per_expert = 2 * settings.n_pert * settings.micro_batch
     max_rows, _ = choose_rows(batched.spsa, experts * rows_per_expert, settings)
     single_rows, _ = choose_rows(singles[0].spsa, rows_per_expert, settings)
-    together = median_seconds(lambda: batched.spsa(max_rows), settings.repeats, settings.warmup)
 
     def one_after_another() -> None:
         for single in singles:
             single.spsa(single_rows)
 
-    sequential = median_seconds(one_after_another, settings.repeats, settings.warmup)
+    seconds = median_seconds({"batched": lambda: batched.spsa(max_rows), "sequential": one_after_another},
+                             settings.repeats, settings.warmup)
+    together, sequential = seconds["batched"], seconds["sequential"]
     tokens = experts * rows_per_expert * settings.context
     return {
         "record": "soma_batched_vs_sequential", "d_t": width, "experts": experts,

@@ -20,8 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
 import time
 import warnings
 from collections import Counter
@@ -38,7 +36,7 @@ from soma_pl.data.heldout import HeldOutSelector, OverlapScreen, test_window_off
 from soma_pl.data.readers import CorpusConfig, corpus_fingerprint, iter_corpus
 from soma_pl.data.shards import ShardRecord, ShardWriter
 from soma_pl.errors import DataError
-from soma_pl.io import write_json_atomic
+from soma_pl.io import atomic_folder, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
@@ -92,16 +90,10 @@ def prepare(config: PrepareConfig, progress: bool = True) -> Path:
         return output
     if existing is not None:
         warnings.warn(f"{output}: prepared with another config or corpus; rebuilding", stacklevel=2)
-    work = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
+    with atomic_folder(output) as work:
         manifest = _build(config, work, progress)
         manifest["fingerprint"] = fingerprint
         write_json_atomic(work / MANIFEST, manifest)
-        _swap_into_place(work, output)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return output
 
 
@@ -208,16 +200,6 @@ def _test_set(candidates: list[Document], offsets: list[int], contaminated: np.n
         "unused_clean_candidates": len(clean) - len(chosen),
     }
     return EvalSet.from_picks(candidates, [(i, offsets[i]) for i in chosen]), stats
-
-
-def _swap_into_place(work: Path, output: Path) -> None:
-    """Replace `output` by `work` with renames, so no reader ever sees a half-written folder."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    stale = output.parent / f".{output.name}.old-{os.getpid()}"
-    if output.exists():
-        os.replace(output, stale)
-    os.replace(work, output)
-    shutil.rmtree(stale, ignore_errors=True)
 
 
 def _describe(corpus: CorpusConfig) -> str:

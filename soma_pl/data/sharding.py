@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import time
 import warnings
 from collections.abc import Iterator
@@ -35,8 +33,9 @@ from tqdm.auto import tqdm
 
 from soma_pl.data.documents import Document
 from soma_pl.data.experts import EXPERTS_MANIFEST, ExpertShardWriter
-from soma_pl.data.prepare import PrepareConfig, _swap_into_place, prepare, read_manifest
+from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
 from soma_pl.data.shards import ShardRecord, Verify, iter_shard_documents, sha256_file, verify_shards
+from soma_pl.io import atomic_folder
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.models.router import EncoderKind, HashedNgramEncoder, Router, SeedEncoder, prefix_batch
 
@@ -163,14 +162,8 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
         if _read_fingerprint(output) == fingerprint:
             return output
         warnings.warn(f"{output}: sharded with another config or dataset; rebuilding", stacklevel=2)
-    work = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
+    with atomic_folder(output) as work:
         _build(config, root, manifest, work, fingerprint, progress)
-        _swap_into_place(work, output)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return output
 
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from soma_pl import ROUTE_BYTES
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind
-from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
+from soma_pl.estimators.spsa import spsa_estimate
 from soma_pl.eval.metrics import PerExpertNats
 from soma_pl.lit.base import UpdateClock
 from soma_pl.lit.spsa import EpsSchedule, SPSAModule

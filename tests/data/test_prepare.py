@@ -25,7 +25,7 @@ from soma_pl.data.readers import CorpusConfig, iter_corpus
 from soma_pl.data.shards import ShardRecord, iter_shard_documents, verify_shards
 from soma_pl.errors import DataError
 
-from .corpora import window_owner, write_jsonl_corpus
+from .corpora import write_jsonl_corpus
 
 
 def training_documents(folder: Path) -> list[Document]:

@@ -7,7 +7,7 @@ import torch
 
 from soma_pl.errors import ConfigError
 from soma_pl.estimators import SPSAConfig, spsa_estimate
-from soma_pl.lit.soma import ExpertPlateau
+from soma_pl.lit.soma import ExpertPlateau, SOMAModule
 from soma_pl.models import StackedExperts
 
 
@@ -124,8 +124,6 @@ def _seed_checkpoint(path: Path, width: int) -> Path:
 
 
 def _soma(tmp_path, **kwargs) -> SOMAModule:
-    from soma_pl.lit.soma import SOMAModule
-
     settings = {"num_experts": 2, "width": 8, "num_layers": 1, "embed_dim": 8, **kwargs}
     return SOMAModule(**settings)
 
