@@ -24,14 +24,21 @@ from soma_pl.io import write_json_atomic
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
 
+def _section_parser(description: str, section: str, config_type: type, progress: bool = True) -> ArgumentParser:
+    """A parser whose YAML (`--config`) has one `section:` of `config_type` (a dataclass)."""
+    parser = ArgumentParser(description=description)
+    parser.add_argument("--config", action=ActionConfigFile, help=f"YAML with a `{section}:` section")
+    parser.add_argument(f"--{section}", type=config_type, default=config_type())
+    if progress:
+        parser.add_argument("--progress", type=bool, default=True, help="show progress bars")
+    return parser
+
+
 def _prepare_parser() -> ArgumentParser:
     from soma_pl.data.prepare import PrepareConfig
 
-    parser = ArgumentParser(description="Build a prepared dataset folder (shards, evaluation sets, manifest).")
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML with a `dataset:` section")
-    parser.add_argument("--dataset", type=PrepareConfig, default=PrepareConfig(), help="what to prepare")
-    parser.add_argument("--progress", type=bool, default=True, help="show progress bars")
-    return parser
+    return _section_parser("Build a prepared dataset folder (shards, evaluation sets, manifest).", "dataset",
+                           PrepareConfig)
 
 
 def _run_prepare(args: Namespace) -> None:
@@ -55,11 +62,8 @@ def _run_prepare(args: Namespace) -> None:
 def _shard_parser() -> ArgumentParser:
     from soma_pl.data.sharding import ShardConfig
 
-    parser = ArgumentParser(description="Split a prepared dataset into N expert shard sets and fit the router.")
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML with a `shard:` section")
-    parser.add_argument("--shard", type=ShardConfig, default=ShardConfig(), help="what to shard")
-    parser.add_argument("--progress", type=bool, default=True, help="show progress bars")
-    return parser
+    return _section_parser("Split a prepared dataset into N expert shard sets and fit the router.", "shard",
+                           ShardConfig)
 
 
 def _run_shard(args: Namespace) -> None:
@@ -80,9 +84,8 @@ def _run_shard(args: Namespace) -> None:
 def _bench_data_parser() -> ArgumentParser:
     from soma_pl.data.prepare import PrepareConfig
 
-    parser = ArgumentParser(description="Training-stream throughput from shards (windows/s, MB/s).")
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML with a `dataset:` section")
-    parser.add_argument("--dataset", type=PrepareConfig, default=PrepareConfig())
+    parser = _section_parser("Training-stream throughput from shards (windows/s, MB/s).", "dataset", PrepareConfig,
+                             progress=False)
     parser.add_argument("--experts_dir", type=str | None, default=None, help="a sharded dataset folder")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--batches", type=int, default=200, help="timed batches per worker count")
