@@ -3,13 +3,21 @@
 - `fit`, `validate`, `test`, `predict`: LightningCLI over the LightningModules and DataModules.
 - `prepare --config configs/data/<name>.yaml`: build a prepared dataset folder.
 - `bench data --config ... --out FILE.json`, `bench zo --out FILE.json`: measurements, written as JSON.
-- `analyze params --out FILE.json`: analyses behind the paper's tables and figures.
+- `bench inference|memory`: inference throughput (Table 12) and memory against context.
+- `analyze params|variance|topk|error-correlation --out FILE.json`: analyses behind the paper's
+  tables and figures.
+- `evaluate`: frozen next-byte loss of a checkpoint on external text (Table 9).
+- `sweep --sweep sweeps/<name>.yaml`, `sweep report`: Optuna studies and their tables.
+
+Tools whose code lives elsewhere are registered with `_lazy(module)`: the module defines
+`build_parser() -> ArgumentParser` and `run(args)`.
 
 Bad input ends with one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import warnings
@@ -138,12 +146,30 @@ def _run_analyze_params(args: Namespace) -> None:
     _emit({"analysis": "params", "table": "Table 2", "rows": table2_rows()}, args.out)
 
 
-# command -> subcommand -> (parser factory, runner); a None subcommand means the command has none.
-TOOLS: dict[str, dict[str | None, tuple[Callable[[], ArgumentParser], Callable[[Namespace], None]]]] = {
+Tool = tuple[Callable[[], ArgumentParser], Callable[[Namespace], None]]
+
+
+def _lazy(module: str, parser: str = "build_parser", runner: str = "run") -> Tool:
+    """A tool whose parser factory and runner live in `module` (imported only when the tool runs)."""
+
+    def attribute(name: str):
+        return getattr(importlib.import_module(module), name)
+
+    return (lambda: attribute(parser)()), (lambda args: attribute(runner)(args))
+
+
+# command -> subcommand -> (parser factory, runner). A None subcommand is the command on its own
+# (`sweep --sweep ...`); named ones are picked by the next word (`sweep report ...`).
+TOOLS: dict[str, dict[str | None, Tool]] = {
     "prepare": {None: (_prepare_parser, _run_prepare)},
     "shard": {None: (_shard_parser, _run_shard)},
-    "bench": {"data": (_bench_data_parser, _run_bench_data), "zo": (_bench_zo_parser, _run_bench_zo)},
-    "analyze": {"params": (_analyze_params_parser, _run_analyze_params)},
+    "bench": {"data": (_bench_data_parser, _run_bench_data), "zo": (_bench_zo_parser, _run_bench_zo),
+              "inference": _lazy("soma_pl.bench.inference"), "memory": _lazy("soma_pl.bench.memory")},
+    "analyze": {"params": (_analyze_params_parser, _run_analyze_params),
+                "variance": _lazy("soma_pl.analysis.variance"), "topk": _lazy("soma_pl.analysis.topk"),
+                "error-correlation": _lazy("soma_pl.analysis.error_correlation")},
+    "evaluate": {None: _lazy("soma_pl.eval.external")},
+    "sweep": {None: _lazy("soma_pl.sweeps.runner"), "report": _lazy("soma_pl.sweeps.report")},
 }
 
 
@@ -161,10 +187,10 @@ def _usage() -> str:
 def _run_tool(argv: Sequence[str]) -> None:
     command, rest = argv[0], list(argv[1:])
     subcommands = TOOLS[command]
-    if None in subcommands:
-        make_parser, run = subcommands[None]
-    elif rest and rest[0] in subcommands:
+    if rest and rest[0] in subcommands:
         make_parser, run = subcommands[rest.pop(0)]
+    elif None in subcommands:
+        make_parser, run = subcommands[None]
     else:
         raise SystemExit(f"usage: python -m soma_pl.cli {command} {{{','.join(subcommands)}}} [options]")
     parser = make_parser()

@@ -7,6 +7,7 @@ Evaluation follows Table 1: windows of 1,025 bytes, the loss scores the targets 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -21,6 +22,19 @@ from soma_pl.eval.ensemble import EnsembleScores, score_windows
 from soma_pl.eval.metrics import NatsPerByte
 from soma_pl.io import write_json_atomic
 from soma_pl.models.experts import HeadMode, StackedExperts
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """What one update cost on this process; compute accounting and budgets read it."""
+
+    seconds: float
+    """Wall time of the update (CUDA synchronised before the clock is read)."""
+    token_forwards: int
+    """Token forward passes the update evaluated: ``2 · n_pert · E · B · T`` for SPSA, ``E · B · T``
+    for BPTT (its backward is not counted)."""
+    experts: int
+    """Experts this process updated (all experts of the module, or a rank's slice)."""
 
 
 class ByteLMModule(L.LightningModule):
@@ -51,6 +65,8 @@ class ByteLMModule(L.LightningModule):
         self.test_loss = NatsPerByte()
         self._metrics = {"val": self.val_loss, "test": self.test_loss}
         self._records: dict[str, list] = {}
+        self.last_update: UpdateRecord | None = None
+        """The most recent update's cost, set by `training_step`."""
 
     def training_tokens(self, batch: Tensor) -> Tensor:
         """`batch: [E, B, 1025] uint8` → `[E, B, train_context + 1]`."""

@@ -7,7 +7,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
-from soma_pl.lit.base import ByteLMModule, UpdateClock
+from soma_pl.lit.base import ByteLMModule, UpdateClock, UpdateRecord
 from soma_pl.models.experts import HeadMode
 
 
@@ -47,6 +47,8 @@ class BPTTModule(ByteLMModule):
         self.manual_backward(loss)
         optimizer.step()
         seconds = clock.stop()
+        experts, windows, length = tokens.shape
+        self.last_update = UpdateRecord(seconds, experts * windows * (length - 1), experts)
         self.log("train/loss", loss.detach(), prog_bar=True)
         self.log_dict({"train/lr": optimizer.param_groups[0]["lr"], "train/update_seconds": seconds})
 

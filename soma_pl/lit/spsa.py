@@ -17,7 +17,7 @@ from soma_pl import ROUTE_BYTES
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
 from soma_pl.errors import ConfigError
-from soma_pl.lit.base import ByteLMModule, UpdateClock
+from soma_pl.lit.base import ByteLMModule, UpdateClock, UpdateRecord
 from soma_pl.models.checkpoints import monolithic_state
 from soma_pl.models.experts import HeadMode
 
@@ -140,6 +140,7 @@ class SPSAModule(ByteLMModule):
     def log_update(self, losses: Tensor, tokens: Tensor, seconds: float, eps: float) -> None:
         experts, windows, length = tokens.shape
         forwards = 2 * self.spsa.n_pert * experts * windows * (length - 1)
+        self.last_update = UpdateRecord(seconds, forwards, experts)
         self.log("train/loss", losses.mean(), prog_bar=True)
         self.log_dict({"train/lr": self.current_lr(), "train/eps": eps, "train/update_seconds": seconds,
                        "train/token_forwards_per_s": forwards / max(seconds, 1e-12)})
