@@ -121,6 +121,9 @@ def _bench_zo_parser() -> ArgumentParser:
                         help="windows per loss call; default: the fastest of a few, measured")
     parser.add_argument("--naive_directions", type=int, default=8, help="directions the naive loop is timed on")
     parser.add_argument("--soma_experts", type=int, default=8, help="experts of the SOMA record; 0 skips it")
+    parser.add_argument("--eggroll_widths", type=list[int] | None, default=None,
+                        help="body widths of the EGGROLL records (default: --widths; [] skips them)")
+    parser.add_argument("--eggroll_rank", type=int, default=1, help="rank r of the EGGROLL perturbations")
     parser.add_argument("--out", type=str, default="bench_zo.json")
     return parser
 
@@ -130,8 +133,10 @@ def _run_bench_zo(args: Namespace) -> None:
 
     settings = ZOBenchSettings(n_pert=args.n_pert, micro_batch=args.micro_batch, context=args.context,
                                repeats=args.repeats, max_rows=args.max_rows,
-                               naive_directions=args.naive_directions)
-    _emit(bench_zo(tuple(args.widths), settings, soma_experts=args.soma_experts), args.out)
+                               naive_directions=args.naive_directions, eggroll_rank=args.eggroll_rank)
+    eggroll_widths = args.widths if args.eggroll_widths is None else args.eggroll_widths
+    _emit(bench_zo(tuple(args.widths), settings, soma_experts=args.soma_experts,
+                   eggroll_widths=tuple(eggroll_widths)), args.out)
 
 
 def _analyze_params_parser() -> ArgumentParser:

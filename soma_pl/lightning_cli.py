@@ -1,19 +1,26 @@
 """LightningCLI for `fit`, `validate`, `test` and `predict`.
 
 Defaults a researcher expects: a W&B logger that runs offline (no account, no network; `wandb sync`
-later) next to a local CSV logger, a last-and-periodic checkpoint, and `summary.json` in the run
-directory. The `--model` and `--data` classes are picked by `class_path` in the YAML.
+later) next to a local CSV logger, a last-and-periodic checkpoint, compute accounting
+(`compute.json`), an optional compute budget, and `summary.json` in the run directory. The
+`--model` and `--data` classes are picked by `class_path` in the YAML. Each W&B run gets the whole
+resolved config, and is grouped and named by the `wandb:` section (sweeps set `--wandb.group=<study>
+--wandb.name=trial-<n>`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
+from soma_pl.callbacks.compute import ComputeAccounting, ComputeBudget
 from soma_pl.callbacks.summary import RunSummary
 from soma_pl.data.datamodule import ByteDataModule
 from soma_pl.lit.base import ByteLMModule
@@ -25,17 +32,51 @@ def trainer_defaults() -> dict:
     return {"default_root_dir": RUNS_DIR}
 
 
-def default_loggers(root: str) -> list:
+@dataclass
+class WandbSettings:
+    """Where a run's W&B record goes. W&B runs offline unless the environment sets
+    `WANDB_MODE=online`; offline runs are uploaded later with `wandb sync`."""
+
+    project: str = "soma_pl"
+    group: str | None = None
+    """Runs that belong together (a sweep's study name)."""
+    name: str | None = None
+    """The run's display name (a sweep trial: `trial-<number>`)."""
+    job_type: str | None = None
+    """None: the subcommand (`fit`, `validate`, `test`, `predict`)."""
+    tags: list[str] = field(default_factory=list)
+    notes: str | None = None
+    entity: str | None = None
+
+
+def default_loggers(root: str, settings: WandbSettings | None = None, config: dict | None = None,
+                    job_type: str | None = None) -> list:
     """A CSV logger (the run directory is its `root/version_N`) and W&B, offline unless
-    `WANDB_MODE=online` is set, writing under the same root."""
+    `WANDB_MODE=online` is set, writing under the same root, with `config` as the run's config."""
+    settings = settings or WandbSettings()
     return [
         CSVLogger(save_dir=root, name=""),
-        WandbLogger(project="soma_pl", save_dir=root, offline=os.environ.get("WANDB_MODE", "offline") != "online"),
+        WandbLogger(project=settings.project, name=settings.name, save_dir=root, group=settings.group,
+                    job_type=settings.job_type or job_type, tags=list(settings.tags) or None, notes=settings.notes,
+                    entity=settings.entity, config=config,
+                    offline=os.environ.get("WANDB_MODE", "offline") != "online"),
     ]
 
 
+def finish_wandb(exit_code: int = 0) -> None:
+    """End the process's W&B run, if any, so the next `fit` in this process (a sweep trial) starts
+    its own run instead of appending to this one. `finish` returns before W&B's service has
+    written the last records; `teardown` waits for it, so the offline run is complete on disk (ready
+    for `wandb sync`) when the command returns."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish(exit_code=exit_code)
+        wandb.teardown(exit_code=exit_code)
+
+
 class SomaCLI(LightningCLI):
-    """LightningCLI with the suite's forced callbacks (checkpointing, run summary)."""
+    """LightningCLI with the suite's forced callbacks (checkpointing, compute accounting and budget,
+    run summary) and the `wandb:` section."""
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -43,14 +84,25 @@ class SomaCLI(LightningCLI):
         # the state a resumed run needs to continue exactly as an uninterrupted one.
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 1,
                              "checkpoint.save_on_train_epoch_end": False})
+        parser.add_lightning_class_args(ComputeAccounting, "compute")
+        parser.add_lightning_class_args(ComputeBudget, "budget")
         parser.add_lightning_class_args(RunSummary, "summary")
+        parser.add_class_arguments(WandbSettings, "wandb")
 
     def instantiate_trainer(self, **kwargs):
         """Replace Lightning's default logger (`logger: true`) by the CSV + offline W&B pair."""
         config = self._get(self.config_init, "trainer", default={})
         if config.get("logger") in (True, None) and "logger" not in kwargs:
-            kwargs["logger"] = default_loggers(config.get("default_root_dir") or RUNS_DIR)
+            kwargs["logger"] = default_loggers(config.get("default_root_dir") or RUNS_DIR,
+                                               self._get(self.config_init, "wandb"), self.resolved_config(),
+                                               self.subcommand)
         return super().instantiate_trainer(**kwargs)
+
+    def resolved_config(self) -> dict:
+        """The subcommand's whole config (defaults included) as plain data, for the W&B run."""
+        parser = self._parser(self.subcommand)
+        config = self.config.get(str(self.subcommand), self.config)
+        return yaml.safe_load(parser.dump(config, format="yaml", skip_unset=False))
 
     def _parse_ckpt_path(self) -> None:
         """Keep the model the config describes when `--ckpt_path` is given.
@@ -65,16 +117,23 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
     """Parse `argv` (a subcommand first when `run`), instantiate, and run the subcommand."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
-    return SomaCLI(
-        model_class=ByteLMModule,
-        datamodule_class=ByteDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        trainer_defaults=trainer_defaults(),
-        save_config_kwargs={"overwrite": True},
-        args=list(argv),
-        run=run,
-    )
+    try:
+        cli = SomaCLI(
+            model_class=ByteLMModule,
+            datamodule_class=ByteDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            trainer_defaults=trainer_defaults(),
+            save_config_kwargs={"overwrite": True},
+            args=list(argv),
+            run=run,
+        )
+    except BaseException:
+        finish_wandb(exit_code=1)
+        raise
+    if run:
+        finish_wandb()
+    return cli
 
 
 def run_lightning(argv: Sequence[str]) -> None:

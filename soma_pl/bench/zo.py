@@ -9,6 +9,9 @@ Records:
     ``zo``: one expert of width d_t, batched SPSA vs inference of the unperturbed model on the
     same rows and vs a naive MeZO-style loop (one direction and sign at a time).
     ``soma_batched_vs_sequential``: E experts updated as one batched module vs one after another.
+    ``eggroll``: one model of width d_t, an EGGROLL update (``2 · n_pert · B`` members, rank-r
+    perturbations inside the matmul, ``2 · n_pert`` members per window) vs inference on the same
+    rows: the same token count as the ``zo`` record.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import torch
 from torch import Tensor
 
 from soma_pl.estimators.directions import DirectionKind, directions
+from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, eggroll_estimate
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
 from soma_pl.models.experts import StackedExperts
+from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
 
 ROW_CANDIDATES: tuple[int | None, ...] = (None, 1024, 512, 256, 128, 64)
 """Chunk sizes (windows per loss call) tried when ``max_rows`` is not given; None = all at once.
@@ -61,6 +66,8 @@ class ZOBenchSettings:
     """SGD learning rate (small: the weights barely move over a benchmark's updates)."""
     seed: int = 0
     """Seed of the weights, the windows and the directions."""
+    eggroll_rank: int = 1
+    """r of the EGGROLL record's perturbations."""
 
 
 def median_seconds(runs: Mapping[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, float]:
@@ -131,6 +138,22 @@ class Updater:
             for name, grad in gradient.items():
                 grad += delta.view(experts, *[1] * (grad.dim() - 1)) * z[name]
         self._apply({name: grad / count for name, grad in gradient.items()})
+
+    def eggroll(self, max_members: int | None) -> None:
+        """EGGROLL update: ``2 · n_pert · B`` members, ``2 · n_pert`` sharing each window, at most
+        ``max_members`` per forward."""
+        settings = self.settings
+        config = EGGROLLConfig(sigma=settings.eps, rank=settings.eggroll_rank,
+                               population=2 * settings.n_pert * settings.micro_batch, group_size=2 * settings.n_pert,
+                               fitness=FitnessShaping.group, max_members=max_members)
+        matrices = [name for name in self.params if name in LOW_RANK_MATRICES]
+
+        def member_losses(noise, tokens):
+            return population_losses(self.model, tokens, noise.factors, noise.offsets)
+
+        result = eggroll_estimate(member_losses, self.params, matrices, self.windows, config, step=self.step,
+                                  seed=settings.seed)
+        self._apply(result.gradient)
 
     def _direction_views(self, ids: Tensor, k: int) -> dict[str, Tensor]:
         """Direction k of every expert, split into parameter-shaped ``[E, ...]`` views."""
@@ -254,9 +277,41 @@ def soma_record(experts: int, width: int, settings: ZOBenchSettings) -> dict:
     }
 
 
+def eggroll_record(width: int, settings: ZOBenchSettings) -> dict:
+    """One model of width d_t: EGGROLL updates vs inference of the unperturbed model on the same rows.
+
+    Both sides evaluate ``2 · n_pert · B`` rows of T bytes (each window once per member that shares
+    it), each at its own fastest rows per call; ``efficiency`` = inference seconds / update seconds.
+    The update includes regenerating the noise twice, shaping the fitness and the SGD step.
+    """
+    model, windows = build_model(1, width, settings), random_windows(1, settings)
+    updater = Updater(model, windows, settings)
+    group = 2 * settings.n_pert
+    population = group * settings.micro_batch
+    repeated = windows.repeat_interleave(group, dim=1)
+    max_members, timings = choose_rows(updater.eggroll, population, 2, settings)
+    inference_rows, _ = choose_rows(lambda rows: inference(model, repeated, rows), population, 1, settings)
+    seconds = median_seconds({"update": lambda: updater.eggroll(max_members),
+                              "inference": lambda: inference(model, repeated, inference_rows)},
+                             settings.repeats, settings.warmup)
+    update, inferred = seconds["update"], seconds["inference"]
+    tokens = population * settings.context
+    eggroll_speed, inference_speed = _throughput(tokens, update), _throughput(tokens, inferred)
+    return {
+        "record": "eggroll", "d_t": width, "experts": 1, "params": sum(p.numel() for p in model.parameters()),
+        "rank": settings.eggroll_rank, "population": population, "group_size": group,
+        "windows": settings.micro_batch, "context": settings.context, "max_members": max_members,
+        "max_members_timings": timings, "inference_max_rows": inference_rows, "token_forwards_per_update": tokens,
+        "update_seconds": update, "inference_seconds": inferred,
+        "eggroll_tokens_per_s": eggroll_speed, "inference_tokens_per_s": inference_speed,
+        "efficiency": round(eggroll_speed / inference_speed, 4),
+    }
+
+
 def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBenchSettings(),
-             soma_experts: int = 8, soma_width: int = 32) -> dict:
-    """One ``zo`` record per width, then (unless ``soma_experts`` is 0) the SOMA record.
+             soma_experts: int = 8, soma_width: int = 32, eggroll_widths: Sequence[int] = ()) -> dict:
+    """One ``zo`` record per width, then (unless ``soma_experts`` is 0) the SOMA record, then one
+    ``eggroll`` record per width in ``eggroll_widths``.
 
     Returns ``{"benchmark": "zo", "machine": ..., "settings": ..., "results": [...]}``; the load
     average before and after shows whether other jobs shared the CPU.
@@ -265,6 +320,7 @@ def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBe
     results = [zo_record(width, settings) for width in widths]
     if soma_experts:
         results.append(soma_record(soma_experts, soma_width, settings))
+    results.extend(eggroll_record(width, settings) for width in eggroll_widths)
     return {
         "benchmark": "zo",
         "machine": {"processor": platform.processor() or platform.machine(), "torch": torch.__version__,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from dataclasses import asdict
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import WandbLogger
 
+from soma_pl.callbacks.compute import ComputeAccounting, ComputeBudget, run_directory
 from soma_pl.io import write_json_atomic
 
 
@@ -15,8 +17,21 @@ def _plain(value):
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
+def _find(trainer: L.Trainer, kind: type) -> L.Callback | None:
+    return next((c for c in trainer.callbacks if isinstance(c, kind)), None)
+
+
+def publish_to_wandb(trainer: L.Trainer, figures: dict) -> None:
+    """Put `figures` (nested dicts allowed) into the summary of every W&B run of `trainer`, so a
+    run's table in W&B shows its final losses and compute whatever was logged last."""
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.summary.update(figures)
+
+
 class RunSummary(L.Callback):
-    """Final metrics, update counts and checkpoint paths of a `fit`, as `<run dir>/summary.json`.
+    """Final metrics, update counts, compute accounting and checkpoint paths of a `fit`, as
+    `<run dir>/summary.json`; the same figures go into the W&B run summary.
 
     Args:
         filename: name of the summary file inside the run directory.
@@ -28,8 +43,9 @@ class RunSummary(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        run_dir = run_directory(trainer)
         checkpoint = trainer.checkpoint_callback
+        accounting, budget = _find(trainer, ComputeAccounting), _find(trainer, ComputeBudget)
         summary = {
             "run_dir": str(run_dir),
             "module": type(pl_module).__name__,
@@ -38,6 +54,10 @@ class RunSummary(L.Callback):
             "last_checkpoint": getattr(checkpoint, "last_model_path", None) or None,
             "best_checkpoint": getattr(checkpoint, "best_model_path", None) or None,
             "parameters": sum(p.numel() for p in pl_module.parameters()),
+            "compute": asdict(accounting.report) if accounting is not None and accounting.report else None,
+            "budget": budget.summary() if budget is not None else None,
         }
         write_json_atomic(run_dir / self.filename, summary)
+        publish_to_wandb(trainer, {**summary["metrics"], "global_step": summary["global_step"],
+                                   "compute_accounting": summary["compute"], "budget": summary["budget"]})
         print(f"run directory: {run_dir}", file=sys.stderr)

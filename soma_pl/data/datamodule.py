@@ -3,6 +3,11 @@
 Training batches are `[E, B, 1025] uint8` (E = 1 for a monolithic model; E = N expert streams when
 `experts_dir` names a sharded dataset). Validation and test batches are `(windows [b, 1025] uint8,
 index [b])` from the prepared ensemble-validation and test sets.
+
+Under DDP the module in training decides how ranks share the stream (its `rank_split`, see
+`RankSplit`): disjoint documents (default), one replicated global stream (DDPP), or each rank its
+own experts (expert-parallel SOMA, whose ranks then also evaluate only their own experts'
+expert-validation windows, every batch of them).
 """
 
 from __future__ import annotations
@@ -12,14 +17,15 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from soma_pl.data.evalsets import EvalDataset, EvalSet, ExpertWindowsDataset
 from soma_pl.data.experts import read_expert_shards
 from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
 from soma_pl.data.shards import ShardRecord, Verify, verify_shards
-from soma_pl.data.stream import WindowStream, fixed_windows
-from soma_pl.errors import DataError
+from soma_pl.data.stream import RankSplit, WindowStream, fixed_windows, rank_share
+from soma_pl.errors import ConfigError, DataError
+
 
 class ByteDataModule(L.LightningDataModule):
     """Byte-level windows for ZO and BPTT training.
@@ -89,10 +95,37 @@ class ByteDataModule(L.LightningDataModule):
     def num_experts(self) -> int:
         return len(self.shard_sets)
 
+    def rank_layout(self) -> tuple[RankSplit, int, int]:
+        """`(split, rank, world size)`: how this process shares the training data with the others.
+
+        The LightningModule in training names the split (`rank_split`); without one, ranks read
+        disjoint documents.
+        """
+        trainer = self.trainer
+        if trainer is None or trainer.world_size == 1:
+            return RankSplit.documents, 0, 1
+        split = RankSplit(getattr(trainer.lightning_module, "rank_split", RankSplit.documents))
+        return split, trainer.global_rank, trainer.world_size
+
+    def expert_share(self) -> range:
+        """The experts whose streams this rank reads (all of them unless expert-parallel)."""
+        split, rank, world = self.rank_layout()
+        if split is not RankSplit.experts:
+            return range(self.num_experts)
+        if world > self.num_experts:
+            raise ConfigError(f"expert-parallel training of {self.num_experts} experts on {world} ranks: "
+                              f"every rank needs at least one expert")
+        return rank_share(self.num_experts, rank, world)
+
     def train_stream(self, skip_batches: int = 0) -> WindowStream:
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        return WindowStream(self.shard_sets, self.batch_size, self.seed, self.shuffle_buffer, rank, world,
-                            skip_batches)
+        split, rank, world = self.rank_layout()
+        if split is RankSplit.documents:
+            return WindowStream(self.shard_sets, self.batch_size, self.seed, self.shuffle_buffer, rank, world,
+                                skip_batches)
+        # Replicated and expert-parallel ranks read whole streams, each what one process would read.
+        share = self.expert_share()
+        return WindowStream(self.shard_sets[share.start : share.stop], self.batch_size, self.seed,
+                            self.shuffle_buffer, skip_batches=skip_batches, expert_ids=share)
 
     def train_dataloader(self) -> DataLoader:
         # One batch per optimizer step: a resumed run skips the batches its restored steps consumed.
@@ -105,8 +138,14 @@ class ByteDataModule(L.LightningDataModule):
         ensemble = self._eval_loader(self.val_set)
         if self.expert_val is None:
             return ensemble
-        per_expert = DataLoader(ExpertWindowsDataset(self.expert_val), batch_size=None)
-        return [ensemble, per_expert]
+        share = self.expert_share()
+        windows = ExpertWindowsDataset(self.expert_val[share.start : share.stop])
+        sampler = None
+        if self.rank_layout()[0] is RankSplit.experts:
+            # Each rank scores every batch of its own experts; a one-replica sampler keeps Lightning
+            # from dealing the batches out across ranks.
+            sampler = DistributedSampler(windows, num_replicas=1, rank=0, shuffle=False)
+        return [ensemble, DataLoader(windows, batch_size=None, sampler=sampler)]
 
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader(self.test_set)

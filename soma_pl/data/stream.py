@@ -6,11 +6,17 @@ Every consumer (DataLoader worker × DDP rank) reads a disjoint part of each exp
 shards when there are enough of them, otherwise every consumer reads all shards and keeps every
 `consumers`-th document. The stream is a pure function of (seed, consumer layout), so a resumed run
 replays it and skips the batches already consumed (`skip_batches`).
+
+How DDP ranks share the data depends on the training mode (`RankSplit`): plain data parallelism
+gives each rank disjoint documents; DDPP gives every rank the one global stream, from which each
+rank evaluates its own micro-batches; expert-parallel SOMA gives rank r only its own experts' streams,
+each exactly the stream a single process would read for that expert.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +26,26 @@ from torch.utils.data import IterableDataset, get_worker_info
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.shards import iter_shard_documents
 from soma_pl.errors import DataError
+
+
+class RankSplit(str, Enum):
+    """How the training stream is divided between DDP ranks (the module in training decides)."""
+
+    documents = "documents"
+    """Data parallel: each rank reads a disjoint part of every expert's documents (BPTT under DDP)."""
+    replicated = "replicated"
+    """Every rank reads the same global stream; each evaluates its own share of it (DDPP). The
+    batches do not depend on the number of ranks: a run on W ranks sees a 1-process run's data."""
+    experts = "experts"
+    """Rank r reads only its contiguous share of the experts (expert-parallel SOMA)."""
+
+
+def rank_share(count: int, rank: int, world_size: int) -> range:
+    """Rank `rank`'s contiguous share of `count` items (experts, direction indices).
+
+    Shares differ in size by at most one and cover `0 .. count-1` in rank order.
+    """
+    return range(rank * count // world_size, (rank + 1) * count // world_size)
 
 
 def consumer_slice(shards: Sequence[Path], consumer: int, consumers: int) -> tuple[list[Path], int, int]:
@@ -109,12 +135,16 @@ class WindowStream(IterableDataset):
         batch_size: rows per expert per batch (B).
         seed: the stream's seed; with the consumer layout it fixes every batch.
         shuffle_buffer: windows held per expert for shuffling.
-        rank, world_size: this process's DDP rank and the number of ranks.
+        rank, world_size: this process's DDP rank and the number of ranks reading disjoint documents
+            (0 and 1 when every rank reads whole streams: `RankSplit.replicated`, `experts`).
         skip_batches: batches to skip from the start (a resumed run's consumed batches).
+        expert_ids: the global index of each shard set's expert (default `0..E-1`); it seeds that
+            expert's stream, so a rank holding experts 4..7 reads what one process reads for them.
     """
 
     def __init__(self, shard_sets: Sequence[Sequence[Path]], batch_size: int, seed: int = 0,
-                 shuffle_buffer: int = 1024, rank: int = 0, world_size: int = 1, skip_batches: int = 0):
+                 shuffle_buffer: int = 1024, rank: int = 0, world_size: int = 1, skip_batches: int = 0,
+                 expert_ids: Sequence[int] | None = None):
         super().__init__()
         self.shard_sets = [list(shards) for shards in shard_sets]
         self.batch_size = batch_size
@@ -123,6 +153,7 @@ class WindowStream(IterableDataset):
         self.rank = rank
         self.world_size = world_size
         self.skip_batches = skip_batches
+        self.expert_ids = list(range(len(self.shard_sets)) if expert_ids is None else expert_ids)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         info = get_worker_info()
@@ -135,7 +166,7 @@ class WindowStream(IterableDataset):
         experts = [
             ExpertWindows(shards, consumer, consumers, self.shuffle_buffer,
                           np.random.default_rng([self.seed, expert, consumer, consumers]))
-            for expert, shards in enumerate(self.shard_sets)
+            for expert, shards in zip(self.expert_ids, self.shard_sets, strict=True)
         ]
         index = role
         while True:

@@ -106,10 +106,18 @@ def _chunk_size(config: SPSAConfig, experts: int) -> int:
     return max(1, min(config.n_pert, config.max_rows // per_direction))
 
 
-def _direction_chunks(total: int, chunk: int, start: int = 0) -> Iterator[Tensor]:
-    """Direction indices ``start .. start+total-1`` in chunks of at most ``chunk``."""
-    for first in range(start, start + total, chunk):
-        yield torch.arange(first, min(first + chunk, start + total))
+def _index_chunks(indices: range, n_pert: int, chunk: int) -> Iterator[tuple[int, Tensor]]:
+    """``(micro-batch m, direction indices)`` covering ``indices`` in order.
+
+    Direction ``k`` of micro-batch ``m`` has index ``m·n_pert + k``; each micro-batch's directions
+    are cut into chunks of ``chunk`` from its first index, so every subset of the indices is
+    chunked (and its estimate accumulated) exactly as the whole range is.
+    """
+    for m in range(indices.start // n_pert, -(-indices.stop // n_pert)):
+        for first in range(m * n_pert, (m + 1) * n_pert, chunk):
+            low, high = max(first, indices.start), min(first + chunk, (m + 1) * n_pert, indices.stop)
+            if low < high:
+                yield m, torch.arange(low, high)
 
 
 def _generate(
@@ -200,31 +208,71 @@ def spsa_estimate(
     Returns:
         The estimate, per-expert losses and projected gradients.
     """
-    experts, windows = batch.shape[:2]
-    micro_batches, leftover = divmod(windows, config.micro_batch)
-    if leftover or not micro_batches:
-        raise ValueError(f"batch {windows} is not a multiple of micro_batch {config.micro_batch}")
-    device = batch.device
-    ids = torch.arange(experts, device=device) if expert_ids is None else expert_ids.to(device)
+    experts = batch.shape[0]
+    total = _micro_batches(batch, config) * config.n_pert
+    ids = torch.arange(experts, device=batch.device) if expert_ids is None else expert_ids.to(batch.device)
     gradient = {name: torch.zeros_like(param) for name, param in params.items()}
     projected, own, losses = [], [], []
-    chunk = _chunk_size(config, experts)
-    for m in range(micro_batches):
+    for m, dirs in _index_chunks(range(total), config.n_pert, _chunk_size(config, experts)):
         tokens = batch[:, m * config.micro_batch : (m + 1) * config.micro_batch]
-        for dirs in _direction_chunks(config.n_pert, chunk, start=m * config.n_pert):
-            z = _generate(params, config.direction, seed, step, ids, dirs)
-            eps = config.eps if expert_eps is None else expert_eps
-            delta, mean_loss = _evaluate_pairs(loss_fn, params, z, tokens, eps)
-            coefficients = group_sums(delta, config.loss_grouping)
-            _accumulate(gradient, coefficients, z)
-            projected.append(coefficients)
-            own.append(delta)
-            losses.append(mean_loss)
-    total = micro_batches * config.n_pert
+        z = _generate(params, config.direction, seed, step, ids, dirs)
+        eps = config.eps if expert_eps is None else expert_eps
+        delta, mean_loss = _evaluate_pairs(loss_fn, params, z, tokens, eps)
+        coefficients = group_sums(delta, config.loss_grouping)
+        _accumulate(gradient, coefficients, z)
+        projected.append(coefficients)
+        own.append(delta)
+        losses.append(mean_loss)
     for grad in gradient.values():
         grad /= total
     mean_loss = torch.cat(losses, 1).mean(1)
     return SPSAResult(gradient, mean_loss, torch.cat(projected, 1), torch.cat(own, 1))
+
+
+def _micro_batches(batch: Tensor, config: SPSAConfig) -> int:
+    micro_batches, leftover = divmod(batch.shape[1], config.micro_batch)
+    if leftover or not micro_batches:
+        raise ValueError(f"batch {batch.shape[1]} is not a multiple of micro_batch {config.micro_batch}")
+    return micro_batches
+
+
+@torch.no_grad()
+def spsa_differences(
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    batch: Tensor,
+    config: SPSAConfig,
+    step: int,
+    seed: int,
+    indices: range,
+) -> tuple[Tensor, Tensor]:
+    """The loss differences δ of a subset of one step's directions, without assembling ĝ.
+
+    Lets processes share one estimate: each evaluates its own direction indices, they exchange
+    the δ's, and every process rebuilds the whole ĝ with :func:`assemble_estimate` (DDPP).
+
+    Args:
+        loss_fn, params, batch, config, step, seed: as in :func:`spsa_estimate` (the whole step's
+            batch ``[E, B, T]``: direction ``m·n_pert + k`` reads micro-batch ``m``).
+        indices: direction indices to evaluate, within ``0 .. (B / micro_batch)·n_pert − 1``.
+
+    Returns:
+        ``(δ, mean of L+ and L−)``, each ``[E, len(indices)]``, column j for index ``indices[j]``.
+    """
+    experts = batch.shape[0]
+    total = _micro_batches(batch, config) * config.n_pert
+    if indices.step != 1 or not 0 <= indices.start <= indices.stop <= total:
+        raise ValueError(f"direction indices {indices} outside 0..{total - 1}")
+    ids = torch.arange(experts, device=batch.device)
+    empty = next(iter(params.values())).new_zeros(experts, 0)  # a rank may hold no directions
+    deltas, losses = [empty], [empty]
+    for m, dirs in _index_chunks(indices, config.n_pert, _chunk_size(config, experts)):
+        tokens = batch[:, m * config.micro_batch : (m + 1) * config.micro_batch]
+        z = _generate(params, config.direction, seed, step, ids, dirs)
+        delta, mean_loss = _evaluate_pairs(loss_fn, params, z, tokens, config.eps)
+        deltas.append(delta)
+        losses.append(mean_loss)
+    return torch.cat(deltas, 1), torch.cat(losses, 1)
 
 
 @torch.no_grad()
@@ -244,7 +292,9 @@ def assemble_estimate(
     Args:
         params: name → ``[E, ...]`` (only shapes, dtypes and devices are read).
         projected: ``[E, M·n_pert]`` coefficients, direction index = column.
-        config: the direction kind and chunking of the original estimate.
+        config: the direction kind, n_pert and chunking of the original estimate; the estimate is
+            accumulated chunk by chunk as :func:`spsa_estimate` does, so rebuilding from its own
+            ``projected`` gives its gradient bit for bit.
         step, seed, expert_ids: as in :func:`spsa_estimate`.
 
     Returns:
@@ -254,7 +304,7 @@ def assemble_estimate(
     device = projected.device
     ids = torch.arange(experts, device=device) if expert_ids is None else expert_ids.to(device)
     gradient = {name: torch.zeros_like(param) for name, param in params.items()}
-    for dirs in _direction_chunks(total, _chunk_size(config, experts)):
+    for _, dirs in _index_chunks(range(total), config.n_pert, _chunk_size(config, experts)):
         z = _generate(params, config.direction, seed, step, ids, dirs)
         _accumulate(gradient, projected[:, dirs.to(device)], z)
     for grad in gradient.values():

@@ -19,6 +19,14 @@ and summed over the group: ``(D_G ∓ 1) ‖g_G‖² / n`` with ``D_G = Σ_e d_e
 separate ratio is ``(K·d ∓ 1) / (d ∓ 1) ≈ K`` whatever the gradient norms (Fig. 11: 4.00
 predicted for four experts); with unequal widths it weights each expert's width by the group's
 gradient norm, which :func:`grouped_relative_error` computes exactly.
+
+Batch noise (Fig. 11, right). When the batch b is drawn at random and the reference is the mean
+gradient g of the pool it is drawn from, ``ĝ`` is unbiased for the batch gradient ``g_b``, so
+``E‖ĝ − g‖² = E‖ĝ − g_b‖² + E‖g_b − g‖²``. The first term is the formula above with every
+``‖g_e‖²`` replaced by ``E‖g_{e,b}‖² = ‖g_e‖² + v_e`` (concatenated experts add no cross terms),
+where ``v_e = E‖g_{e,b} − g_e‖²`` is the batch variance; for B of P pool windows drawn without
+replacement ``v_e = σ_e² (P − B) / (B (P − 1))`` with ``σ_e²`` the mean squared deviation of one
+window's gradient from g_e (``ν = Σσ_e² / Σ‖g_e‖²``).
 """
 
 from __future__ import annotations
@@ -90,3 +98,43 @@ def joint_to_separate_ratio(
     """
     joint = grouped_relative_error(kind, grad_sq_norms, dims, group_size, 1)
     return joint / grouped_relative_error(kind, grad_sq_norms, dims, 1, 1)
+
+
+def sampled_batch_variance(window_variance: float | Tensor, batch: int, pool: int) -> float | Tensor:
+    """``E‖g_b − g‖²`` for the mean over ``batch`` of ``pool`` windows drawn without replacement.
+
+    Args:
+        window_variance: ``σ²``, the mean over the pool of ``‖g_i − g‖²`` (a float or ``[E]``).
+        batch: B windows per batch; pool: P windows in the pool (B ≤ P).
+    """
+    if not 1 <= batch <= pool:
+        raise ValueError(f"batch {batch} must be in [1, pool={pool}]")
+    finite_pool = (pool - batch) / (pool - 1) if pool > 1 else 0.0
+    return window_variance * finite_pool / batch
+
+
+def batch_noise_relative_error(
+    kind: DirectionKind,
+    grad_sq_norms: Sequence[float] | Tensor,
+    batch_variances: Sequence[float] | Tensor,
+    dims: Sequence[int] | Tensor | int,
+    group_size: int,
+    n_pert: int,
+) -> float:
+    """Predicted ``E‖ĝ − g‖² / ‖g‖²`` against the pool-mean gradient with random batches.
+
+    Args:
+        kind: direction distribution.
+        grad_sq_norms: ``[E]`` ``‖g_e‖²`` of the pool-mean gradients.
+        batch_variances: ``[E]`` ``v_e = E‖g_{e,b} − g_e‖²`` (see :func:`sampled_batch_variance`).
+        dims: ``[E]`` perturbed parameters per expert (or one int).
+        group_size: experts per joint loss; n_pert: directions per expert.
+
+    Returns:
+        ``(Σ_G (D_G ± 1) Σ_{e∈G} (‖g_e‖² + v_e) / n_pert + Σ_e v_e) / Σ_e ‖g_e‖²``.
+    """
+    norms = torch.as_tensor(grad_sq_norms, dtype=torch.float64)
+    variances = torch.as_tensor(batch_variances, dtype=torch.float64)
+    noisy = norms + variances
+    estimator = grouped_relative_error(kind, noisy, dims, group_size, n_pert) * float(noisy.sum())
+    return float((estimator + variances.sum()) / norms.sum())

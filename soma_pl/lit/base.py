@@ -141,8 +141,9 @@ class ByteLMModule(L.LightningModule):
         losses = by_k[:, self.eval_k - 1].double().cpu().numpy()
         interval = document_bootstrap(losses, evalset.doc_ids[index.cpu().numpy()])
         self.log_dict({f"{stage}/loss_ci_low": interval.low, f"{stage}/loss_ci_high": interval.high})
-        if self.trainer.is_global_zero and self.trainer.log_dir:
-            write_json_atomic(Path(self.trainer.log_dir) / f"{stage}_scores.json", {
+        log_dir = self.trainer.log_dir  # a broadcast under DDP: every rank must ask
+        if self.trainer.is_global_zero and log_dir:
+            write_json_atomic(Path(log_dir) / f"{stage}_scores.json", {
                 "stage": stage, "k": self.eval_k, "loss": interval.mean,
                 "bootstrap_95": [interval.low, interval.high], "documents": interval.documents,
                 "windows": interval.windows, "loss_by_k": by_k.double().mean(0).tolist(),

@@ -5,11 +5,20 @@ Every step each expert draws its own micro-batch from its own shard (`[E, B, T]`
 (FSO): nothing is exchanged between experts. All experts × directions run as one batched forward.
 Each expert's learning rate and ε decay on its own expert-validation split. Evaluation routes each
 window on its first 256 bytes and averages the top-k experts' probabilities (Table 1, Fig. 16).
+
+Expert-parallel: fitting on W > 1 processes (`devices`, `num_nodes`, strategy `ddp`), rank r owns
+a contiguous share of the experts, reads only their shards and trains them in a model of its own,
+with no per-step communication; each expert sees the data, directions and updates it would see on
+one process. Evaluation gathers every rank's experts into the full `model` first (at the start of
+each validation) and all-gathers the per-expert validation losses, so every rank decays each
+expert's learning rate alike; `on_save_checkpoint` gathers the experts and their optimizer state,
+so rank 0's checkpoint holds every expert, as a one-process checkpoint does.
 """
 
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -18,13 +27,15 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
 from soma_pl import ROUTE_BYTES
+from soma_pl.data.stream import RankSplit, rank_share
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import spsa_estimate
 from soma_pl.eval.metrics import PerExpertNats
 from soma_pl.lit.base import UpdateClock
+from soma_pl.lit.parallel import gather_optimizer_state, gather_shares, keep_buffers_local, slice_optimizer_state
 from soma_pl.lit.spsa import EpsSchedule, SPSAModule
-from soma_pl.models.experts import EMBED_HEAD, HeadMode
+from soma_pl.models.experts import EMBED_HEAD, HeadMode, StackedExperts
 from soma_pl.models.router import Router
 
 
@@ -73,6 +84,20 @@ class ExpertPlateau(nn.Module):
         self.bad = torch.where(decay, torch.zeros_like(self.bad), self.bad)
 
 
+@dataclass
+class ExpertShare:
+    """The experts one rank trains in expert-parallel mode.
+
+    A plain attribute, not a submodule: DDP, `state_dict` and checkpoints see only the full
+    `model`, into which the shares are gathered.
+    """
+
+    experts: range
+    """Global indices of the rank's experts (a contiguous `rank_share`)."""
+    model: StackedExperts
+    """Their weights, `[len(experts), ...]`, which the rank's optimizer steps."""
+
+
 class SOMAModule(SPSAModule):
     """SOMA: N experts in one stacked module, trained independently by SPSA.
 
@@ -112,6 +137,33 @@ class SOMAModule(SPSAModule):
             self.model.head.requires_grad_(False)
         self.plateau = ExpertPlateau(num_experts, plateau_factor, plateau_patience)
         self.expert_val_loss = PerExpertNats(num_experts)
+        self.share: ExpertShare | None = None
+        """This rank's experts when fitting expert-parallel; None on one process."""
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Fitting on several processes: each owns a share of the experts."""
+        return self._trainer is not None and self.trainer.world_size > 1 and self.trainer.state.fn == "fit"
+
+    @property
+    def rank_split(self) -> RankSplit:
+        """How ranks share the training data (read by `ByteDataModule`)."""
+        return RankSplit.experts if self.expert_parallel else RankSplit.documents
+
+    @property
+    def experts(self) -> range:
+        """The experts this process trains: all of them, or its share."""
+        return self.share.experts if self.share is not None else range(self.model.num_experts)
+
+    @property
+    def trained_model(self) -> StackedExperts:
+        """The weights the optimizer steps: `model`, or this rank's share of it."""
+        return self.share.model if self.share is not None else self.model
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size > self.model.num_experts:
+            raise ConfigError(f"expert-parallel SOMA of {self.model.num_experts} experts on {world_size} processes: "
+                              f"each process needs at least one expert")
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -119,6 +171,11 @@ class SOMAModule(SPSAModule):
             self.router = Router.load(self.router_path or self._default_router_path())
         if self.router is not None and self.router.num_experts != self.model.num_experts:
             raise ConfigError(f"router has {self.router.num_experts} centroids, the model {self.model.num_experts} experts")
+        if self.expert_parallel:
+            # Each rank scores only its own experts' expert-validation windows; the losses are gathered.
+            share = rank_share(self.model.num_experts, self.trainer.global_rank, self.trainer.world_size)
+            self.expert_val_loss = PerExpertNats(len(share), sync_on_compute=False)
+            keep_buffers_local(self)
 
     def _default_router_path(self) -> str:
         experts_dir = getattr(self.trainer.datamodule, "experts_dir", None) if self._trainer else None
@@ -127,7 +184,32 @@ class SOMAModule(SPSAModule):
         return str(Path(experts_dir) / "router.pt")
 
     def configure_optimizers(self):
+        if self.expert_parallel:  # after setup and any checkpoint restore: `model` holds the start weights
+            self.share = self._take_share()
         return self.optimizer_factory(self.trainable_parameters().values())
+
+    @torch.no_grad()
+    def _take_share(self) -> ExpertShare:
+        """A model of this rank's experts, copied from the full `model` (shared head included)."""
+        experts = rank_share(self.model.num_experts, self.trainer.global_rank, self.trainer.world_size)
+        full = self.model
+        own = StackedExperts(len(experts), full.width, full.embed_dim, full.num_layers, full.head_mode,
+                             full.time_chunk, device=self.device, dtype=full.w_hh.dtype)
+        for (name, mine), theirs in zip(own.named_parameters(), full.parameters(), strict=True):
+            mine.copy_(theirs if full.is_shared(name) else theirs[experts.start : experts.stop])
+            mine.requires_grad_(theirs.requires_grad)
+        return ExpertShare(experts, own)
+
+    def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters the estimator perturbs (this rank's experts when expert-parallel)."""
+        return {n: p for n, p in self.trained_model.expert_parameters().items() if p.requires_grad}
+
+    def training_tokens(self, batch: Tensor) -> Tensor:
+        """`batch: [E, B, 1025] uint8` (E: this process's experts) → `[E, B, train_context + 1]`."""
+        if batch.dim() != 3 or batch.shape[0] != len(self.experts):
+            raise ConfigError(f"training batch of shape {tuple(batch.shape)}: this process trains experts "
+                              f"{self.experts.start}..{self.experts.stop - 1}, expected [{len(self.experts)}, B, T]")
+        return batch[..., : self.train_context + 1]
 
     @property
     def eval_k(self) -> int:
@@ -139,21 +221,24 @@ class SOMAModule(SPSAModule):
 
     def loss_fn(self, params: dict[str, Tensor], tokens: Tensor) -> Tensor:
         """Per-group losses; with `decoder_only` the input embedding keeps the unperturbed head."""
+        model = self.trained_model
         if self.head_training is HeadTraining.decoder_only:
-            copies = tokens.shape[0] // self.model.num_experts
-            params = {**params, EMBED_HEAD: self.model.head.detach().repeat_interleave(copies, dim=0)}
-        return self.model.loss_per_group(params, tokens)
+            copies = tokens.shape[0] // model.num_experts
+            params = {**params, EMBED_HEAD: model.head.detach().repeat_interleave(copies, dim=0)}
+        return model.loss_per_group(params, tokens)
 
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
         tokens = self.training_tokens(batch)
         optimizer = self.optimizers()
         clock = UpdateClock(tokens.device)
         clock.start()
-        scale = self.plateau.scale
+        experts = self.experts
+        scale = self.plateau.scale[experts.start : experts.stop]
         eps = self.spsa.eps * (scale if self.eps_schedule is EpsSchedule.proportional else torch.ones_like(scale))
         params = self.trainable_parameters()
+        ids = torch.arange(experts.start, experts.stop, device=tokens.device)  # directions keyed by global index
         result = spsa_estimate(self.loss_fn, params, tokens, self.spsa, step=self.global_step, seed=self.seed,
-                               expert_eps=eps)
+                               expert_ids=ids, expert_eps=eps)
         before = {name: param.detach().clone() for name, param in params.items()}
         for name, param in params.items():
             param.grad = result.gradient[name]
@@ -162,7 +247,7 @@ class SOMAModule(SPSAModule):
         self._scale_updates(params, before, scale)
         seconds = clock.stop()
         self.log_update(result.loss, tokens, seconds, float(eps.mean()))
-        self.log_dict({f"expert/{e}/train_loss": loss for e, loss in enumerate(result.loss)})
+        self.log_dict({f"expert/{e}/train_loss": loss for e, loss in zip(experts, result.loss)})
 
     @torch.no_grad()
     def _scale_updates(self, params: dict[str, Tensor], before: dict[str, Tensor], scale: Tensor) -> None:
@@ -179,14 +264,28 @@ class SOMAModule(SPSAModule):
         if dataloader_idx == 0:
             self._evaluate(batch, "val")
             return
-        tokens = batch  # [E, b, 1025] each expert's own validation windows
-        self.expert_val_loss.update(self.model.window_losses(tokens, score_from=self.score_from).sum(1), tokens.shape[1])
+        tokens = batch  # [E, b, 1025] each (of this process's) experts' own validation windows
+        losses = self.trained_model.window_losses(tokens, score_from=self.score_from)
+        self.expert_val_loss.update(losses.sum(1), tokens.shape[1])
+
+    def on_validation_epoch_start(self) -> None:
+        if self.share is not None:
+            self._gather_weights()
+
+    @torch.no_grad()
+    def _gather_weights(self) -> None:
+        """Every rank's experts into the full `model` (a collective: every rank calls it)."""
+        full = dict(self.model.named_parameters())
+        for name, param in self.share.model.expert_parameters().items():
+            full[name].copy_(gather_shares(self, param.detach(), self.model.num_experts))
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()
         if self.expert_val_loss.update_count:
             losses = self.expert_val_loss.compute()
             self.expert_val_loss.reset()
+            if self.share is not None:  # torchmetrics squeezes a one-expert share to a scalar
+                losses = gather_shares(self, losses.reshape(len(self.experts)), self.model.num_experts)
             if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
                 self.plateau.step(losses)
             base_lr = self.optimizers().param_groups[0]["lr"] if self._trainer and self.trainer.optimizers else 0.0
@@ -197,6 +296,14 @@ class SOMAModule(SPSAModule):
         """Learning rates decay per expert on the expert-validation split, not on the ensemble."""
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.share is not None:  # every rank saves (rank 0 writes): gather the experts and their optimizer state
+            self._gather_weights()
+            for name, param in self.model.expert_parameters().items():
+                checkpoint["state_dict"][f"model.{name}"] = param.detach().clone()
+            if "optimizer_states" in checkpoint:
+                params = list(self.trainable_parameters().values())
+                checkpoint["optimizer_states"] = [gather_optimizer_state(self, state, params, self.model.num_experts)
+                                                  for state in checkpoint["optimizer_states"]]
         if self.router is not None:
             buffer = io.BytesIO()
             self.router.save_to(buffer)
@@ -204,5 +311,10 @@ class SOMAModule(SPSAModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
+        if self.expert_parallel:  # the checkpoint holds every expert's optimizer state: keep this rank's
+            shapes = [p.shape for p in self.model.expert_parameters().values() if p.requires_grad]
+            share = rank_share(self.model.num_experts, self.trainer.global_rank, self.trainer.world_size)
+            for state in checkpoint.get("optimizer_states", []):
+                slice_optimizer_state(state, shapes, share)
         if "router" in checkpoint:
             self.router = Router.load_from(io.BytesIO(checkpoint["router"]), "in checkpoint")

@@ -3,6 +3,9 @@
 Manual optimization: the estimate goes into `.grad` and a real torch optimizer (from the config)
 steps. ε follows the learning rate (`eps_schedule: proportional`): when validation plateaus and
 the learning rate decays, ε decays by the same factor.
+
+One process trains one model: fitting on several processes is refused (each would train its own,
+diverging replica); `DDPPModule` shares one model's directions across processes instead.
 """
 
 from __future__ import annotations
@@ -69,9 +72,20 @@ class SPSAModule(ByteLMModule):
         self.seed = seed
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.trainer.world_size > 1:
+            self.check_world_size(self.trainer.world_size)
         # A fresh fit starts from the seed; a resumed one gets its weights from the checkpoint.
         if stage == "fit" and self.init_checkpoint and self.trainer.ckpt_path is None:
             self._warm_start(self.init_checkpoint)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse to fit on several processes: each would train its own replica and they would diverge.
+
+        DDPPModule shares one model's directions across processes; SOMAModule shares its experts.
+        """
+        raise ConfigError(f"{type(self).__name__} trains one model per process, so {world_size} processes would "
+                          f"train {world_size} diverging replicas: use --model=soma_pl.lit.DDPPModule for "
+                          f"multi-process SPSA (or trainer.devices=1, num_nodes=1)")
 
     @torch.no_grad()
     def _warm_start(self, path: str) -> None:

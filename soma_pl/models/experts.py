@@ -84,7 +84,7 @@ def _lstm_chunk(
     Returns:
         out: ``[G, b, Tc, d]`` hidden states; the final ``(h, c)``.
     """
-    steps, width = x.shape[2], x.shape[3]
+    steps = x.shape[2]
     # Time-major input projections: one large GEMM for the chunk, then slice a contiguous [b, 4d]
     # block per step instead of recomputing it inside the recurrence.
     gates_in = _group_linear(x.transpose(1, 2), w_ih)
@@ -92,14 +92,19 @@ def _lstm_chunk(
     h, c = state
     outputs = []
     for t in range(steps):
-        gates = torch.baddbmm(gates_in[:, t], h, w_hh_t)
-        sig = torch.sigmoid(gates[..., : 3 * width])
-        cell = torch.tanh(gates[..., 3 * width :])
-        # New tensors each step (no in-place updates) so autograd can backpropagate through time.
-        c = torch.addcmul(sig[..., width : 2 * width] * c, sig[..., :width], cell)
-        h = sig[..., 2 * width :] * torch.tanh(c)
+        h, c = lstm_cell(torch.baddbmm(gates_in[:, t], h, w_hh_t), c)
         outputs.append(h)
     return torch.stack(outputs, dim=2), (h, c)
+
+
+def lstm_cell(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """One LSTM step from its pre-activations. gates: ``[..., 4d]`` (input, forget, output, cell); c: ``[..., d]``."""
+    width = c.shape[-1]
+    sig = torch.sigmoid(gates[..., : 3 * width])
+    cell = torch.tanh(gates[..., 3 * width :])
+    # New tensors each step (no in-place updates) so autograd can backpropagate through time.
+    c = torch.addcmul(sig[..., width : 2 * width] * c, sig[..., :width], cell)
+    return sig[..., 2 * width :] * torch.tanh(c), c
 
 
 class StackedExperts(nn.Module):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from soma_pl.bench.zo import ZOBenchSettings, bench_zo
+from soma_pl.bench.zo import ZOBenchSettings, bench_zo, eggroll_record
 
 TINY = ZOBenchSettings(n_pert=4, micro_batch=2, context=16, repeats=1)
 REPO = Path(__file__).resolve().parents[2]
@@ -61,6 +61,22 @@ def test_cli_writes_the_report(tmp_path):
                             cwd=REPO)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert [record["d_t"] for record in report["results"]] == [8]
+    assert [(record["record"], record["d_t"]) for record in report["results"]] == [("zo", 8), ("eggroll", 8)]
     assert report["results"][0]["max_rows"] == 8
+    assert report["results"][1]["max_members"] == 8
     assert report["settings"]["n_pert"] == 4
+
+
+def test_eggroll_record_runs_the_same_token_count_as_the_zo_record():
+    settings = ZOBenchSettings(n_pert=4, micro_batch=2, context=16, repeats=1, eggroll_rank=2)
+    record = eggroll_record(8, settings)
+    assert (record["record"], record["d_t"], record["rank"]) == ("eggroll", 8, 2)
+    assert (record["population"], record["group_size"], record["windows"]) == (2 * 4 * 2, 2 * 4, 2)
+    assert record["token_forwards_per_update"] == 2 * 4 * 2 * 16  # the zo record's ± rows
+    assert record["max_members"] is None  # 16 members fit below the smallest candidate
+    assert record["update_seconds"] > 0 and record["inference_seconds"] > 0
+    efficiency = record["eggroll_tokens_per_s"] / record["inference_tokens_per_s"]
+    # Rounded to 4 decimals, so compared with an absolute tolerance (a slow spell can make it small).
+    assert record["efficiency"] == pytest.approx(efficiency, rel=1e-3, abs=1e-4)
+    ratio = record["inference_seconds"] / record["update_seconds"]
+    assert record["efficiency"] == pytest.approx(ratio, rel=1e-2, abs=1e-4)

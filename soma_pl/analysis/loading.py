@@ -1,0 +1,106 @@
+"""What the analyses read: stacked experts (and a router) from a checkpoint, evaluation windows."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from soma_pl import WINDOW_BYTES
+from soma_pl.data.evalsets import EvalSet
+from soma_pl.errors import ConfigError, DataError
+from soma_pl.models.experts import HeadMode, StackedExperts
+from soma_pl.models.router import Router
+
+ENSEMBLE_VAL_FILE = "ensemble_val.npz"
+"""The prepared dataset's ensemble-validation windows (see `soma_pl.data.prepare`)."""
+
+
+@dataclass
+class LoadedExperts:
+    """The stacked experts of a checkpoint and, for SOMA checkpoints, their router."""
+
+    model: StackedExperts
+    router: Router | None
+    path: str
+
+
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        raise DataError(f"checkpoint not found: {path}")
+    try:
+        return torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as error:  # torch.load raises many types for a damaged file
+        raise DataError(f"unreadable checkpoint {path}: {str(error).strip().splitlines()[0]}") from error
+
+
+def load_experts(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedExperts:
+    """Rebuild the `StackedExperts` of any soma_pl checkpoint from its weights' shapes.
+
+    Args:
+        path: a Lightning checkpoint (SPSA, BPTT, SOMA, ...) whose `state_dict` holds `model.*`.
+        dtype: dtype of the returned model.
+
+    Raises:
+        DataError: missing or unreadable file. ConfigError: no stacked-expert model inside.
+    """
+    path = Path(path).expanduser()
+    checkpoint = _read(path)
+    state = {k.removeprefix("model."): v for k, v in checkpoint.get("state_dict", {}).items()
+             if k.startswith("model.")}
+    if "w_ih" not in state or "head" not in state:
+        raise ConfigError(f"checkpoint {path}: no stacked-expert model (need model.w_ih and model.head)")
+    w_ih = state["w_ih"]
+    head = HeadMode.SHARED if state["head"].dim() == 2 else HeadMode.PER_EXPERT
+    model = StackedExperts(int(w_ih.shape[0]), int(w_ih.shape[-1]), int(state["head"].shape[-1]),
+                           int(w_ih.shape[1]), head)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        raise ConfigError(f"checkpoint {path}: {str(error).strip().splitlines()[0]}") from error
+    router = None
+    if "router" in checkpoint:
+        router = Router.load_from(io.BytesIO(checkpoint["router"]), f"in checkpoint {path}")
+    return LoadedExperts(model.to(dtype).requires_grad_(False), router, str(path))
+
+
+def load_router(loaded: LoadedExperts, router_path: str | None) -> Router:
+    """The router to rank experts with: `router_path` if given, else the checkpoint's own."""
+    router = Router.load(router_path) if router_path else loaded.router
+    if router is None:
+        raise ConfigError(f"checkpoint {loaded.path} holds no router: pass --router <experts_dir>/router.pt")
+    if router.num_experts != loaded.model.num_experts:
+        raise ConfigError(f"router has {router.num_experts} centroids, checkpoint {loaded.path} has "
+                          f"{loaded.model.num_experts} experts")
+    return router
+
+
+def ensemble_val_windows(data_dir: str | Path, limit: int | None = None) -> EvalSet:
+    """The ensemble-validation set of a prepared dataset folder, optionally its first `limit` windows."""
+    evalset = EvalSet.load(Path(data_dir).expanduser() / ENSEMBLE_VAL_FILE)
+    if len(evalset) == 0:
+        raise DataError(f"{Path(data_dir) / ENSEMBLE_VAL_FILE} holds no windows")
+    if limit is not None:
+        evalset = EvalSet(*(array[:limit] for array in
+                            (evalset.windows, evalset.doc_ids, evalset.sources, evalset.offsets)))
+    return evalset
+
+
+def window_pool(data_dir: str | Path | None, count: int, seed: int) -> Tensor:
+    """`count` distinct windows `[count, 1025] uint8`: ensemble-validation windows, or random bytes.
+
+    Windows are drawn without replacement (seeded) from the prepared set when `data_dir` is given.
+    Raises DataError when the set has fewer than `count` windows.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if data_dir is None:
+        return torch.randint(0, 256, (count, WINDOW_BYTES), generator=generator, dtype=torch.uint8)
+    windows = ensemble_val_windows(data_dir).windows
+    if len(windows) < count:
+        raise DataError(f"{Path(data_dir) / ENSEMBLE_VAL_FILE} has {len(windows)} windows, {count} needed")
+    picks = torch.randperm(len(windows), generator=generator)[:count]
+    return torch.from_numpy(np.ascontiguousarray(windows))[picks]

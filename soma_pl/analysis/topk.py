@@ -1,0 +1,78 @@
+"""`analyze topk`: ensemble-validation loss against k = 1..N from one pass (Fig. 16).
+
+Every expert scores every window once; the router (saved inside SOMA checkpoints) orders the
+experts per window from its first 256 bytes and :func:`soma_pl.eval.ensemble.score_windows` gives
+the loss of the average of the top-k experts' probabilities for every k at once.
+
+Output (JSON): ``k`` (1..N), ``loss_by_k`` (mean nats/byte over windows), ``loss_by_k_stderr`` and
+``loss_by_k_bootstrap_95`` (document bootstrap), ``best_k``, ``expert_losses`` (each expert alone on
+every window), ``routed_top1_share`` (how often each expert is ranked first), ``windows``,
+``documents``, ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import torch
+from jsonargparse import ArgumentParser, Namespace
+
+from soma_pl import ROUTE_BYTES
+from soma_pl.analysis.loading import ensemble_val_windows, load_experts, load_router
+from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.eval.ensemble import EnsembleScores, score_windows
+from soma_pl.models.experts import StackedExperts
+from soma_pl.models.router import Router
+
+
+@torch.no_grad()
+def score_all(model: StackedExperts, router: Router, windows: torch.Tensor, batch_size: int) -> EnsembleScores:
+    """Every top-k loss of every window, in batches.
+
+    Args:
+        windows: ``[n, 1025] uint8``.
+
+    Returns:
+        Scores with ``loss_by_k [n, E]``, ``expert_losses [E, n]``, ``ranking [n, E]``.
+    """
+    parts = []
+    for chunk in windows.split(batch_size):
+        ranking = router.ranking(chunk[:, :ROUTE_BYTES])
+        parts.append(score_windows(model, ranking, chunk, model.num_experts, ROUTE_BYTES))
+    return EnsembleScores(torch.cat([p.loss_by_k for p in parts]), torch.cat([p.expert_losses for p in parts], 1),
+                          torch.cat([p.ranking for p in parts]))
+
+
+def topk_curve(scores: EnsembleScores, doc_ids) -> dict:
+    """Summarise per-window scores into the Fig. 16 curve (see the module docstring)."""
+    by_k = scores.loss_by_k.double()
+    windows, experts = by_k.shape
+    intervals = [document_bootstrap(by_k[:, k].numpy(), doc_ids) for k in range(experts)]
+    mean = by_k.mean(0)
+    stderr = by_k.std(0) / windows**0.5 if windows > 1 else torch.zeros_like(mean)
+    first = torch.bincount(scores.ranking[:, 0], minlength=experts).double() / windows
+    return {"k": list(range(1, experts + 1)), "loss_by_k": mean.tolist(), "loss_by_k_stderr": stderr.tolist(),
+            "loss_by_k_bootstrap_95": [[i.low, i.high] for i in intervals], "best_k": int(mean.argmin()) + 1,
+            "expert_losses": scores.expert_losses.double().mean(1).tolist(), "routed_top1_share": first.tolist(),
+            "windows": windows, "documents": intervals[0].documents}
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Fig. 16: ensemble-validation loss for every top-k from one pass.")
+    parser.add_argument("--checkpoint", type=str, required=True, help="a SOMA checkpoint (router inside)")
+    parser.add_argument("--data", type=str, default="data/demo", help="prepared dataset folder (ensemble_val.npz)")
+    parser.add_argument("--router", type=str | None, default=None, help="router.pt replacing the checkpoint's")
+    parser.add_argument("--max_windows", type=int | None, default=None, help="score only the first windows")
+    parser.add_argument("--batch_size", type=int, default=16, help="windows per forward")
+    parser.add_argument("--out", type=str, default="topk.json")
+    return parser
+
+
+def run(args: Namespace) -> None:
+    from soma_pl.cli import _emit
+
+    loaded = load_experts(args.checkpoint)
+    router = load_router(loaded, args.router)
+    evalset = ensemble_val_windows(args.data, args.max_windows)
+    scores = score_all(loaded.model, router, torch.from_numpy(evalset.windows.copy()), args.batch_size)
+    result = {"analysis": "topk", "figure": "Fig. 16", "checkpoint": loaded.path,
+              "data": f"{args.data}/ensemble_val.npz", **topk_curve(scores, evalset.doc_ids)}
+    _emit(result, args.out)

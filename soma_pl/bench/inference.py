@@ -1,0 +1,204 @@
+"""`bench inference` (Table 12): warm inference throughput, batch latency and peak memory.
+
+A request is one 1,025-byte window: the router reads its first 256 bytes and picks the top-k
+experts (k = 4, at most N), only those experts run over the 1,024 input bytes
+(:func:`soma_pl.eval.ensemble.score_top_k`), and the average of their next-byte distributions
+scores the last 768 targets. Throughput is ``batch · 768 / latency`` scored tokens per second, the
+latency the median of 7 warm batches (one untimed batch first), routing included. Each
+configuration runs in a fresh child process, whose peak memory is measured as in
+:mod:`soma_pl.bench.memory`.
+
+The default configurations are Table 2's equal-total-size ensembles, with random weights (weights
+do not change the speed): N = 1 (d_t = 509), N = 2 (361), N = 8 (181) and N = 256 (32, one shared
+head). The router is the real :class:`~soma_pl.models.router.Router`: a seed-model encoder of the
+experts' width (the paper's semantic embedding) and N centroids, each the encoding of a random
+window. On random bytes its load is uneven (N = 256, k = 4, 256 windows: up to ~6× the mean on
+one expert), and the routed forward pads every expert to the busiest one, so these timings are
+conservative for SOMA; the record reports the load. Default batch sizes fit a 2-core CPU; the
+paper's GPU batches are 768, 768, 1,024 and 4,096.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from jsonargparse import ArgumentParser, Namespace
+from torch import Tensor
+
+from soma_pl import ROUTE_BYTES, WINDOW_BYTES
+from soma_pl.bench.memory import PeakMemory, in_fresh_process, machine
+from soma_pl.errors import ConfigError
+from soma_pl.eval.ensemble import score_top_k
+from soma_pl.models.experts import HeadMode, StackedExperts
+from soma_pl.models.router import EncoderKind, HashedNgramEncoder, Router, SeedEncoder
+
+SCORED_TOKENS = WINDOW_BYTES - 1 - ROUTE_BYTES
+"""Scored targets per request (768)."""
+
+PAPER_TABLE12 = {
+    "N=1": {"batch": 768, "tokens_per_s": 0.555e6, "latency_ms": 1060, "peak_gib": 16.5},
+    "N=2": {"batch": 768, "tokens_per_s": 0.468e6, "latency_ms": 1260, "peak_gib": 12.3},
+    "N=8": {"batch": 1024, "tokens_per_s": 0.257e6, "latency_ms": 3060, "peak_gib": 15.0},
+    "N=256": {"batch": 4096, "tokens_per_s": 2.36e6, "latency_ms": 1330, "peak_gib": 8.30},
+}
+"""Table 12 (one GPU, top-4 routing)."""
+
+
+@dataclass(frozen=True)
+class InferenceModel:
+    """One timed configuration (a Table 12 row)."""
+
+    experts: int
+    """N."""
+    width: int
+    """Expert body width d_t."""
+    batch_size: int
+    """Requests (windows) per batch."""
+    shared_head: bool = False
+    """One head shared by all experts (N = 256) instead of one per expert."""
+
+    @property
+    def head(self) -> HeadMode:
+        return HeadMode.SHARED if self.shared_head else HeadMode.PER_EXPERT
+
+    @property
+    def name(self) -> str:
+        return f"N={self.experts}"
+
+
+TABLE2_MODELS = (
+    InferenceModel(1, 509, 16),
+    InferenceModel(2, 361, 16),
+    InferenceModel(8, 181, 32),
+    InferenceModel(256, 32, 256, shared_head=True),
+)
+
+
+@dataclass(frozen=True)
+class InferenceSettings:
+    """What every configuration shares."""
+
+    top_k: int = 4
+    """Experts averaged per request (capped at N)."""
+    repeats: int = 7
+    """Timed batches (the median is reported)."""
+    warmup: int = 1
+    """Untimed batches first."""
+    embed_dim: int = 32
+    num_layers: int = 4
+    time_chunk: int = 64
+    """Time steps whose activations are held at once."""
+    encoder: EncoderKind = EncoderKind.seed
+    """Router encoder: the seed model (paper) or hashed byte n-grams."""
+    device: str = "cpu"
+    threads: int | None = 1
+    """torch threads in each child process; None: torch's default (every core). One thread keeps
+    timings steady on a CPU shared with other jobs, where idle worker threads spin-wait."""
+    seed: int = 0
+
+
+def build_router(experts: int, width: int, settings: InferenceSettings, device: torch.device) -> Router:
+    """A router with N centroids, each the encoding of one random window."""
+    if EncoderKind(settings.encoder) is EncoderKind.seed:
+        encoder = SeedEncoder(StackedExperts(1, width, settings.embed_dim, settings.num_layers, device=device))
+    else:
+        encoder = HashedNgramEncoder()
+    samples = torch.randint(0, 256, (experts, ROUTE_BYTES), dtype=torch.uint8, device=device)
+    return Router(encoder, encoder.encode(samples)).to(device)
+
+
+def _request(model: StackedExperts, router: Router | None, windows: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Route and score one batch: returns the experts chosen ``[b, k]`` and the losses ``[b]``."""
+    if router is None:
+        top = torch.zeros(windows.shape[0], 1, dtype=torch.long, device=windows.device)
+    else:
+        top = router.top_k(windows, k)
+    return top, score_top_k(model, top, windows, ROUTE_BYTES).loss
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure_model(config: InferenceModel, settings: InferenceSettings) -> dict:
+    """Latency, throughput, routing load and peak memory of one configuration (run in a child)."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = torch.device(settings.device)
+    meter = PeakMemory(device)
+    meter.start()
+    torch.manual_seed(settings.seed)
+    model = StackedExperts(config.experts, config.width, settings.embed_dim, settings.num_layers, config.head,
+                           settings.time_chunk, device=device)
+    router = build_router(config.experts, config.width, settings, device) if config.experts > 1 else None
+    k = min(settings.top_k, config.experts)
+    windows = torch.randint(0, 256, (config.batch_size, WINDOW_BYTES), dtype=torch.uint8, device=device)
+    latencies = []
+    for repeat in range(settings.warmup + settings.repeats):
+        _sync(device)
+        started = time.perf_counter()
+        top, _ = _request(model, router, windows, k)
+        _sync(device)
+        if repeat >= settings.warmup:
+            latencies.append(time.perf_counter() - started)
+    load = torch.bincount(top.reshape(-1), minlength=config.experts)
+    latency = statistics.median(latencies)
+    return {
+        "model": config.name, "experts": config.experts, "d_t": config.width, "head": config.head.value,
+        "parameters": sum(param.numel() for param in model.parameters()), "top_k": k,
+        "batch_size": config.batch_size, "scored_tokens_per_request": SCORED_TOKENS,
+        "latency_ms": round(latency * 1e3, 2), "latencies_ms": [round(t * 1e3, 2) for t in latencies],
+        "tokens_per_s": round(config.batch_size * SCORED_TOKENS / latency, 1),
+        "routing": {"mean_windows_per_expert": round(float(load.float().mean()), 2),
+                    "max_windows_per_expert": int(load.max())},
+        "threads": torch.get_num_threads(), **meter.stop(),
+    }
+
+
+def bench_inference(models: Sequence[InferenceModel] = TABLE2_MODELS,
+                    settings: InferenceSettings = InferenceSettings()) -> dict:
+    """One record per configuration, each from a fresh process, and throughput ratios to N = 1.
+
+    Returns ``{"benchmark": "inference", "machine", "settings", "results": [...],
+    "throughput_ratio_to_n1": {name: ratio}, "paper_table12": ...}``.
+    """
+    if not models or min(min(m.experts, m.width, m.batch_size) for m in models) < 1:
+        raise ConfigError("every inference configuration needs experts, width and batch_size >= 1")
+    if min(settings.top_k, settings.repeats) < 1 or settings.warmup < 0:
+        raise ConfigError(f"top_k={settings.top_k} and repeats={settings.repeats} must be >= 1, warmup >= 0")
+    results = [in_fresh_process(measure_model, config, settings) for config in models]
+    monolithic = next((record for record in results if record["experts"] == 1), None)
+    ratios = {}
+    if monolithic is not None:
+        ratios = {f"{record['model']} top-{record['top_k']}": round(record["tokens_per_s"] / monolithic["tokens_per_s"], 3)
+                  for record in results}
+    return {"benchmark": "inference", "table": "Table 12", "machine": machine(), "settings": asdict(settings),
+            "results": results, "throughput_ratio_to_n1": ratios, "paper_table12": PAPER_TABLE12}
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Table 12: warm inference throughput, latency and peak memory, routing included.")
+    parser.add_argument("--models", type=list[InferenceModel], default=list(TABLE2_MODELS),
+                        help="configurations: experts, width, batch_size, shared_head")
+    parser.add_argument("--batch_sizes", type=list[int] | None, default=None,
+                        help="batch size of each configuration, in order (overrides --models)")
+    parser.add_argument("--settings", type=InferenceSettings, default=InferenceSettings())
+    parser.add_argument("--out", type=str, default="bench_inference.json")
+    return parser
+
+
+def run(args: Namespace) -> None:
+    from soma_pl.cli import _emit
+
+    models = list(args.models)
+    if args.batch_sizes is not None:
+        if len(args.batch_sizes) != len(models):
+            raise ConfigError(f"--batch_sizes has {len(args.batch_sizes)} entries for {len(models)} models")
+        models = [replace(model, batch_size=size) for model, size in zip(models, args.batch_sizes)]
+    _emit(bench_inference(models, args.settings), args.out)

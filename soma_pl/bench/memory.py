@@ -1,0 +1,219 @@
+"""`bench memory`: peak memory of one zero-order update and of one BPTT update as the context grows.
+
+Zero-order training runs at inference memory: an SPSA update only evaluates losses, so besides the
+weights it holds the perturbed copies of one chunk of directions (`max_rows` windows per loss
+call) and the activations of one time chunk (`StackedExperts.time_chunk` steps), whatever the
+context. BPTT keeps every time step's activations for the backward pass, plus Adam's two moments:
+its peak grows linearly with the context.
+
+Each measurement runs in a fresh child process (`spawn`), so one configuration's allocations
+never hide another's. On the CPU the peak is the child's peak resident set size (`VmHWM`), reset
+after imports by writing `5` to `/proc/self/clear_refs` (Linux ≥ 4.0), above the resident size at
+that moment (`baseline`); on CUDA it is `torch.cuda.max_memory_allocated` above what was allocated
+before. Both peaks count the weights, the optimizer state and every intermediate.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import platform
+import resource
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+from jsonargparse import ArgumentParser, Namespace
+
+from soma_pl.errors import ConfigError
+from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
+from soma_pl.models.experts import StackedExperts
+
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
+_RESET_PEAK_RSS = "5"  # proc(5): writing 5 to clear_refs resets the peak RSS (VmHWM)
+_KIB = 1024
+
+
+def _status_bytes(field: str) -> int | None:
+    """A `/proc/self/status` size field (`VmRSS`, `VmHWM`) in bytes; None off Linux."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * _KIB
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Peak memory of the work done between :meth:`start` and :meth:`stop`, on CPU or CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.baseline = 0
+        self.method = ""
+
+    def start(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline, self.method = torch.cuda.memory_allocated(self.device), "torch.cuda.max_memory_allocated"
+            return
+        try:
+            _CLEAR_REFS.write_text(_RESET_PEAK_RSS)
+            self.method = "peak RSS (VmHWM, reset after imports)"
+        except OSError:  # not Linux, or not permitted: the peak then includes the imports
+            self.method = "peak RSS (ru_maxrss, not reset)"
+        self.baseline = _status_bytes("VmRSS") or 0
+
+    def stop(self) -> dict:
+        """`{"peak_bytes", "baseline_bytes", "peak_above_baseline_bytes", "memory_method"}`."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _KIB
+        return {"peak_bytes": peak, "baseline_bytes": self.baseline,
+                "peak_above_baseline_bytes": peak - self.baseline, "memory_method": self.method}
+
+
+def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` in a new spawned Python process (a clean heap for peak memory)."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
+def machine() -> dict:
+    """What the measurement ran on; the load average shows whether other jobs shared the CPU."""
+    return {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "load_average": os.getloadavg()}
+
+
+class TrainingMethod(str, Enum):
+    """What one measured update is."""
+
+    zo = "zo"
+    """One SPSA estimate (± evaluations, `max_rows` windows per loss call) and an SGD step."""
+    bptt = "bptt"
+    """One forward over the whole context, one backward through time and an Adam step."""
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """The model and update measured at every context."""
+
+    width: int = 181
+    """Body width d_t (Table 2: the N = 8 expert)."""
+    experts: int = 1
+    """Experts in the stacked model."""
+    micro_batch: int = 4
+    """Windows per expert per update (B)."""
+    n_pert: int = 2
+    """SPSA directions; with one direction per loss call the peak does not depend on it."""
+    max_rows: int | None = None
+    """Windows per ZO loss call; None: one direction's ± pair (2·B rows per expert)."""
+    time_chunk: int = 64
+    """Time steps held at once; bounds ZO activation memory."""
+    embed_dim: int = 32
+    num_layers: int = 4
+    eps: float = 1e-3
+    lr: float = 1e-3
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = 1
+    """torch threads in each child process; None: torch's default (every core). One thread keeps
+    timings steady on a CPU shared with other jobs, where idle worker threads spin-wait."""
+
+
+def _zo_update(model: StackedExperts, windows: torch.Tensor, settings: MemorySettings) -> None:
+    params = model.expert_parameters()
+    rows = settings.max_rows or 2 * settings.micro_batch * settings.experts
+    config = SPSAConfig(eps=settings.eps, n_pert=settings.n_pert, micro_batch=settings.micro_batch, max_rows=rows)
+    result = spsa_estimate(model.loss_per_group, params, windows, config, step=0, seed=settings.seed)
+    optimizer = torch.optim.SGD(params.values(), lr=settings.lr)
+    for name, param in params.items():
+        param.grad = result.gradient[name]
+    optimizer.step()
+
+
+def _bptt_update(model: StackedExperts, windows: torch.Tensor, settings: MemorySettings) -> None:
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    model.loss_per_group({}, windows).mean().backward()
+    optimizer.step()
+
+
+def _model_and_windows(settings: MemorySettings, width: int, context: int) -> tuple[StackedExperts, torch.Tensor]:
+    device = torch.device(settings.device)
+    torch.manual_seed(settings.seed)
+    model = StackedExperts(settings.experts, width, settings.embed_dim, settings.num_layers,
+                           time_chunk=settings.time_chunk, device=device)
+    shape = (settings.experts, settings.micro_batch, context + 1)
+    return model, torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
+
+
+def measure_update(method: TrainingMethod, context: int, settings: MemorySettings) -> dict:
+    """Peak memory and wall time of one update on `context` predicted bytes (run in a child).
+
+    A first update of a width-8 model on 8 bytes runs before the meter starts: it pays the
+    one-time costs (lazily imported optimizer machinery, kernel libraries: about 90 MB and
+    seconds on the CPU) that would otherwise dwarf a zero-order update's own memory.
+    """
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    update = _zo_update if TrainingMethod(method) is TrainingMethod.zo else _bptt_update
+    update(*_model_and_windows(settings, 8, 8), settings)
+    meter = PeakMemory(torch.device(settings.device))
+    meter.start()
+    model, windows = _model_and_windows(settings, settings.width, context)
+    started = time.perf_counter()
+    update(model, windows, settings)
+    seconds = time.perf_counter() - started
+    weights = sum(param.numel() * param.element_size() for param in model.parameters())
+    return {"method": TrainingMethod(method).value, "context": context, "seconds": round(seconds, 3),
+            "weight_bytes": weights, "threads": torch.get_num_threads(), **meter.stop()}
+
+
+def bench_memory(contexts: Sequence[int] = (256, 512, 1024, 2048),
+                 settings: MemorySettings = MemorySettings()) -> dict:
+    """One record per (method, context), each from a fresh process; the curves per method.
+
+    Returns ``{"benchmark": "memory", "machine", "settings", "results": [...], "curves":
+    {"zo": {"contexts", "peak_above_baseline_mib"}, "bptt": ...}, "growth": {method: last / first}}``.
+    """
+    if not contexts or min(contexts) < 1:
+        raise ConfigError(f"contexts {list(contexts)} must be positive")
+    results = [in_fresh_process(measure_update, method, context, settings)
+               for method in TrainingMethod for context in contexts]
+    curves = {}
+    for method in TrainingMethod:
+        rows = [record for record in results if record["method"] == method.value]
+        curves[method.value] = {"contexts": [record["context"] for record in rows],
+                                "peak_above_baseline_mib": [round(record["peak_above_baseline_bytes"] / 2**20, 1)
+                                                            for record in rows]}
+    growth = {method: round(curve["peak_above_baseline_mib"][-1] / max(curve["peak_above_baseline_mib"][0], 1e-9), 2)
+              for method, curve in curves.items()}
+    return {"benchmark": "memory", "machine": machine(), "settings": asdict(settings), "results": results,
+            "curves": curves, "growth": growth}
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Peak memory of a ZO (SPSA) update and a BPTT update against context length.")
+    parser.add_argument("--contexts", type=list[int], default=[256, 512, 1024, 2048], help="predicted bytes per window")
+    parser.add_argument("--settings", type=MemorySettings, default=MemorySettings())
+    parser.add_argument("--out", type=str, default="bench_memory.json")
+    return parser
+
+
+def run(args: Namespace) -> None:
+    from soma_pl.cli import _emit
+
+    _emit(bench_memory(tuple(args.contexts), args.settings), args.out)

@@ -1,0 +1,290 @@
+"""EGGROLL: evolution strategies with low-rank Gaussian perturbations applied inside the matmul.
+
+Paper symbols and their names here:
+    σ   ``EGGROLLConfig.sigma``        perturbation scale;
+    r   ``EGGROLLConfig.rank``         rank of each matrix perturbation;
+    N   ``EGGROLLConfig.population``   members per update (the paper: 2²⁰);
+    B   ``EGGROLLConfig.windows``      windows per update, ``N / group_size`` (the paper: 256).
+
+Member ``m`` is sign ``s_m = +1`` (m even) or ``−1`` (m odd) of antithetic pair ``k = m // 2`` and
+evaluates window ``m // group_size`` (a pair never straddles two windows). For a matrix ``W``
+(``[out, in]``) pair k draws ``A_k [out, r]``, ``B_k [in, r]`` and the member runs with
+``W + s_m σ/√r · A_k B_kᵀ``; for a vector it draws full Gaussian noise ``ε_k``. Write
+``ε_m = s_m A_k B_kᵀ / √r`` (or ``s_m ε_k``): ``E[vec ε vec εᵀ] = I`` for every r.
+
+Three steps, each a function:
+    perturb   :func:`evaluate_population`  member losses ``L [E, N]``, chunk by chunk, the factors
+              regenerated from ``(seed, step, expert, pair)``; the loss function applies them
+              inside the matmul, so no member's full perturbation is ever formed;
+    shape     :func:`shape_fitness`        z-score L over the population or within each group;
+    assemble  :func:`assemble_update`      ``ĝ = 1/(Nσ) Σ_m f_m ε_m``, regenerating the factors.
+
+ĝ is a descent direction (fitness here is the loss; EGGROLL's maximised fitness is its negative).
+With raw losses (``FitnessShaping.none``) it is unbiased for the gradient of a linear loss, and on
+a quadratic its error has the closed form :func:`lowrank_relative_error`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from soma_pl.estimators.directions import DirectionKind, direction_keys, directions_from_keys
+
+_FITNESS_EPS = 1e-12
+"""Floor of a fitness standard deviation (all-equal losses give zero fitness, not NaN)."""
+
+
+class FitnessShaping(str, Enum):
+    """How member losses become fitness values (member names are what configs write)."""
+
+    population = "population"
+    """z-score over all N members of an expert."""
+    group = "group"
+    """z-score within each group of members that share a window (removes the window's difficulty)."""
+    none = "none"
+    """Raw losses: ĝ is then an unbiased estimate of the (smoothed) gradient."""
+
+
+@dataclass(frozen=True)
+class EGGROLLConfig:
+    """Settings of one EGGROLL update."""
+
+    sigma: float = 1e-3
+    """σ: perturbation scale."""
+    rank: int = 1
+    """r: rank of every matrix perturbation."""
+    population: int = 2**20
+    """N: members (both signs of N/2 antithetic pairs)."""
+    group_size: int = 4096
+    """Members that share one window; N / group_size windows per update."""
+    fitness: FitnessShaping = FitnessShaping.population
+    """Fitness shaping."""
+    max_members: int | None = None
+    """Most members one loss call evaluates (bounds memory); None: all N at once."""
+
+    def __post_init__(self) -> None:
+        even = self.population % 2 == 0 and self.group_size % 2 == 0
+        if self.sigma <= 0 or self.rank < 1 or self.group_size < 2 or not even:
+            raise ValueError(f"invalid EGGROLL settings {self}: sigma > 0, rank >= 1, even population "
+                             "and group_size >= 2 required")
+        if self.population % self.group_size:
+            raise ValueError(f"population {self.population} is not a multiple of group_size {self.group_size}")
+        if self.max_members is not None and self.max_members < 2:
+            raise ValueError(f"max_members={self.max_members} must be >= 2 (one antithetic pair)")
+
+    @property
+    def windows(self) -> int:
+        """B: windows per update."""
+        return self.population // self.group_size
+
+    @property
+    def chunk(self) -> int:
+        """Members per loss call: whole pairs, at most ``max_members``."""
+        limit = self.population if self.max_members is None else min(self.max_members, self.population)
+        return max(2, limit - limit % 2)
+
+
+@dataclass
+class MemberNoise:
+    """The perturbations of M members of each of E experts, signed and scaled."""
+
+    factors: dict[str, tuple[Tensor, Tensor]]
+    """Matrices: name → ``(s σ/√r · A [E, M, *stack, out, r], B [E, M, *stack, in, r])``."""
+    offsets: dict[str, Tensor]
+    """Vectors: name → ``s σ ε [E, M, *shape]``."""
+
+
+MemberLossFn = Callable[[MemberNoise, Tensor], Tensor]
+"""``loss_fn(noise, tokens [E, M, b, T]) -> [E, M]``: each member's loss on its own windows."""
+
+
+@dataclass
+class EGGROLLResult:
+    """One EGGROLL update direction."""
+
+    gradient: dict[str, Tensor]
+    """ĝ, name → tensor shaped like the parameter ``[E, ...]``."""
+    loss: Tensor
+    """``[E]`` mean member loss."""
+    losses: Tensor
+    """``[E, N]`` every member's loss."""
+    fitness: Tensor
+    """``[E, N]`` the shaped fitness that weighted each member."""
+
+
+def _coordinates(shape: torch.Size, low_rank: bool, rank: int) -> int:
+    """Stream coordinates one pair needs for a parameter of per-expert ``shape``."""
+    if not low_rank:
+        return shape.numel()
+    return shape[:-2].numel() * (shape[-2] + shape[-1]) * rank
+
+
+def pair_noise(params: Mapping[str, Tensor], matrices: Collection[str], rank: int, seed: int, step: int,
+               ids: Tensor, pairs: Tensor) -> dict[str, Tensor | tuple[Tensor, Tensor]]:
+    """Unscaled noise of antithetic pairs, regenerated from ``(seed, step, expert, pair)``.
+
+    Each pair owns one Gaussian stream; the parameters take consecutive coordinates of it (a
+    matrix ``(out + in)·r`` per stacked matrix: A then B).
+
+    Args:
+        params: name → ``[E, ...]`` (shapes, dtypes and devices are read).
+        matrices: names whose last two dims are ``(out, in)`` matrices (leading dims stack them).
+        rank: r.
+        ids: ``[E]`` expert indices; pairs: ``[K]`` pair indices.
+
+    Returns:
+        Matrices: name → ``(A [E, K, *stack, out, r], B [E, K, *stack, in, r])``; vectors: name →
+        ``ε [E, K, *shape]``.
+    """
+    keys = direction_keys(seed, step, ids, pairs.to(ids.device))
+    noise: dict[str, Tensor | tuple[Tensor, Tensor]] = {}
+    offset = 0
+    for name, param in params.items():
+        shape, low_rank = param.shape[1:], name in matrices
+        count = _coordinates(shape, low_rank, rank)
+        flat = directions_from_keys(DirectionKind.GAUSSIAN, keys, offset, count, param.dtype)
+        offset += count
+        if low_rank:
+            stacked = flat.view(*keys.shape, *shape[:-2], shape[-2] + shape[-1], rank)
+            noise[name] = tuple(stacked.split([shape[-2], shape[-1]], dim=-2))
+        else:
+            noise[name] = flat.view(*keys.shape, *shape)
+    return noise
+
+
+def member_noise(noise: Mapping[str, Tensor | tuple[Tensor, Tensor]], sigma: float, rank: int) -> MemberNoise:
+    """Both members of every pair: ``[E, K, ...]`` pair noise → ``[E, 2K, ...]``, (+, −) per pair."""
+
+    def signed(x: Tensor, scale: float) -> Tensor:
+        return torch.stack((x * scale, x * -scale), dim=2).flatten(1, 2)
+
+    def repeated(x: Tensor) -> Tensor:
+        return x.unsqueeze(2).expand(x.shape[0], x.shape[1], 2, *x.shape[2:]).flatten(1, 2)
+
+    factors, offsets = {}, {}
+    for name, value in noise.items():
+        if isinstance(value, tuple):
+            factors[name] = (signed(value[0], sigma / math.sqrt(rank)), repeated(value[1]))
+        else:
+            offsets[name] = signed(value, sigma)
+    return MemberNoise(factors, offsets)
+
+
+def _chunks(total: int, size: int) -> Iterator[Tensor]:
+    for first in range(0, total, size):
+        yield torch.arange(first, min(first + size, total))
+
+
+def evaluate_population(loss_fn: MemberLossFn, params: Mapping[str, Tensor], matrices: Collection[str],
+                        batch: Tensor, config: EGGROLLConfig, step: int, seed: int, ids: Tensor) -> Tensor:
+    """Step 1: every member's loss, ``config.chunk`` members per loss call.
+
+    Args:
+        batch: ``[E, B, T]`` windows; member m evaluates window ``m // group_size``.
+
+    Returns:
+        losses: ``[E, N]``.
+    """
+    losses = []
+    for members in _chunks(config.population, config.chunk):
+        noise = pair_noise(params, matrices, config.rank, seed, step, ids, members[::2] // 2)
+        tokens = batch[:, (members // config.group_size).to(batch.device)].unsqueeze(2)
+        losses.append(loss_fn(member_noise(noise, config.sigma, config.rank), tokens))
+    return torch.cat(losses, dim=1)
+
+
+def shape_fitness(losses: Tensor, config: EGGROLLConfig) -> Tensor:
+    """Step 2: ``[E, N]`` losses → ``[E, N]`` fitness (float64), z-scored as configured."""
+    values = losses.double()
+    if config.fitness == FitnessShaping.none:
+        return values
+    if config.fitness == FitnessShaping.group:
+        values = values.view(values.shape[0], config.windows, config.group_size)
+    mean = values.mean(-1, keepdim=True)
+    spread = values.std(-1, unbiased=False, keepdim=True).clamp_min(_FITNESS_EPS)
+    return ((values - mean) / spread).view(losses.shape)
+
+
+@torch.no_grad()
+def assemble_update(params: Mapping[str, Tensor], matrices: Collection[str], fitness: Tensor,
+                    config: EGGROLLConfig, step: int, seed: int, ids: Tensor) -> dict[str, Tensor]:
+    """Step 3: ``ĝ = 1/(Nσ) Σ_m f_m ε_m``, regenerating each pair's noise.
+
+    A pair contributes ``c_k = (f_{2k} − f_{2k+1}) / (Nσ)`` times its noise; for a matrix the chunk's
+    ``Σ_k c_k A_k B_kᵀ / √r`` is one GEMM over the chunk's ``K·r`` columns.
+
+    Args:
+        fitness: ``[E, N]`` shaped fitness.
+
+    Returns:
+        name → ``[E, ...]`` shaped like each parameter.
+    """
+    coefficients = (fitness[:, 0::2] - fitness[:, 1::2]) / (config.population * config.sigma)
+    gradient = {name: torch.zeros_like(param) for name, param in params.items()}
+    for pairs in _chunks(config.population // 2, config.chunk // 2):
+        noise = pair_noise(params, matrices, config.rank, seed, step, ids, pairs)
+        weights = coefficients[:, pairs.to(fitness.device)]
+        for name, grad in gradient.items():
+            value = noise[name]
+            if isinstance(value, tuple):
+                grad += _weighted_outer_sum(weights.to(grad.dtype), *value) / math.sqrt(config.rank)
+            else:
+                flat = value.flatten(2)
+                grad += torch.bmm(weights.to(grad.dtype)[:, None, :], flat).view(grad.shape)
+    return gradient
+
+
+def _weighted_outer_sum(weights: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``Σ_k w_k A_k B_kᵀ``. weights ``[E, K]``; a ``[E, K, *stack, out, r]``; b ``[E, K, *stack, in, r]``."""
+    scaled = a * weights.view(*weights.shape, *[1] * (a.dim() - 2))
+    # K and r together form the inner dimension of one matmul per expert (and stacked matrix).
+    left = scaled.movedim(1, -2).flatten(-2)
+    right = b.movedim(1, -2).flatten(-2)
+    return left @ right.transpose(-1, -2)
+
+
+@torch.no_grad()
+def eggroll_estimate(loss_fn: MemberLossFn, params: Mapping[str, Tensor], matrices: Collection[str],
+                     batch: Tensor, config: EGGROLLConfig, step: int, seed: int,
+                     expert_ids: Tensor | None = None) -> EGGROLLResult:
+    """One EGGROLL update direction for every expert: perturb and evaluate, shape, assemble.
+
+    Args:
+        loss_fn: ``(MemberNoise, tokens [E, M, b, T]) -> [E, M]`` member losses.
+        params: name → ``[E, ...]`` the perturbed weights.
+        matrices: names perturbed by rank-r factors; every other parameter gets full noise.
+        batch: ``[E, B, T]`` with ``B = population / group_size``.
+        config: σ, r, N, group size, shaping, chunking.
+        step, seed: regenerate the noise; expert_ids: ``[E]`` global expert indices (default 0..E-1).
+
+    Returns:
+        The update direction, the member losses and their fitness.
+    """
+    experts, windows = batch.shape[:2]
+    if windows != config.windows:
+        raise ValueError(f"batch of {windows} windows; population {config.population} in groups of "
+                         f"{config.group_size} needs {config.windows}")
+    device = batch.device
+    ids = torch.arange(experts, device=device) if expert_ids is None else expert_ids.to(device)
+    losses = evaluate_population(loss_fn, params, matrices, batch, config, step, seed, ids)
+    fitness = shape_fitness(losses, config)
+    gradient = assemble_update(params, matrices, fitness, config, step, seed, ids)
+    return EGGROLLResult(gradient, losses.mean(1), losses, fitness)
+
+
+def lowrank_relative_error(rows: int, cols: int, rank: int, pairs: int) -> float:
+    """Closed-form ``E‖ĝ − g‖² / ‖g‖²`` of ĝ from raw losses on a quadratic in one ``rows × cols`` matrix.
+
+    The antithetic difference of a quadratic is exactly ``2σ⟨g, ε⟩``, so over K pairs
+    ``E‖ĝ − g‖² = (E[⟨g, ε⟩² ‖ε‖²] − ‖g‖²) / K``. With ``ε = Σ_p a_p b_pᵀ / √r`` only index pairings
+    survive the expectation: r terms ``E[⟨g, abᵀ⟩² ‖a‖²‖b‖²] = (m + 2)(n + 2)‖g‖²`` and
+    ``r(r − 1)`` terms ``(mn + 2)‖g‖²``, divided by r². Hence ``(mn + 1 + 2(m + n + 1)/r) / K``:
+    full-rank Gaussian ES's ``(d + 1)/K`` plus an excess that falls as 1/r.
+    """
+    return (rows * cols + 1 + 2 * (rows + cols + 1) / rank) / pairs

@@ -1,0 +1,285 @@
+"""`evaluate`: frozen next-byte loss of a checkpoint on external text (Table 9, WikiText-103 style).
+
+The text (one file, or every `*.txt`/`*.md`/`*.text` file under a folder) is read as bytes and
+split into documents: each file is one document, or with `--documents wikitext` each article of a
+WikiText file (an article starts at a top-level heading line ` = Title = `). Every document is cut
+into non-overlapping 1,025-byte windows at offsets 0, 1025, 2050, ...; the tail shorter than a
+window, and any document shorter than one, is not scored (their counts are reported). Each window
+is scored as in Table 1: a SOMA model routes on the first 256 bytes and averages its top-k experts'
+next-byte probabilities (only the k selected experts run), the loss scores the next 768 targets in
+nats/byte, and a 95% interval resamples whole documents (`soma_pl.eval.bootstrap`). The module
+class comes from the checkpoint's `_class_path` hyperparameter (written by LightningCLI) or from
+`--config`, a fit YAML whose `model:` section names it; SOMA checkpoints carry their router.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from jsonargparse import ArgumentParser, Namespace
+from torch import Tensor
+
+from soma_pl import ROUTE_BYTES, WINDOW_BYTES
+from soma_pl.data.documents import Document
+from soma_pl.data.readers import CorpusKind, corpus_files, iter_text
+from soma_pl.errors import ConfigError, DataError
+from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.eval.ensemble import score_top_k
+from soma_pl.lit.base import ByteLMModule
+from soma_pl.models.router import Router
+
+WIKITEXT_TITLE = re.compile(rb"^ ?= [^=\n][^\n]*[^=\n] = ?\r?$", re.MULTILINE)
+"""A WikiText top-level heading line (` = Title = `); ` = = Section = = ` lines do not match."""
+
+
+class DocumentSplit(str, Enum):
+    """What one bootstrap document is."""
+
+    file = "file"
+    """Each file is one document."""
+    wikitext = "wikitext"
+    """Each WikiText article (from one top-level heading to the next) is one document."""
+
+
+@dataclass
+class ExternalWindows:
+    """Windows cut from external text.
+
+    Attributes:
+        windows: ``[n, 1025] uint8``.
+        doc_ids: ``[n]`` the document each window comes from.
+        documents: documents read; short_documents: those shorter than one window.
+        files: files read; bytes: bytes read.
+    """
+
+    windows: np.ndarray
+    doc_ids: np.ndarray
+    documents: int
+    short_documents: int
+    files: int
+    bytes: int
+
+
+def split_documents(document: Document, split: DocumentSplit) -> list[Document]:
+    """One file's document, or its WikiText articles (text before the first heading is its own).
+
+    Document ids are the file's path (plus ``#<byte offset>`` for an article): file names alone
+    repeat across folders.
+    """
+    if split is DocumentSplit.file:
+        return [Document(document.text, document.source, document.source)]
+    starts = sorted({0, *(match.start() for match in WIKITEXT_TITLE.finditer(document.text))})
+    bounds = zip(starts, [*starts[1:], len(document.text)])
+    return [Document(document.text[a:b], document.source, f"{document.source}#{a}") for a, b in bounds if b > a]
+
+
+def cut_windows(documents: Sequence[Document]) -> tuple[np.ndarray, np.ndarray]:
+    """Non-overlapping 1,025-byte windows of every document: ``[n, 1025] uint8`` and ``[n]`` ids."""
+    rows, ids = [], []
+    for document in documents:
+        count = len(document.text) // WINDOW_BYTES
+        data = np.frombuffer(document.text, dtype=np.uint8, count=count * WINDOW_BYTES)
+        rows.append(data.reshape(count, WINDOW_BYTES))
+        ids.extend([document.doc_id] * count)
+    windows = np.concatenate(rows) if rows else np.empty((0, WINDOW_BYTES), dtype=np.uint8)
+    return windows, np.array(ids, dtype=np.str_)
+
+
+def read_windows(path: str | Path, split: DocumentSplit = DocumentSplit.file,
+                 max_windows: int | None = None) -> ExternalWindows:
+    """Read a text file or folder and cut it into evaluation windows.
+
+    Raises:
+        DataError: the path is missing, holds no text file, is empty, not UTF-8, or has no
+            document of at least 1,025 bytes.
+    """
+    if not Path(path).expanduser().exists():
+        raise DataError(f"text not found: {path}")
+    files = corpus_files(CorpusKind.text, [path])
+    documents = [part for document in iter_text(files) for part in split_documents(document, DocumentSplit(split))]
+    total = sum(len(document.text) for document in documents)
+    if not total:
+        raise DataError(f"empty text: {path} ({len(files)} file(s), 0 bytes)")
+    windows, doc_ids = cut_windows(documents)
+    if not len(windows):
+        raise DataError(f"no document under {path} has the {WINDOW_BYTES} bytes of one window")
+    if max_windows is not None:
+        windows, doc_ids = windows[:max_windows], doc_ids[:max_windows]
+    short = sum(len(document.text) < WINDOW_BYTES for document in documents)
+    return ExternalWindows(windows, doc_ids, len(documents), short, len(files), total)
+
+
+def _model_section(config: Path) -> tuple[str, dict]:
+    """`(class_path, init_args)` of a fit YAML's `model:` section (or of a bare class_path YAML)."""
+    if not config.is_file():
+        raise DataError(f"config not found: {config}")
+    try:
+        loaded = yaml.safe_load(config.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"unreadable YAML {config}: {str(error).splitlines()[0]}") from error
+    section = loaded.get("model", loaded) if isinstance(loaded, dict) else None
+    if not isinstance(section, dict) or "class_path" not in section:
+        raise ConfigError(f"{config}: no model.class_path")
+    return section["class_path"], dict(section.get("init_args") or {})
+
+
+def _module_class(class_path: str) -> type[ByteLMModule]:
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(f"model class {class_path!r} cannot be imported") from error
+    if not (isinstance(cls, type) and issubclass(cls, ByteLMModule)):
+        raise ConfigError(f"model class {class_path!r} is not a soma_pl ByteLMModule")
+    return cls
+
+
+def load_module(checkpoint: str | Path, config: str | Path | None = None,
+                router: str | Path | None = None) -> ByteLMModule:
+    """The LightningModule of a checkpoint, in eval mode on the CPU.
+
+    Args:
+        checkpoint: a Lightning checkpoint of any soma_pl module.
+        config: a fit YAML naming the module (`model.class_path`, `model.init_args`); None: the
+            checkpoint's own hyperparameters and `_class_path`.
+        router: a `router.pt` replacing (or supplying) a SOMA checkpoint's router.
+    """
+    from lightning.pytorch.cli import instantiate_module
+
+    path = Path(checkpoint).expanduser()
+    if not path.is_file():
+        raise DataError(f"checkpoint not found: {path}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        state, hparams = payload["state_dict"], dict(payload.get("hyper_parameters") or {})
+    except Exception as error:  # torch.load raises many types for a damaged file
+        raise DataError(f"unreadable checkpoint {path}: {str(error).strip().splitlines()[0]}") from error
+    if config is not None:
+        class_path, init_args = _model_section(Path(config).expanduser())
+    elif "_class_path" in hparams:
+        class_path = hparams["_class_path"]
+        # A subclass's hyperparameters also hold what it passed to its parent's __init__ (SOMA's
+        # `head`): keep what this class accepts, as Lightning's own loading does.
+        accepted = inspect.signature(_module_class(class_path).__init__).parameters
+        init_args = {key: value for key, value in hparams.items() if key in accepted and key != "self"}
+    else:
+        raise ConfigError(f"checkpoint {path} does not name its module class: pass --config with the fit YAML")
+    try:
+        module = instantiate_module(_module_class(class_path), init_args)
+    except ConfigError:
+        raise
+    except Exception as error:  # jsonargparse reports a bad key as one of several types
+        raise ConfigError(f"cannot build {class_path} from {config or path}: {str(error).splitlines()[0]}") from error
+    module.on_load_checkpoint(payload)
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise ConfigError(f"checkpoint {path} does not fit {class_path}: {lines[-1]}") from error
+    _attach_router(module, router)
+    return module.eval()
+
+
+def _attach_router(module: ByteLMModule, router: str | Path | None) -> None:
+    """Give a SOMA module the router named on the command line, or its configured `router_path`
+    when the checkpoint carries none (the weights are loaded first: a checkpoint's own router
+    buffers would otherwise overwrite the replacement)."""
+    if not hasattr(module, "router"):
+        if router is not None:
+            raise ConfigError(f"--router given, but a {type(module).__name__} has no router")
+        return
+    path = router or (module.router_path if module.router is None else None)
+    if path is not None:
+        module.router = Router.load(path)
+    if module.router is not None and module.router.num_experts != module.model.num_experts:
+        raise ConfigError(f"router has {module.router.num_experts} centroids, the model "
+                          f"{module.model.num_experts} experts")
+
+
+def routed_experts(module: ByteLMModule, windows: Tensor, k: int) -> Tensor:
+    """The k experts each window goes to, best first: ``[b, 1025]`` → ``[b, k]``."""
+    if getattr(module, "router", 1) is None:
+        raise ConfigError("this SOMA checkpoint carries no router: pass --router <router.pt>")
+    return module.ranking(windows)[:, :k]
+
+
+@torch.no_grad()
+def window_losses(module: ByteLMModule, windows: np.ndarray, k: int, batch_size: int,
+                  device: torch.device) -> np.ndarray:
+    """Scored nats/byte of the top-k average on every window: ``[n, 1025]`` → ``[n]`` float64."""
+    module.to(device)
+    losses = []
+    for part in torch.from_numpy(np.ascontiguousarray(windows)).split(batch_size):
+        part = part.to(device)
+        scores = score_top_k(module.model, routed_experts(module, part, k), part, module.score_from)
+        losses.append(scores.loss.double().cpu())
+    return torch.cat(losses).numpy()
+
+
+def evaluate(checkpoint: str, text: str, config: str | None = None, router: str | None = None,
+             documents: DocumentSplit = DocumentSplit.file, top_k: int | None = None, batch_size: int = 32,
+             max_windows: int | None = None, resamples: int = 1000, device: str = "cpu") -> dict:
+    """Evaluate a checkpoint on a text file or folder; returns the JSON report (see module doc)."""
+    module = load_module(checkpoint, config, router)
+    experts = module.model.num_experts
+    k = module.eval_k if top_k is None else top_k
+    largest = experts if hasattr(module, "router") else 1  # only a routed module averages experts
+    if not 1 <= k <= largest:
+        raise ConfigError(f"top_k={k}: this {type(module).__name__} averages 1..{largest} experts")
+    if batch_size < 1 or resamples < 1:
+        raise ConfigError(f"batch_size={batch_size} and resamples={resamples} must be >= 1")
+    data = read_windows(text, documents, max_windows)
+    started = time.perf_counter()
+    losses = window_losses(module, data.windows, k, batch_size, torch.device(device))
+    interval = document_bootstrap(losses, data.doc_ids, resamples=resamples)
+    if interval.documents < 2:
+        warnings.warn(f"{text}: all windows come from one document, so the document-bootstrap interval has "
+                      "zero width; pass a folder of files or --documents wikitext")
+    return {
+        "evaluation": "external", "checkpoint": str(checkpoint), "module": type(module).__name__,
+        "experts": experts, "k": k, "text": str(text), "document_split": DocumentSplit(documents).value,
+        "files": data.files, "bytes": data.bytes, "documents": data.documents,
+        "short_documents": data.short_documents, "documents_scored": interval.documents,
+        "windows": interval.windows, "window_bytes": WINDOW_BYTES, "window_stride": WINDOW_BYTES,
+        "route_bytes": ROUTE_BYTES, "score_from": module.score_from,
+        "scored_targets_per_window": WINDOW_BYTES - 1 - module.score_from,
+        "loss": interval.mean, "bootstrap_95": [interval.low, interval.high], "resamples": resamples,
+        "loss_std": float(losses.std()), "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Frozen next-byte loss (nats/byte) of a checkpoint on a text file or folder.")
+    parser.add_argument("--checkpoint", type=str, required=True, help="a Lightning checkpoint (.ckpt)")
+    parser.add_argument("--text", type=str, required=True, help="a text file, or a folder of *.txt/*.md/*.text")
+    parser.add_argument("--config", type=str | None, default=None,
+                        help="fit YAML naming the module (default: the checkpoint's own hyperparameters)")
+    parser.add_argument("--router", type=str | None, default=None, help="router.pt for a SOMA checkpoint")
+    parser.add_argument("--documents", type=DocumentSplit, default=DocumentSplit.file,
+                        help="bootstrap unit: each file, or each WikiText article")
+    parser.add_argument("--top_k", type=int | None, default=None, help="experts averaged (default: the module's)")
+    parser.add_argument("--batch_size", type=int, default=32, help="windows per forward")
+    parser.add_argument("--max_windows", type=int | None, default=None, help="score only the first windows")
+    parser.add_argument("--resamples", type=int, default=1000, help="document-bootstrap resamples")
+    parser.add_argument("--device", type=str, default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--out", type=str, default="evaluate.json")
+    return parser
+
+
+def run(args: Namespace) -> None:
+    from soma_pl.cli import _emit
+
+    result = evaluate(args.checkpoint, args.text, args.config, args.router, args.documents, args.top_k,
+                      args.batch_size, args.max_windows, args.resamples, args.device)
+    _emit(result, args.out)

@@ -1,0 +1,105 @@
+"""`EGGROLLModule`: monolithic training by evolution strategies with low-rank perturbations.
+
+Each update evaluates a population of members, antithetic pairs of rank-r perturbations applied
+inside every matmul (`soma_pl.models.lowrank`), chunks of members per batched forward; the
+z-scored fitness weights the regenerated perturbations into an update direction that goes into
+`.grad`, and a torch optimizer from the config steps (manual optimization). The training batch
+holds `population / group_size` windows; each is shared by `group_size` members.
+
+Everything else is `SPSAModule`'s: warm start from a seed checkpoint, the optimizer and its
+plateau decay on validation loss, and σ following the learning rate as SPSA's ε does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+from torch import Tensor
+
+from soma_pl import ROUTE_BYTES
+from soma_pl.errors import ConfigError
+from soma_pl.estimators.eggroll import EGGROLLConfig, EGGROLLResult, FitnessShaping, MemberNoise, eggroll_estimate
+from soma_pl.lit.base import UpdateClock, UpdateRecord
+from soma_pl.lit.spsa import EpsSchedule, SPSAModule
+from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
+
+
+class EGGROLLModule(SPSAModule):
+    """EGGROLL baseline on one byte LM (Table 4: population 2²⁰, B = 256).
+
+    Args:
+        sigma: initial σ, the perturbation scale.
+        rank: r, the rank of each matrix perturbation (vectors get full Gaussian noise).
+        population: members per update, both signs of population / 2 antithetic pairs.
+        group_size: members that share one training window; the data batch size must be
+            population / group_size.
+        fitness: z-score the losses over the `population` or within each `group`, or `none` (raw).
+        max_members: most members in one batched forward (bounds memory); None: all at once.
+        sigma_schedule: `proportional` (σ follows the learning rate) or `constant`.
+        optimizer: the torch optimizer the update steps (SGD by default; set its lr in YAML).
+        seed: seed of the perturbations (regenerated from seed, step, pair).
+        Other arguments: see `SPSAModule` and `ByteLMModule`.
+    """
+
+    def __init__(self, width: int = 509, num_layers: int = 4, embed_dim: int = 32, sigma: float = 0.0025,
+                 rank: int = 1, population: int = 2**20, group_size: int = 4096,
+                 fitness: FitnessShaping = FitnessShaping.population, max_members: int | None = None,
+                 sigma_schedule: EpsSchedule = EpsSchedule.proportional,
+                 optimizer: OptimizerCallable = torch.optim.SGD, plateau_factor: float = 0.5,
+                 plateau_patience: int = 2, min_lr: float = 0.0, seed: int = 0, train_context: int = 1024,
+                 score_from: int = ROUTE_BYTES, time_chunk: int = 64, init_checkpoint: str | None = None):
+        try:
+            config = EGGROLLConfig(sigma=sigma, rank=rank, population=population, group_size=group_size,
+                                   fitness=FitnessShaping(fitness), max_members=max_members)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+        super().__init__(width, num_layers, embed_dim, eps=sigma, eps_schedule=sigma_schedule, optimizer=optimizer,
+                         plateau_factor=plateau_factor, plateau_patience=plateau_patience, min_lr=min_lr, seed=seed,
+                         train_context=train_context, score_from=score_from, time_chunk=time_chunk,
+                         init_checkpoint=init_checkpoint)
+        # Replace SPSAModule's hyperparameters (its n_pert, micro_batch, ...) with this signature's.
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.eggroll = config
+
+    def member_losses(self, noise: MemberNoise, tokens: Tensor) -> Tensor:
+        """Training loss of every member: `tokens [1, M, b, T]` → `[1, M]`."""
+        return population_losses(self.model, tokens, noise.factors, noise.offsets)
+
+    def estimate(self, tokens: Tensor, eps: float) -> EGGROLLResult:
+        """The EGGROLL update direction on `tokens [1, B, T]` with σ = `eps`."""
+        params = self.trainable_parameters()
+        matrices = [name for name in params if name in LOW_RANK_MATRICES]
+        config = replace(self.eggroll, sigma=eps)
+        return eggroll_estimate(self.member_losses, params, matrices, tokens, config, step=self.global_step,
+                                seed=self.seed)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> None:
+        tokens = self.training_tokens(batch)
+        if tokens.shape[1] != self.eggroll.windows:
+            raise ConfigError(f"training batch of {tokens.shape[1]} windows: population {self.eggroll.population} "
+                              f"in groups of {self.eggroll.group_size} needs data.init_args.batch_size="
+                              f"{self.eggroll.windows}")
+        optimizer = self.optimizers()
+        self._initial_lr()
+        clock = UpdateClock(tokens.device)
+        clock.start()
+        sigma = self.current_eps()
+        result = self.estimate(tokens, sigma)
+        for name, param in self.trainable_parameters().items():
+            param.grad = result.gradient[name]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds = clock.stop()
+        self.log_population(result, tokens, seconds, sigma)
+
+    def log_population(self, result: EGGROLLResult, tokens: Tensor, seconds: float, sigma: float) -> None:
+        experts, _, length = tokens.shape
+        # Every member predicts the T bytes of its one window.
+        forwards = self.eggroll.population * experts * (length - 1)
+        self.last_update = UpdateRecord(seconds, forwards, experts)
+        self.log("train/loss", result.loss.mean(), prog_bar=True)
+        self.log_dict({"train/lr": self.current_lr(), "train/sigma": sigma, "train/update_seconds": seconds,
+                       "train/token_forwards_per_s": forwards / max(seconds, 1e-12),
+                       "train/loss_spread": result.losses.double().std(1).mean()})

@@ -1,0 +1,173 @@
+"""The population forward of :class:`StackedExperts` under low-rank (EGGROLL) perturbations.
+
+Member m of expert e runs with every matrix W (per expert ``[out, in]``) replaced by ``W + A·Bᵀ``
+and every vector g by ``g + δ``, where ``A [out, r]``, ``B [in, r]`` and δ arrive already signed and
+scaled by the estimator. ``A·Bᵀ`` is never formed: each product is ``x·Wᵀ + (x·B)·Aᵀ``, one GEMM of
+all members' rows against the shared W plus two thin products of width r per member, so M members
+cost about as much as inference on M windows. In the recurrence the rank-r terms of the input and
+recurrent matrices join into one product of width 2r per step:
+``(x_t·B_ih)·A_ihᵀ + (h·B_hh)·A_hhᵀ = [x_t·B_ih, h·B_hh]·[A_ih, A_hh]ᵀ``.
+
+Matrices (:data:`LOW_RANK_MATRICES`): the tied head ``[256, d_E]`` (the embedding reads rows of
+``W + A·Bᵀ``; the logits multiply by it), in_proj, out_proj and each layer's w_ih and w_hh. The
+norm gains are vectors. Activations are laid out ``[E, M, b, T, d]`` (experts, members, windows,
+time, features).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from soma_pl import VOCAB_SIZE
+from soma_pl.models.experts import StackedExperts, _rms_norm, lstm_cell
+
+LOW_RANK_MATRICES = ("head", "in_proj", "out_proj", "w_ih", "w_hh")
+"""Parameters whose last two dims are ``(out, in)`` matrices (w_ih, w_hh stack one per layer)."""
+NORM_GAINS = "norm_gains"
+"""The only vector parameter: ``[L + 1, d_t]`` gains, perturbed by full noise."""
+
+Factors = tuple[Tensor, Tensor]
+"""``(A [E, M, *stack, out, r], B [E, M, *stack, in, r])``."""
+
+
+def _members_linear(x: Tensor, weight: Tensor, factors: Factors | None) -> Tensor:
+    """``x·Wᵀ + (x·B)·Aᵀ`` per member. x ``[E, M, n, in]``; weight ``[E, out, in]`` → ``[E, M, n, out]``."""
+    experts, members, rows, width = x.shape
+    out = torch.bmm(x.reshape(experts, members * rows, width), weight.transpose(1, 2))
+    if factors is None:
+        return out.view(experts, members, rows, -1)
+    a, b = (factor.flatten(0, 1) for factor in factors)
+    thin = torch.bmm(x.reshape(experts * members, rows, width), b)
+    out = torch.baddbmm(out.view(experts * members, rows, -1), thin, a.transpose(1, 2))
+    return out.view(experts, members, rows, -1)
+
+
+def _members_embed(head: Tensor, factors: Factors | None, tokens: Tensor) -> Tensor:
+    """Rows of ``head + A·Bᵀ``. head ``[E, 256, d_E]``; tokens ``[E, M, b, T]`` → ``[E, M, b, T, d_E]``."""
+    experts, members, windows, steps = tokens.shape
+    index = tokens.long()
+    rows = head[torch.arange(experts, device=head.device).view(-1, 1, 1, 1), index]
+    if factors is None:
+        return rows
+    a, b = factors
+    flat = index.reshape(experts, members, windows * steps, 1).expand(-1, -1, -1, a.shape[-1])
+    picked = torch.gather(a, 2, flat).flatten(0, 1)
+    thin = torch.bmm(picked, b.flatten(0, 1).transpose(1, 2))
+    return rows + thin.view(rows.shape)
+
+
+def _layer(factors: Factors | None, layer: int) -> Factors | None:
+    return None if factors is None else (factors[0][:, :, layer], factors[1][:, :, layer])
+
+
+def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f_hh: Factors | None,
+                  state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """One bias-free LSTM layer over a time chunk for all members.
+
+    Args:
+        x: ``[E, M, b, Tc, d]`` normalised input; w_ih, w_hh: ``[E, 4d, d]``.
+        f_ih, f_hh: factors ``(A [E, M, 4d, r], B [E, M, d, r])`` or None (unperturbed).
+        state: ``(h, c)``, each ``[E, M, b, d]``.
+
+    Returns:
+        out ``[E, M, b, Tc, d]``; the final ``(h, c)``.
+    """
+    experts, members, windows, steps, width = x.shape
+    # Time-major shared-weight input projections (one GEMM, a contiguous [M·b, 4d] block per step),
+    # as in the unperturbed forward; the rank-r terms are added per step.
+    time_major = x.permute(0, 3, 1, 2, 4).reshape(experts, steps * members * windows, width)
+    gates_in = torch.bmm(time_major, w_ih.transpose(1, 2)).view(experts, steps, members * windows, -1)
+    w_hh_t = w_hh.transpose(1, 2)
+    low_rank = f_ih is not None or f_hh is not None
+    if low_rank:
+        f_ih = f_ih or tuple(torch.zeros_like(f) for f in f_hh)
+        f_hh = f_hh or tuple(torch.zeros_like(f) for f in f_ih)
+        rows = x.reshape(experts * members, windows * steps, width)
+        inputs_b = torch.bmm(rows, f_ih[1].flatten(0, 1)).view(experts * members, windows, steps, -1)
+        joint_a = torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1).transpose(1, 2).contiguous()  # [E·M, 2r, 4d]
+        recurrent_b = f_hh[1].flatten(0, 1)
+    h, c = (part.reshape(experts, members * windows, width) for part in state)
+    outputs = []
+    for t in range(steps):
+        gates = torch.baddbmm(gates_in[:, t], h, w_hh_t)
+        if low_rank:
+            per_member = h.view(experts * members, windows, width)
+            thin = torch.cat((inputs_b[:, :, t], torch.bmm(per_member, recurrent_b)), dim=-1)
+            gates = torch.baddbmm(gates.view(experts * members, windows, -1), thin, joint_a).view(gates.shape)
+        h, c = lstm_cell(gates, c)
+        outputs.append(h)
+    shape = (experts, members, windows, width)
+    return torch.stack(outputs, dim=2).view(*shape[:3], steps, width), (h.view(shape), c.view(shape))
+
+
+def _norm(x: Tensor, gains: Tensor) -> Tensor:
+    """RMSNorm with a gain per member. x ``[E, M, b, Tc, d]``; gains ``[E, M, d]``."""
+    flat = x.flatten(0, 1)
+    return _rms_norm(flat, gains.flatten(0, 1)).view(x.shape)
+
+
+def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factors: Mapping[str, Factors],
+                     gains: Tensor, tokens: Tensor) -> Iterator[Tensor]:
+    """Final features per time chunk. tokens ``[E, M, b, T]`` → yields ``[E, M, b, Tc, d_E]``."""
+    experts, members, windows, steps = tokens.shape
+    zeros = gains.new_zeros(experts, members, windows, model.width)
+    states = [(zeros, zeros)] * model.num_layers
+    for start in range(0, steps, model.time_chunk):
+        x = _members_embed(params["head"], factors.get("head"), tokens[..., start : start + model.time_chunk])
+        chunk = x.shape[:4]
+        if model.has_projections:
+            x = _members_linear(x.flatten(2, 3), params["in_proj"], factors.get("in_proj")).view(*chunk, -1)
+        for layer in range(model.num_layers):
+            out, states[layer] = _members_lstm(
+                _norm(x, gains[:, :, layer]), params["w_ih"][:, layer], params["w_hh"][:, layer],
+                _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer), states[layer])
+            x = x + out
+        x = _norm(x, gains[:, :, model.num_layers])
+        if model.has_projections:
+            x = _members_linear(x.flatten(2, 3), params["out_proj"], factors.get("out_proj")).view(*chunk, -1)
+        yield x
+
+
+def population_losses(model: StackedExperts, tokens: Tensor, factors: Mapping[str, Factors],
+                      offsets: Mapping[str, Tensor], score_from: int = 0) -> Tensor:
+    """Each member's mean next-byte cross entropy (nats/byte) under its low-rank perturbation.
+
+    Args:
+        model: the experts whose weights are the unperturbed base.
+        tokens: ``[E, M, b, T]`` uint8 or long bytes; inputs ``[..., :-1]``, targets ``[..., 1:]``.
+        factors: matrix name → ``(A [E, M, *stack, out, r], B [E, M, *stack, in, r])``, signed and
+            scaled (member weights ``W + A·Bᵀ``); a missing name is unperturbed.
+        offsets: ``{"norm_gains": [E, M, L + 1, d_t]}`` added to the gains, or empty.
+        score_from: first target position scored.
+
+    Returns:
+        loss: ``[E, M]``.
+    """
+    unknown = (set(factors) - set(LOW_RANK_MATRICES)) | (set(offsets) - {NORM_GAINS})
+    if unknown:
+        raise KeyError(f"no low-rank path for {sorted(unknown)}")
+    experts, members, windows, steps = tokens.shape
+    if not 0 <= score_from < steps - 1:
+        raise ValueError(f"score_from={score_from} leaves no targets in {steps} bytes")
+    params = dict(model.named_parameters())
+    head = params["head"]
+    params["head"] = head.expand(experts, *head.shape) if model.is_shared("head") else head
+    gains = params[NORM_GAINS][:, None].expand(-1, members, -1, -1)
+    if NORM_GAINS in offsets:
+        gains = gains + offsets[NORM_GAINS]
+    total, start = 0.0, 0
+    for features in _member_features(model, params, factors, gains, tokens[..., :-1]):
+        stop = start + features.shape[3]
+        first = max(score_from, start)
+        if first < stop:
+            scored = features[:, :, :, first - start :].flatten(2, 3)
+            logits = _members_linear(scored, params["head"], factors.get("head"))
+            targets = tokens[..., first + 1 : stop + 1].long()
+            nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="none")
+            total = total + nll.view(experts, members, -1).sum(-1)
+        start = stop
+    return total / (windows * (steps - 1 - score_from))

@@ -1,0 +1,218 @@
+"""`python -m soma_pl.cli sweep report --sweep sweeps/<name>.yaml [--storage URL] [--out FILE.json]`.
+
+Reads a sweep's study and prints, as markdown, and writes, as JSON:
+
+- **Table 6** (ensemble validation loss): one row per setting of the non-column factors, one column
+  per label of `report.columns` (e.g. N), each cell mean ± sample standard deviation over seeds.
+- **Table 7** (test loss after selection): for each seed and column, the setting with the lowest
+  unrounded ensemble-validation loss of that seed is selected and its test loss reported; the
+  differences are baseline minus each other column, per seed, then their mean and sample standard
+  deviation. Test losses never take part in the selection.
+
+All losses are nats/byte. Only COMPLETE trials enter the tables; pruned and failed ones are counted,
+and failed ones listed with their error.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from jsonargparse import ArgumentParser, Namespace
+from optuna.trial import TrialState
+
+from soma_pl.errors import ConfigError
+from soma_pl.io import write_json_atomic
+from soma_pl.sweeps.space import Label, load_sweep
+from soma_pl.sweeps.study import RETRYABLE, SWEEP_ATTR, default_storage, open_storage, state_counts
+
+ALL = "all"
+"""The one column of a sweep without `report.columns`."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One finished fit: its setting (factor -> label or sampled value), seed and losses."""
+
+    setting: tuple[tuple[str, Label], ...]
+    seed: int
+    val_loss: float
+    test_loss: float | None
+    trial: int
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Table 6 / Table 7 style tables of a sweep's study (nats/byte).")
+    parser.add_argument("--sweep", type=str | None, default=None, help="the sweep file (names study and storage)")
+    parser.add_argument("--study", type=str | None, default=None, help="study name (instead of --sweep)")
+    parser.add_argument("--storage", type=str | None, default=None, help="Optuna RDB URL or journal file path")
+    parser.add_argument("--out", type=str, default="results/sweep_report.json", help="JSON report path")
+    parser.add_argument("--markdown", type=str | None, default=None, help="also write the markdown here")
+    return parser
+
+
+def collect_records(study: optuna.Study, description: dict) -> list[Record]:
+    """Every COMPLETE trial's fits; a setting seen twice for one seed keeps the earliest trial."""
+    names = [*description["factors"], *description["ranges"]]
+    records: dict[tuple, Record] = {}
+    for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number):
+        setting = tuple((name, trial.params[name]) for name in names)
+        for run in trial.user_attrs.get("runs", []):
+            record = Record(setting, int(run["seed"]), float(run["val_loss"]),
+                            None if run.get("test_loss") is None else float(run["test_loss"]), trial.number)
+            records.setdefault((setting, record.seed), record)
+    return list(records.values())
+
+
+def stats(values: list[float]) -> dict:
+    """Mean and sample standard deviation (n − 1 denominator; None below two values)."""
+    return {"mean": statistics.fmean(values) if values else None,
+            "sd": statistics.stdev(values) if len(values) > 1 else None, "n": len(values), "values": values}
+
+
+def _split(setting: tuple, columns: str | None) -> tuple[tuple, Label]:
+    row = tuple((name, label) for name, label in setting if name != columns)
+    column = dict(setting).get(columns) if columns else ALL
+    return row, column
+
+
+def _column_labels(records: list[Record], description: dict) -> list[Label]:
+    columns = description.get("columns")
+    if not columns:
+        return [ALL]
+    seen = {_split(r.setting, columns)[1] for r in records}
+    return [label for label in description["labels"][columns] if label in seen]
+
+
+def table6(records: list[Record], description: dict) -> dict:
+    """Rows of non-column settings; cells: val (and test) loss statistics over seeds."""
+    columns = description.get("columns")
+    labels = _column_labels(records, description)
+    rows: dict[tuple, dict] = {}
+    for record in sorted(records, key=lambda r: (r.setting, r.seed)):
+        row, column = _split(record.setting, columns)
+        cell = rows.setdefault(row, {}).setdefault(column, {"val": [], "test": [], "seeds": []})
+        cell["val"].append(record.val_loss)
+        cell["seeds"].append(record.seed)
+        if record.test_loss is not None:
+            cell["test"].append(record.test_loss)
+    return {"row_factors": [n for n in [*description["factors"], *description["ranges"]] if n != columns],
+            "columns": columns, "column_labels": labels,
+            "rows": [{"setting": dict(row), "cells": {str(label): {"val": stats(cell["val"]), "test": stats(cell["test"]),
+                                                                   "seeds": cell["seeds"]}
+                                                      for label, cell in cells.items()}}
+                     for row, cells in rows.items()]}
+
+
+def table7(records: list[Record], description: dict) -> dict:
+    """Per seed and column: the lowest-validation setting's test loss; baseline − other differences."""
+    columns = description.get("columns")
+    labels = _column_labels(records, description)
+    baseline = description.get("baseline")
+    baseline = baseline if baseline in labels else labels[0] if labels else None
+    per_seed = []
+    for seed in sorted({r.seed for r in records}):
+        chosen = {}
+        for label in labels:
+            candidates = [r for r in records if r.seed == seed and _split(r.setting, columns)[1] == label]
+            if candidates:
+                chosen[label] = min(candidates, key=lambda r: (r.val_loss, r.trial))
+        if len(chosen) == len(labels) and all(r.test_loss is not None for r in chosen.values()):
+            per_seed.append({"seed": seed, "test": {str(k): r.test_loss for k, r in chosen.items()},
+                             "val": {str(k): r.val_loss for k, r in chosen.items()},
+                             "selected": {str(k): dict(_split(r.setting, columns)[0]) for k, r in chosen.items()},
+                             "trial": {str(k): r.trial for k, r in chosen.items()},
+                             "difference": {str(k): chosen[baseline].test_loss - r.test_loss
+                                            for k, r in chosen.items() if k != baseline}})
+    others = [str(label) for label in labels if label != baseline]
+    return {"columns": columns, "column_labels": labels, "baseline": baseline, "per_seed": per_seed,
+            "test": {str(label): stats([s["test"][str(label)] for s in per_seed]) for label in labels},
+            "difference": {label: stats([s["difference"][label] for s in per_seed]) for label in others}}
+
+
+def failures(study: optuna.Study) -> list[dict]:
+    return [{"trial": t.number, "params": t.params, "failure": t.user_attrs.get("failure"),
+             "error": t.user_attrs.get("error"), "log": t.user_attrs.get("log"),
+             "rerun": t.user_attrs.get("failure") in RETRYABLE}
+            for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))]
+
+
+def build_report(study: optuna.Study, storage: str) -> dict:
+    description = study.user_attrs.get(SWEEP_ATTR)
+    if description is None:
+        raise ConfigError(f"study '{study.study_name}' was not made by `sweep` (no {SWEEP_ATTR} attribute)")
+    records = collect_records(study, description)
+    return {"study": study.study_name, "storage": storage, "unit": "nats/byte", "sweep": description,
+            "trials": state_counts(study), "table6": table6(records, description), "table7": table7(records, description),
+            "failed": failures(study)}
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _cell(stat: dict | None) -> str:
+    if not stat or stat["mean"] is None:
+        return "—"
+    return _fmt(stat["mean"]) + (f" ± {_fmt(stat['sd'])}" if stat["sd"] is not None else f" (n={stat['n']})")
+
+
+def _head(cells: list[str]) -> list[str]:
+    return ["| " + " | ".join(cells) + " |", "|" + "---|" * len(cells)]
+
+
+def _column_name(columns: str | None, label) -> str:
+    return "loss" if columns is None else f"{columns}={label}"
+
+
+def markdown(report: dict) -> str:
+    t6, t7 = report["table6"], report["table7"]
+    names = [_column_name(t6["columns"], label) for label in t6["column_labels"]]
+    lines = [f"## {report['study']}: ensemble validation loss (Table 6 layout)", "",
+             "Mean ± sample standard deviation over seeds, nats/byte.", "", *_head([*t6["row_factors"], *names])]
+    for row in t6["rows"]:
+        cells = [_cell(row["cells"].get(str(label), {}).get("val")) for label in t6["column_labels"]]
+        lines.append("| " + " | ".join([*(str(row["setting"][f]) for f in t6["row_factors"]), *cells]) + " |")
+    others = [label for label in t7["column_labels"] if label != t7["baseline"]]
+    base_name = _column_name(t7["columns"], t7["baseline"])
+    differences = [f"Difference ({base_name} − {_column_name(t7['columns'], o)})" for o in others]
+    lines += ["", f"## {report['study']}: test loss after selection on ensemble validation (Table 7 layout)", "",
+              *_head(["Optimization seed", *(_column_name(t7["columns"], c) for c in t7["column_labels"]), *differences])]
+    for entry in t7["per_seed"]:
+        values = [entry["test"][str(c)] for c in t7["column_labels"]] + [entry["difference"][str(o)] for o in others]
+        lines.append("| " + " | ".join([str(entry["seed"]), *map(_fmt, values)]) + " |")
+    for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
+        values = [t7["test"][str(c)][key] for c in t7["column_labels"]] + [t7["difference"][str(o)][key] for o in others]
+        lines.append("| " + " | ".join([name, *map(_fmt, values)]) + " |")
+    lines += ["", "Trials: " + ", ".join(f"{k} {v}" for k, v in sorted(report["trials"].items()))]
+    lines += [f"- trial {f['trial']} {f['failure']}{' (its point is re-run)' if f['rerun'] else ''}: {f['error']}"
+              for f in report["failed"]]
+    return "\n".join(lines) + "\n"
+
+
+def run(args: Namespace) -> None:
+    if not args.sweep and not args.study:
+        raise ConfigError("sweep report needs --sweep FILE or --study NAME (with --storage)")
+    spec = load_sweep(args.sweep) if args.sweep else None
+    storage = args.storage or (spec and (spec.storage or default_storage(spec)))
+    if not storage:
+        raise ConfigError("sweep report --study needs --storage")
+    name = args.study or spec.name
+    try:
+        study = optuna.load_study(study_name=name, storage=open_storage(storage))
+    except KeyError:
+        raise ConfigError(f"no study '{name}' in {storage}") from None
+    report = build_report(study, storage)
+    text = markdown(report)
+    print(text)
+    if args.markdown:
+        path = Path(args.markdown)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    print(f"wrote {write_json_atomic(Path(args.out), report)}", file=sys.stderr)

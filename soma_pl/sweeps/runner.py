@@ -1,0 +1,206 @@
+"""`python -m soma_pl.cli sweep --sweep sweeps/<name>.yaml [--storage URL] [--n-trials K]`: one worker.
+
+A worker claims trials of the sweep's shared Optuna study one at a time and runs each as a `fit`
+(then `test`) in a process of its own (`soma_pl.sweeps.trial`), under the sweep's compute budget,
+and tells the study the ensemble-validation loss. The test loss is stored as the user attribute
+`test_loss` and never used for selection (Table 7's protocol). Start several workers on one storage
+to share the work; stop and restart them at any moment: completed trials are never run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from jsonargparse import ArgumentParser, Namespace
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.trial import TrialState
+
+from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, override_args, trial_overrides
+from soma_pl.sweeps.study import (FailureKind, Heartbeat, claim_waiting, connect, default_storage, open_storage,
+                                  open_study, running_trials, state_counts, sync_queue)
+from soma_pl.sweeps.trial import TrialReporter
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the runner."""
+
+
+@dataclass
+class FitOutcome:
+    returncode: int
+    result: dict | None
+    log: Path
+
+    @property
+    def error(self) -> str:
+        lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()] \
+            if self.log.is_file() else []
+        return lines[-1] if lines else f"exit status {self.returncode}"
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Run (or join) a sweep's Optuna study: one trial at a time.")
+    parser.add_argument("--sweep", type=str, required=True, help="a sweep file, e.g. sweeps/demo/table6_lr_eps.yaml")
+    parser.add_argument("--storage", type=str | None, default=None,
+                        help="Optuna RDB URL or journal file path (default: sqlite:///<output_dir>/optuna.db)")
+    parser.add_argument("--n-trials", "--n_trials", dest="n_trials", type=int | None, default=None,
+                        help="most trials this worker runs (default: until the study is done)")
+    parser.add_argument("--retry-failed", "--retry_failed", dest="retry_failed", type=bool, default=False,
+                        help="re-run grid points whose trials failed by their own error")
+    return parser
+
+
+def fit_command(spec: SweepSpec, trial: optuna.Trial, params: dict, seed: int, run_dir: Path,
+                storage: str, report: bool) -> list[str]:
+    """The trial process's command line: base config, overrides, seed, budget, logging, reporter."""
+    config, overrides = trial_overrides(spec, params)
+    overrides.update({"seed_everything": seed, "model.init_args.seed": seed,
+                      "trainer.default_root_dir": str(run_dir), "checkpoint.dirpath": str(run_dir / "checkpoints")})
+    overrides.update({f"budget.{key}": value for key, value in spec.budget.items()})
+    if spec.wandb:
+        overrides.update({"wandb.group": spec.name, "wandb.name": f"trial-{trial.number}"})
+    reporter = {"class_path": f"{TrialReporter.__module__}.{TrialReporter.__name__}", "init_args": {
+        "storage": storage, "study_name": spec.name, "trial_number": trial.number,
+        "pruner": spec.pruner.kind.value, "n_startup_trials": spec.pruner.n_startup_trials,
+        "n_warmup_steps": spec.pruner.n_warmup_steps, "report": report, "runner_pid": os.getpid()}}
+    return [sys.executable, "-m", "soma_pl.sweeps.trial", str(run_dir / "trial_result.json"),
+            "--config", config, *override_args(overrides), f"--trainer.callbacks+={json.dumps(reporter)}"]
+
+
+def run_fit(command: list[str], run_dir: Path) -> FitOutcome:
+    """Run one trial process; on SIGINT/SIGTERM stop it before passing the interruption on."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "fit.log"
+    with log.open("w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            returncode = process.wait()
+        except Interrupted:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            raise
+    result_path = run_dir / "trial_result.json"
+    result = json.loads(result_path.read_text()) if returncode == 0 and result_path.is_file() else None
+    return FitOutcome(returncode, result, log)
+
+
+def suggest(spec: SweepSpec, trial: optuna.Trial) -> dict:
+    """The trial's factor labels (and, for range sweeps, sampled values). A grid trial's were
+    fixed when its point was enqueued; the seed is part of a grid point."""
+    params = {f.name: trial.suggest_categorical(f.name, list(f.choices)) for f in spec.factors}
+    for r in spec.ranges:
+        params[r.name] = (trial.suggest_int(r.name, int(r.low), int(r.high), log=r.log) if r.integer
+                          else trial.suggest_float(r.name, r.low, r.high, log=r.log))
+    if spec.is_grid:
+        params[SEED] = trial.suggest_categorical(SEED, list(spec.seeds))
+    return params
+
+
+def _fail(study: optuna.Study, trial: optuna.Trial, kind: FailureKind, error: str) -> None:
+    trial.set_user_attr("failure", kind.value)
+    trial.set_user_attr("error", error)
+    study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+
+
+def execute(spec: SweepSpec, study: optuna.Study, trial: optuna.Trial, storage: str) -> TrialState:
+    """Run a claimed trial's fit(s) and tell the study; a grid trial is one seed, a range trial
+    every seed (its value is their mean; only the first seed's fit reports for pruning)."""
+    params = suggest(spec, trial)
+    seeds = [params[SEED]] if spec.is_grid else list(spec.seeds)
+    trial_dir = spec.output_dir / f"trial-{trial.number:04d}"
+    trial.set_user_attr("trial_dir", str(trial_dir))
+    runs = []
+    for index, seed in enumerate(seeds):
+        run_dir = trial_dir if spec.is_grid else trial_dir / f"seed-{seed}"
+        outcome = run_fit(fit_command(spec, trial, params, seed, run_dir, storage, report=index == 0), run_dir)
+        if outcome.result is None:
+            trial.set_user_attr("log", str(outcome.log))
+            _fail(study, trial, FailureKind.error, outcome.error)
+            return TrialState.FAIL
+        runs.append({"seed": seed, **{k: outcome.result[k] for k in ("val_loss", "test_loss", "global_step",
+                                                                      "run_dir")}})
+        trial.set_user_attr("runs", runs)
+        if outcome.result["pruned"]:
+            study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
+            return TrialState.PRUNED
+    tests = [r["test_loss"] for r in runs if r["test_loss"] is not None]
+    trial.set_user_attr("test_loss", sum(tests) / len(tests) if len(tests) == len(runs) else None)
+    study.tell(trial, sum(r["val_loss"] for r in runs) / len(runs), skip_if_finished=True)
+    return TrialState.COMPLETE
+
+
+def _next_trial(spec: SweepSpec, study: optuna.Study) -> optuna.Trial | None:
+    """A waiting trial, or for range sweeps a new TPE trial while fewer than `trials` are live or done."""
+    trial = claim_waiting(study)
+    if trial is not None or spec.is_grid:
+        return trial
+    states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+    return study.ask() if len(study.get_trials(deepcopy=False, states=states)) < spec.trials else None
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def work(spec: SweepSpec, storage_url: str, n_trials: int | None = None, retry_failed: bool = False) -> dict:
+    """Claim and run trials until the study is done (waiting for other workers' running trials,
+    which a vanished worker leaves stale) or `n_trials` ran. Returns counts by final state."""
+    study = connect(spec, storage_url)
+    sync_queue(study, spec, retry_failed)
+    ran: dict[str, int] = {}
+    trial = None
+    try:
+        while n_trials is None or sum(ran.values()) < n_trials:
+            trial = _next_trial(spec, study)
+            if trial is None:
+                if not running_trials(study):
+                    break
+                # Other workers' trials are running: wait, failing those that went stale.
+                time.sleep(spec.heartbeat_seconds)
+                sync_queue(study, spec)
+                continue
+            print(f"trial {trial.number}: {json.loads(trial.user_attrs.get('point', '{}')) or 'TPE'}",
+                  file=sys.stderr, flush=True)
+            try:
+                with Heartbeat(study, trial._trial_id, spec.heartbeat_seconds):  # noqa: SLF001
+                    state = execute(spec, study, trial, storage_url)
+            except UpdateFinishedTrialError:
+                # Its heartbeat went stale (a stalled machine) and another worker failed it and
+                # enqueued its point again: that worker's record stands.
+                state = TrialState.FAIL
+            ran[state.name] = ran.get(state.name, 0) + 1
+            trial = None
+            sync_queue(study, spec)  # re-enqueue the points of trials whose workers vanished meanwhile
+    except Interrupted as signal_name:
+        if trial is not None:
+            _fail(study, trial, FailureKind.interrupted, f"worker stopped by {signal_name}")
+        print(f"interrupted by {signal_name}: trial {getattr(trial, 'number', None)} will re-run on restart",
+              file=sys.stderr)
+        raise SystemExit(130) from None
+    return ran
+
+
+def run(args: Namespace) -> None:
+    spec = load_sweep(args.sweep)
+    storage = args.storage or spec.storage or default_storage(spec)
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        ran = work(spec, storage, args.n_trials, args.retry_failed)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    study = open_study(spec, open_storage(storage), create=False)
+    print(json.dumps({"study": spec.name, "storage": storage, "this_worker": ran, "study_trials": state_counts(study),
+                      "points": len(spec.grid_points()) if spec.is_grid else spec.trials}, indent=2))

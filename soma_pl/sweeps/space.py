@@ -1,0 +1,253 @@
+"""A sweep file (`sweeps/<name>.yaml`): the base fit config, the search space, seeds and budget.
+
+```yaml
+study: table6_lr_eps_demo                # Optuna study name (default: the file name)
+config: configs/demo/spsa.yaml           # base fit config (a factor choice may pick another)
+output_dir: runs/sweeps/table6_lr_eps_demo
+seeds: [0, 1]                            # the repeated factor: --seed_everything, --model.init_args.seed
+budget: {token_forwards: 2.0e8}          # -> --budget.token_forwards=... (equal compute per trial)
+overrides: {trainer.max_steps: 40}       # fixed for every trial
+grid:                                    # categorical factors: every combination runs
+  lr: {key: model.init_args.optimizer.init_args.lr, values: [0.00125, 0.0025]}
+  N:
+    choices:                             # a label -> overrides; `config` swaps the base config
+      1: {config: configs/demo/spsa.yaml}
+      2: {config: configs/demo/soma_n2.yaml}
+ranges:                                  # continuous factors: sampled by TPE (then `trials` is the count)
+  eps: {key: model.init_args.eps, low: 0.001, high: 0.01, log: true}
+trials: 20
+pruner: {kind: median, n_startup_trials: 4, n_warmup_steps: 0}
+report: {columns: N, baseline: 1}        # Table 6 columns and the Table 7 difference (baseline - other)
+```
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from soma_pl.errors import ConfigError
+
+Label = int | float | str | bool
+"""A categorical choice as Optuna stores it (its name in tables)."""
+SEED = "seed"
+"""Name of the repeated seed factor."""
+CONFIG = "config"
+"""An override that picks the base fit config instead of setting a key."""
+SEED_KEYS = ("seed_everything", "model.init_args.seed")
+
+
+class PrunerKind(str, Enum):
+    """Which Optuna pruner stops trials early on their intermediate validation loss."""
+
+    none = "none"
+    median = "median"
+
+
+@dataclass(frozen=True)
+class PrunerSpec:
+    kind: PrunerKind = PrunerKind.none
+    n_startup_trials: int = 4
+    """Trials that finish before any is pruned."""
+    n_warmup_steps: int = 0
+    """Training steps before a trial can be pruned."""
+
+
+@dataclass(frozen=True)
+class Factor:
+    """A categorical factor: each label maps to the config overrides it stands for."""
+
+    name: str
+    choices: dict[Label, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Range:
+    """A continuous (or integer) factor sampled by TPE and written to one config key."""
+
+    name: str
+    key: str
+    low: float
+    high: float
+    log: bool = False
+    integer: bool = False
+
+
+@dataclass(frozen=True)
+class ReportSpec:
+    columns: str | None = None
+    """Factor across the table's columns (Table 6: N); None: one column."""
+    baseline: Label | None = None
+    """Column value the Table 7 differences start from (baseline − other); default: the first."""
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """One sweep file, validated. See the module docstring for the YAML."""
+
+    name: str
+    path: Path
+    config: str | None
+    output_dir: Path
+    seeds: tuple[int, ...]
+    factors: tuple[Factor, ...]
+    ranges: tuple[Range, ...] = ()
+    overrides: dict[str, Any] = field(default_factory=dict)
+    budget: dict[str, float] = field(default_factory=dict)
+    trials: int | None = None
+    storage: str | None = None
+    pruner: PrunerSpec = PrunerSpec()
+    report: ReportSpec = ReportSpec()
+    wandb: bool = True
+    """Pass `--wandb.group=<study> --wandb.name=trial-<n>` to every fit."""
+    heartbeat_seconds: float = 10.0
+    stale_seconds: float = 60.0
+    """A RUNNING trial whose heartbeat is older than this is failed and its point re-run."""
+
+    @property
+    def is_grid(self) -> bool:
+        """Grid sweeps run each (factor combination, seed) once; range sweeps ask TPE for `trials`."""
+        return not self.ranges
+
+    def grid_factors(self) -> tuple[Factor, ...]:
+        """The factors a grid trial fixes, the seed factor last."""
+        seed = Factor(SEED, {s: {key: s for key in SEED_KEYS} for s in self.seeds})
+        return (*self.factors, seed)
+
+    def grid_points(self) -> list[dict[str, Label]]:
+        """Every combination of the grid factors' labels, seeds included: `[{factor: label}]`."""
+        factors = self.grid_factors()
+        return [dict(zip([f.name for f in factors], labels))
+                for labels in itertools.product(*(list(f.choices) for f in factors))]
+
+    def describe(self) -> dict:
+        """What the report needs, stored with the study so `sweep report` works without the file."""
+        return {"factors": [f.name for f in self.factors], "ranges": [r.name for r in self.ranges],
+                "seeds": list(self.seeds), "columns": self.report.columns, "baseline": self.report.baseline,
+                "labels": {f.name: list(f.choices) for f in self.factors}, "sweep_file": str(self.path)}
+
+
+def point_key(point: dict[str, Label]) -> str:
+    """A grid point's identity in the study (canonical JSON)."""
+    return json.dumps(point, sort_keys=True)
+
+
+def _mapping(value: Any, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _factor(name: str, raw: Any, where: str) -> Factor:
+    raw = _mapping(raw, where)
+    if "choices" in raw:
+        choices = {label: _mapping(overrides, f"{where}.choices.{label}")
+                   for label, overrides in _mapping(raw["choices"], f"{where}.choices").items()}
+    elif "key" in raw and isinstance(raw.get("values"), list):
+        choices = {value: {raw["key"]: value} for value in raw["values"]}
+    else:
+        raise ConfigError(f"{where} needs `key` and a `values` list, or `choices` (label -> overrides)")
+    if not choices:
+        raise ConfigError(f"{where} has no values")
+    for label in choices:
+        if not isinstance(label, Label):
+            raise ConfigError(f"{where}: label {label!r} must be a number, string or boolean")
+    return Factor(name, choices)
+
+
+def _range(name: str, raw: Any, where: str) -> Range:
+    raw = _mapping(raw, where)
+    unknown = set(raw) - {"key", "low", "high", "log", "int"}
+    if unknown or not {"key", "low", "high"} <= set(raw):
+        raise ConfigError(f"{where} needs key, low, high (and optional log, int); got {sorted(raw)}")
+    if not raw["low"] < raw["high"]:
+        raise ConfigError(f"{where}: low {raw['low']} must be below high {raw['high']}")
+    return Range(name, raw["key"], float(raw["low"]), float(raw["high"]), bool(raw.get("log", False)),
+                 bool(raw.get("int", False)))
+
+
+KNOWN_KEYS = {"study", "config", "output_dir", "seeds", "grid", "ranges", "overrides", "budget", "trials",
+              "storage", "pruner", "report", "wandb", "heartbeat_seconds", "stale_seconds"}
+
+
+def load_sweep(path: str | Path) -> SweepSpec:
+    """Read and validate a sweep file; bad input is one `ConfigError` line naming the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep file {path} does not exist")
+    raw = _mapping(yaml.safe_load(path.read_text()), str(path))
+    unknown = set(raw) - KNOWN_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
+    name = str(raw.get("study") or path.stem)
+    factors = tuple(_factor(n, f, f"{path}: grid.{n}") for n, f in _mapping(raw.get("grid"), "grid").items())
+    ranges = tuple(_range(n, r, f"{path}: ranges.{n}") for n, r in _mapping(raw.get("ranges"), "ranges").items())
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise ConfigError(f"{path}: seeds must be a non-empty list of integers")
+    names = [f.name for f in factors] + [r.name for r in ranges]
+    if SEED in names or len(set(names)) != len(names):
+        raise ConfigError(f"{path}: factor names must be unique and not '{SEED}' (seeds: is the seed factor)")
+    trials = raw.get("trials")
+    if ranges and not (isinstance(trials, int) and trials > 0):
+        raise ConfigError(f"{path}: a sweep with ranges needs `trials` (how many TPE trials)")
+    report = ReportSpec(**_mapping(raw.get("report"), "report"))
+    if report.columns is not None and report.columns not in [f.name for f in factors]:
+        raise ConfigError(f"{path}: report.columns '{report.columns}' is not a grid factor")
+    spec = SweepSpec(
+        name=name, path=path, config=raw.get("config"), seeds=tuple(seeds), factors=factors, ranges=ranges,
+        output_dir=Path(raw.get("output_dir") or f"runs/sweeps/{name}"),
+        overrides=_mapping(raw.get("overrides"), "overrides"), budget=_mapping(raw.get("budget"), "budget"),
+        trials=trials, storage=raw.get("storage"),
+        pruner=PrunerSpec(**{k: PrunerKind(v) if k == "kind" else v
+                             for k, v in _mapping(raw.get("pruner"), "pruner").items()}),
+        report=report, wandb=bool(raw.get("wandb", True)),
+        heartbeat_seconds=float(raw.get("heartbeat_seconds", 10.0)), stale_seconds=float(raw.get("stale_seconds", 60.0)))
+    _check_configs(spec)
+    return spec
+
+
+def _check_configs(spec: SweepSpec) -> None:
+    """Every trial must have a base config, and every named config file must exist."""
+    configs = {spec.config} | {o.get(CONFIG) for f in spec.factors for o in f.choices.values()}
+    for config in configs - {None}:
+        if not Path(config).is_file():
+            raise ConfigError(f"{spec.path}: base config {config} does not exist")
+    if spec.config is None and not any(all(CONFIG in o for o in f.choices.values()) for f in spec.factors):
+        raise ConfigError(f"{spec.path}: no base `config`, and no grid factor names one for every choice")
+
+
+def trial_overrides(spec: SweepSpec, params: dict[str, Label | float]) -> tuple[str, dict[str, Any]]:
+    """The base config and the `{dotted key: value}` overrides for one trial's `params`
+    (labels of the grid factors, values of the ranges; the seed is added by the runner)."""
+    overrides = dict(spec.overrides)
+    for factor in spec.factors:
+        overrides.update(factor.choices[params[factor.name]])
+    for range_ in spec.ranges:
+        overrides[range_.key] = params[range_.name]
+    config = overrides.pop(CONFIG, spec.config)
+    return config, overrides
+
+
+def cli_value(value: Any) -> str:
+    """A value as `--key=value` text that jsonargparse reads back as the same value."""
+    if isinstance(value, float):
+        text = repr(value)
+        # YAML 1.1 reads '1e-05' as a string: give the mantissa a dot.
+        mantissa, _, exponent = text.partition("e")
+        return f"{mantissa}.0e{exponent}" if exponent and "." not in mantissa else text
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def override_args(overrides: dict[str, Any]) -> list[str]:
+    return [f"--{key}={cli_value(value)}" for key, value in overrides.items()]

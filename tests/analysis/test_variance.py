@@ -1,0 +1,201 @@
+"""`analyze variance`: measured SPSA errors against closed forms where everything is exact."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from soma_pl.analysis.gradient_error import (
+    ProbedLoss,
+    central_difference_deviation,
+    draw_errors,
+    exact_gradient,
+    flatten,
+    mean_with_error,
+    per_window_gradients,
+    ratio_with_error,
+    regrouped_estimates,
+)
+from soma_pl.analysis.variance_panels import body_params, pool_batches, probe_coordinates, width_for_total
+from soma_pl.cli import main
+from soma_pl.estimators.directions import DirectionKind
+from soma_pl.estimators.spsa import SPSAConfig, assemble_estimate, group_sums, spsa_estimate
+from soma_pl.estimators.theory import batch_noise_relative_error, grouped_relative_error, sampled_batch_variance
+from soma_pl.models.experts import HeadMode, StackedExperts
+from tests.analysis.conftest import save_checkpoint, tiny_experts
+
+KINDS = (DirectionKind.RADEMACHER, DirectionKind.GAUSSIAN)
+
+
+class DiagonalQuadratic:
+    """``L_e(θ) = ½ Σ a_e θ² − b_eᵀθ`` per expert: central differences are exact directional derivatives."""
+
+    def __init__(self, experts: int, dim: int, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        self.a = torch.rand(experts, dim, generator=generator, dtype=torch.float64) + 0.5
+        self.b = torch.randn(experts, dim, generator=generator, dtype=torch.float64)
+        self.theta = torch.randn(experts, dim, generator=generator, dtype=torch.float64)
+
+    def __call__(self, params, tokens):
+        theta = params["theta"]
+        copies = theta.shape[0] // self.a.shape[0]
+        a, b = self.a.repeat_interleave(copies, 0), self.b.repeat_interleave(copies, 0)
+        return 0.5 * (a * theta**2).sum(1) - (b * theta).sum(1)
+
+    def gradient(self):
+        return self.a * self.theta - self.b
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_measured_error_matches_closed_form_for_every_n_pert_and_grouping(kind):
+    experts, dim, draws = 4, 12, 250
+    loss = DiagonalQuadratic(experts, dim)
+    reference = loss.gradient()
+    norms = reference.pow(2).sum(1)
+    tokens = torch.zeros(experts, 1, 2, dtype=torch.uint8)  # the quadratic ignores the bytes
+    config = SPSAConfig(eps=1e-3, direction=kind)
+    n_perts, groupings = [4, 8], [1, 2, 4]
+    errors = torch.stack([draw_errors(loss, {"theta": loss.theta}, tokens, reference, n_perts, groupings, config,
+                                      step=r, seed=3) for r in range(draws)])
+    relative = errors.sum(-1) / norms.sum()
+    for (i, n_pert), (j, grouping) in itertools.product(enumerate(n_perts), enumerate(groupings)):
+        measured = mean_with_error(relative[:, i, j])
+        predicted = grouped_relative_error(kind, norms, dim, grouping, n_pert)
+        assert abs(measured.mean - predicted) < 4 * measured.stderr, (n_pert, grouping, measured, predicted)
+
+
+def test_regrouping_uses_the_same_evaluations_as_a_joint_loss_run():
+    model = tiny_experts(4).double()
+    params = {name: p.detach() for name, p in model.expert_parameters().items()}
+    tokens = torch.randint(0, 256, (4, 2, 9), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    config = SPSAConfig(eps=1e-5, n_pert=6, micro_batch=2)
+    separate = spsa_estimate(model.loss_per_group, params, tokens, config, step=5, seed=7)
+    dim = flatten(params).shape[1]
+    estimates = regrouped_estimates(separate.expert_projected, [3, 6], [1, 2, 4], config.direction, 5, 7, dim)
+    for (i, n_pert), (j, grouping) in itertools.product(enumerate([3, 6]), enumerate([1, 2, 4])):
+        projected = group_sums(separate.expert_projected[:, :n_pert], grouping)
+        expected = flatten(assemble_estimate(params, projected, config, 5, 7))
+        torch.testing.assert_close(estimates[:, i * 3 + j], expected, rtol=1e-10, atol=1e-12)
+    for j, grouping in enumerate([1, 2, 4]):
+        joint = spsa_estimate(model.loss_per_group, params, tokens, SPSAConfig(
+            eps=1e-5, n_pert=6, micro_batch=2, loss_grouping=grouping), step=5, seed=7)
+        torch.testing.assert_close(estimates[:, 3 + j], flatten(joint.gradient), rtol=1e-10, atol=1e-12)
+
+
+def test_central_differences_match_autograd_directional_derivatives():
+    model = tiny_experts(2).double()
+    params = {name: p.detach() for name, p in model.expert_parameters().items()}
+    tokens = torch.randint(0, 256, (2, 3, 12), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    reference = exact_gradient(model.loss_per_group, params, tokens)
+    config = SPSAConfig(eps=1e-5, n_pert=8, micro_batch=3)
+    result = spsa_estimate(model.loss_per_group, params, tokens, config, step=0, seed=4)
+    assert central_difference_deviation(result.expert_projected, reference, config, 0, 4) < 1e-6
+    # A far too large ε leaves the quadratic regime: the check must notice.
+    coarse = spsa_estimate(model.loss_per_group, params, tokens, SPSAConfig(eps=0.5, n_pert=8, micro_batch=3), 0, 4)
+    assert central_difference_deviation(coarse.expert_projected, reference, config, 0, 4) > 1e-3
+
+
+def test_probed_gradients_are_the_full_gradient_at_the_probed_coordinates():
+    model = tiny_experts(2).double()
+    params = {name: p.detach() for name, p in model.expert_parameters().items()}
+    pool = torch.randint(0, 256, (2, 5, 10), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    full = exact_gradient(model.loss_per_group, params, pool)
+    coordinates = probe_coordinates(model, 7, seed=0)
+    probed = ProbedLoss(model, coordinates)
+    torch.testing.assert_close(exact_gradient(probed, probed.probe(), pool), full.gather(1, coordinates))
+    per_window = per_window_gradients(probed, probed.probe(), pool)
+    assert per_window.shape == (2, 5, 7)
+    torch.testing.assert_close(per_window.mean(1), full.gather(1, coordinates))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batch_noise_prediction_by_monte_carlo(kind):
+    experts, dim, pool, batch, n_pert, draws = 2, 6, 6, 2, 3, 40_000
+    generator = torch.Generator().manual_seed(0)
+    windows = torch.randn(pool, experts, dim, generator=generator, dtype=torch.float64) + 1.0
+    mean = windows.mean(0)
+    sigma2 = (windows - mean).pow(2).sum(2).mean(0)
+    picks = torch.rand(draws, pool, generator=generator).argsort(1)[:, :batch]
+    batch_grad = windows[picks].mean(1)  # [R, E, d]
+    if kind is DirectionKind.RADEMACHER:
+        z = torch.randint(0, 2, (draws, n_pert, experts, dim), generator=generator).double() * 2 - 1
+    else:
+        z = torch.randn(draws, n_pert, experts, dim, generator=generator, dtype=torch.float64)
+    own = torch.einsum("rked,red->rke", z, batch_grad)
+    for grouping, delta in ((1, own), (2, own.sum(2, keepdim=True).expand_as(own))):
+        estimate = torch.einsum("rke,rked->red", delta, z) / n_pert
+        relative = (estimate - mean).pow(2).sum((1, 2)) / mean.pow(2).sum()
+        measured = mean_with_error(relative)
+        variance = sampled_batch_variance(sigma2, batch, pool)
+        predicted = batch_noise_relative_error(kind, mean.pow(2).sum(1), variance, dim, grouping, n_pert)
+        assert abs(measured.mean - predicted) < 4 * measured.stderr, (grouping, measured, predicted)
+
+
+def test_sampled_batch_variance_by_enumerating_every_batch():
+    values = torch.tensor([[0.0, 1.0], [2.0, -1.0], [4.0, 3.0], [1.0, 1.0], [-3.0, 0.5]], dtype=torch.float64)
+    mean = values.mean(0)
+    sigma2 = float((values - mean).pow(2).sum(1).mean())
+    for batch in (1, 2, 3, 5):
+        subsets = [values[list(s)].mean(0) for s in itertools.combinations(range(5), batch)]
+        exact = float(torch.stack([(s - mean).pow(2).sum() for s in subsets]).mean())
+        assert sampled_batch_variance(sigma2, batch, 5) == pytest.approx(exact)
+
+
+def test_pool_batches_are_distinct_and_cover_the_pool_evenly():
+    batches = pool_batches(8, 2, 8, torch.Generator().manual_seed(0))
+    assert len(batches) == 8 and all(len(set(b.tolist())) == 2 for b in batches)
+    assert sorted(torch.cat(batches[:4]).tolist()) == list(range(8))  # one pass covers the pool once
+
+
+def test_ratio_standard_error_of_identical_draws_is_zero_and_means_are_exact():
+    a = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    assert ratio_with_error(2 * a, a).mean == pytest.approx(2.0)
+    assert ratio_with_error(2 * a, a).stderr == pytest.approx(0.0, abs=1e-12)
+    assert mean_with_error(a).stderr == pytest.approx(float(a.std() / 2))
+
+
+def test_body_params_and_equal_total_widths():
+    for width in (10, 32, 44):
+        model = StackedExperts(1, width, head=HeadMode.SHARED, device="meta")
+        assert body_params(width) == sum(p.numel() for p in model.expert_parameters().values())
+    assert body_params(509) == 8_325_713  # Table 2
+    width = width_for_total(100_000, 4)
+    best = abs(4 * body_params(width) - 100_000)
+    assert best <= min(abs(4 * body_params(w) - 100_000) for w in (width - 1, width + 1))
+
+
+TINY_CLI = ["--context", "4", "--batch", "1", "--experts", "2", "--loss_groupings", "[1, 2]", "--n_pert", "[2, 4]",
+            "--repeats", "2", "--expert_counts", "[1, 2]", "--total_params", "600", "--pool", "4",
+            "--probe_coordinates", "8", "--budget", "4", "--batch_sizes", "[1, 2]", "--batch_repeats", "2",
+            "--width", "3"]
+
+
+def test_cli_writes_every_panel_with_predictions(tmp_path, prepared):
+    checkpoint = save_checkpoint(tmp_path / "three.ckpt", tiny_experts(3), None)
+    out = tmp_path / "variance.json"
+    main(["analyze", "variance", *TINY_CLI, "--checkpoint", str(checkpoint), "--data", str(prepared),
+          "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["weights"].endswith("(experts [0, 1])")
+    panel = result["n_pert"]
+    assert [c["loss_grouping"] for c in panel["curves"]] == [1, 2]
+    dim, norms = panel["params_per_expert"], panel["grad_sq_norms"]
+    joint = panel["curves"][1]["points"][1]
+    assert joint["predicted"] == pytest.approx(grouped_relative_error(DirectionKind.RADEMACHER, norms, dim, 2, 4))
+    assert result["npert_doubling_at"] == [2, 4] and result["predicted_npert_doubling_ratio"] == 2.0
+    assert result["predicted_separate_vs_joint_ratio"] == pytest.approx((2 * dim - 1) / (dim - 1))
+    assert result["separate_vs_joint_ratio"] > 0 and panel["central_difference_deviation"] < 1e-4
+    assert [p["num_experts"] for p in result["experts"]["points"]] == [1, 2]
+    assert [p["batch"] for p in result["batch"]["curves"][0]["points"]] == [1, 2]
+    assert result["batch"]["nu"] > 0
+
+
+def test_cli_rejects_a_grouping_that_does_not_divide_the_experts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["analyze", "variance", *TINY_CLI, "--loss_groupings", "[3]", "--out", str(tmp_path / "v.json")])
+    assert exit_info.value.code == 2
+    assert "loss_grouping must divide experts" in capsys.readouterr().err
+    assert not (tmp_path / "v.json").exists()

@@ -1,0 +1,61 @@
+"""`bench inference` on tiny configurations: record fields and closed-form relations, never timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from soma_pl.bench import inference
+from soma_pl.bench.inference import InferenceModel, InferenceSettings, bench_inference
+from soma_pl.cli import main
+from soma_pl.models.experts import HeadMode, StackedExperts
+
+MODELS = (InferenceModel(1, 12, 2), InferenceModel(6, 8, 3, shared_head=True))
+SETTINGS = InferenceSettings(repeats=2, embed_dim=8, num_layers=1, time_chunk=256)
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return bench_inference(MODELS, SETTINGS)  # each configuration in its own spawned process
+
+
+def test_one_record_per_configuration_with_table12_fields(report):
+    assert report["benchmark"] == "inference" and report["settings"]["repeats"] == 2
+    assert [record["model"] for record in report["results"]] == ["N=1", "N=6"]
+    json.loads(json.dumps(report))
+    for record, config in zip(report["results"], MODELS):
+        expected = StackedExperts(config.experts, config.width, 8, 1, config.head)
+        assert record["parameters"] == sum(p.numel() for p in expected.parameters())
+        assert record["head"] == config.head.value and record["batch_size"] == config.batch_size
+        assert record["scored_tokens_per_request"] == 768
+        assert len(record["latencies_ms"]) == 2 and min(record["latencies_ms"]) > 0
+        assert record["latency_ms"] == pytest.approx(sum(record["latencies_ms"]) / 2, abs=0.02)  # median of two
+        assert record["tokens_per_s"] == pytest.approx(config.batch_size * 768 / (record["latency_ms"] / 1e3), rel=1e-3)
+        assert record["peak_bytes"] > record["baseline_bytes"] > 0
+        assert record["peak_above_baseline_bytes"] == record["peak_bytes"] - record["baseline_bytes"]
+
+
+def test_top_k_is_capped_at_n_and_routing_load_adds_up(report):
+    monolithic, soma = report["results"]
+    assert (monolithic["top_k"], soma["top_k"]) == (1, 4)
+    assert monolithic["routing"] == {"mean_windows_per_expert": 2.0, "max_windows_per_expert": 2}
+    assert soma["routing"]["mean_windows_per_expert"] == pytest.approx(3 * 4 / 6, abs=0.01)
+    assert 1 <= soma["routing"]["max_windows_per_expert"] <= 3  # an expert serves a window once
+    ratios = report["throughput_ratio_to_n1"]
+    assert ratios["N=1 top-1"] == 1.0
+    assert ratios["N=6 top-4"] == pytest.approx(soma["tokens_per_s"] / monolithic["tokens_per_s"], rel=1e-2)
+
+
+def test_cli_overrides_batch_sizes_and_rejects_a_wrong_count(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(inference, "in_fresh_process", lambda function, *args: function(*args))
+    out = tmp_path / "bench.json"
+    models = "[{experts: 1, width: 8, batch_size: 5}]"
+    common = ["--settings.repeats", "1", "--settings.num_layers", "1", "--settings.embed_dim", "8",
+              "--settings.threads", "null", "--out", str(out)]
+    main(["bench", "inference", "--models", models, "--batch_sizes", "[2]", *common])
+    record = json.loads(out.read_text())["results"][0]
+    assert (record["batch_size"], record["d_t"], record["head"]) == (2, 8, HeadMode.PER_EXPERT.value)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "inference", "--models", models, "--batch_sizes", "[2, 3]", *common])
+    assert exit_info.value.code == 2 and "--batch_sizes" in capsys.readouterr().err

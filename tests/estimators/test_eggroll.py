@@ -1,0 +1,241 @@
+"""EGGROLL: the low-rank forward against materialised weights, noise, shaping, and closed-form updates."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from soma_pl.estimators.eggroll import (
+    EGGROLLConfig,
+    FitnessShaping,
+    MemberNoise,
+    assemble_update,
+    eggroll_estimate,
+    lowrank_relative_error,
+    member_noise,
+    pair_noise,
+    shape_fitness,
+)
+from soma_pl.models import HeadMode, StackedExperts
+from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
+
+IDS = torch.arange(1)
+
+
+def _model(experts: int = 2, width: int = 12, head: HeadMode = HeadMode.PER_EXPERT) -> StackedExperts:
+    torch.manual_seed(0)
+    model = StackedExperts(experts, width, embed_dim=8, num_layers=2, head=head, time_chunk=4).double()
+    with torch.no_grad():  # away from the init so every weight matters
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def _materialised(model: StackedExperts, noise: MemberNoise, members: int) -> dict[str, torch.Tensor]:
+    """Each member's full weights ``W + A·Bᵀ`` (and ``g + δ``) as ``[E·M, ...]`` groups."""
+    full = {}
+    for name, param in model.expert_parameters().items():
+        base = param[:, None].expand(param.shape[0], members, *param.shape[1:])
+        if name in noise.factors:
+            a, b = noise.factors[name]
+            base = base + a @ b.transpose(-1, -2)
+        elif name in noise.offsets:
+            base = base + noise.offsets[name]
+        full[name] = base.flatten(0, 1)
+    return full
+
+
+@pytest.mark.parametrize("head", list(HeadMode))
+def test_lowrank_forward_equals_the_forward_with_materialised_weights(head):
+    experts, members, rank = 2, 4, 2
+    model = _model(experts, head=head)
+    params = model.expert_parameters()
+    matrices = [name for name in params if name in LOW_RANK_MATRICES]
+    noise = member_noise(pair_noise(params, matrices, rank, 5, 1, torch.arange(experts), torch.arange(2)), 0.3, rank)
+    tokens = torch.randint(0, 256, (experts, members, 3, 11), dtype=torch.uint8)
+    low = population_losses(model, tokens, noise.factors, noise.offsets, score_from=2)
+    reference = model.window_losses(tokens.flatten(0, 1), 2, _materialised(model, noise, members)).mean(1)
+    torch.testing.assert_close(low, reference.view(experts, members), rtol=1e-10, atol=1e-10)
+    unperturbed = population_losses(model, tokens, {}, {}, score_from=2)
+    base = model.window_losses(tokens.flatten(0, 1), 2, {n: p.repeat_interleave(members, 0) for n, p in params.items()})
+    torch.testing.assert_close(unperturbed, base.mean(1).view(experts, members), rtol=1e-10, atol=1e-10)
+
+
+def test_pairs_are_antithetic_and_regenerated_from_counters():
+    model = _model(1)
+    params = model.expert_parameters()
+    noise = pair_noise(params, LOW_RANK_MATRICES, 2, 7, 3, IDS, torch.arange(4))
+    members = member_noise(noise, 0.5, 2)
+    a, b = members.factors["w_hh"]
+    torch.testing.assert_close(a[:, 0::2], -a[:, 1::2])  # + and − of each pair
+    torch.testing.assert_close(b[:, 0::2], b[:, 1::2])
+    torch.testing.assert_close(a[:, 0::2], noise["w_hh"][0] * 0.5 / math.sqrt(2))
+    torch.testing.assert_close(members.offsets["norm_gains"][:, 1::2], -0.5 * noise["norm_gains"])
+    again = pair_noise(params, LOW_RANK_MATRICES, 2, 7, 3, IDS, torch.tensor([2, 3]))  # any chunk alone
+    torch.testing.assert_close(again["w_ih"][0], noise["w_ih"][0][:, 2:])
+    later = pair_noise(params, LOW_RANK_MATRICES, 2, 7, 4, IDS, torch.arange(4))
+    assert not torch.allclose(later["head"][0], noise["head"][0])
+    assert noise["w_ih"][0].shape == (1, 4, 2, 48, 2) and noise["w_ih"][1].shape == (1, 4, 2, 12, 2)
+
+
+def test_shaping_z_scores_over_the_population_or_each_group():
+    losses = torch.randn(2, 12, generator=torch.Generator().manual_seed(0)) * 3 + 5
+    config = EGGROLLConfig(population=12, group_size=4)
+    whole = shape_fitness(losses, config)
+    torch.testing.assert_close(whole.mean(1), torch.zeros(2, dtype=torch.float64))
+    torch.testing.assert_close(whole.std(1, unbiased=False), torch.ones(2, dtype=torch.float64))
+    grouped = shape_fitness(losses, replace(config, fitness=FitnessShaping.group)).view(2, 3, 4)
+    torch.testing.assert_close(grouped.mean(2), torch.zeros(2, 3, dtype=torch.float64))
+    torch.testing.assert_close(grouped.std(2, unbiased=False), torch.ones(2, 3, dtype=torch.float64))
+    raw = shape_fitness(losses, replace(config, fitness=FitnessShaping.none))
+    torch.testing.assert_close(raw, losses.double())
+
+
+class MatrixQuadratic:
+    """``L(W) = ½‖W − W*‖²_H + c`` in one ``rows × cols`` matrix behind the member-loss API."""
+
+    def __init__(self, rows: int, cols: int, seed: int = 0, curvature: float = 1.0):
+        generator = torch.Generator().manual_seed(seed)
+        self.target = torch.randn(1, rows, cols, generator=generator, dtype=torch.float64)
+        self.curvature = curvature * torch.rand(rows, cols, generator=generator, dtype=torch.float64)
+
+    def loss(self, weights):
+        return (0.5 * self.curvature * (weights - self.target) ** 2).sum((-1, -2)) + 3.0
+
+    def member_losses(self, theta):
+        def loss_fn(noise, tokens):
+            a, b = noise.factors["w"]
+            return self.loss(theta[:, None] + a @ b.transpose(-1, -2))
+        return loss_fn
+
+    def gradient(self, theta):
+        return (self.curvature * (theta - self.target))[0]
+
+
+def _update(problem, theta, config, step):
+    """One update of every expert (each draws its own noise): ``[E, rows, cols]``."""
+    batch = torch.zeros(theta.shape[0], config.windows, 3, dtype=torch.uint8)  # the quadratic ignores bytes
+    result = eggroll_estimate(problem.member_losses(theta), {"w": theta}, ["w"], batch, config, step, seed=11)
+    return result.gradient["w"]
+
+
+def _full_rank_es(problem, theta, pairs, sigma):
+    """Independent reference: antithetic ES with full Gaussian matrices, raw losses. → ``[E, rows, cols]``"""
+    generator = torch.Generator().manual_seed(0)
+    eps = torch.randn(theta.shape[0], pairs, *theta.shape[1:], generator=generator, dtype=theta.dtype)
+    delta = problem.loss(theta[:, None] + sigma * eps) - problem.loss(theta[:, None] - sigma * eps)
+    return (delta[..., None, None] * eps).sum(1) / (2 * sigma * pairs)
+
+
+def test_update_converges_to_the_full_rank_es_update_as_rank_grows():
+    # 1,000 independent draws at once: experts with their own noise stand in for repeated steps.
+    rows, cols, pairs, draws, sigma = 3, 2, 4, 1000, 1e-2
+    problem = MatrixQuadratic(rows, cols)
+    theta = torch.zeros(draws, rows, cols, dtype=torch.float64)
+    true = problem.gradient(theta[:1]).flatten()
+    base = EGGROLLConfig(sigma=sigma, population=2 * pairs, group_size=2 * pairs, fitness=FitnessShaping.none)
+
+    def statistics(updates):
+        flat = updates.flatten(1)
+        error = ((flat - true) ** 2).sum(1).mean() / (true**2).sum()
+        cosine = F.cosine_similarity(flat, true[None], dim=1).mean()
+        return error.item(), cosine.item(), flat.mean(0)
+
+    full_error, full_cosine, _ = statistics(_full_rank_es(problem, theta, pairs, sigma))
+    assert full_error == pytest.approx((rows * cols + 1) / pairs, rel=0.15)  # Gaussian ES: (d + 1) / K
+    cosines = {}
+    for rank in (1, 4, 64):
+        config = replace(base, rank=rank)
+        error, cosines[rank], mean = statistics(_update(problem, theta, config, step=0))
+        assert error == pytest.approx(lowrank_relative_error(rows, cols, rank, pairs), rel=0.15), rank
+        assert F.cosine_similarity(mean, true, 0) > 0.98, rank  # E[ĝ] = g for every r
+    assert cosines[1] < cosines[4] < cosines[64]
+    assert cosines[1] < full_cosine - 0.04
+    assert cosines[64] == pytest.approx(full_cosine, abs=0.02)
+
+
+@pytest.mark.parametrize("fitness", [FitnessShaping.population, FitnessShaping.group])
+def test_expected_update_on_a_linear_model_points_along_the_true_gradient(fitness):
+    generator = torch.Generator().manual_seed(3)
+    slope = {"w": torch.randn(1, 5, 4, generator=generator, dtype=torch.float64),
+             "g": torch.randn(1, 6, generator=generator, dtype=torch.float64)}
+    draws = 256  # experts with their own noise: 256 independent updates in one call
+    params = {name: torch.zeros(draws, *value.shape[1:], dtype=value.dtype) for name, value in slope.items()}
+
+    def loss_fn(noise, tokens):  # L = ⟨S_w, W⟩ + ⟨s_g, g⟩ + the window's own offset
+        a, b = noise.factors["w"]
+        weights = a @ b.transpose(-1, -2)
+        offset = tokens[..., 0, 0].double()
+        return (weights * slope["w"][:, None]).sum((-1, -2)) + noise.offsets["g"] @ slope["g"][0] + offset
+
+    config = EGGROLLConfig(sigma=0.1, rank=2, population=64, group_size=16, fitness=fitness)
+    batch = torch.arange(4, dtype=torch.uint8).view(1, 4, 1).expand(draws, 4, 2) * 50
+    update = eggroll_estimate(loss_fn, params, ["w"], batch, config, step=0, seed=0).gradient
+    mean = torch.cat([update[name].mean(0).flatten() for name in ("w", "g")])
+    true = torch.cat([slope["w"].flatten(), slope["g"].flatten()])
+    assert F.cosine_similarity(mean, true, 0) > 0.99
+
+
+def test_z_scored_update_is_the_raw_update_over_the_spread():
+    problem = MatrixQuadratic(4, 3, seed=2)
+    theta = torch.zeros(1, 4, 3, dtype=torch.float64)
+    config = EGGROLLConfig(sigma=0.05, rank=2, population=16, group_size=16, fitness=FitnessShaping.none)
+    batch = torch.zeros(1, 1, 3, dtype=torch.uint8)
+    raw = eggroll_estimate(problem.member_losses(theta), {"w": theta}, ["w"], batch, config, 0, seed=1)
+    zscored = assemble_update({"w": theta}, ["w"], shape_fitness(raw.losses, replace(config, fitness="population")),
+                              config, 0, 1, IDS)
+    spread = raw.losses.std(1, unbiased=False)
+    torch.testing.assert_close(zscored["w"], raw.gradient["w"] / spread)  # antithetic pairs cancel the mean
+
+
+def test_rank_one_members_add_up_to_a_full_rank_update():
+    problem = MatrixQuadratic(8, 6, seed=4)
+    theta = torch.zeros(1, 8, 6, dtype=torch.float64)
+    config = EGGROLLConfig(sigma=0.05, rank=1, population=32, group_size=32)
+    update = _update(problem, theta, config, step=0)[0]
+    assert torch.linalg.matrix_rank(update).item() == 6
+
+
+def test_chunks_of_members_give_the_same_update_and_bound_each_forward():
+    model = _model(1, width=8)
+    params = model.expert_parameters()
+    batch = torch.randint(0, 256, (1, 3, 9), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    config = EGGROLLConfig(sigma=0.05, rank=2, population=24, group_size=8, fitness=FitnessShaping.group)
+    sizes = []
+
+    def loss_fn(noise, tokens):
+        sizes.append(tokens.shape[1])
+        return population_losses(model, tokens, noise.factors, noise.offsets)
+
+    whole = eggroll_estimate(loss_fn, params, LOW_RANK_MATRICES, batch, config, 2, seed=0)
+    assert sizes == [24]
+    sizes.clear()
+    chunked = eggroll_estimate(loss_fn, params, LOW_RANK_MATRICES, batch, replace(config, max_members=7), 2, seed=0)
+    assert sizes == [6, 6, 6, 6]  # whole pairs, at most max_members
+    torch.testing.assert_close(chunked.losses, whole.losses)
+    for name in params:
+        torch.testing.assert_close(chunked.gradient[name], whole.gradient[name])
+    # Members 0-7 read window 0, 8-15 window 1, 16-23 window 2: a window's members agree with it alone.
+    alone = population_losses(model, batch[:, 1:2, None].expand(1, 8, 1, 9), *_noise(params, config, range(4, 8)))
+    torch.testing.assert_close(alone, whole.losses[:, 8:16])
+
+
+def _noise(params, config, pairs):
+    noise = pair_noise(params, LOW_RANK_MATRICES, config.rank, 0, 2, IDS, torch.tensor(list(pairs)))
+    members = member_noise(noise, config.sigma, config.rank)
+    return members.factors, members.offsets
+
+
+def test_bad_settings_and_batches_are_refused():
+    for settings in ({"population": 10, "group_size": 4}, {"group_size": 3}, {"sigma": 0.0}, {"max_members": 1}):
+        with pytest.raises(ValueError):
+            EGGROLLConfig(**{"population": 16, "group_size": 8, **settings})
+    problem = MatrixQuadratic(2, 2)
+    theta = torch.zeros(1, 2, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="needs 2"):
+        eggroll_estimate(problem.member_losses(theta), {"w": theta}, ["w"], torch.zeros(1, 3, 3, dtype=torch.uint8),
+                         EGGROLLConfig(population=16, group_size=8), 0, seed=0)

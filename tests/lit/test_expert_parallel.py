@@ -1,0 +1,116 @@
+"""Expert-parallel SOMA: ranks own contiguous shares of the experts and read only their shards;
+2 gloo processes train the weights, optimizer state and per-expert decay of one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from soma_pl.data.prepare import PrepareConfig
+from soma_pl.data.readers import CorpusConfig
+from soma_pl.data.sharding import ShardConfig, shard
+from soma_pl.data.stream import WindowStream, rank_share
+from soma_pl.errors import ConfigError
+from soma_pl.lightning_cli import make_cli
+from soma_pl.lit import SOMAModule
+from soma_pl.lit.parallel import slice_optimizer_state
+
+from .multiprocess import fit_on_processes, max_difference
+
+TINY_SOMA = Path(__file__).with_name("tiny_soma.yaml")
+EXPERTS = 3
+
+
+@pytest.mark.parametrize("count,world", [(3, 2), (8, 3), (256, 8), (5, 5)])
+def test_rank_shares_are_contiguous_balanced_and_cover_everything(count, world):
+    shares = [rank_share(count, rank, world) for rank in range(world)]
+    assert [i for share in shares for i in share] == list(range(count))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1 and min(map(len, shares)) >= 1
+
+
+@pytest.fixture(scope="module")
+def sharded(corpus_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("expert_parallel")
+    dataset = PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(corpus_dir)]), output_dir=str(root / "data"),
+                            val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000)
+    experts = shard(ShardConfig(dataset=dataset, num_experts=EXPERTS, output_dir=str(root / "experts"),
+                                val_fraction=0.05, shard_max_bytes=40000), progress=False)
+    return root, experts
+
+
+def test_a_rank_reads_for_its_experts_what_one_process_reads(sharded):
+    from soma_pl.data.experts import read_expert_shards
+
+    _, experts = sharded
+    shard_sets = [[experts / r.path for r in e.train] for e in read_expert_shards(experts)]
+    whole = iter(WindowStream(shard_sets, batch_size=3, seed=4, shuffle_buffer=8))
+    share = rank_share(EXPERTS, 1, 2)
+    part = iter(WindowStream(shard_sets[share.start : share.stop], 3, 4, 8, expert_ids=share))
+    for _ in range(3):
+        assert torch.equal(next(part), next(whole)[share.start : share.stop])
+
+
+def test_slicing_a_gathered_optimizer_state_keeps_the_ranks_experts():
+    momentum = torch.arange(24.0).view(3, 2, 4)
+    state = {"state": {0: {"momentum_buffer": momentum.clone(), "step": torch.tensor(5.0)}}, "param_groups": []}
+    slice_optimizer_state(state, [momentum.shape], range(1, 3))
+    assert torch.equal(state["state"][0]["momentum_buffer"], momentum[1:3])
+    assert state["state"][0]["step"].item() == 5.0
+
+
+def test_soma_needs_an_expert_per_process(monkeypatch):
+    trainer = SimpleNamespace(world_size=3, global_rank=0, ckpt_path=None)
+    monkeypatch.setattr(SOMAModule, "trainer", property(lambda self: trainer))
+    module = SOMAModule(num_experts=2, width=8, num_layers=1, embed_dim=8, init="random")
+    with pytest.raises(ConfigError, match="2 experts on 3 processes"):
+        module.check_world_size(3)
+
+
+def _soma_args(corpus: Path, root: Path, experts: Path, run: str, *extra: str) -> list[str]:
+    return ["--config", str(TINY_SOMA), f"--data.init_args.dataset.corpus.paths=[{corpus}]",
+            f"--data.init_args.dataset.output_dir={root / 'data'}", f"--data.init_args.experts_dir={experts}",
+            f"--trainer.default_root_dir={root / run}", f"--checkpoint.dirpath={root / run / 'checkpoints'}",
+            "--trainer.logger=false", f"--model.init_args.num_experts={EXPERTS}", f"--model.init_args.top_k={EXPERTS}",
+            "--model.init_args.optimizer.init_args.momentum=0.9", *extra]
+
+
+def _checkpoint(root: Path, run: str) -> dict:
+    return torch.load(root / run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_experts_of_one_process(sharded, corpus_dir, tmp_path):
+    root, experts = sharded
+    make_cli(["fit", *_soma_args(corpus_dir, root, experts, "one")])
+    ranks = fit_on_processes(_soma_args(corpus_dir, root, experts, "two"), processes=2, dump=tmp_path)
+    one, two = _checkpoint(root, "one"), _checkpoint(root, "two")
+
+    # Rank 0's checkpoint holds every expert, its optimizer state and per-expert decay, as one process's.
+    assert max_difference(one["state_dict"], two["state_dict"]) == 0.0
+    assert one["state_dict"]["plateau.scale"].min() < 1, "the test should see an expert's learning rate decay"
+    for index, entry in one["optimizer_states"][0]["state"].items():
+        assert torch.equal(entry["momentum_buffer"], two["optimizer_states"][0]["state"][index]["momentum_buffer"])
+    # Each rank trained only its share, to the same weights.
+    assert [r["experts"] for r in ranks] == [(0, 1), (1, 3)]
+    assert [r["update_experts"] for r in ranks] == [1, 2]
+    for rank in ranks:
+        low, high = rank["experts"]
+        for name, weights in rank["weights"].items():
+            assert torch.equal(weights, one["state_dict"][f"model.{name}"][low:high]), name
+
+
+@pytest.mark.slow
+def test_expert_parallel_run_resumes_to_the_same_weights(sharded, corpus_dir, tmp_path):
+    root, experts = sharded
+    make_cli(["fit", *_soma_args(corpus_dir, root, experts, "straight")])
+    fit_on_processes(_soma_args(corpus_dir, root, experts, "resumed", "--trainer.max_steps=4"), 2, tmp_path / "a")
+    fit_on_processes(_soma_args(corpus_dir, root, experts, "resumed", "--ckpt_path=last"), 2, tmp_path / "b")
+    straight, resumed = _checkpoint(root, "straight"), _checkpoint(root, "resumed")
+    assert resumed["global_step"] == 8
+    assert max_difference(straight["state_dict"], resumed["state_dict"]) == 0.0
+    np.testing.assert_array_equal(straight["optimizer_states"][0]["state"][0]["momentum_buffer"].numpy(),
+                                  resumed["optimizer_states"][0]["state"][0]["momentum_buffer"].numpy())

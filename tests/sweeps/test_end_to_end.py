@@ -1,0 +1,68 @@
+"""Slow checks with the real CLI: every sweep choice parses as a fit command, and a tiny grid sweep
+runs real fits and tests in trial processes and reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from soma_pl.cli import main
+from soma_pl.lightning_cli import make_cli
+from soma_pl.sweeps import runner
+from soma_pl.sweeps.space import load_sweep
+from tests.data.corpora import write_jsonl_corpus
+
+from .conftest import write_sweep
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _choice_points(spec):
+    """The first grid point with each factor set to each of its choices in turn."""
+    first = spec.grid_points()[0]
+    return [{**first, f.name: label} for f in spec.factors for label in f.choices]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "sweeps").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_choice_parses_as_a_fit_command(path, monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(ROOT)
+    spec = load_sweep(path)
+    for point in _choice_points(spec):
+        command = runner.fit_command(spec, SimpleNamespace(number=0), point, point["seed"], tmp_path / "t",
+                                     "sqlite:///x.db", report=True)
+        with pytest.raises(SystemExit) as exit_info:
+            make_cli(["fit", *command[4:], "--print_config"])
+        assert exit_info.value.code in (0, None), point
+        printed = capsys.readouterr().out
+        assert f"group: {spec.name}" in printed and f"default_root_dir: {tmp_path / 't'}" in printed
+
+
+def test_tiny_sweep_runs_real_fits_and_reports(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus"
+    write_jsonl_corpus(corpus, {"alpha": 30, "beta": 30}, min_words=150, max_words=500)
+    path = write_sweep(tmp_path, seeds=[0, 1], report={}, wandb=False,
+                       grid={"lr": {"key": "model.init_args.optimizer.init_args.lr", "values": [0.05, 0.1]}},
+                       overrides={"data.init_args.dataset.corpus.paths": [str(corpus)],
+                                  "data.init_args.dataset.output_dir": str(tmp_path / "data"),
+                                  "trainer.logger": False, "trainer.max_steps": 8})
+    spec = load_sweep(path)
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    assert runner.work(spec, storage) == {"COMPLETE": 4}
+    out = tmp_path / "report.json"
+    main(["sweep", "report", "--sweep", str(path), "--storage", storage, "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["trials"] == {"COMPLETE": 4}
+    rows = report["table6"]["rows"]
+    assert sorted(row["setting"]["lr"] for row in rows) == [0.05, 0.1]
+    for row in rows:
+        val = row["cells"]["all"]["val"]
+        assert val["n"] == 2 and 0 < val["mean"] < 6 and val["sd"] is not None
+    for entry in report["table7"]["per_seed"]:
+        trial_dir = spec.output_dir / f"trial-{entry['trial']['None']:04d}"
+        result = json.loads((trial_dir / "trial_result.json").read_text())
+        scores = json.loads(Path(result["test_scores"]).read_text())
+        assert entry["test"]["all"] == pytest.approx(scores["loss"]) and result["global_step"] == 8

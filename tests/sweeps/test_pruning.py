@@ -1,0 +1,57 @@
+"""`TrialReporter`: validation losses reach the Optuna trial at the global step; the study's pruner
+stops the fit gracefully; a trial process whose runner is gone stops."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import optuna
+import pytest
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from optuna.trial import create_trial
+
+from soma_pl.sweeps.study import open_storage
+from soma_pl.sweeps.trial import RunnerGone, TrialReporter
+
+
+def _trainer(step: int, loss: float) -> SimpleNamespace:
+    return SimpleNamespace(sanity_checking=False, state=SimpleNamespace(fn=TrainerFn.FITTING), is_global_zero=True,
+                           callback_metrics={"val/loss": torch.tensor(loss)}, global_step=step, should_stop=False)
+
+
+@pytest.fixture()
+def storage(tmp_path) -> str:
+    url = str(tmp_path / "journal.log")
+    study = optuna.create_study(study_name="prune", storage=open_storage(url))
+    for loss in (2.0, 3.0):  # two finished trials: the median at step 20 is 2.5
+        study.add_trial(create_trial(value=loss, intermediate_values={20: loss}))
+    return url
+
+
+@pytest.mark.parametrize(("loss", "pruned"), [(2.6, True), (2.4, False)])
+def test_reports_at_the_global_step_and_prunes_above_the_median(storage, loss, pruned):
+    trial = optuna.load_study(study_name="prune", storage=open_storage(storage)).ask()
+    reporter = TrialReporter(storage, "prune", trial.number, pruner="median", n_startup_trials=2)
+    trainer = _trainer(step=20, loss=loss)
+    reporter.on_validation_end(trainer, None)
+    frozen = optuna.load_study(study_name="prune", storage=open_storage(storage)).trials[trial.number]
+    assert frozen.intermediate_values == {20: pytest.approx(loss)}
+    assert reporter.pruned is pruned and trainer.should_stop is pruned
+
+
+def test_without_a_pruner_it_only_reports(storage):
+    trial = optuna.load_study(study_name="prune", storage=open_storage(storage)).ask()
+    reporter = TrialReporter(storage, "prune", trial.number)
+    trainer = _trainer(step=20, loss=9.0)
+    reporter.on_validation_end(trainer, None)
+    assert not reporter.pruned and not trainer.should_stop
+
+
+def test_a_trial_process_stops_when_its_runner_is_gone(storage):
+    reporter = TrialReporter(storage, "prune", 0, runner_pid=os.getppid())
+    reporter.on_train_batch_end(_trainer(1, 1.0))
+    orphaned = TrialReporter(storage, "prune", 0, runner_pid=os.getppid() + 100000)
+    with pytest.raises(RunnerGone, match="is gone"):
+        orphaned.on_train_batch_end(_trainer(1, 1.0))

@@ -1,0 +1,177 @@
+"""The shared study: every grid point once, resume without repeats, failures kept, stale and
+interrupted trials re-run, duplicates claimed once, TPE ranges, and the real trial command line."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from optuna.trial import TrialState
+
+from soma_pl.sweeps import runner
+from soma_pl.sweeps.space import point_key
+from soma_pl.sweeps.study import HEARTBEAT, claim_waiting, open_storage, open_study, sync_queue
+
+from .conftest import TINY, fake_val_loss, ran, spec_of, write_sweep
+
+STORAGES = {"sqlite": lambda d: f"sqlite:///{d / 'optuna.db'}", "journal": lambda d: str(d / "journal.log")}
+
+
+def _study(spec, storage):
+    return open_study(spec, open_storage(storage), create=False)
+
+
+def _by_state(study) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for trial in study.get_trials(deepcopy=False):
+        counts[trial.state.name] = counts.get(trial.state.name, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize(("kind", "seeds"), [("sqlite", [0]), ("journal", [0, 1])])
+def test_grid_runs_every_point_once_and_resumes_without_repeats(kind, seeds, tmp_path, fake_trials):
+    storage = STORAGES[kind](tmp_path)
+    spec = spec_of(write_sweep(tmp_path, seeds=seeds))
+    points = len(spec.grid_points())
+    assert points == 4 * len(seeds)  # N (2) x lr (2) x seeds
+    assert runner.work(spec, storage, n_trials=3) == {"COMPLETE": 3}
+    assert runner.work(spec, storage) == {"COMPLETE": points - 3}
+    assert runner.work(spec, storage) == {}  # a finished study: nothing runs again
+    assert sorted(map(point_key, ran(fake_trials))) == sorted(map(point_key, spec.grid_points()))
+    study = _study(spec, storage)
+    assert _by_state(study) == {"COMPLETE": points}
+    for trial in study.trials:
+        point = json.loads(trial.user_attrs["point"])
+        assert trial.params == point
+        assert trial.value == pytest.approx(fake_val_loss(point, point["seed"]))
+        assert trial.user_attrs["test_loss"] == pytest.approx(trial.value + 0.05)
+
+
+def test_failed_trial_is_kept_with_its_error_and_rerun_only_on_request(tmp_path, fake_trials):
+    storage = STORAGES["journal"](tmp_path)
+    spec = spec_of(write_sweep(tmp_path, seeds=[0], grid={
+        "lr": {"key": "model.init_args.optimizer.init_args.lr", "values": [0.01, 0.5]}}, report={}))
+    assert runner.work(spec, storage) == {"COMPLETE": 1, "FAIL": 1}
+    failed = _study(spec, storage).get_trials(states=(TrialState.FAIL,))
+    assert len(failed) == 1 and failed[0].params == {"lr": 0.5, "seed": 0}
+    assert failed[0].user_attrs["failure"] == "error"
+    assert failed[0].user_attrs["error"] == "FloatingPointError: loss diverged at step 3 (lr 0.5)"
+    assert failed[0].user_attrs["log"].endswith("fit.log")
+    assert runner.work(spec, storage) == {}
+    assert runner.work(spec, storage, retry_failed=True) == {"FAIL": 1}
+    assert _by_state(_study(spec, storage)) == {"COMPLETE": 1, "FAIL": 2}
+
+
+def test_stale_running_trial_is_failed_and_its_point_rerun(tmp_path, fake_trials):
+    storage = STORAGES["journal"](tmp_path)
+    spec = spec_of(write_sweep(tmp_path, stale_seconds=5, seeds=[0]))
+    study = open_study(spec, open_storage(storage))
+    sync_queue(study, spec)
+    orphan = claim_waiting(study)  # claimed by a worker that is then SIGKILLed: no more heartbeats
+    study._storage.set_trial_system_attr(orphan._trial_id, HEARTBEAT, time.time() - 60)
+    assert runner.work(spec, storage) == {"COMPLETE": 4}
+    study = _study(spec, storage)
+    stale = study.trials[orphan.number]
+    assert stale.state == TrialState.FAIL and stale.user_attrs["failure"] == "stale"
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert sorted(t.user_attrs["point"] for t in complete) == sorted(map(point_key, spec.grid_points()))
+
+
+def test_interrupted_worker_fails_its_trial_and_a_restart_finishes(tmp_path, fake_trials, monkeypatch):
+    storage = STORAGES["journal"](tmp_path)
+    spec = spec_of(write_sweep(tmp_path, seeds=[0]))
+    real_run_fit, calls = runner.run_fit, []
+
+    def interrupted_on_third(command, run_dir):
+        calls.append(run_dir)
+        if len(calls) == 3:
+            raise runner.Interrupted("SIGINT")
+        return real_run_fit(command, run_dir)
+
+    monkeypatch.setattr(runner, "run_fit", interrupted_on_third)
+    with pytest.raises(SystemExit) as stopped:
+        runner.work(spec, storage)
+    assert stopped.value.code == 130
+    study = _study(spec, storage)
+    assert _by_state(study) == {"COMPLETE": 2, "FAIL": 1, "WAITING": 1}
+    assert study.get_trials(states=(TrialState.FAIL,))[0].user_attrs["failure"] == "interrupted"
+    monkeypatch.setattr(runner, "run_fit", real_run_fit)
+    assert runner.work(spec, storage) == {"COMPLETE": 2}
+    assert sorted(map(point_key, ran(fake_trials))) == sorted(map(point_key, spec.grid_points()))
+
+
+def test_a_point_enqueued_twice_is_claimed_once(tmp_path):
+    spec = spec_of(write_sweep(tmp_path, seeds=[0], grid={"lr": {"key": "k", "values": [0.01]}}, report={}))
+    study = open_study(spec, open_storage(STORAGES["journal"](tmp_path)))
+    sync_queue(study, spec)
+    point = spec.grid_points()[0]
+    study.enqueue_trial(point, user_attrs={"point": point_key(point)})  # a second worker's enqueue
+    first, second = claim_waiting(study), claim_waiting(study)
+    assert first is not None and second is None
+    duplicate = study.get_trials(states=(TrialState.FAIL,))
+    assert len(duplicate) == 1 and duplicate[0].user_attrs["failure"] == "duplicate"
+    assert sync_queue(study, spec) == 0  # the point is RUNNING: nothing to enqueue
+
+
+def test_range_sweep_asks_tpe_for_trials_over_every_seed(tmp_path, fake_trials):
+    storage = STORAGES["journal"](tmp_path)
+    spec = spec_of(write_sweep(tmp_path, grid={}, report={}, trials=3,
+                               ranges={"eps": {"key": "model.init_args.eps", "low": 0.001, "high": 0.01, "log": True}}))
+    assert runner.work(spec, storage) == {"COMPLETE": 3}
+    assert runner.work(spec, storage) == {}
+    for trial in _study(spec, storage).trials:
+        runs = trial.user_attrs["runs"]
+        assert [r["seed"] for r in runs] == [0, 1]
+        eps = trial.params["eps"]
+        assert 0.001 <= eps <= 0.01
+        expected = [fake_val_loss({"eps": eps}, seed) for seed in (0, 1)]
+        assert trial.value == pytest.approx(sum(expected) / 2)
+
+
+def test_trial_command_parses_through_the_real_fit_cli(tmp_path, monkeypatch):
+    from soma_pl.lightning_cli import make_cli
+    from soma_pl.sweeps.trial import TrialReporter
+
+    spec = spec_of(write_sweep(tmp_path, budget={"token_forwards": 1000}, wandb=True,
+                               pruner={"kind": "median", "n_warmup_steps": 4}))
+    storage = STORAGES["journal"](tmp_path)
+    study = open_study(spec, open_storage(storage))
+    sync_queue(study, spec)
+    trial = claim_waiting(study)
+    params = runner.suggest(spec, trial)
+    command = runner.fit_command(spec, trial, params, params["seed"], tmp_path / "trial", storage, report=True)
+    assert command[3].endswith("trial_result.json") and command[4:6] == ["--config", str(TINY)]
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    cli = make_cli(command[4:], run=False)
+    assert cli.model.seed == params["seed"] and cli.config["seed_everything"] == params["seed"]
+    assert cli.model.model.num_experts == params["N"]
+    assert cli.config["budget"]["token_forwards"] == 1000
+    assert cli.config["wandb"]["group"] == "unit" and cli.config["wandb"]["name"] == f"trial-{trial.number}"
+    assert cli.trainer.default_root_dir == str(tmp_path / "trial")
+    reporters = [c for c in cli.trainer.callbacks if isinstance(c, TrialReporter)]
+    assert len(reporters) == 1 and reporters[0].trial_number == trial.number
+    assert reporters[0].pruner.n_warmup_steps == 4 and reporters[0].storage == storage
+
+
+def test_two_workers_starting_together_share_the_study(tmp_path, fake_trials):
+    storage = STORAGES["sqlite"](tmp_path)  # a fresh database: both workers race to create it
+    spec = spec_of(write_sweep(tmp_path, seeds=[0]))
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(runner.work(spec, storage))
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert sum(r.get("COMPLETE", 0) for r in results) == 4
+    assert sorted(map(point_key, ran(fake_trials))) == sorted(map(point_key, spec.grid_points()))
+    assert _by_state(_study(spec, storage)) == {"COMPLETE": 4}
