@@ -62,7 +62,7 @@ def test_tiny_sweep_runs_real_fits_and_reports(tmp_path, monkeypatch):
         val = row["cells"]["all"]["val"]
         assert val["n"] == 2 and 0 < val["mean"] < 6 and val["sd"] is not None
     for entry in report["table7"]["per_seed"]:
-        trial_dir = spec.output_dir / f"trial-{entry['trial']['None']:04d}"
+        trial_dir = spec.output_dir / f"trial-{entry['trial']['all']:04d}"
         result = json.loads((trial_dir / "trial_result.json").read_text())
         scores = json.loads(Path(result["test_scores"]).read_text())
         assert entry["test"]["all"] == pytest.approx(scores["loss"]) and result["global_step"] == 8
