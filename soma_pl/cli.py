@@ -124,6 +124,7 @@ def _bench_zo_parser() -> ArgumentParser:
     parser.add_argument("--eggroll_widths", type=list[int] | None, default=None,
                         help="body widths of the EGGROLL records (default: --widths; [] skips them)")
     parser.add_argument("--eggroll_rank", type=int, default=1, help="rank r of the EGGROLL perturbations")
+    parser.add_argument("--device", type=str, default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--out", type=str, default="bench_zo.json")
     return parser
 
@@ -133,7 +134,8 @@ def _run_bench_zo(args: Namespace) -> None:
 
     settings = ZOBenchSettings(n_pert=args.n_pert, micro_batch=args.micro_batch, context=args.context,
                                repeats=args.repeats, max_rows=args.max_rows,
-                               naive_directions=args.naive_directions, eggroll_rank=args.eggroll_rank)
+                               naive_directions=args.naive_directions, eggroll_rank=args.eggroll_rank,
+                               device=args.device)
     eggroll_widths = args.widths if args.eggroll_widths is None else args.eggroll_widths
     _emit(bench_zo(tuple(args.widths), settings, soma_experts=args.soma_experts,
                    eggroll_widths=tuple(eggroll_widths)), args.out)

@@ -68,13 +68,21 @@ class ZOBenchSettings:
     """Seed of the weights, the windows and the directions."""
     eggroll_rank: int = 1
     """r of the EGGROLL record's perturbations."""
+    device: str = "cpu"
+    """Where the models and windows live (``cuda`` for the GPU check of the SOMA record)."""
+
+
+def _synchronize() -> None:
+    # CUDA work is asynchronous: a clock read before it finishes would time only the launches.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def median_seconds(runs: Mapping[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, float]:
     """Median wall time of each ``run()`` over ``repeats`` calls, after ``warmup`` untimed calls each.
 
     The runs take turns (a, b, a, b, ...) so that a slow spell from another process on the machine
-    lands on all of them alike and their ratios stay fair.
+    lands on all of them alike and their ratios stay fair. CUDA is synchronised around every call.
     """
     for run in runs.values():
         for _ in range(warmup):
@@ -82,8 +90,10 @@ def median_seconds(runs: Mapping[str, Callable[[], object]], repeats: int, warmu
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
+            _synchronize()
             started = time.perf_counter()
             run()
+            _synchronize()
             times[name].append(time.perf_counter() - started)
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -92,13 +102,13 @@ def random_windows(experts: int, settings: ZOBenchSettings) -> Tensor:
     """Seeded random bytes: ``[E, B, T + 1]`` uint8."""
     generator = torch.Generator().manual_seed(settings.seed)
     shape = (experts, settings.micro_batch, settings.context + 1)
-    return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+    return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).to(settings.device)
 
 
 def build_model(experts: int, width: int, settings: ZOBenchSettings) -> StackedExperts:
     """Seeded experts of width d_t with a per-expert head (every parameter perturbed)."""
     torch.manual_seed(settings.seed)
-    return StackedExperts(experts, width, settings.embed_dim, settings.num_layers)
+    return StackedExperts(experts, width, settings.embed_dim, settings.num_layers).to(settings.device)
 
 
 class Updater:
@@ -125,7 +135,7 @@ class Updater:
         Directions come from the same counter-based generator as :meth:`spsa` (one at a time).
         """
         eps, experts = self.settings.eps, self.model.num_experts
-        ids = torch.arange(experts)
+        ids = torch.arange(experts, device=self.windows.device)
         gradient = {name: torch.zeros_like(param) for name, param in self.params.items()}
         for k in range(count):
             z = self._direction_views(ids, k)
@@ -160,7 +170,7 @@ class Updater:
         shapes = self.model.expert_param_shapes()
         sizes = [shape.numel() for shape in shapes.values()]
         flat = directions(DirectionKind.RADEMACHER, self.settings.seed, self.step, ids,
-                          torch.tensor([k]), sum(sizes))[:, 0]
+                          torch.tensor([k], device=ids.device), sum(sizes))[:, 0]
         parts = flat.split(sizes, dim=1)
         return {name: part.view(-1, *shape) for (name, shape), part in zip(shapes.items(), parts)}
 
