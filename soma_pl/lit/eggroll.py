@@ -21,7 +21,7 @@ from torch import Tensor
 from soma_pl import ROUTE_BYTES
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.eggroll import EGGROLLConfig, EGGROLLResult, FitnessShaping, MemberNoise, eggroll_estimate
-from soma_pl.lit.base import UpdateClock, UpdateRecord
+from soma_pl.lit.base import UpdateRecord
 from soma_pl.lit.spsa import EpsSchedule, SPSAModule
 from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
 
@@ -75,26 +75,16 @@ class EGGROLLModule(SPSAModule):
         return eggroll_estimate(self.member_losses, params, matrices, tokens, config, step=self.global_step,
                                 seed=self.seed)
 
-    def training_step(self, batch: Tensor, batch_idx: int) -> None:
-        tokens = self.training_tokens(batch)
+    def training_tokens(self, batch: Tensor) -> Tensor:
+        """As `SPSAModule`'s, and the batch must hold one window per group of members."""
+        tokens = super().training_tokens(batch)
         if tokens.shape[1] != self.eggroll.windows:
             raise ConfigError(f"training batch of {tokens.shape[1]} windows: population {self.eggroll.population} "
                               f"in groups of {self.eggroll.group_size} needs data.init_args.batch_size="
                               f"{self.eggroll.windows}")
-        optimizer = self.optimizers()
-        self._initial_lr()
-        clock = UpdateClock(tokens.device)
-        clock.start()
-        sigma = self.current_eps()
-        result = self.estimate(tokens, sigma)
-        for name, param in self.trainable_parameters().items():
-            param.grad = result.gradient[name]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        seconds = clock.stop()
-        self.log_population(result, tokens, seconds, sigma)
+        return tokens
 
-    def log_population(self, result: EGGROLLResult, tokens: Tensor, seconds: float, sigma: float) -> None:
+    def log_result(self, result: EGGROLLResult, tokens: Tensor, seconds: float, sigma: float) -> None:
         experts, _, length = tokens.shape
         # Every member predicts the T bytes of its one window.
         forwards = self.eggroll.population * experts * (length - 1)

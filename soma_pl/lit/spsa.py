@@ -149,6 +149,10 @@ class SPSAModule(ByteLMModule):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds = clock.stop()
+        self.log_result(result, tokens, seconds, eps)
+
+    def log_result(self, result, tokens: Tensor, seconds: float, eps: float) -> None:
+        """Log an update from the estimator's result (EGGROLL logs more of its population)."""
         self.log_update(result.loss, tokens, seconds, eps)
 
     def log_update(self, losses: Tensor, tokens: Tensor, seconds: float, eps: float) -> None:
