@@ -1,7 +1,8 @@
 """EGGROLL: evolution strategies with low-rank Gaussian perturbations applied inside the matmul.
 
 Paper symbols and their names here:
-    σ   ``EGGROLLConfig.sigma``        perturbation scale;
+    σ   ``EGGROLLConfig.sigma``        perturbation scale of this update;
+    σ₀  ``EGGROLLConfig.step_sigma``   the σ in the step's normalisation (default: σ);
     r   ``EGGROLLConfig.rank``         rank of each matrix perturbation;
     N   ``EGGROLLConfig.population``   members per update (the paper: 2²⁰);
     B   ``EGGROLLConfig.windows``      windows per update, ``N / group_size`` (the paper: 256).
@@ -16,12 +17,16 @@ Three steps, each a function:
     perturb   :func:`evaluate_population`  member losses ``L [E, N]``, chunk by chunk, the factors
               regenerated from ``(seed, step, expert, pair)``; the loss function applies them
               inside the matmul, so no member's full perturbation is ever formed;
-    shape     :func:`shape_fitness`        z-score L over the population or within each group;
-    assemble  :func:`assemble_update`      ``ĝ = 1/(Nσ) Σ_m f_m ε_m``, regenerating the factors.
+    shape     :func:`shape_fitness`        ``φ [E, N]`` from L, as HyperscaleES's ``convert_fitnesses``;
+    assemble  :func:`assemble_update`      ``ĝ = c Σ_m φ_m ε_m``, regenerating the factors.
 
-ĝ is a descent direction (fitness here is the loss; EGGROLL's maximised fitness is its negative).
-With raw losses (``FitnessShaping.none``) it is unbiased for the gradient of a linear loss, and on
-a quadratic its error has the closed form :func:`lowrank_relative_error`.
+φ is shaped *loss* and ĝ a descent direction for ``θ ← θ − lr·ĝ`` (EGGROLL maximises the fitness
+``f = −φ``). The step convention sets c (:func:`step_scale`): ``reference`` (HyperscaleES and the
+EGGROLL paper) ``c = σ₀/√N``, so SGD steps ``Δθ = +lr·σ₀/√N·Σ_m f_m ε_m`` exactly as the reference;
+``mean_over_sigma`` ``c = 1/(Nσ₀)``, the Monte-Carlo estimate of the gradient, which with raw losses
+(``FitnessShaping.none``) is unbiased for the gradient of a linear loss and on a quadratic has the
+closed-form error :func:`lowrank_relative_error`. The two give the same step when
+``lr_mean_over_sigma = lr_reference · σ₀²·√N``.
 """
 
 from __future__ import annotations
@@ -38,17 +43,33 @@ from soma_pl.estimators.directions import DirectionKind, direction_keys, directi
 
 _FITNESS_EPS = 1e-12
 """Floor of a fitness standard deviation (all-equal losses give zero fitness, not NaN)."""
+REFERENCE_VARIANCE_EPS = 1e-5
+"""Added to the population variance by HyperscaleES's group shaping (``jnp.var(raw_scores) + 1e-5``)."""
 
 
 class FitnessShaping(str, Enum):
     """How member losses become fitness values (member names are what configs write)."""
 
     population = "population"
-    """z-score over all N members of an expert."""
+    """z-score over all N members of an expert (the reference's adds 1e-5 to the variance)."""
     group = "group"
-    """z-score within each group of members that share a window (removes the window's difficulty)."""
+    """The reference's: subtract each group's mean (removes its window's difficulty), divide by
+    ``√(var + 1e-5)`` of the whole population's losses. That spread is mostly how much the windows
+    differ, so the fitness grows with σ (as does ``population``'s over several windows)."""
+    group_own_std = "group_own_std"
+    """z-score within each group by its own mean and std: to first order independent of σ."""
     none = "none"
-    """Raw losses: ĝ is then an unbiased estimate of the (smoothed) gradient."""
+    """Raw losses: under ``mean_over_sigma`` ĝ is an unbiased estimate of the (smoothed) gradient."""
+
+
+class StepConvention(str, Enum):
+    """What ĝ is scaled by (member names are what configs write); see :func:`step_scale`."""
+
+    reference = "reference"
+    """HyperscaleES / the EGGROLL paper: ``ĝ = σ₀/√N · Σ φ_m ε_m``, so SGD's step is
+    ``Δθ = lr·σ₀/√N · Σ f_m ε_m`` with fitness ``f = −φ``; their learning rates transfer unchanged."""
+    mean_over_sigma = "mean_over_sigma"
+    """``ĝ = 1/(Nσ₀) · Σ φ_m ε_m``: the same step as ``reference`` at ``lr · σ₀²·√N``."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +88,18 @@ class EGGROLLConfig:
     """Fitness shaping."""
     max_members: int | None = None
     """Most members one loss call evaluates (bounds memory); None: all N at once."""
+    step_convention: StepConvention = StepConvention.reference
+    """How ĝ is scaled: the reference's σ₀/√N or the Monte-Carlo 1/(Nσ₀)."""
+    step_sigma: float | None = None
+    """σ₀ of the step's scale; None: ``sigma``. A σ schedule moves ``sigma`` (the perturbations)
+    only, so with a σ-free fitness the learning rate alone sets the step size."""
 
     def __post_init__(self) -> None:
         even = self.population % 2 == 0 and self.group_size % 2 == 0
-        if self.sigma <= 0 or self.rank < 1 or self.group_size < 2 or not even:
-            raise ValueError(f"invalid EGGROLL settings {self}: sigma > 0, rank >= 1, even population "
-                             "and group_size >= 2 required")
+        positive = self.sigma > 0 and (self.step_sigma is None or self.step_sigma > 0)
+        if not positive or self.rank < 1 or self.group_size < 2 or not even:
+            raise ValueError(f"invalid EGGROLL settings {self}: sigma > 0, step_sigma > 0, rank >= 1, even "
+                             "population and group_size >= 2 required")
         if self.population % self.group_size:
             raise ValueError(f"population {self.population} is not a multiple of group_size {self.group_size}")
         if self.max_members is not None and self.max_members < 2:
@@ -109,13 +136,13 @@ class EGGROLLResult:
     """One EGGROLL update direction."""
 
     gradient: dict[str, Tensor]
-    """ĝ, name → tensor shaped like the parameter ``[E, ...]``."""
+    """ĝ, name → tensor shaped like the parameter ``[E, ...]`` (scaled per ``step_convention``)."""
     loss: Tensor
     """``[E]`` mean member loss."""
     losses: Tensor
     """``[E, N]`` every member's loss."""
     fitness: Tensor
-    """``[E, N]`` the shaped fitness that weighted each member."""
+    """``[E, N]`` the shaped losses φ that weighted each member."""
 
 
 def _coordinates(shape: torch.Size, low_rank: bool, rank: int) -> int:
@@ -200,32 +227,53 @@ def evaluate_population(loss_fn: MemberLossFn, params: Mapping[str, Tensor], mat
 
 
 def shape_fitness(losses: Tensor, config: EGGROLLConfig) -> Tensor:
-    """Step 2: ``[E, N]`` losses → ``[E, N]`` fitness (float64), z-scored as configured."""
+    """Step 2: ``[E, N]`` losses → ``[E, N]`` shaped losses φ (float64), as ``config.fitness`` says.
+
+    ``group`` is HyperscaleES's ``convert_fitnesses``: ``(L − mean of L's group) / √(var(L) + 1e-5)``
+    with the (biased) variance over all N members; shaping ``−L`` instead gives exactly ``−φ``.
+    """
     values = losses.double()
     if config.fitness == FitnessShaping.none:
         return values
-    if config.fitness == FitnessShaping.group:
-        values = values.view(values.shape[0], config.windows, config.group_size)
-    mean = values.mean(-1, keepdim=True)
-    spread = values.std(-1, unbiased=False, keepdim=True).clamp_min(_FITNESS_EPS)
-    return ((values - mean) / spread).view(losses.shape)
+    if config.fitness == FitnessShaping.population:
+        spread = values.std(-1, unbiased=False, keepdim=True).clamp_min(_FITNESS_EPS)
+        return (values - values.mean(-1, keepdim=True)) / spread
+    groups = values.view(values.shape[0], config.windows, config.group_size)
+    centred = groups - groups.mean(-1, keepdim=True)
+    if config.fitness == FitnessShaping.group_own_std:
+        spread = groups.std(-1, unbiased=False, keepdim=True).clamp_min(_FITNESS_EPS)
+    else:
+        spread = (values.var(-1, unbiased=False, keepdim=True) + REFERENCE_VARIANCE_EPS).sqrt().unsqueeze(-1)
+    return (centred / spread).view(losses.shape)
+
+
+def step_scale(config: EGGROLLConfig) -> float:
+    """c in ``ĝ = c Σ_m φ_m ε_m``: ``σ₀/√N`` (``reference``) or ``1/(Nσ₀)`` (``mean_over_sigma``).
+
+    σ₀ is ``config.step_sigma`` (default ``config.sigma``). Their ratio is ``1/(σ₀²√N)``, so
+    ``lr_mean_over_sigma = lr_reference · σ₀²·√N`` gives the same step.
+    """
+    sigma = config.sigma if config.step_sigma is None else config.step_sigma
+    if config.step_convention == StepConvention.reference:
+        return sigma / math.sqrt(config.population)
+    return 1.0 / (config.population * sigma)
 
 
 @torch.no_grad()
 def assemble_update(params: Mapping[str, Tensor], matrices: Collection[str], fitness: Tensor,
                     config: EGGROLLConfig, step: int, seed: int, ids: Tensor) -> dict[str, Tensor]:
-    """Step 3: ``ĝ = 1/(Nσ) Σ_m f_m ε_m``, regenerating each pair's noise.
+    """Step 3: ``ĝ = c Σ_m φ_m ε_m`` with c from :func:`step_scale`, regenerating each pair's noise.
 
-    A pair contributes ``c_k = (f_{2k} − f_{2k+1}) / (Nσ)`` times its noise; for a matrix the chunk's
+    A pair contributes ``c_k = c (φ_{2k} − φ_{2k+1})`` times its noise; for a matrix the chunk's
     ``Σ_k c_k A_k B_kᵀ / √r`` is one GEMM over the chunk's ``K·r`` columns.
 
     Args:
-        fitness: ``[E, N]`` shaped fitness.
+        fitness: ``[E, N]`` shaped losses φ.
 
     Returns:
         name → ``[E, ...]`` shaped like each parameter.
     """
-    coefficients = (fitness[:, 0::2] - fitness[:, 1::2]) / (config.population * config.sigma)
+    coefficients = (fitness[:, 0::2] - fitness[:, 1::2]) * step_scale(config)
     gradient = {name: torch.zeros_like(param) for name, param in params.items()}
     for pairs in _chunks(config.population // 2, config.chunk // 2):
         noise = pair_noise(params, matrices, config.rank, seed, step, ids, pairs)
@@ -260,7 +308,7 @@ def eggroll_estimate(loss_fn: MemberLossFn, params: Mapping[str, Tensor], matric
         params: name → ``[E, ...]`` the perturbed weights.
         matrices: names perturbed by rank-r factors; every other parameter gets full noise.
         batch: ``[E, B, T]`` with ``B = population / group_size``.
-        config: σ, r, N, group size, shaping, chunking.
+        config: σ, r, N, group size, shaping, chunking, step convention and σ₀.
         step, seed: regenerate the noise; expert_ids: ``[E]`` global expert indices (default 0..E-1).
 
     Returns:
@@ -280,6 +328,8 @@ def eggroll_estimate(loss_fn: MemberLossFn, params: Mapping[str, Tensor], matric
 
 def lowrank_relative_error(rows: int, cols: int, rank: int, pairs: int) -> float:
     """Closed-form ``E‖ĝ − g‖² / ‖g‖²`` of ĝ from raw losses on a quadratic in one ``rows × cols`` matrix.
+
+    ĝ is the ``mean_over_sigma`` estimate here (the ``reference`` one is it times ``σ₀²·√N``).
 
     The antithetic difference of a quadratic is exactly ``2σ⟨g, ε⟩``, so over K pairs
     ``E‖ĝ − g‖² = (E[⟨g, ε⟩² ‖ε‖²] − ‖g‖²) / K``. With ``ε = Σ_p a_p b_pᵀ / √r`` only index pairings

@@ -1,10 +1,12 @@
-"""EGGROLL: the low-rank forward against materialised weights, noise, shaping, and closed-form updates."""
+"""EGGROLL: the low-rank forward against materialised weights, noise, shaping, closed-form updates, and
+the reference's (HyperscaleES) shaping and step on identical noise."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from soma_pl.estimators.eggroll import (
     EGGROLLConfig,
     FitnessShaping,
     MemberNoise,
+    StepConvention,
     assemble_update,
     eggroll_estimate,
     lowrank_relative_error,
@@ -88,9 +91,15 @@ def test_shaping_z_scores_over_the_population_or_each_group():
     whole = shape_fitness(losses, config)
     torch.testing.assert_close(whole.mean(1), torch.zeros(2, dtype=torch.float64))
     torch.testing.assert_close(whole.std(1, unbiased=False), torch.ones(2, dtype=torch.float64))
+    own = shape_fitness(losses, replace(config, fitness=FitnessShaping.group_own_std)).view(2, 3, 4)
+    torch.testing.assert_close(own.mean(2), torch.zeros(2, 3, dtype=torch.float64))
+    torch.testing.assert_close(own.std(2, unbiased=False), torch.ones(2, 3, dtype=torch.float64))
+    # The reference's group shaping: each group centred, all divided by the population's √(var + 1e-5).
     grouped = shape_fitness(losses, replace(config, fitness=FitnessShaping.group)).view(2, 3, 4)
     torch.testing.assert_close(grouped.mean(2), torch.zeros(2, 3, dtype=torch.float64))
-    torch.testing.assert_close(grouped.std(2, unbiased=False), torch.ones(2, 3, dtype=torch.float64))
+    spread = (losses.double().var(1, unbiased=False) + 1e-5).sqrt()
+    centred = losses.double().view(2, 3, 4) - losses.double().view(2, 3, 4).mean(2, keepdim=True)
+    torch.testing.assert_close(grouped, centred / spread.view(2, 1, 1))
     raw = shape_fitness(losses, replace(config, fitness=FitnessShaping.none))
     torch.testing.assert_close(raw, losses.double())
 
@@ -137,7 +146,8 @@ def test_update_converges_to_the_full_rank_es_update_as_rank_grows():
     problem = MatrixQuadratic(rows, cols)
     theta = torch.zeros(draws, rows, cols, dtype=torch.float64)
     true = problem.gradient(theta[:1]).flatten()
-    base = EGGROLLConfig(sigma=sigma, population=2 * pairs, group_size=2 * pairs, fitness=FitnessShaping.none)
+    base = EGGROLLConfig(sigma=sigma, population=2 * pairs, group_size=2 * pairs, fitness=FitnessShaping.none,
+                         step_convention=StepConvention.mean_over_sigma)  # the Monte-Carlo gradient estimate
 
     def statistics(updates):
         flat = updates.flatten(1)
@@ -192,6 +202,117 @@ def test_z_scored_update_is_the_raw_update_over_the_spread():
     torch.testing.assert_close(zscored["w"], raw.gradient["w"] / spread)  # antithetic pairs cancel the mean
 
 
+class LinearQuadratic:
+    """Members' losses ``L = ⟨S, W⟩ + ½c‖W‖² + ⟨s, g⟩ + o_w`` in a matrix W and a vector g; window w adds
+    its own offset ``o_w`` (its difficulty), so groups differ by far more than their members do."""
+
+    def __init__(self, rows: int, cols: int, size: int, windows: int):
+        generator = torch.Generator().manual_seed(5)
+        self.slope = torch.randn(rows, cols, generator=generator, dtype=torch.float64)
+        self.gain_slope = torch.randn(size, generator=generator, dtype=torch.float64)
+        self.offsets = 3 * torch.rand(windows, generator=generator, dtype=torch.float64)
+        self.theta = {"w": 0.3 * torch.randn(1, rows, cols, generator=generator, dtype=torch.float64),
+                      "g": 0.3 * torch.randn(1, size, generator=generator, dtype=torch.float64)}
+
+    def loss(self, w, g, window):
+        """Any leading dims; window: the member's window index, same leading dims."""
+        return ((w * self.slope).sum((-1, -2)) + 0.5 * (w**2).sum((-1, -2)) + g @ self.gain_slope
+                + self.offsets[window])
+
+    def loss_fn(self, noise, tokens):
+        a, b = noise.factors["w"]
+        weights = self.theta["w"][:, None] + a @ b.transpose(-1, -2)
+        gains = self.theta["g"][:, None] + noise.offsets["g"]
+        return self.loss(weights, gains, tokens[..., 0, 0].long())
+
+
+def _hyperscalees_step(scores, lora_a, lora_b, noise, sigma, rank, group_size, lr):
+    """A numpy port of HyperscaleES ``noiser/eggroll.py`` (``EggRoll.convert_fitnesses`` with a group
+    size, ``_simple_lora_update``, ``_simple_full_update``, ``_do_update``) and ``optax.sgd(lr)``.
+
+    Thread i is sign ``+`` (i even) or ``−`` (i odd) of noise ``i // 2``.
+
+    Args:
+        scores: ``[N]`` raw fitness (higher is better). lora_a: ``[N/2, out, r]``; lora_b: ``[N/2, in, r]``;
+            noise: ``[N/2, size]`` the vector's full noise.
+
+    Returns:
+        The parameter changes ``(ΔW [out, in], Δg [size])``.
+    """
+    n = scores.size
+    groups = scores.reshape(-1, group_size)
+    fitness = ((groups - groups.mean(-1, keepdims=True)) / np.sqrt(np.var(scores) + 1e-5)).ravel()
+    thread = np.arange(n)
+    sign = np.where(thread % 2 == 0, 1.0, -1.0)
+    a = lora_a[thread // 2] * (sign * sigma / np.sqrt(rank))[:, None, None]
+    lora = np.einsum("nir,njr->ij", fitness[:, None, None] * a, lora_b[thread // 2]) / n
+    full = np.mean(fitness[:, None] * noise[thread // 2] * (sign * sigma)[:, None], axis=0)
+    gradients = [-(update * np.sqrt(n)) for update in (lora, full)]
+    return tuple(-lr * gradient for gradient in gradients)  # optax.sgd's updates, added to the params
+
+
+def test_group_shaping_and_step_equal_a_numpy_port_of_the_reference_on_identical_noise():
+    rows, cols, size, rank, sigma, lr = 5, 4, 6, 2, 0.05, 0.3
+    population, group_size = 48, 8
+    problem = LinearQuadratic(rows, cols, size, population // group_size)
+    config = EGGROLLConfig(sigma=sigma, rank=rank, population=population, group_size=group_size,
+                           fitness=FitnessShaping.group)  # the default step convention: the reference's
+    batch = torch.arange(config.windows, dtype=torch.uint8).view(1, -1, 1).expand(1, -1, 2)
+    result = eggroll_estimate(problem.loss_fn, problem.theta, ["w"], batch, config, step=4, seed=9)
+    ours = torch.cat([-lr * result.gradient[name].flatten() for name in ("w", "g")])  # SGD: θ −= lr·.grad
+
+    # The port evaluates its own members from the same pair noise, then shapes and steps as the reference.
+    noise = pair_noise(problem.theta, ["w"], rank, 9, 4, IDS, torch.arange(population // 2))
+    lora_a, lora_b, vector = noise["w"][0][0], noise["w"][1][0], noise["g"][0]
+    sign = torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(population // 2)
+    pair = torch.arange(population) // 2
+    weights = problem.theta["w"][0] + (sign * sigma / math.sqrt(rank)).view(-1, 1, 1) * (
+        lora_a[pair] @ lora_b[pair].transpose(-1, -2))
+    gains = problem.theta["g"][0] + (sign * sigma).view(-1, 1) * vector[pair]
+    scores = -problem.loss(weights, gains, torch.arange(population) // group_size).numpy()
+    torch.testing.assert_close(torch.from_numpy(-scores), result.losses[0], rtol=1e-12, atol=1e-12)
+    step_w, step_g = _hyperscalees_step(scores, lora_a.numpy(), lora_b.numpy(), vector.numpy(), sigma, rank,
+                                        group_size, lr)
+    reference = torch.from_numpy(np.concatenate([step_w.ravel(), step_g.ravel()]))
+    assert F.cosine_similarity(ours, reference, 0).item() == pytest.approx(1.0, abs=1e-12)
+    assert ours.norm().item() == pytest.approx(reference.norm().item(), rel=1e-10)
+    torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-14)
+
+
+def _materialised_noise(params, config, step, seed):
+    """Every member's ε_m, ``s_m A_k B_kᵀ/√r`` or ``s_m ε_k``, flattened: ``[N, d]``."""
+    noise = pair_noise(params, ["w"], config.rank, seed, step, IDS, torch.arange(config.population // 2))
+    a, b = noise["w"]
+    matrices = (a[0] @ b[0].transpose(-1, -2) / math.sqrt(config.rank)).flatten(1)
+    flat = torch.cat([matrices, noise["g"][0]], dim=1)
+    sign = torch.tensor([1.0, -1.0], dtype=flat.dtype).repeat(config.population // 2)
+    return sign[:, None] * flat.repeat_interleave(2, dim=0)
+
+
+@pytest.mark.parametrize("fitness", [FitnessShaping.population, FitnessShaping.group])
+def test_step_conventions_are_the_closed_forms_with_the_configured_sigma(fitness):
+    # The members are perturbed with σ = 0.02 while the step's σ₀ stays 0.05, as under a σ schedule.
+    problem = LinearQuadratic(4, 3, 5, 4)
+    lr, step_sigma, population = 0.2, 0.05, 32
+    config = EGGROLLConfig(sigma=0.02, rank=2, population=population, group_size=8, fitness=fitness,
+                           step_sigma=step_sigma)
+    batch = torch.arange(config.windows, dtype=torch.uint8).view(1, -1, 1).expand(1, -1, 2)
+    epsilon = _materialised_noise(problem.theta, config, step=1, seed=2)
+    steps = {}
+    for convention in StepConvention:
+        result = eggroll_estimate(problem.loss_fn, problem.theta, ["w"], batch,
+                                  replace(config, step_convention=convention), step=1, seed=2)
+        steps[convention] = torch.cat([-lr * result.gradient[name].flatten() for name in ("w", "g")])
+        fitness_values = -result.fitness[0]  # EGGROLL's maximised fitness: the shaped loss negated
+    torch.testing.assert_close(steps[StepConvention.reference],  # Δθ = +lr·σ₀/√N·Σ f_m ε_m
+                               lr * step_sigma / math.sqrt(population) * fitness_values @ epsilon)
+    torch.testing.assert_close(steps[StepConvention.mean_over_sigma],  # Δθ = +lr/(Nσ₀)·Σ f_m ε_m
+                               lr / (population * step_sigma) * fitness_values @ epsilon)
+    # lr_mean_over_sigma = lr_reference · σ₀²·√N gives the same step.
+    torch.testing.assert_close(steps[StepConvention.mean_over_sigma] * step_sigma**2 * math.sqrt(population),
+                               steps[StepConvention.reference])
+
+
 def test_rank_one_members_add_up_to_a_full_rank_update():
     problem = MatrixQuadratic(8, 6, seed=4)
     theta = torch.zeros(1, 8, 6, dtype=torch.float64)
@@ -231,7 +352,8 @@ def _noise(params, config, pairs):
 
 
 def test_bad_settings_and_batches_are_refused():
-    for settings in ({"population": 10, "group_size": 4}, {"group_size": 3}, {"sigma": 0.0}, {"max_members": 1}):
+    for settings in ({"population": 10, "group_size": 4}, {"group_size": 3}, {"sigma": 0.0}, {"max_members": 1},
+                     {"step_sigma": 0.0}):
         with pytest.raises(ValueError):
             EGGROLLConfig(**{"population": 16, "group_size": 8, **settings})
     problem = MatrixQuadratic(2, 2)
