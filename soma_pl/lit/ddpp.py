@@ -1,19 +1,29 @@
 """`DDPPModule`: one monolithic model whose perturbations and micro-batches are shared out across ranks.
 
-The paper's DDPP baseline (Fig. 12), with an exchange of a few floats per step instead of a
-gradient: every rank reads the same global batch `[1, B, T]`; the step's `(B / micro_batch) ·
-n_pert` directions (direction `m · n_pert + k` reads micro-batch m) are dealt out in contiguous
-shares; each rank evaluates its share, the ranks all-gather each direction's loss difference δ and
-mean loss (8 bytes per direction in float32), and every rank regenerates every direction from
-`(seed, step, direction)`, assembles the whole estimate in the same order and applies the same
-update. All ranks therefore hold identical weights without exchanging any, and a run on W ranks
-reaches the weights of `SPSAModule` on one process with the same global batch.
+The paper's DDPP baseline (Fig. 12). Every rank reads the same global batch `[1, B, T]`; the step's
+`(B / micro_batch) · n_pert` directions (direction `m · n_pert + k` reads micro-batch m) are dealt
+out in contiguous shares and each rank evaluates its share. Then, by `exchange`:
 
-Run with `--trainer.strategy=ddp` and any `devices` / `num_nodes`; on one process it is
-`SPSAModule` exactly.
+- `scalars` (default): the ranks all-gather each direction's loss difference δ and mean loss (8
+  bytes per direction in float32), and every rank regenerates every direction from
+  `(seed, step, direction)`, assembles the whole estimate in the same order and applies the same
+  update. A few floats per step instead of a gradient.
+- `estimates` (what Fig. 12 draws): each rank assembles its partial estimate from its own
+  directions, the partial estimates are summed at the coordinator (rank 0) and the sum is sent
+  back. d floats up and d back per rank per step.
+
+Either way all ranks hold identical weights without exchanging any, and a run on W ranks reaches
+the weights of `SPSAModule` on one process with the same global batch (`scalars` bit for bit on
+CPU, `estimates` to float rounding: it sums the same terms in another order).
+
+Run with `--trainer.strategy=ddp` and any `devices` / `num_nodes`; on one process both exchanges
+are `SPSAModule` exactly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
 
 import torch
 from lightning.pytorch.cli import OptimizerCallable
@@ -21,11 +31,79 @@ from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.data.stream import RankSplit, rank_share
-from soma_pl.estimators.directions import DirectionKind
+from soma_pl.estimators.directions import DirectionKind, directions
 from soma_pl.estimators.spsa import SPSAConfig, SPSAResult, assemble_estimate, spsa_differences
 from soma_pl.lit.base import UpdateRecord
-from soma_pl.lit.parallel import gather_bytes, gather_shares, keep_buffers_local
+from soma_pl.lit.parallel import coordinator_bytes, gather_bytes, gather_shares, keep_buffers_local, sum_at_coordinator
 from soma_pl.lit.spsa import EpsSchedule, SPSAModule
+
+
+class Exchange(str, Enum):
+    """What DDPP ranks exchange each step (member names are what configs write)."""
+
+    scalars = "scalars"
+    """Each direction's δ and mean loss, all-gathered; every rank rebuilds the whole estimate."""
+    estimates = "estimates"
+    """Each rank's partial estimate (d floats) summed at rank 0 and sent back, as in Fig. 12."""
+
+
+def step_exchange_bytes(exchange: Exchange, direction_count: int, parameter_count: int, experts: int,
+                        dtype: torch.dtype, world: int) -> int:
+    """Bytes one step's exchange delivers to (or, for `estimates`, moves for) each rank.
+
+    With element size s (4 for float32), n = `direction_count` = (B / micro_batch) · n_pert and W
+    ranks:
+    - `scalars`: the all-gather of 2·E floats (δ and mean loss) per direction, shares padded to
+      ⌈n / W⌉: `W · ⌈n / W⌉ · 2 · E · s` (`gather_bytes`).
+    - `estimates`: a rank sends its partial estimate of d = `parameter_count` floats (all experts'
+      trainable parameters) plus E partial mean losses to the coordinator and receives the sum:
+      `2 · (d + E) · s`, the way Fig. 12 counts it (one arrow up, one down per rank; the
+      coordinator's own links carry W times that).
+    Both are 0 on one process.
+    """
+    if Exchange(exchange) is Exchange.scalars:
+        return gather_bytes(direction_count, (2, experts), dtype, world)
+    return coordinator_bytes(parameter_count + experts, dtype, world)
+
+
+@torch.no_grad()
+def partial_estimate(params: Mapping[str, Tensor], delta: Tensor, config: SPSAConfig, step: int, seed: int,
+                     share: range, total: int) -> Tensor:
+    """One rank's share of the SPSA estimate: `Σ_{k ∈ share} δ_k · z_k / total`, flat.
+
+    Summed over the shares of all ranks it is the estimate `assemble_estimate` rebuilds from all δ's
+    (to float rounding: the same terms, added in another order).
+
+    Args:
+        params: name → `[E, ...]` (only shapes, dtype and device are read); the flat vector lists
+            them in dict order, as the direction coordinates do.
+        delta: `[E, len(share)]` the δ of directions `share`, column j for direction `share[j]`.
+        config: direction kind and chunking (directions regenerated at once are bounded as in the
+            evaluation: at most `max_rows / (E · 2 · micro_batch)`, at most n_pert).
+        share: the direction indices this rank evaluated; total: directions of the whole step.
+
+    Returns:
+        `[E, d]` with d the trainable parameters of one expert.
+    """
+    experts = delta.shape[0]
+    first = next(iter(params.values()))
+    dim = sum(param[0].numel() for param in params.values())
+    ids = torch.arange(experts, device=first.device)
+    chunk = config.n_pert if config.max_rows is None else \
+        max(1, min(config.n_pert, config.max_rows // (experts * 2 * config.micro_batch)))
+    flat = first.new_zeros(experts, 1, dim)
+    for start in range(0, len(share), chunk):
+        dirs = torch.arange(share.start + start, share.start + min(start + chunk, len(share)), device=first.device)
+        z = directions(config.direction, seed, step, ids, dirs, dim, dtype=first.dtype)  # [E, c, d]
+        flat.baddbmm_(delta[:, None, start : start + len(dirs)].to(first.dtype), z)
+    return flat.squeeze(1) / total
+
+
+def unflatten(flat: Tensor, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Split `[E, d]` into name → `[E, ...]` tensors shaped like `params` (dict order)."""
+    sizes = [param[0].numel() for param in params.values()]
+    pieces = flat.split(sizes, dim=1)
+    return {name: piece.reshape(param.shape) for (name, param), piece in zip(params.items(), pieces)}
 
 
 class DDPPModule(SPSAModule):
@@ -33,7 +111,12 @@ class DDPPModule(SPSAModule):
 
     `data.batch_size` is the global batch B of a step (every rank reads it); `n_pert` and
     `micro_batch` are as in `SPSAModule`, so the estimator does not depend on the number of ranks.
-    Arguments: see `SPSAModule`.
+
+    Args:
+        exchange: `scalars` (each direction's δ, a few floats per step) or `estimates` (each rank's
+            partial estimate, d floats up and back per step, Fig. 12's traffic: the one Table 4's
+            costs include). The same update either way.
+        Other arguments: see `SPSAModule`.
     """
 
     rank_split = RankSplit.replicated
@@ -43,14 +126,16 @@ class DDPPModule(SPSAModule):
                  max_rows: int | None = None, eps_schedule: EpsSchedule = EpsSchedule.proportional,
                  optimizer: OptimizerCallable = torch.optim.SGD, plateau_factor: float = 0.5,
                  plateau_patience: int = 2, min_lr: float = 0.0, seed: int = 0, train_context: int = 1024,
-                 score_from: int = ROUTE_BYTES, time_chunk: int = 64, init_checkpoint: str | None = None):
+                 score_from: int = ROUTE_BYTES, time_chunk: int = 64, init_checkpoint: str | None = None, *,
+                 exchange: Exchange = Exchange.scalars):
         super().__init__(width, num_layers, embed_dim, eps, n_pert, micro_batch, direction, max_rows, eps_schedule,
                          optimizer, plateau_factor, plateau_patience, min_lr, seed, train_context, score_from,
                          time_chunk, init_checkpoint=init_checkpoint)
+        self.exchange = Exchange(exchange)
         self.directions_here = 0
         """Directions this rank evaluated in the last step."""
         self.exchange_bytes = 0
-        """Bytes the last step's all-gather delivered to each rank."""
+        """Bytes the last step's exchange delivered to each rank (`step_exchange_bytes`)."""
 
     def check_world_size(self, world_size: int) -> None:
         """Any number of ranks: each step's directions are dealt out, a rank may get none."""
@@ -61,7 +146,7 @@ class DDPPModule(SPSAModule):
             keep_buffers_local(self)
 
     def estimate(self, tokens: Tensor, eps: float) -> SPSAResult:
-        """This rank's share of the step's directions, then the whole estimate from everyone's δ.
+        """This rank's share of the step's directions, then the whole estimate by `exchange`.
 
         Args:
             tokens: `[1, B, T]` the global batch (the same on every rank).
@@ -70,15 +155,30 @@ class DDPPModule(SPSAModule):
         config = SPSAConfig(eps=eps, n_pert=self.spsa.n_pert, micro_batch=self.spsa.micro_batch,
                             direction=self.spsa.direction, max_rows=self.spsa.max_rows)
         total = tokens.shape[1] // config.micro_batch * config.n_pert
-        share = rank_share(total, self.trainer.global_rank, self.trainer.world_size)
+        world = self.trainer.world_size
+        share = rank_share(total, self.trainer.global_rank, world)
         delta, loss = spsa_differences(self.model.loss_per_group, params, tokens, config, self.global_step,
                                        self.seed, share)
+        self.directions_here = len(share)
+        self.exchange_bytes = step_exchange_bytes(self.exchange, total, sum(p.numel() for p in params.values()),
+                                                  tokens.shape[0], delta.dtype, world)
+        if self.exchange is Exchange.estimates and world > 1:
+            return self._combine_estimates(params, delta, loss, config, share, total)
         local = torch.stack([delta, loss]).permute(2, 0, 1)  # [directions, 2, E]: one row per direction
         everyone = gather_shares(self, local, total).permute(1, 2, 0).contiguous()  # [2, E, total]
-        self.directions_here = len(share)
-        self.exchange_bytes = gather_bytes(total, tuple(local.shape[1:]), local.dtype, self.trainer.world_size)
         gradient = assemble_estimate(params, everyone[0], config, self.global_step, self.seed)
         return SPSAResult(gradient, everyone[1].mean(1), everyone[0], everyone[0])
+
+    def _combine_estimates(self, params: dict[str, Tensor], delta: Tensor, loss: Tensor, config: SPSAConfig,
+                           share: range, total: int) -> SPSAResult:
+        """Fig. 12: partial estimates and mean losses summed at rank 0, the sums sent back to all.
+
+        The result's `projected` holds only this rank's δ (`[E, len(share)]`): no rank sees the others'.
+        """
+        partial = partial_estimate(params, delta, config, self.global_step, self.seed, share, total)  # [E, d]
+        payload = torch.cat([partial, (loss.sum(1) / total).to(partial.dtype)[:, None]], dim=1)  # [E, d + 1]
+        combined = sum_at_coordinator(self, payload)
+        return SPSAResult(unflatten(combined[:, :-1], params), combined[:, -1], delta, delta)
 
     def log_update(self, losses: Tensor, tokens: Tensor, seconds: float, eps: float) -> None:
         """Log the step; compute accounting counts only the forwards this rank evaluated."""

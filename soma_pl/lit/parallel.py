@@ -44,6 +44,35 @@ def gather_bytes(rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, worl
     return per_rank * world
 
 
+def sum_at_coordinator(module: L.LightningModule, local: Tensor) -> Tensor:
+    """Every rank's `local` summed at rank 0 (the coordinator) and the sum sent back to all ranks.
+
+    A collective: all ranks call it with tensors of one shape. The broadcast makes the result the
+    same bits on every rank, whatever order the reduction added in (DDPP's `estimates` exchange,
+    Fig. 12).
+
+    Args:
+        module: the LightningModule whose strategy set up the process group.
+        local: this rank's term; not changed.
+
+    Returns:
+        The sum, a new tensor (`local` itself on one process).
+    """
+    if module.trainer.world_size == 1:
+        return local
+    total = local.clone()
+    torch.distributed.reduce(total, dst=0)
+    torch.distributed.broadcast(total, src=0)
+    return total
+
+
+def coordinator_bytes(values: int, dtype: torch.dtype, world: int) -> int:
+    """Bytes one `sum_at_coordinator` of `values` elements moves per rank: its term up and the sum back."""
+    if world == 1:
+        return 0
+    return 2 * values * torch.empty((), dtype=dtype).element_size()
+
+
 def keep_buffers_local(module: torch.nn.Module) -> None:
     """Tell DDP not to broadcast `module`'s buffers from rank 0 before every forward.
 

@@ -1,5 +1,6 @@
 """DDPP: shares of one step's directions rebuild the one-process estimate; 2 gloo processes train
-the weights one process trains, and exchange only a few floats per step."""
+the weights one process trains, exchanging a few floats per step (`scalars`) or each rank's partial
+estimate (`estimates`, Fig. 12)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 
 from soma_pl.data.stream import rank_share
 from soma_pl.errors import ConfigError
+from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, assemble_estimate, spsa_differences, spsa_estimate
 from soma_pl.lightning_cli import make_cli
-from soma_pl.lit import DDPPModule, SPSAModule
+from soma_pl.lit import DDPPModule, SPSAModule, ddpp
+from soma_pl.lit.ddpp import Exchange, partial_estimate, step_exchange_bytes, unflatten
 from soma_pl.models import StackedExperts
 
 from .conftest import final_weights, fit_args
@@ -38,7 +41,7 @@ def test_shares_of_the_directions_rebuild_the_one_process_estimate_bit_for_bit(w
 
 
 def test_plain_spsa_refuses_to_fit_on_several_processes(monkeypatch):
-    trainer = SimpleNamespace(world_size=2, global_rank=0, ckpt_path=None)
+    trainer = SimpleNamespace(world_size=2, global_rank=0, ckpt_path=None, precision="32-true")
     monkeypatch.setattr(SPSAModule, "trainer", property(lambda self: trainer))
     with pytest.raises(ConfigError, match="2 diverging replicas.*soma_pl.lit.DDPPModule"):
         SPSAModule(width=8, num_layers=1, embed_dim=8).setup("fit")
@@ -63,3 +66,105 @@ def test_ddpp_on_two_processes_trains_the_weights_of_one_process(corpus_dir, tmp
     assert sum(r["token_forwards"] for r in ranks) == reference.model.last_update.token_forwards
     # Exchanged per step: δ and mean loss (2 float32) of 5 padded directions from each of 2 ranks.
     assert {r["exchange_bytes"] for r in ranks} == {2 * 5 * 2 * 4}
+
+
+PAPER_PARAMETERS = 8_333_905  # configs/ddpp.yaml: the d_t = 509 body (8,325,713) and its head (8,192)
+
+
+@pytest.mark.parametrize("exchange,world,expected", [
+    (Exchange.scalars, 1, 0),
+    (Exchange.scalars, 2, 2 * 5 * 2 * 4),  # 9 directions padded to 5 per rank, δ and loss in float32
+    (Exchange.scalars, 8, 8 * 8 * 2 * 4),  # configs/ddpp.yaml: 64 directions over 8 ranks
+    (Exchange.estimates, 1, 0),
+    (Exchange.estimates, 2, 2 * (PAPER_PARAMETERS + 1) * 4),  # estimate and mean loss, up and back
+    (Exchange.estimates, 8, 2 * (PAPER_PARAMETERS + 1) * 4),  # per rank: independent of W
+])
+def test_exchange_bytes_per_step_have_the_closed_form(exchange, world, expected):
+    directions = 9 if world == 2 and exchange is Exchange.scalars else 64
+    assert step_exchange_bytes(exchange, directions, PAPER_PARAMETERS, 1, torch.float32, world) == expected
+    assert step_exchange_bytes(exchange.value, directions, PAPER_PARAMETERS, 1, torch.float64, world) == 2 * expected
+
+
+@pytest.mark.parametrize("world,max_rows,kind", [(2, None, DirectionKind.RADEMACHER), (4, 4, DirectionKind.RADEMACHER),
+                                                 (3, None, DirectionKind.GAUSSIAN)])
+def test_partial_estimates_of_the_shares_add_up_to_the_one_process_estimate(world, max_rows, kind):
+    torch.manual_seed(0)
+    model = StackedExperts(num_experts=1, width=8, embed_dim=8, num_layers=1, time_chunk=8)
+    params = dict(model.expert_parameters())
+    batch = torch.randint(0, 256, (1, 6, 17), dtype=torch.uint8)
+    config = SPSAConfig(eps=1e-2, n_pert=3, micro_batch=2, max_rows=max_rows, direction=kind)  # 9 directions
+    reference = spsa_estimate(model.loss_per_group, params, batch, config, step=5, seed=1)
+    total = torch.zeros(1, sum(p[0].numel() for p in params.values()))
+    for rank in range(world):
+        share = rank_share(9, rank, world)
+        delta, _ = spsa_differences(model.loss_per_group, params, batch, config, 5, 1, share)
+        total += partial_estimate(params, delta, config, 5, 1, share, 9)
+    for name, gradient in unflatten(total, params).items():
+        torch.testing.assert_close(gradient, reference.gradient[name], rtol=1e-6, atol=1e-7 * gradient.abs().max())
+
+
+def _tiny_ddpp(**extra) -> DDPPModule:
+    torch.manual_seed(0)
+    return DDPPModule(width=8, num_layers=1, embed_dim=8, eps=1e-2, n_pert=3, micro_batch=2, seed=1, **extra)
+
+
+def _estimate_on(module: DDPPModule, monkeypatch, rank: int, world: int):
+    trainer = SimpleNamespace(world_size=world, global_rank=rank)
+    monkeypatch.setattr(DDPPModule, "trainer", property(lambda self: trainer))
+    return module.estimate(torch.randint(0, 256, (1, 6, 17), generator=torch.Generator().manual_seed(2),
+                                         dtype=torch.uint8), 1e-2)
+
+
+def test_estimates_exchange_makes_the_scalars_update_with_d_floats_per_rank(monkeypatch):
+    scalars, estimates = _tiny_ddpp(), _tiny_ddpp(exchange="estimates")
+    assert scalars.exchange is Exchange.scalars and estimates.exchange is Exchange.estimates
+    assert estimates.hparams.exchange == "estimates"
+    reference = _estimate_on(scalars, monkeypatch, 0, 1)
+    one = _estimate_on(estimates, monkeypatch, 0, 1)  # one process: SPSAModule's estimate exactly
+    for name, gradient in reference.gradient.items():
+        assert torch.equal(one.gradient[name], gradient), name
+    assert estimates.exchange_bytes == 0
+
+    # Two ranks without processes: record each rank's payload, then hand every rank their sum.
+    payloads = []
+    monkeypatch.setattr(ddpp, "sum_at_coordinator", lambda module, local: payloads.append(local) or local)
+    for rank in range(2):
+        _estimate_on(estimates, monkeypatch, rank, 2)
+    monkeypatch.setattr(ddpp, "sum_at_coordinator", lambda module, local: payloads[0] + payloads[1])
+    combined = [_estimate_on(estimates, monkeypatch, rank, 2) for rank in range(2)]
+    for name, gradient in reference.gradient.items():
+        assert torch.equal(combined[0].gradient[name], combined[1].gradient[name])
+        torch.testing.assert_close(combined[0].gradient[name], gradient, rtol=1e-6, atol=1e-7 * gradient.abs().max())
+    torch.testing.assert_close(combined[0].loss, reference.loss, rtol=1e-6, atol=0.0)
+    parameters = sum(p.numel() for p in estimates.trainable_parameters().values())
+    assert [p.shape for p in payloads] == [torch.Size([1, parameters + 1])] * 2
+    assert estimates.exchange_bytes == 2 * (parameters + 1) * 4
+    assert estimates.directions_here == 5  # rank 1's share of 9
+
+
+@pytest.mark.slow
+def test_estimates_exchange_on_two_processes_trains_the_weights_of_scalars_and_of_one_process(corpus_dir, tmp_path):
+    # In float64: the two exchanges add the same terms in different orders, and in float32 that first
+    # rounding difference (1e-7 relative after one update) is amplified from the second update on,
+    # where weights 1e-8 apart round the losses differently and δ = ΔL / 2ε turns one ulp of L into
+    # 1e-5 (1e-5 relative after 6 updates). In float64 the runs stay within 1e-13.
+    settings = ["--data.init_args.batch_size=6", "--model.init_args.n_pert=3", "--trainer.max_steps=6",
+                "--trainer.val_check_interval=3", "--trainer.precision=64-true"]
+    data = tmp_path / "data"
+    make_cli(fit_args(corpus_dir, data, tmp_path / "one", *settings))
+    runs = {}
+    for exchange in Exchange:
+        args = fit_args(corpus_dir, data, tmp_path / exchange.value, *settings, "--model=soma_pl.lit.DDPPModule",
+                        f"--model.init_args.exchange={exchange.value}")[1:]
+        runs[exchange] = fit_on_processes(args, processes=2, dump=tmp_path / f"ranks_{exchange.value}")
+
+    ranks = runs[Exchange.estimates]
+    assert max_difference(ranks[0]["weights"], ranks[1]["weights"]) == 0.0  # the sum is broadcast from rank 0
+    one = final_weights(tmp_path / "one")
+    scale = max(w.abs().max().item() for w in one.values())
+    for exchange in Exchange:
+        assert max_difference(one, final_weights(tmp_path / exchange.value)) <= 1e-10 * scale, exchange
+    # Per rank and step, in float64: the estimate and mean loss up and back; 5 padded directions' δ and loss.
+    parameters = sum(w.numel() for w in ranks[0]["weights"].values())
+    assert [r["exchange_bytes"] for r in ranks] == [2 * (parameters + 1) * 8] * 2
+    assert [r["exchange_bytes"] for r in runs[Exchange.scalars]] == [2 * 5 * 2 * 8] * 2
