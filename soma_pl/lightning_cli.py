@@ -125,6 +125,9 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
             subclass_mode_data=True,
             trainer_defaults=trainer_defaults(),
             save_config_kwargs={"overwrite": True},
+            # The optimizer is a model argument (`--model.init_args.optimizer`), with the module's
+            # own learning-rate decay; LightningCLI's `--optimizer` would replace both.
+            auto_configure_optimizers=False,
             args=list(argv),
             run=run,
         )

@@ -40,16 +40,19 @@ class ByteDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes for the training stream.
         seed: seed of the training stream.
         verify: check shards against the manifest by `size` or by `sha256` before reading.
-        expert_val_windows: with `experts_dir`, fixed windows per expert from its own
-            expert-validation split (drives that expert's learning-rate decay).
+        expert_val_windows: windows per expert from its own expert-validation split, the held-out
+            1% of its training documents that drives its learning-rate decay (N = 1: the prepared
+            dataset's split). None: all of them (the paper); a cap keeps CPU runs short.
         auto_prepare: run `prepare` in `prepare_data()` when the dataset is missing or stale.
     """
 
     def __init__(self, dataset: PrepareConfig = PrepareConfig(), experts_dir: str | None = None,
                  batch_size: int = 64, eval_batch_size: int = 64, shuffle_buffer: int = 1024,
                  num_workers: int = 0, seed: int = 0, verify: Verify = Verify.sha256, auto_prepare: bool = True,
-                 expert_val_windows: int = 16):
+                 expert_val_windows: int | None = None):
         super().__init__()
+        if expert_val_windows is not None and expert_val_windows < 1:
+            raise ConfigError(f"data.expert_val_windows={expert_val_windows} must be >= 1 (or null: the whole split)")
         self.dataset = dataset
         self.experts_dir = experts_dir
         self.batch_size = batch_size
@@ -60,7 +63,8 @@ class ByteDataModule(L.LightningDataModule):
         self.verify = Verify(verify)
         self.auto_prepare = auto_prepare
         self.expert_val_windows = expert_val_windows
-        self.expert_val: torch.Tensor | None = None
+        self.expert_val: list[torch.Tensor] | None = None
+        """Each expert's expert-validation windows, `[n_e, 1025]` each."""
         self.shard_sets: list[list[Path]] = []
         self.val_set: EvalSet | None = None
         self.test_set: EvalSet | None = None
@@ -76,18 +80,21 @@ class ByteDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         manifest = read_manifest(self.root)
         if self.experts_dir is None:
-            records = [ShardRecord(**r) for r in manifest["train"]["shards"]]
-            self.shard_sets = [verify_shards(self.root, records, self.verify)]
+            if "expert_val" not in manifest:
+                raise DataError(f"{self.root} was prepared without an expert-validation split (an older format): "
+                                f"run prepare again (or set data.init_args.auto_prepare=true)")
+            self.shard_sets = [verify_shards(self.root, _records(manifest["train"]), self.verify)]
+            val_sets = [verify_shards(self.root, _records(manifest["expert_val"]), self.verify)]
+            origin = self.root
         else:
-            folder = Path(self.experts_dir).expanduser()
-            experts = read_expert_shards(folder)
-            self.shard_sets = [verify_shards(folder, e.train, self.verify) for e in experts]
-            val_sets = [verify_shards(folder, e.val, self.verify) for e in experts]
-            if all(val_sets):
-                self.expert_val = torch.stack([fixed_windows(paths, self.expert_val_windows) for paths in val_sets])
-            else:
-                warnings.warn(f"{folder}: some experts have no validation shards; no per-expert validation",
-                              stacklevel=2)
+            origin = Path(self.experts_dir).expanduser()
+            experts = read_expert_shards(origin)
+            self.shard_sets = [verify_shards(origin, e.train, self.verify) for e in experts]
+            val_sets = [verify_shards(origin, e.val, self.verify) for e in experts]
+        if all(val_sets):
+            self.expert_val = [fixed_windows(paths, self.expert_val_windows) for paths in val_sets]
+        else:
+            warnings.warn(f"{origin}: some experts have no validation shards: no learning-rate decay", stacklevel=2)
         self.val_set = EvalSet.load(self.root / manifest["ensemble_val"]["file"])
         self.test_set = EvalSet.load(self.root / manifest["test"]["file"])
 
@@ -134,12 +141,13 @@ class ByteDataModule(L.LightningDataModule):
                           persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        """Ensemble validation; with expert shards also each expert's own windows, `[E, b, 1025]`."""
+        """Ensemble validation (index 0, scored only), and each expert's own expert-validation
+        windows (index 1, `([E, b, 1025], valid [E, b])`: the learning-rate decay signal)."""
         ensemble = self._eval_loader(self.val_set)
         if self.expert_val is None:
             return ensemble
         share = self.expert_share()
-        windows = ExpertWindowsDataset(self.expert_val[share.start : share.stop])
+        windows = ExpertWindowsDataset(self.expert_val[share.start : share.stop], self.eval_batch_size)
         sampler = None
         if self.rank_layout()[0] is RankSplit.experts:
             # Each rank scores every batch of its own experts; a one-replica sampler keeps Lightning
@@ -158,3 +166,7 @@ class ByteDataModule(L.LightningDataModule):
         if evalset is None:
             raise DataError("evaluation set not loaded: call setup() first")
         return DataLoader(EvalDataset(evalset), batch_size=self.eval_batch_size, shuffle=False)
+
+
+def _records(entry: dict) -> list[ShardRecord]:
+    return [ShardRecord(**r) for r in entry["shards"]]

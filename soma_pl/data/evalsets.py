@@ -88,13 +88,23 @@ class EvalDataset(torch.utils.data.Dataset):
 
 
 class ExpertWindowsDataset(torch.utils.data.Dataset):
-    """Item i is `[E, b, 1025] uint8`: batch i of every expert's own validation windows."""
+    """Every expert's own validation windows, padded to a common count.
 
-    def __init__(self, windows: torch.Tensor, batch_size: int = 16):
-        self.batches = windows.split(batch_size, dim=1)
+    Item i is `(windows [E, b, 1025] uint8, valid [E, b] bool)`: batch i of each expert's windows,
+    `valid` false on the padding of experts with fewer windows.
+    """
+
+    def __init__(self, windows: list[torch.Tensor], batch_size: int = 16):
+        count = max(len(w) for w in windows)
+        padded = torch.zeros(len(windows), count, WINDOW_BYTES, dtype=torch.uint8)
+        valid = torch.zeros(len(windows), count, dtype=torch.bool)
+        for expert, rows in enumerate(windows):
+            padded[expert, : len(rows)] = rows
+            valid[expert, : len(rows)] = True
+        self.batches = list(zip(padded.split(batch_size, dim=1), valid.split(batch_size, dim=1)))
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.batches[index]

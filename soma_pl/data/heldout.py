@@ -27,6 +27,12 @@ def document_rank(seed: int, doc_id: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def seeded_hash(seed: int, salt: str, doc_id: str) -> int:
+    """A 64-bit hash of a document id under a seed; `salt` keeps independent uses uncorrelated."""
+    digest = hashlib.blake2b(f"{seed}\0{salt}\0{doc_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 @dataclass(order=True)
 class _Held:
     neg_rank: int

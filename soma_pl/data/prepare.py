@@ -3,6 +3,8 @@
 ```
 <output_dir>/
   train/train-000000.tar ...   training documents, WebDataset shards cut by size
+  expert_val/val-000000.tar    the held-out 1% of the training documents: a monolithic model's
+                               learning-rate decay signal (N = 1 is one expert, Table 1)
   ensemble_val.npz             fixed 1,025-byte windows from held-out documents
   test.npz                     one window per held-out, overlap-screened test document
   manifest.json                counts, bytes, sources, seed, screening, sha256 of every shard
@@ -10,7 +12,9 @@
 
 Two streaming passes over the corpus: the first picks the held-out documents (smallest seeded hash of
 the id), the second writes every other document into shards and screens the test candidates
-against it. The folder is built under a temporary name and renamed into place with its manifest, so
+against it. A seeded hash of the id also sends `expert_val_fraction` of the training documents
+(at least one) to the expert-validation split, decided per document, so the choice is the same
+whatever order or partition the corpus is read in. The folder is built under a temporary name and renamed into place with its manifest, so
 an interrupted run leaves nothing that reads as a prepared dataset. The manifest records a hash of
 the config and of the corpus's identity: an identical re-run is a no-op, a changed one rebuilds.
 """
@@ -18,6 +22,7 @@ the config and of the corpus's identity: an identical re-run is a no-op, a chang
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 import time
@@ -32,14 +37,15 @@ from tqdm.auto import tqdm
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.documents import Document
 from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.heldout import HeldOutSelector, OverlapScreen, test_window_offset, validation_windows
+from soma_pl.data.heldout import (HeldOutSelector, OverlapScreen, seeded_hash, test_window_offset,
+                                  validation_windows)
 from soma_pl.data.readers import CorpusConfig, corpus_fingerprint, iter_corpus
 from soma_pl.data.shards import ShardRecord, ShardWriter
-from soma_pl.errors import DataError
+from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import atomic_folder, write_json_atomic
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass
@@ -57,6 +63,8 @@ class PrepareConfig:
         shingle_bytes: a test candidate sharing a substring this long with a training document is
             excluded.
         shard_max_bytes: a training shard is cut once it reaches this size.
+        expert_val_fraction: share of the training documents held out as the expert-validation
+            split that drives a monolithic model's learning-rate decay (paper: 1%).
     """
 
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
@@ -68,6 +76,7 @@ class PrepareConfig:
     test_oversample: float = 1.25
     shingle_bytes: int = 50
     shard_max_bytes: int = 64_000_000
+    expert_val_fraction: float = 0.01
 
     @property
     def test_candidates(self) -> int:
@@ -113,9 +122,13 @@ def read_manifest(folder: Path) -> dict:
 
 
 def _build(config: PrepareConfig, work: Path, progress: bool) -> dict:
+    if not 0 < config.expert_val_fraction < 1:
+        raise ConfigError(f"dataset.expert_val_fraction={config.expert_val_fraction} must be in (0, 1)")
     started = time.perf_counter()
     keep_bytes = max(config.val_windows, 1) * WINDOW_BYTES
-    selector = HeldOutSelector(config.seed, config.val_documents + config.test_candidates, keep_bytes)
+    held_count = config.val_documents + config.test_candidates
+    selector = HeldOutSelector(config.seed, held_count, keep_bytes)
+    expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, held_count + 1)
     short = Counter()
     for document in tqdm(iter_corpus(config.corpus), desc="prepare: select held-out", unit="doc",
                          disable=not progress):
@@ -123,6 +136,7 @@ def _build(config: PrepareConfig, work: Path, progress: bool) -> dict:
             short[document.source] += 1
         else:
             selector.offer(document)
+            expert_val.offer(document.doc_id)
     held = selector.selected()
     if not held and not short:
         raise DataError(f"empty corpus: no documents in {_describe(config.corpus)}")
@@ -135,7 +149,8 @@ def _build(config: PrepareConfig, work: Path, progress: bool) -> dict:
     held_ids = {d.doc_id for d in held}
     offsets = [test_window_offset(config.seed, d) for d in candidates]
     screen = OverlapScreen([d.text[o : o + WINDOW_BYTES] for d, o in zip(candidates, offsets)], config.shingle_bytes)
-    shards, train_stats = _write_training(config, work, held_ids, screen, progress)
+    expert_val.exclude(held_ids)
+    shards, train_stats = _write_training(config, work, held_ids, screen, expert_val, progress)
     val = _validation_set(val_docs, config.val_windows)
     test, test_stats = _test_set(candidates, offsets, screen.contaminated, config.test_windows, config.shingle_bytes)
     val.save(work / "ensemble_val.npz")
@@ -145,7 +160,9 @@ def _build(config: PrepareConfig, work: Path, progress: bool) -> dict:
         "config": json.loads(json.dumps(asdict(config), default=str)),
         "seed": config.seed,
         "window_bytes": WINDOW_BYTES,
-        "train": {**train_stats, "shards": [s.to_json() for s in shards]},
+        "train": {**train_stats, "shards": [s.to_json() for s in shards["train"]]},
+        "expert_val": {**train_stats.pop("expert_val"), "fraction": config.expert_val_fraction,
+                       "shards": [s.to_json() for s in shards["expert_val"]]},
         "skipped_short_documents": dict(sorted(short.items())),
         "ensemble_val": {"file": "ensemble_val.npz", "documents": len(set(val.doc_ids)), "windows": len(val)},
         "test": {"file": "test.npz", **test_stats},
@@ -153,25 +170,65 @@ def _build(config: PrepareConfig, work: Path, progress: bool) -> dict:
     }
 
 
+class ExpertValChoice:
+    """Which training documents form the expert-validation split, decided one document at a time.
+
+    A document is held out when its seeded hash falls below `fraction` of the hash range; the
+    document of smallest hash is held out too, so the split is never empty. Pass 1 offers every
+    eligible id (a bounded heap keeps the `keep` smallest hashes) and then excludes the documents
+    held out for evaluation; pass 2 asks `holds(id)`.
+    """
+
+    def __init__(self, seed: int, fraction: float, keep: int):
+        self.seed, self.threshold, self.keep = seed, int(fraction * 2**64), keep
+        self._smallest: list[tuple[int, str]] = []  # max-heap by hash: (-hash, id)
+        self.fallback: str | None = None
+
+    def hash(self, doc_id: str) -> int:
+        return seeded_hash(self.seed, "expert_val", doc_id)
+
+    def offer(self, doc_id: str) -> None:
+        item = (-self.hash(doc_id), doc_id)
+        if len(self._smallest) < self.keep:
+            heapq.heappush(self._smallest, item)
+        elif item > self._smallest[0]:
+            heapq.heapreplace(self._smallest, item)
+
+    def exclude(self, held_ids: set[str]) -> None:
+        """Fix the fallback: the smallest-hash training document that is not held out."""
+        eligible = sorted((-negative, doc_id) for negative, doc_id in self._smallest if doc_id not in held_ids)
+        self.fallback = eligible[0][1] if eligible else None
+
+    def holds(self, doc_id: str) -> bool:
+        return doc_id == self.fallback or self.hash(doc_id) < self.threshold
+
+
 def _write_training(config: PrepareConfig, work: Path, held_ids: set[str], screen: OverlapScreen,
-                    progress: bool) -> tuple[list[ShardRecord], dict]:
-    writer = ShardWriter(work / "train", "train", config.shard_max_bytes)
-    documents, sizes = Counter(), Counter()
+                    expert_val: ExpertValChoice, progress: bool) -> tuple[dict[str, list[ShardRecord]], dict]:
+    writers = {"train": ShardWriter(work / "train", "train", config.shard_max_bytes),
+               "expert_val": ShardWriter(work / "expert_val", "val", config.shard_max_bytes)}
+    documents, sizes, held_out = Counter(), Counter(), Counter()
     for document in tqdm(iter_corpus(config.corpus), desc="prepare: write shards", unit="doc",
                          disable=not progress):
         if len(document.text) < WINDOW_BYTES or document.doc_id in held_ids:
             continue
-        writer.write(document)
-        screen.screen(document.text)
+        screen.screen(document.text)  # expert-validation documents are training data too
+        if expert_val.holds(document.doc_id):
+            writers["expert_val"].write(document)
+            held_out["documents"] += 1
+            held_out["bytes"] += len(document.text)
+            continue
+        writers["train"].write(document)
         documents[document.source] += 1
         sizes[document.source] += len(document.text)
-    records = writer.close()
-    if not records:
+    records = {split: writer.close() for split, writer in writers.items()}
+    if not records["train"]:
         raise DataError(f"no training documents left in {_describe(config.corpus)}")
     stats = {
         "documents": sum(documents.values()),
         "bytes": sum(sizes.values()),
         "sources": {s: {"documents": documents[s], "bytes": sizes[s]} for s in sorted(documents)},
+        "expert_val": {"documents": held_out["documents"], "bytes": held_out["bytes"]},
     }
     return records, stats
 

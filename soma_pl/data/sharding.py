@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from soma_pl.data.documents import Document
 from soma_pl.data.experts import EXPERTS_MANIFEST, ExpertShardWriter
+from soma_pl.data.heldout import seeded_hash
 from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
 from soma_pl.data.shards import ShardRecord, Verify, iter_shard_documents, sha256_file, verify_shards
 from soma_pl.io import atomic_folder
@@ -248,12 +249,6 @@ def _embed_documents(paths: list[Path], encoder: torch.nn.Module, config: ShardC
         raise DataError(f"no training documents in {paths[0].parent if paths else 'the prepared dataset'}")
     return DocumentIndex(np.concatenate(embeddings).astype(np.float32), np.array(sources, dtype=np.int64),
                          list(names), np.array(deal, dtype=np.uint64), np.array(val, dtype=np.uint64))
-
-
-def seeded_hash(seed: int, salt: str, doc_id: str) -> int:
-    """A 64-bit hash of a document id under a seed; `salt` keeps independent uses uncorrelated."""
-    digest = hashlib.blake2b(f"{seed}\0{salt}\0{doc_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
 
 
 def assign_experts(config: ShardConfig, index: DocumentIndex) -> tuple[np.ndarray, int]:

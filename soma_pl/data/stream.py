@@ -69,10 +69,9 @@ def document_windows(text: bytes, rng: np.random.Generator, window: int = WINDOW
     return [data[offset : offset + window] for offset in range(start, len(data) - window + 1, window)]
 
 
-def fixed_windows(shards: Sequence[Path], count: int) -> torch.Tensor:
-    """The first `count` windows of the shards' documents, each cut from its start: `[count, 1025]`.
-
-    Cycles when there are fewer; a fixed set, the same on every call.
+def fixed_windows(shards: Sequence[Path], count: int | None = None) -> torch.Tensor:
+    """The windows of the shards' documents, each document cut from its start into consecutive
+    1,025-byte windows: `[n, 1025]`, all of them, or the first `count`. The same on every call.
 
     Raises:
         DataError: the shards hold no document long enough for a window.
@@ -82,11 +81,11 @@ def fixed_windows(shards: Sequence[Path], count: int) -> torch.Tensor:
         for document in iter_shard_documents(shard):
             data = np.frombuffer(document.text, dtype=np.uint8)
             rows.extend(data[o : o + WINDOW_BYTES] for o in range(0, len(data) - WINDOW_BYTES + 1, WINDOW_BYTES))
-            if len(rows) >= count:
+            if count is not None and len(rows) >= count:
                 return torch.from_numpy(np.stack(rows[:count]))
     if not rows:
         raise DataError(f"no {WINDOW_BYTES}-byte window in validation shards {[str(s) for s in shards]}")
-    return torch.from_numpy(np.stack([rows[i % len(rows)] for i in range(count)]))
+    return torch.from_numpy(np.stack(rows))
 
 
 class ExpertWindows:

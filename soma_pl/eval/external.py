@@ -192,10 +192,10 @@ def load_module(checkpoint: str | Path, config: str | Path | None = None,
 
 
 def _attach_router(module: ByteLMModule, router: str | Path | None) -> None:
-    """Give a SOMA module the router named on the command line, or its configured `router_path`
+    """Give an ensemble module the router named on the command line, or its configured `router_path`
     when the checkpoint carries none (the weights are loaded first: a checkpoint's own router
     buffers would otherwise overwrite the replacement)."""
-    if not hasattr(module, "router"):
+    if not getattr(module, "routed", False):
         if router is not None:
             raise ConfigError(f"--router given, but a {type(module).__name__} has no router")
         return
@@ -209,8 +209,8 @@ def _attach_router(module: ByteLMModule, router: str | Path | None) -> None:
 
 def routed_experts(module: ByteLMModule, windows: Tensor, k: int) -> Tensor:
     """The k experts each window goes to, best first: ``[b, 1025]`` → ``[b, k]``."""
-    if getattr(module, "router", 1) is None:
-        raise ConfigError("this SOMA checkpoint carries no router: pass --router <router.pt>")
+    if getattr(module, "routed", False) and module.router is None:
+        raise ConfigError(f"this {type(module).__name__} checkpoint carries no router: pass --router <router.pt>")
     return module.ranking(windows)[:, :k]
 
 
@@ -234,7 +234,7 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
     module = load_module(checkpoint, config, router)
     experts = module.model.num_experts
     k = module.eval_k if top_k is None else top_k
-    largest = experts if hasattr(module, "router") else 1  # only a routed module averages experts
+    largest = experts if getattr(module, "routed", False) else 1  # only a routed module averages experts
     if not 1 <= k <= largest:
         raise ConfigError(f"top_k={k}: this {type(module).__name__} averages 1..{largest} experts")
     if batch_size < 1 or resamples < 1:

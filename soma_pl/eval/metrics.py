@@ -31,7 +31,7 @@ class NatsPerByte(Metric):
 
 
 class PerExpertNats(Metric):
-    """Each expert's mean nats/byte on its own windows: `update(loss_sums [E], windows)`."""
+    """Each expert's mean nats/byte on its own windows: `update(loss_sums [E], windows [E] or int)`."""
 
     full_state_update = False
     higher_is_better = False
@@ -39,11 +39,11 @@ class PerExpertNats(Metric):
     def __init__(self, experts: int, **kwargs):
         super().__init__(**kwargs)
         self.add_state("nats", default=torch.zeros(experts, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("windows", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("windows", default=torch.zeros(experts, dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, loss_sums: Tensor, windows: int) -> None:
+    def update(self, loss_sums: Tensor, windows: int | Tensor) -> None:
         self.nats += loss_sums.detach().to(torch.float64)
-        self.windows += windows
+        self.windows += torch.as_tensor(windows, device=self.windows.device).long()
 
     def compute(self) -> Tensor:
         return (self.nats / self.windows.clamp_min(1)).float()

@@ -2,11 +2,18 @@
 
 Evaluation follows Table 1: windows of 1,025 bytes, the loss scores the targets after the first
 256 input bytes (768 targets), mean cross entropy in nats/byte, reduced correctly under DDP.
+
+Validation has two parts. The ensemble-validation windows (dataloader 0) are only scored and
+logged as `val/loss`: they give the scaling curves and the sweep selection, never a training
+decision. Each expert's own expert-validation split, the held-out 1% of its training documents
+(dataloader 1; N = 1 is one expert), is logged as `expert/<e>/val_loss` and handed to
+`after_validation`, where every module decays its learning rate.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +26,9 @@ from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.errors import ConfigError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.ensemble import EnsembleScores, score_windows
-from soma_pl.eval.metrics import NatsPerByte
+from soma_pl.eval.metrics import NatsPerByte, PerExpertNats
 from soma_pl.io import write_json_atomic
+from soma_pl.lit.optim import optimizer_factory, optimizer_spec
 from soma_pl.models.experts import HeadMode, StackedExperts
 
 
@@ -63,10 +71,19 @@ class ByteLMModule(L.LightningModule):
         self.score_from = score_from
         self.val_loss = NatsPerByte()
         self.test_loss = NatsPerByte()
+        self.expert_val_loss = PerExpertNats(num_experts)
         self._metrics = {"val": self.val_loss, "test": self.test_loss}
         self._records: dict[str, list] = {}
         self.last_update: UpdateRecord | None = None
         """The most recent update's cost, set by `training_step`."""
+
+    def keep_optimizer(self, optimizer: Callable | dict) -> None:
+        """Keep the optimizer factory, and its description in the hyperparameters (call after
+        `save_hyperparameters(ignore=["optimizer"])`), so `load_from_checkpoint` restores it."""
+        self.optimizer_factory = optimizer_factory(optimizer)
+        spec = optimizer_spec(optimizer)
+        if spec is not None:
+            self.hparams["optimizer"] = spec
 
     def training_tokens(self, batch: Tensor) -> Tensor:
         """`batch: [E, B, 1025] uint8` → `[E, B, train_context + 1]`."""
@@ -101,8 +118,22 @@ class ByteLMModule(L.LightningModule):
         self._metrics[stage].update(losses.sum() * targets, losses.numel() * targets)
         self._records.setdefault(stage, []).append((index, scores.loss_by_k, scores.expert_losses.T))
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val")
+    @property
+    def trained_model(self) -> StackedExperts:
+        """The experts this process trains (expert-parallel SOMA: a share of `model`)."""
+        return self.model
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        if dataloader_idx == 0:
+            self._evaluate(batch, "val")
+        else:
+            self.expert_validation_step(*batch)
+
+    @torch.no_grad()
+    def expert_validation_step(self, windows: Tensor, valid: Tensor) -> None:
+        """Each expert's scored loss on its own held-out windows: `windows [E, b, 1025]`, `valid [E, b]`."""
+        losses = self.trained_model.window_losses(windows, score_from=self.score_from)
+        self.expert_val_loss.update(torch.where(valid, losses, 0.0).sum(1), valid.sum(1))
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "test")
@@ -113,9 +144,23 @@ class ByteLMModule(L.LightningModule):
         return {"index": index, "loss": self.window_losses(windows)}
 
     def on_validation_epoch_end(self) -> None:
-        value = self._finish_evaluation("val")
-        if self.trainer.state.fn == TrainerFn.FITTING and not self.trainer.sanity_checking:
-            self.after_validation(value)
+        self._finish_evaluation("val")
+        held_out = self._finish_expert_validation()
+        if self.trainer.state.fn == TrainerFn.FITTING and not self.trainer.sanity_checking and held_out is not None:
+            self.after_validation(held_out)
+
+    def _finish_expert_validation(self) -> Tensor | None:
+        """Every expert's expert-validation loss `[E]` (None when there was none), logged per expert."""
+        if not self.expert_val_loss.update_count:
+            return None
+        losses = self.gather_expert_losses(self.expert_val_loss.compute())
+        self.expert_val_loss.reset()
+        self.log_dict({f"expert/{e}/val_loss": loss for e, loss in enumerate(losses.tolist())})
+        return losses
+
+    def gather_expert_losses(self, losses: Tensor) -> Tensor:
+        """This process's experts' losses → all experts' `[E]` (expert-parallel SOMA gathers)."""
+        return losses.reshape(self.model.num_experts)
 
     def on_test_epoch_end(self) -> None:
         self._finish_evaluation("test")
@@ -150,8 +195,9 @@ class ByteLMModule(L.LightningModule):
                 "expert_losses": experts.double().mean(0).tolist(),
             })
 
-    def after_validation(self, value: Tensor) -> None:
-        """Hook for learning-rate decay on the validation loss."""
+    def after_validation(self, held_out: Tensor) -> None:
+        """Learning-rate decay on each expert's expert-validation loss `held_out [E]` (never on
+        the ensemble-validation set)."""
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse a checkpoint whose weights have other shapes, naming both shapes."""

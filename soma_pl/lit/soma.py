@@ -17,14 +17,12 @@ so rank 0's checkpoint holds every expert, as a one-process checkpoint does.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 
 import torch
 from lightning.pytorch.cli import OptimizerCallable
-from torch import Tensor, nn
+from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.data.stream import RankSplit, rank_share
@@ -34,9 +32,10 @@ from soma_pl.estimators.spsa import spsa_estimate
 from soma_pl.eval.metrics import PerExpertNats
 from soma_pl.lit.base import UpdateClock
 from soma_pl.lit.parallel import gather_optimizer_state, gather_shares, keep_buffers_local, slice_optimizer_state
+from soma_pl.lit.plateau import ExpertPlateau, scale_updates
+from soma_pl.lit.routing import RoutedEnsemble
 from soma_pl.lit.spsa import EpsSchedule, SPSAModule
 from soma_pl.models.experts import EMBED_HEAD, HeadMode, StackedExperts
-from soma_pl.models.router import Router
 
 
 class Init(str, Enum):
@@ -60,30 +59,6 @@ class HeadTraining(str, Enum):
     """One shared head frozen at random values."""
 
 
-class ExpertPlateau(nn.Module):
-    """Per-expert `ReduceLROnPlateau`: a learning-rate scale per expert, decayed on its own loss.
-
-    Buffers (saved in checkpoints): `best [E]`, `bad [E]` validations without improvement,
-    `scale [E]` the current learning-rate multiplier.
-    """
-
-    def __init__(self, experts: int, factor: float, patience: int, threshold: float = 1e-4, min_scale: float = 0.0):
-        super().__init__()
-        self.factor, self.patience, self.threshold, self.min_scale = factor, patience, threshold, min_scale
-        self.register_buffer("best", torch.full((experts,), float("inf")))
-        self.register_buffer("bad", torch.zeros(experts, dtype=torch.long))
-        self.register_buffer("scale", torch.ones(experts))
-
-    @torch.no_grad()
-    def step(self, losses: Tensor) -> None:
-        improved = losses < self.best * (1 - self.threshold)
-        self.best = torch.where(improved, losses, self.best)
-        self.bad = torch.where(improved, torch.zeros_like(self.bad), self.bad + 1)
-        decay = self.bad > self.patience
-        self.scale = torch.where(decay, (self.scale * self.factor).clamp_min(self.min_scale), self.scale)
-        self.bad = torch.where(decay, torch.zeros_like(self.bad), self.bad)
-
-
 @dataclass
 class ExpertShare:
     """The experts one rank trains in expert-parallel mode.
@@ -98,7 +73,7 @@ class ExpertShare:
     """Their weights, `[len(experts), ...]`, which the rank's optimizer steps."""
 
 
-class SOMAModule(SPSAModule):
+class SOMAModule(RoutedEnsemble, SPSAModule):
     """SOMA: N experts in one stacked module, trained independently by SPSA.
 
     Args:
@@ -126,9 +101,7 @@ class SOMAModule(SPSAModule):
                          optimizer, plateau_factor, plateau_patience, min_lr, seed, train_context, score_from,
                          time_chunk, num_experts, HeadMode.SHARED if shared else HeadMode.PER_EXPERT)
         self.head_training = head_training
-        self.top_k = top_k
-        self.router_path = router_path
-        self.router: Router | None = None
+        self.init_routing(top_k, router_path)
         if Init(init) is Init.seed and seed_checkpoint is None:
             raise ConfigError("init: seed needs model.init_args.seed_checkpoint (or set init: random)")
         self.init_checkpoint = seed_checkpoint if Init(init) is Init.seed else None
@@ -136,7 +109,7 @@ class SOMAModule(SPSAModule):
         if shared:
             self.model.head.requires_grad_(False)
         self.plateau = ExpertPlateau(num_experts, plateau_factor, plateau_patience)
-        self.expert_val_loss = PerExpertNats(num_experts)
+        """Each expert's learning-rate (and, proportionally, ε) multiplier, floored at `min_lr`."""
         self.share: ExpertShare | None = None
         """This rank's experts when fitting expert-parallel; None on one process."""
 
@@ -167,26 +140,19 @@ class SOMAModule(SPSAModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self.router is None and self.trainer.ckpt_path is None:  # a checkpoint brings its own router
-            self.router = Router.load(self.router_path or self._default_router_path())
-        if self.router is not None and self.router.num_experts != self.model.num_experts:
-            raise ConfigError(f"router has {self.router.num_experts} centroids, the model {self.model.num_experts} experts")
         if self.expert_parallel:
             # Each rank scores only its own experts' expert-validation windows; the losses are gathered.
             share = rank_share(self.model.num_experts, self.trainer.global_rank, self.trainer.world_size)
             self.expert_val_loss = PerExpertNats(len(share), sync_on_compute=False)
             keep_buffers_local(self)
 
-    def _default_router_path(self) -> str:
-        experts_dir = getattr(self.trainer.datamodule, "experts_dir", None) if self._trainer else None
-        if experts_dir is None:
-            raise ConfigError("SOMA needs a router: set model.init_args.router_path or data.init_args.experts_dir")
-        return str(Path(experts_dir) / "router.pt")
-
     def configure_optimizers(self):
         if self.expert_parallel:  # after setup and any checkpoint restore: `model` holds the start weights
             self.share = self._take_share()
-        return self.optimizer_factory(self.trainable_parameters().values())
+        optimizer = self.optimizer_factory(self.trainable_parameters().values())
+        base_lr = optimizer.param_groups[0]["lr"]
+        self.plateau.min_scale = self.hparams.min_lr / base_lr if base_lr > 0 else 0.0
+        return optimizer
 
     @torch.no_grad()
     def _take_share(self) -> ExpertShare:
@@ -210,14 +176,6 @@ class SOMAModule(SPSAModule):
             raise ConfigError(f"training batch of shape {tuple(batch.shape)}: this process trains experts "
                               f"{self.experts.start}..{self.experts.stop - 1}, expected [{len(self.experts)}, B, T]")
         return batch[..., : self.train_context + 1]
-
-    @property
-    def eval_k(self) -> int:
-        return min(self.top_k, self.model.num_experts)
-
-    def ranking(self, windows: Tensor) -> Tensor:
-        self.router.to(windows.device)
-        return self.router.ranking(windows[:, :ROUTE_BYTES])
 
     def loss_fn(self, params: dict[str, Tensor], tokens: Tensor) -> Tensor:
         """Per-group losses; with `decoder_only` the input embedding keeps the unperturbed head."""
@@ -244,29 +202,13 @@ class SOMAModule(SPSAModule):
             param.grad = result.gradient[name]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self._scale_updates(params, before, scale)
+        scale_updates(params, before, scale)
         seconds = clock.stop()
         self.log_update(result.loss, tokens, seconds, float(eps.mean()))
         self.log_dict({f"expert/{e}/train_loss": loss for e, loss in zip(experts, result.loss)})
 
-    @torch.no_grad()
-    def _scale_updates(self, params: dict[str, Tensor], before: dict[str, Tensor], scale: Tensor) -> None:
-        """Each expert's update times its own learning-rate multiplier (exact for any optimizer whose
-        step is proportional to its learning rate)."""
-        for name, param in params.items():
-            view = scale.to(param.dtype).view(-1, *[1] * (param.dim() - 1))
-            param.copy_(torch.lerp(before[name], param, view))
-
     def current_lr(self) -> float:
         return self.optimizers().param_groups[0]["lr"] * float(self.plateau.scale.mean())
-
-    def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if dataloader_idx == 0:
-            self._evaluate(batch, "val")
-            return
-        tokens = batch  # [E, b, 1025] each (of this process's) experts' own validation windows
-        losses = self.trained_model.window_losses(tokens, score_from=self.score_from)
-        self.expert_val_loss.update(losses.sum(1), tokens.shape[1])
 
     def on_validation_epoch_start(self) -> None:
         if self.share is not None:
@@ -279,21 +221,19 @@ class SOMAModule(SPSAModule):
         for name, param in self.share.model.expert_parameters().items():
             full[name].copy_(gather_shares(self, param.detach(), self.model.num_experts))
 
-    def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()
-        if self.expert_val_loss.update_count:
-            losses = self.expert_val_loss.compute()
-            self.expert_val_loss.reset()
-            if self.share is not None:  # torchmetrics squeezes a one-expert share to a scalar
-                losses = gather_shares(self, losses.reshape(len(self.experts)), self.model.num_experts)
-            if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
-                self.plateau.step(losses)
-            base_lr = self.optimizers().param_groups[0]["lr"] if self._trainer and self.trainer.optimizers else 0.0
-            for e, loss in enumerate(losses.tolist()):
-                self.log_dict({f"expert/{e}/val_loss": loss, f"expert/{e}/lr": base_lr * float(self.plateau.scale[e])})
+    def gather_expert_losses(self, losses: Tensor) -> Tensor:
+        if self.share is None:
+            return super().gather_expert_losses(losses)
+        # torchmetrics squeezes a one-expert share to a scalar
+        return gather_shares(self, losses.reshape(len(self.experts)), self.model.num_experts)
 
-    def after_validation(self, value: Tensor) -> None:
-        """Learning rates decay per expert on the expert-validation split, not on the ensemble."""
+    def after_validation(self, held_out: Tensor) -> None:
+        """Each expert's learning rate (and ε) decays on its own expert-validation loss."""
+        self.plateau.step(held_out)
+        if self.eps_schedule is EpsSchedule.proportional:
+            self.warn_small_eps(self.spsa.eps * self.plateau.scale)
+        base_lr = self.optimizers().param_groups[0]["lr"]
+        self.log_dict({f"expert/{e}/lr": base_lr * scale for e, scale in enumerate(self.plateau.scale.tolist())})
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.share is not None:  # every rank saves (rank 0 writes): gather the experts and their optimizer state
@@ -304,10 +244,7 @@ class SOMAModule(SPSAModule):
                 params = list(self.trainable_parameters().values())
                 checkpoint["optimizer_states"] = [gather_optimizer_state(self, state, params, self.model.num_experts)
                                                   for state in checkpoint["optimizer_states"]]
-        if self.router is not None:
-            buffer = io.BytesIO()
-            self.router.save_to(buffer)
-            checkpoint["router"] = buffer.getvalue()
+        super().on_save_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -316,5 +253,3 @@ class SOMAModule(SPSAModule):
             share = rank_share(self.model.num_experts, self.trainer.global_rank, self.trainer.world_size)
             for state in checkpoint.get("optimizer_states", []):
                 slice_optimizer_state(state, shapes, share)
-        if "router" in checkpoint:
-            self.router = Router.load_from(io.BytesIO(checkpoint["router"]), "in checkpoint")

@@ -15,7 +15,7 @@ from soma_pl.data.datamodule import ByteDataModule
 from soma_pl.data.experts import ExpertShardWriter
 from soma_pl.data.readers import iter_corpus
 from soma_pl.data.stream import WindowStream, consumer_slice, document_windows
-from soma_pl.errors import DataError
+from soma_pl.errors import ConfigError, DataError
 
 from .corpora import window_owner
 
@@ -51,12 +51,40 @@ def test_training_windows_are_substrings_of_their_documents(module, jsonl_corpus
 
 
 def test_eval_loaders_are_fixed(module):
-    first = [w for w, _ in module.val_dataloader()]
-    again = [w for w, _ in module.val_dataloader()]
+    first = [w for w, _ in module.val_dataloader()[0]]
+    again = [w for w, _ in module.val_dataloader()[0]]
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert sum(len(w) for w in first) == 20 and first[0].shape == (5, WINDOW_BYTES)
     windows, index = next(iter(module.test_dataloader()))
     assert torch.equal(windows, torch.from_numpy(module.test_set.windows[:5])) and index.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_monolithic_decay_windows_are_every_window_of_the_held_out_training_split(module):
+    """N = 1 is one expert: validation's second loader holds every window of the prepared
+    dataset's expert-validation documents, cut from each document's start, none of them trained on."""
+    from soma_pl.data.prepare import read_manifest
+    from soma_pl.data.shards import iter_shard_documents
+
+    manifest = read_manifest(module.root)
+    documents = [d for s in manifest["expert_val"]["shards"] for d in iter_shard_documents(module.root / s["path"])]
+    expected = [d.text[o : o + WINDOW_BYTES] for d in documents
+                for o in range(0, len(d.text) - WINDOW_BYTES + 1, WINDOW_BYTES)]
+    loaded = [(w, v) for w, v in module.val_dataloader()[1]]
+    assert all(w.shape[:2] == v.shape and w.shape[0] == 1 for w, v in loaded)
+    rows = [bytes(row.numpy()) for w, v in loaded for row in w[0][v[0]]]
+    assert rows == expected and len(rows) >= 1
+    train_ids = {d.doc_id for s in manifest["train"]["shards"] for d in iter_shard_documents(module.root / s["path"])}
+    assert not train_ids & {d.doc_id for d in documents}
+
+
+def test_a_cap_keeps_the_first_windows_of_each_expert(small_config):
+    capped = ByteDataModule(small_config, eval_batch_size=5, expert_val_windows=2)
+    capped.prepare_data()
+    capped.setup("fit")
+    windows, valid = next(iter(capped.val_dataloader()[1]))
+    assert windows.shape == (1, 2, WINDOW_BYTES) and valid.all()
+    with pytest.raises(ConfigError, match="expert_val_windows=0"):
+        ByteDataModule(small_config, expert_val_windows=0)
 
 
 def test_stream_is_deterministic_and_skips_exactly(module):

@@ -18,7 +18,7 @@ import webdataset as wds
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.heldout import OverlapScreen, shingle_hashes, validation_windows
+from soma_pl.data.heldout import OverlapScreen, seeded_hash, shingle_hashes, validation_windows
 from soma_pl.data.documents import Document
 from soma_pl.data.prepare import prepare, read_manifest
 from soma_pl.data.readers import CorpusConfig, iter_corpus
@@ -45,7 +45,11 @@ def test_prepared_folder_is_consistent(small_config, jsonl_corpus):
     assert sum(manifest["skipped_short_documents"].values()) == short
     held = set(val.doc_ids) | set(test.doc_ids)
     assert not held & {d.doc_id for d in train}, "held-out documents leaked into training shards"
-    assert manifest["train"]["documents"] == len(train) == len(texts) - short - 6 - manifest["test"]["candidates"]
+    expert_val = [d for s in manifest["expert_val"]["shards"] for d in iter_shard_documents(folder / s["path"])]
+    assert len(expert_val) == manifest["expert_val"]["documents"] >= 1
+    assert not {d.doc_id for d in expert_val} & ({d.doc_id for d in train} | held)
+    assert manifest["train"]["documents"] == len(train) == (len(texts) - short - 6 - manifest["test"]["candidates"]
+                                                           - len(expert_val))
     assert manifest["train"]["bytes"] == sum(len(d.text) for d in train)
     assert (len(val), len(set(val.doc_ids))) == (20, 6)
     assert len(test) == 12 and len(set(test.doc_ids)) == 12
@@ -206,3 +210,16 @@ def test_cli_bad_input_exits_nonzero_with_a_clear_line(tmp_path, arguments, mess
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert message in result.stderr.strip().splitlines()[-1]
+
+
+def test_expert_val_split_is_the_seeded_one_percent_of_training_documents(small_config):
+    """N = 1 is one expert: its decay signal is the held-out 1% of the training documents, each
+    chosen by a seeded hash of its id (below 1% of the hash range), and never an empty split."""
+    folder = prepare(small_config, progress=False)
+    manifest = read_manifest(folder)
+    expert_val = {d.doc_id for s in manifest["expert_val"]["shards"] for d in iter_shard_documents(folder / s["path"])}
+    pool = expert_val | {d.doc_id for d in training_documents(folder)}
+    below = {i for i in pool if seeded_hash(small_config.seed, "expert_val", i) < 2**64 // 100}
+    smallest = min(pool, key=lambda i: seeded_hash(small_config.seed, "expert_val", i))
+    assert expert_val == below | {smallest}
+    assert manifest["expert_val"]["fraction"] == 0.01

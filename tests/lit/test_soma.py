@@ -7,7 +7,8 @@ import torch
 
 from soma_pl.errors import ConfigError
 from soma_pl.estimators import SPSAConfig, spsa_estimate
-from soma_pl.lit.soma import ExpertPlateau, SOMAModule
+from soma_pl.lit.plateau import ExpertPlateau
+from soma_pl.lit.soma import SOMAModule
 from soma_pl.models import StackedExperts
 
 

@@ -1,0 +1,43 @@
+"""The torch optimizer a module steps, kept in its hyperparameters as data.
+
+The CLI hands a module an optimizer factory (`functools.partial` of the class with its init
+arguments). A checkpoint's hyperparameters hold it as `{"class_path", "init_args"}`, so
+`Module.load_from_checkpoint(path)` rebuilds the same optimizer (class, learning rate and all)
+instead of falling back to the signature's default.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from soma_pl.errors import ConfigError
+
+
+def optimizer_spec(factory: Callable | dict) -> dict | None:
+    """`{"class_path", "init_args"}` of an optimizer factory; None for one that is not a class
+    with keyword arguments (e.g. a lambda)."""
+    if isinstance(factory, dict):
+        return factory
+    keywords: dict[str, Any] = {}
+    if isinstance(factory, functools.partial):
+        classes = [a for a in factory.args if isinstance(a, type)]  # the CLI wraps the class in a helper
+        keywords = dict(factory.keywords)
+        factory = classes[-1] if classes else factory.func
+    if not isinstance(factory, type):
+        return None
+    return {"class_path": f"{factory.__module__}.{factory.__qualname__}", "init_args": keywords}
+
+
+def optimizer_factory(optimizer: Callable | dict) -> Callable:
+    """A factory from a factory (returned as is) or from an `optimizer_spec` dict."""
+    if not isinstance(optimizer, dict):
+        return optimizer
+    module_name, _, name = str(optimizer.get("class_path", "")).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(f"optimizer class_path {optimizer.get('class_path')!r} cannot be imported") from error
+    return functools.partial(cls, **optimizer.get("init_args", {}))
