@@ -1,13 +1,30 @@
-"""Atomic writes: a temporary file or folder beside the target, then a rename."""
+"""Atomic writes and the folders soma_pl owns.
+
+A file is written under a temporary name beside its target, then renamed. A folder is built under a
+temporary name beside its target and swapped in; a marker file inside it (`.soma_pl-output.json`:
+its kind, who wrote it and what it holds) proves that soma_pl wrote it. Only such a folder is ever
+replaced: never one that is, holds or lies inside an input, nor one that holds files soma_pl did not
+write.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+import socket
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
+
+from soma_pl.errors import ConfigError, DataError, SomaError
+
+OUTPUT_MARKER = ".soma_pl-output.json"
+_LEFTOVER = re.compile(r"(?P<stage>tmp|old)-(?P<pid>\d+)")
 
 
 def write_json_atomic(path: str | Path, payload: dict) -> Path:
@@ -15,26 +32,210 @@ def write_json_atomic(path: str | Path, payload: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(json.dumps(payload, indent=2) + "\n")
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a full disk must not keep a half-written temporary
+        raise
     return path
 
 
-@contextmanager
-def atomic_folder(output: Path) -> Iterator[Path]:
-    """Build a folder under a temporary name beside `output`; when the block ends without error,
-    the new folder replaces `output` by renames, so no reader ever sees a half-written folder. A
-    failed or killed build leaves only a hidden `.<name>.tmp-<pid>` folder, never `output`."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    work = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+def write_error(error: OSError, targets: Iterable[Path], what: str, remedy: str) -> SomaError | None:
+    """One line for a write the file system refused (None for other errors, which stay tracebacks).
+
+    Args:
+        error: what the write raised.
+        targets: the files or folders being written. A permission error on a path neither inside
+            nor above one of them (an input being read) is not a write error.
+        what: the start of the line, naming the setting or file (`dataset.output_dir=/x`).
+        remedy: what to do besides freeing space (`choose another dataset.output_dir`).
+    """
+    code = error.errno
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return DataError(f"{what}: {os.strerror(code).lower()} (Errno {code}): free space there or {remedy}; "
+                         "nothing half-written was kept")
+    if code == errno.EROFS:
+        return ConfigError(f"{what}: read-only file system (Errno {code}): {remedy} on a writable disk")
+    if code in (errno.EACCES, errno.EPERM) and error.filename:
+        written = Path(error.filename).absolute()
+        if any(written.is_relative_to(t) or t.is_relative_to(written) for t in map(Path.absolute, targets)):
+            return ConfigError(f"{what}: permission denied on {written} (Errno {code}): {remedy} that you can write")
+    return None
+
+
+def close_quietly(resources: Iterable) -> None:
+    """Close each resource after a failure, ignoring what closing raises: its output is discarded,
+    and an open tar stream would otherwise flush itself at exit (onto a full disk) with a traceback."""
+    for resource in resources:
+        with suppress(Exception):
+            resource.close()
+
+
+def read_marker(folder: Path) -> dict | None:
+    """The marker of a folder soma_pl wrote, or None (no marker, or one that is not soma_pl's)."""
     try:
+        marker = json.loads((Path(folder) / OUTPUT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("tool") == "soma_pl" else None
+
+
+def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | Path] = (),
+                 manifest: str | None = None) -> None:
+    """Refuse an output folder that a build of `kind` may not replace.
+
+    Args:
+        output: the folder to build.
+        kind: what soma_pl builds there (`prepared dataset`); a folder of another kind is refused.
+        setting: the option naming `output`, for the message (`dataset.output_dir`).
+        inputs: files and folders the build reads; `output` may not be, hold or lie inside one
+            (after resolving symlinks).
+        manifest: a file that proves a folder written before markers existed (it must be JSON with
+            a `fingerprint`).
+
+    Raises:
+        ConfigError: `output` is, holds or lies inside an input; or it exists, is not empty and
+            soma_pl did not write it as a `kind`; or it holds files soma_pl did not write.
+    """
+    output = Path(output).expanduser()
+    target = output.resolve()
+    for item in inputs:
+        source = Path(item).expanduser().resolve()
+        relation = ("is" if target == source else "holds" if source.is_relative_to(target)
+                    else "lies inside" if target.is_relative_to(source) else None)
+        if relation:
+            harm = "the output would mix with it" if relation == "lies inside" else "replacing it deletes the input"
+            raise ConfigError(f"{setting}={output} {relation} the input {item} ({harm}): choose an output folder "
+                              "apart from the inputs")
+    if not (output.exists() or output.is_symlink()):
+        return
+    if not output.is_dir():
+        raise ConfigError(f"{setting}={output} is a file, not a folder soma_pl wrote: choose another path")
+    marker = read_marker(output)
+    if marker is None:
+        if any(output.iterdir()) and not (manifest and _has_fingerprint(output / manifest)):
+            raise ConfigError(f"{setting}={output} exists and soma_pl did not write it (no {OUTPUT_MARKER}): "
+                              "choose a new folder, or empty or remove this one yourself")
+        return  # empty (nothing to lose), or written before markers existed
+    if marker.get("kind") != kind:
+        raise ConfigError(f"{setting}={output} holds a {marker.get('kind')}, not a {kind}: choose another folder")
+    written = marker.get("entries")
+    foreign = sorted(set(os.listdir(output)) - set(written or []) - {OUTPUT_MARKER})
+    if written is not None and foreign:
+        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(f"{setting}={output} holds files soma_pl did not write ({listed}): move them out "
+                          "or choose another folder")
+
+
+def remove_leftovers(output: Path) -> list[Path]:
+    """Remove the `.<name>.tmp-<pid>` and `.<name>.old-<pid>` entries beside `output` that
+    processes now gone left behind (a killed build); return what was removed.
+
+    A temporary folder whose marker names another host is kept: its process may be alive there.
+    """
+    output = Path(output).expanduser()
+    prefix, removed = f".{output.name}.", []
+    try:
+        entries = [entry for entry in output.parent.iterdir() if entry.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _LEFTOVER.fullmatch(entry.name[len(prefix):])
+        if match is None or process_alive(int(match["pid"])):
+            continue
+        marker = read_marker(entry) if match["stage"] == "tmp" else None
+        if marker is not None and marker.get("host") not in (None, socket.gethostname()):
+            continue
+        _remove(entry)
+        if not (entry.exists() or entry.is_symlink()):
+            removed.append(entry)
+            warnings.warn(f"removed {entry}: left by process {match['pid']}, which is gone", stacklevel=3)
+    return removed
+
+
+@contextmanager
+def atomic_folder(output: Path, kind: str, setting: str, inputs: Iterable[str | Path] = (),
+                  manifest: str | None = None) -> Iterator[Path]:
+    """Build a folder under a temporary name beside `output`; when the block ends without error,
+    the new folder replaces `output` by renames, so no reader ever sees a half-written folder.
+
+    `output` must pass :func:`check_output` (arguments as there), on entry and again before the
+    swap. Leftovers of killed builds beside it are removed first. A failed build leaves nothing; a
+    killed one only a hidden `.<name>.tmp-<pid>` folder, which the next build removes.
+
+    Raises:
+        ConfigError: see :func:`check_output`; or the folder is read-only or not writable.
+        DataError: the disk filled up.
+    """
+    output = Path(output).expanduser()
+    inputs = list(inputs)
+    check_output(output, kind, setting, inputs, manifest)
+    work = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(output)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        _write_marker(work, kind, entries=None)
         yield work
-        stale = output.parent / f".{output.name}.old-{os.getpid()}"
-        if output.exists():
-            os.replace(output, stale)
-        os.replace(work, output)
-        shutil.rmtree(stale, ignore_errors=True)
+        _write_marker(work, kind, entries=sorted(set(os.listdir(work)) - {OUTPUT_MARKER}))
+        check_output(output, kind, setting, inputs, manifest)  # a long build: look again before replacing
+        _swap(work, output)
+    except OSError as error:
+        translated = write_error(error, [work, output], f"{setting}={output}", f"choose another {setting}")
+        if translated is None:
+            raise
+        raise translated from error
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _write_marker(folder: Path, kind: str, entries: list[str] | None) -> None:
+    write_json_atomic(folder / OUTPUT_MARKER, {
+        "tool": "soma_pl", "kind": kind, "entries": entries, "host": socket.gethostname(), "pid": os.getpid(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+
+
+def _swap(work: Path, output: Path) -> None:
+    """Put `work` in place of `output` (which may not exist); the old folder is removed."""
+    old = output.parent / f".{output.name}.old-{os.getpid()}"
+    _remove(old)
+    had_old = output.exists() or output.is_symlink()
+    if had_old:
+        os.replace(output, old)
+    try:
+        os.replace(work, output)
+    except OSError:
+        if had_old:
+            os.replace(old, output)
+        raise
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with suppress(OSError):
+            path.unlink(missing_ok=True)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this machine exists (a zombie or another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _has_fingerprint(path: Path) -> bool:
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(payload, dict) and "fingerprint" in payload

@@ -13,6 +13,7 @@ from torch import Tensor
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.evalsets import EvalSet
 from soma_pl.errors import ConfigError, DataError
+from soma_pl.models.checkpoints import load_checkpoint
 from soma_pl.models.experts import HeadMode, StackedExperts
 from soma_pl.models.router import Router
 
@@ -29,15 +30,6 @@ class LoadedExperts:
     path: str
 
 
-def _read(path: Path) -> dict:
-    if not path.is_file():
-        raise DataError(f"checkpoint not found: {path}")
-    try:
-        return torch.load(path, weights_only=False, map_location="cpu")
-    except Exception as error:  # torch.load raises many types for a damaged file
-        raise DataError(f"unreadable checkpoint {path}: {str(error).strip().splitlines()[0]}") from error
-
-
 def load_experts(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedExperts:
     """Rebuild the `StackedExperts` of any soma_pl checkpoint from its weights' shapes.
 
@@ -49,7 +41,7 @@ def load_experts(path: str | Path, dtype: torch.dtype = torch.float32) -> Loaded
         DataError: missing or unreadable file. ConfigError: no stacked-expert model inside.
     """
     path = Path(path).expanduser()
-    checkpoint = _read(path)
+    checkpoint = load_checkpoint(path)
     state = {k.removeprefix("model."): v for k, v in checkpoint.get("state_dict", {}).items()
              if k.startswith("model.")}
     if "w_ih" not in state or "head" not in state:

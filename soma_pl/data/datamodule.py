@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from soma_pl.data.evalsets import EvalDataset, EvalSet, ExpertWindowsDataset
-from soma_pl.data.experts import read_expert_shards
+from soma_pl.data.experts import check_sharded_from, expert_shards, read_experts_manifest
 from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
 from soma_pl.data.shards import ShardRecord, Verify, verify_shards
 from soma_pl.data.stream import RankSplit, WindowStream, fixed_windows, rank_share
@@ -51,8 +51,13 @@ class ByteDataModule(L.LightningDataModule):
                  num_workers: int = 0, seed: int = 0, verify: Verify = Verify.sha256, auto_prepare: bool = True,
                  expert_val_windows: int | None = None):
         super().__init__()
+        for key, value, least in (("batch_size", batch_size, 1), ("eval_batch_size", eval_batch_size, 1),
+                                  ("shuffle_buffer", shuffle_buffer, 1), ("num_workers", num_workers, 0)):
+            if value < least:
+                raise ConfigError(f"data.init_args.{key}={value} must be >= {least}")
         if expert_val_windows is not None and expert_val_windows < 1:
             raise ConfigError(f"data.expert_val_windows={expert_val_windows} must be >= 1 (or null: the whole split)")
+        dataset.validate()
         self.dataset = dataset
         self.experts_dir = experts_dir
         self.batch_size = batch_size
@@ -88,7 +93,10 @@ class ByteDataModule(L.LightningDataModule):
             origin = self.root
         else:
             origin = Path(self.experts_dir).expanduser()
-            experts = read_expert_shards(origin)
+            sharded = read_experts_manifest(origin)
+            # Shards cut from another preparation of the corpus may hold this one's held-out documents.
+            check_sharded_from(origin, sharded, self.root, manifest.get("fingerprint"))
+            experts = expert_shards(origin, sharded)
             self.shard_sets = [verify_shards(origin, e.train, self.verify) for e in experts]
             val_sets = [verify_shards(origin, e.val, self.verify) for e in experts]
         if all(val_sets):

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from soma_pl.data.documents import Document
+from soma_pl.errors import ConfigError
 
 DEMO_SOURCES: tuple[str, ...] = ("wikipedia", "sotu", "python_docs")
 
@@ -197,9 +198,10 @@ def _check_sources(sources: Iterable[str] | str) -> tuple[str, ...]:
     names = (sources,) if isinstance(sources, str) else tuple(sources)
     unknown = [s for s in names if s not in DEMO_SOURCES]
     if unknown:
-        raise ValueError(f"unknown demo source(s) {unknown}; valid: {list(DEMO_SOURCES)}")
+        raise ConfigError(f"corpus.demo_sources: unknown demo source {', '.join(map(repr, unknown))}; "
+                          f"valid: {', '.join(DEMO_SOURCES)}")
     if not names:
-        raise ValueError(f"no demo source requested; valid: {list(DEMO_SOURCES)}")
+        raise ConfigError(f"corpus.demo_sources is empty; valid: {', '.join(DEMO_SOURCES)}")
     return tuple(dict.fromkeys(names))
 
 

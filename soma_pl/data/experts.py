@@ -2,6 +2,8 @@
 
 Written by semantic (or random) sharding; read by `ByteDataModule` to give each expert its own
 stream. `experts.json` is written last and atomically: a folder without it is not a sharded dataset.
+It records the fingerprint of the prepared dataset the shards were cut from (`dataset_fingerprint`),
+so a reader can refuse shards of another dataset (whose documents may be its test documents).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from soma_pl.data.documents import Document
 from soma_pl.data.shards import ShardRecord, ShardWriter
 from soma_pl.errors import DataError
-from soma_pl.io import write_json_atomic
+from soma_pl.io import close_quietly, write_json_atomic
 
 EXPERTS_MANIFEST = "experts.json"
 
@@ -39,6 +41,10 @@ class ExpertShardWriter:
     def write(self, expert: int, document: Document, validation: bool = False) -> None:
         self._writers[expert]["val" if validation else "train"].write(document)
 
+    def abandon(self) -> None:
+        """Close every shard after a failure, ignoring errors (the folder is discarded)."""
+        close_quietly(writer for writers in self._writers for writer in writers.values())
+
     def close(self, extra: dict | None = None) -> list[ExpertShards]:
         """Close every shard and write `experts.json` (with `extra` fields); return the records."""
         experts = [ExpertShards(w["train"].close(), w["val"].close()) for w in self._writers]
@@ -52,20 +58,60 @@ class ExpertShardWriter:
         return experts
 
 
-def read_expert_shards(folder: Path) -> list[ExpertShards]:
-    """The per-expert shard records of a sharded dataset folder.
+def read_experts_manifest(folder: str | Path) -> dict:
+    """The `experts.json` of a sharded dataset folder.
 
     Raises:
-        DataError: no `experts.json`, or it cannot be read.
+        DataError: the folder or its experts.json is missing or unreadable.
     """
     path = Path(folder) / EXPERTS_MANIFEST
     try:
         payload = json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise DataError(f"not a sharded dataset (no {EXPERTS_MANIFEST}): {folder}") from error
+    except (OSError, ValueError) as error:
+        raise DataError(f"unreadable {path}: {error}") from error
+    if not isinstance(payload, dict):
+        raise DataError(f"unreadable {path}: not a JSON object")
+    return payload
+
+
+def expert_shards(folder: str | Path, payload: dict) -> list[ExpertShards]:
+    """The per-expert shard records of an `experts.json` read from `folder`.
+
+    Raises:
+        DataError: the records are malformed.
+    """
+    try:
         return [
             ExpertShards([ShardRecord(**r) for r in e["train"]], [ShardRecord(**r) for r in e.get("val", [])])
             for e in payload["experts"]
         ]
-    except FileNotFoundError as error:
-        raise DataError(f"not a sharded dataset (no {EXPERTS_MANIFEST}): {folder}") from error
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DataError(f"unreadable {path}: {error}") from error
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise DataError(f"unreadable {Path(folder) / EXPERTS_MANIFEST}: {error}") from error
+
+
+def read_expert_shards(folder: str | Path) -> list[ExpertShards]:
+    """The per-expert shard records of a sharded dataset folder (see `read_experts_manifest`)."""
+    return expert_shards(folder, read_experts_manifest(folder))
+
+
+def check_sharded_from(folder: str | Path, payload: dict, dataset_dir: str | Path,
+                       dataset_fingerprint: str | None) -> None:
+    """Refuse expert shards cut from another prepared dataset than `dataset_dir`.
+
+    Args:
+        folder: the sharded dataset folder; payload: its `experts.json`.
+        dataset_dir: the prepared dataset in use; dataset_fingerprint: its manifest's `fingerprint`.
+
+    Raises:
+        DataError: `experts.json` names another dataset fingerprint, or none (older shards).
+    """
+    recorded = payload.get("dataset_fingerprint")
+    if recorded is None:
+        raise DataError(f"{Path(folder) / EXPERTS_MANIFEST} does not record which prepared dataset it was sharded "
+                        f"from (an older soma_pl): run shard again on {dataset_dir}")
+    if recorded != dataset_fingerprint:
+        raise DataError(f"experts_dir={folder} was sharded from another prepared dataset than {dataset_dir} "
+                        f"(dataset fingerprint {recorded[:12]}, now {str(dataset_fingerprint)[:12]}), so its shards may "
+                        f"hold that dataset's validation and test documents: run shard again on {dataset_dir}")

@@ -16,7 +16,10 @@ against it. A seeded hash of the id also sends `expert_val_fraction` of the trai
 (at least one) to the expert-validation split, decided per document, so the choice is the same
 whatever order or partition the corpus is read in. The folder is built under a temporary name and renamed into place with its manifest, so
 an interrupted run leaves nothing that reads as a prepared dataset. The manifest records a hash of
-the config and of the corpus's identity: an identical re-run is a no-op, a changed one rebuilds.
+the config and of the corpus's identity: an identical re-run is a no-op, a changed one rebuilds. Each
+pass ends by checking that the corpus files are still those (paths, sizes, mtimes) seen at the
+start, so a file that changes or disappears meanwhile stops the run instead of shrinking the
+dataset. Only a folder soma_pl wrote as a prepared dataset is replaced (`soma_pl.io.atomic_folder`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import math
 import time
 import warnings
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,13 +43,15 @@ from soma_pl.data.documents import Document
 from soma_pl.data.evalsets import EvalSet
 from soma_pl.data.heldout import (HeldOutSelector, OverlapScreen, seeded_hash, test_window_offset,
                                   validation_windows)
-from soma_pl.data.readers import CorpusConfig, corpus_fingerprint, iter_corpus
+from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_change, corpus_fingerprint, iter_corpus
 from soma_pl.data.shards import ShardRecord, ShardWriter
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.io import atomic_folder, write_json_atomic
+from soma_pl.io import atomic_folder, close_quietly, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 3
+KIND = "prepared dataset"
+"""What the output folder's marker calls it (`soma_pl.io.OUTPUT_MARKER`)."""
 
 
 @dataclass
@@ -82,25 +88,49 @@ class PrepareConfig:
     def test_candidates(self) -> int:
         return math.ceil(self.test_windows * self.test_oversample)
 
-    def fingerprint(self) -> str:
-        """Hash of everything the output depends on: settings, corpus identity, format."""
+    def fingerprint(self, corpus: dict | None = None) -> str:
+        """Hash of everything the output depends on: settings, corpus identity (`corpus`, when
+        already read by `corpus_fingerprint`), format."""
         settings = asdict(self)
         settings.pop("output_dir")
-        identity = {"settings": settings, "corpus": corpus_fingerprint(self.corpus), "format": FORMAT_VERSION}
+        corpus = corpus_fingerprint(self.corpus) if corpus is None else corpus
+        identity = {"settings": settings, "corpus": corpus, "format": FORMAT_VERSION}
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+    def validate(self) -> None:
+        """Refuse settings that cannot build a usable dataset, naming the key (`dataset.<field>`).
+
+        Raises:
+            ConfigError: a count below 1, an oversampling below 1, a shingle longer than a test
+                window (it could never exclude anything) or a fraction outside (0, 1).
+        """
+        counts = {"val_documents": self.val_documents, "val_windows": self.val_windows,
+                  "test_windows": self.test_windows, "shard_max_bytes": self.shard_max_bytes}
+        for key, value in counts.items():
+            if value < 1:
+                raise ConfigError(f"dataset.{key}={value} must be >= 1")
+        if not (math.isfinite(self.test_oversample) and self.test_oversample >= 1):
+            raise ConfigError(f"dataset.test_oversample={self.test_oversample} must be a finite number >= 1")
+        if not 1 <= self.shingle_bytes <= WINDOW_BYTES:
+            raise ConfigError(f"dataset.shingle_bytes={self.shingle_bytes} must be in [1, {WINDOW_BYTES}] "
+                              f"(a test window's length)")
+        if not 0 < self.expert_val_fraction < 1:
+            raise ConfigError(f"dataset.expert_val_fraction={self.expert_val_fraction} must be in (0, 1)")
 
 
 def prepare(config: PrepareConfig, progress: bool = True) -> Path:
     """Build `config.output_dir` unless an identical build is already there; return its path."""
+    config.validate()
     output = Path(config.output_dir).expanduser()
-    fingerprint = config.fingerprint()
+    corpus = corpus_fingerprint(config.corpus)
+    fingerprint = config.fingerprint(corpus)
     existing = read_manifest(output) if (output / MANIFEST).is_file() else None
     if existing is not None and existing.get("fingerprint") == fingerprint:
         return output
-    if existing is not None:
-        warnings.warn(f"{output}: prepared with another config or corpus; rebuilding", stacklevel=2)
-    with atomic_folder(output) as work:
-        manifest = _build(config, work, progress)
+    with atomic_folder(output, KIND, "dataset.output_dir", corpus_inputs(config.corpus), MANIFEST) as work:
+        if existing is not None:
+            warnings.warn(f"{output}: prepared with another config or corpus; rebuilding", stacklevel=3)
+        manifest = _build(config, work, progress, corpus)
         manifest["fingerprint"] = fingerprint
         write_json_atomic(work / MANIFEST, manifest)
     return output
@@ -121,7 +151,29 @@ def read_manifest(folder: Path) -> dict:
         raise DataError(f"unreadable manifest {path}: {error}") from error
 
 
-def _build(config: PrepareConfig, work: Path, progress: bool) -> dict:
+def corpus_inputs(corpus: CorpusConfig) -> list[str]:
+    """The paths a corpus is read from (none for the demo corpus): no output may hold them."""
+    return [] if CorpusKind(corpus.kind) is CorpusKind.demo else list(corpus.paths)
+
+
+def _read_corpus(config: PrepareConfig, before: dict, stage: str, progress: bool) -> Iterator[Document]:
+    """One pass over the corpus; after its last document, a check that the corpus files are still
+    those `before` (`corpus_fingerprint`) lists, so both passes read the same documents.
+
+    Raises:
+        DataError: a file appeared, disappeared or changed size or mtime.
+    """
+    yield from tqdm(iter_corpus(config.corpus), desc=f"prepare: {stage}", unit="doc", disable=not progress)
+    try:
+        change = corpus_change(before, corpus_fingerprint(config.corpus))
+    except DataError as error:
+        change = str(error)
+    if change:
+        raise DataError(f"the corpus changed while prepare read it ({stage}): {change}; nothing was written: "
+                        "run prepare again once the corpus is complete")
+
+
+def _build(config: PrepareConfig, work: Path, progress: bool, corpus: dict) -> dict:
     if not 0 < config.expert_val_fraction < 1:
         raise ConfigError(f"dataset.expert_val_fraction={config.expert_val_fraction} must be in (0, 1)")
     started = time.perf_counter()
@@ -130,8 +182,7 @@ def _build(config: PrepareConfig, work: Path, progress: bool) -> dict:
     selector = HeldOutSelector(config.seed, held_count, keep_bytes)
     expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, held_count + 1)
     short = Counter()
-    for document in tqdm(iter_corpus(config.corpus), desc="prepare: select held-out", unit="doc",
-                         disable=not progress):
+    for document in _read_corpus(config, corpus, "select held-out", progress):
         if len(document.text) < WINDOW_BYTES:
             short[document.source] += 1
         else:
@@ -150,7 +201,8 @@ def _build(config: PrepareConfig, work: Path, progress: bool) -> dict:
     offsets = [test_window_offset(config.seed, d) for d in candidates]
     screen = OverlapScreen([d.text[o : o + WINDOW_BYTES] for d, o in zip(candidates, offsets)], config.shingle_bytes)
     expert_val.exclude(held_ids)
-    shards, train_stats = _write_training(config, work, held_ids, screen, expert_val, progress)
+    shards, train_stats = _write_training(config, work, held_ids, screen, expert_val,
+                                          _read_corpus(config, corpus, "write shards", progress))
     val = _validation_set(val_docs, config.val_windows)
     test, test_stats = _test_set(candidates, offsets, screen.contaminated, config.test_windows, config.shingle_bytes)
     val.save(work / "ensemble_val.npz")
@@ -204,24 +256,27 @@ class ExpertValChoice:
 
 
 def _write_training(config: PrepareConfig, work: Path, held_ids: set[str], screen: OverlapScreen,
-                    expert_val: ExpertValChoice, progress: bool) -> tuple[dict[str, list[ShardRecord]], dict]:
+                    expert_val: ExpertValChoice, corpus: Iterable[Document]) -> tuple[dict[str, list[ShardRecord]], dict]:
     writers = {"train": ShardWriter(work / "train", "train", config.shard_max_bytes),
                "expert_val": ShardWriter(work / "expert_val", "val", config.shard_max_bytes)}
     documents, sizes, held_out = Counter(), Counter(), Counter()
-    for document in tqdm(iter_corpus(config.corpus), desc="prepare: write shards", unit="doc",
-                         disable=not progress):
-        if len(document.text) < WINDOW_BYTES or document.doc_id in held_ids:
-            continue
-        screen.screen(document.text)  # expert-validation documents are training data too
-        if expert_val.holds(document.doc_id):
-            writers["expert_val"].write(document)
-            held_out["documents"] += 1
-            held_out["bytes"] += len(document.text)
-            continue
-        writers["train"].write(document)
-        documents[document.source] += 1
-        sizes[document.source] += len(document.text)
-    records = {split: writer.close() for split, writer in writers.items()}
+    try:
+        for document in corpus:
+            if len(document.text) < WINDOW_BYTES or document.doc_id in held_ids:
+                continue
+            screen.screen(document.text)  # expert-validation documents are training data too
+            if expert_val.holds(document.doc_id):
+                writers["expert_val"].write(document)
+                held_out["documents"] += 1
+                held_out["bytes"] += len(document.text)
+                continue
+            writers["train"].write(document)
+            documents[document.source] += 1
+            sizes[document.source] += len(document.text)
+        records = {split: writer.close() for split, writer in writers.items()}
+    except BaseException:
+        close_quietly(writers.values())
+        raise
     if not records["train"]:
         raise DataError(f"no training documents left in {_describe(config.corpus)}")
     stats = {

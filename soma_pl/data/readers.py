@@ -124,15 +124,27 @@ def iter_jsonl(files: Sequence[Path], text_field: str = "text") -> Iterator[Docu
                     text = record.get(text_field) if isinstance(record, dict) else None
                     if not isinstance(text, str):
                         raise DataError(f"{path}:{number}: no string field '{text_field}'")
-                    yield Document(text.encode("utf-8"), str(path), f"{path.name}:{number}")
+                    yield Document(_utf8(text, path, number), str(path), f"{path.name}:{number}")
         except (OSError, EOFError, UnicodeDecodeError) as error:
             raise DataError(f"unreadable JSONL file {path}: {_first_line(error)}") from error
+
+
+def _utf8(text: str, path: Path, line: int) -> bytes:
+    """A JSON string's UTF-8 bytes; a lone surrogate (`"\\ud800"`) has none."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise DataError(f"{path}:{line}: invalid Unicode in the text (a lone surrogate "
+                        f"{text[error.start]!r} at character {error.start}): fix or drop that line") from error
 
 
 def iter_text(files: Sequence[Path]) -> Iterator[Document]:
     """Yield each text file as one document (its bytes as stored; invalid UTF-8 is an error)."""
     for path in files:
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise DataError(f"unreadable text file {path}: {_first_line(error)}") from error
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as error:
@@ -171,6 +183,23 @@ def corpus_fingerprint(config: CorpusConfig) -> dict:
     listing = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     options = {"text_field": config.text_field, "min_int_score": config.min_int_score}
     return {"kind": kind.value, "files": listing, **options}
+
+
+def corpus_change(before: dict, after: dict) -> str | None:
+    """How a corpus changed between two `corpus_fingerprint`s, in words; None when it did not."""
+    old = {path: (size, mtime) for path, size, mtime in before.get("files", [])}
+    new = {path: (size, mtime) for path, size, mtime in after.get("files", [])}
+    for path, (size, mtime) in old.items():
+        if path not in new:
+            return f"{path} disappeared"
+        if new[path][0] != size:
+            return f"{path} changed size ({size} -> {new[path][0]} bytes)"
+        if new[path][1] != mtime:
+            return f"{path} was modified"
+    added = [path for path in new if path not in old]
+    if added:
+        return f"{added[0]} appeared"
+    return None if before == after else "its identity changed"
 
 
 def _first_line(error: BaseException) -> str:

@@ -14,6 +14,9 @@ documents to experts in the order of a seeded hash. Held-out documents never rea
 prepared training shards are read. Two streaming passes (embed, then write); only the embeddings are
 held in memory. The folder is built under a temporary name and renamed into place with experts.json
 last; experts.json records a fingerprint, so an identical re-run is a no-op and a changed one rebuilds.
+experts.json also records the prepared dataset's fingerprint, and router.pt the sharding's, so
+training and evaluation can refuse shards or a router that belong to another dataset or sharding.
+Only a folder soma_pl wrote as a sharded dataset is replaced, never an input or a folder holding one.
 """
 
 from __future__ import annotations
@@ -32,16 +35,18 @@ import torch
 from tqdm.auto import tqdm
 
 from soma_pl.data.documents import Document
-from soma_pl.data.experts import EXPERTS_MANIFEST, ExpertShardWriter
+from soma_pl.data.experts import EXPERTS_MANIFEST, ExpertShardWriter, read_experts_manifest
 from soma_pl.data.heldout import seeded_hash
-from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
+from soma_pl.data.prepare import PrepareConfig, corpus_inputs, prepare, read_manifest
 from soma_pl.data.shards import ShardRecord, Verify, iter_shard_documents, sha256_file, verify_shards
-from soma_pl.io import atomic_folder
+from soma_pl.io import atomic_folder, check_output
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.models.router import EncoderKind, HashedNgramEncoder, Router, SeedEncoder, prefix_batch
 
 ROUTER_FILE = "router.pt"
 FORMAT_VERSION = 1
+KIND = "sharded dataset"
+"""What the output folder's marker calls it (`soma_pl.io.OUTPUT_MARKER`)."""
 
 
 class Sharding(str, Enum):
@@ -116,6 +121,11 @@ class ShardConfig:
             if not ok:
                 raise ConfigError(message)
 
+    def inputs(self) -> list[str]:
+        """What a sharding reads: the prepared dataset, its corpus, the seed checkpoint."""
+        seed = [self.seed_checkpoint] if EncoderKind(self.embedder) is EncoderKind.seed else []
+        return [self.dataset.output_dir, *corpus_inputs(self.dataset.corpus), *seed]
+
     def fingerprint(self, manifest: dict) -> str:
         """Hash of everything the output depends on: settings, the prepared shards, the seed model."""
         settings = asdict(self)
@@ -155,32 +165,21 @@ class DocumentIndex:
 def shard(config: ShardConfig, progress: bool = True) -> Path:
     """Build `config.output_dir` unless an identical build is already there; return its path."""
     config.validate()
+    output = Path(config.output_dir).expanduser()
+    check_output(output, KIND, "shard.output_dir", config.inputs(), EXPERTS_MANIFEST)  # before hours of work
     root = prepare(config.dataset, progress=progress)
     manifest = read_manifest(root)
-    output = Path(config.output_dir).expanduser()
     fingerprint = config.fingerprint(manifest)
     if (output / EXPERTS_MANIFEST).is_file():
         if _read_fingerprint(output) == fingerprint:
             return output
         warnings.warn(f"{output}: sharded with another config or dataset; rebuilding", stacklevel=2)
-    with atomic_folder(output) as work:
+    with atomic_folder(output, KIND, "shard.output_dir", config.inputs(), EXPERTS_MANIFEST) as work:
         _build(config, root, manifest, work, fingerprint, progress)
     return output
 
 
-def read_shard_manifest(folder: str | Path) -> dict:
-    """The experts.json of a sharded dataset folder.
-
-    Raises:
-        DataError: the folder or its experts.json is missing or unreadable.
-    """
-    path = Path(folder) / EXPERTS_MANIFEST
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as error:
-        raise DataError(f"not a sharded dataset (no {EXPERTS_MANIFEST}): {folder}") from error
-    except (OSError, json.JSONDecodeError) as error:
-        raise DataError(f"unreadable {path}: {error}") from error
+read_shard_manifest = read_experts_manifest  # the name cli.py and the notebooks use
 
 
 def make_encoder(config: ShardConfig) -> torch.nn.Module:
@@ -202,23 +201,28 @@ def _build(config: ShardConfig, root: Path, manifest: dict, work: Path, fingerpr
                         "(each needs one training and one validation document)")
     labels, moved = assign_experts(config, index)
     centroids = expert_centroids(index.embeddings, labels, config.num_experts)
-    Router(encoder, torch.from_numpy(centroids)).save(work / ROUTER_FILE)
+    Router(encoder, torch.from_numpy(centroids), sharding=fingerprint).save(work / ROUTER_FILE)
     validation = validation_mask(labels, index.val_keys, config.num_experts, config.val_fraction)
     writer = ExpertShardWriter(work, config.num_experts, config.shard_max_bytes)
-    sizes = _write_experts(paths, labels, validation, writer, config.num_experts, progress)
-    writer.close(extra={
-        "format": FORMAT_VERSION,
-        "fingerprint": fingerprint,
-        "config": json.loads(json.dumps(asdict(config), default=str)),
-        "dataset_dir": str(root),
-        "router": ROUTER_FILE,
-        "documents": int(len(labels)),
-        "expert_sizes": sizes,
-        "shard_sizes": _min_max(sizes),
-        "rebalanced_documents": moved,
-        **_cluster_report(index, labels, centroids, config.num_experts),
-        "shard_seconds": round(time.perf_counter() - started, 3),
-    })
+    try:
+        sizes = _write_experts(paths, labels, validation, writer, config.num_experts, progress)
+        writer.close(extra={
+            "format": FORMAT_VERSION,
+            "fingerprint": fingerprint,
+            "dataset_fingerprint": manifest["fingerprint"],
+            "config": json.loads(json.dumps(asdict(config), default=str)),
+            "dataset_dir": str(root),
+            "router": ROUTER_FILE,
+            "documents": int(len(labels)),
+            "expert_sizes": sizes,
+            "shard_sizes": _min_max(sizes),
+            "rebalanced_documents": moved,
+            **_cluster_report(index, labels, centroids, config.num_experts),
+            "shard_seconds": round(time.perf_counter() - started, 3),
+        })
+    except BaseException:
+        writer.abandon()
+        raise
 
 
 def _iter_documents(paths: list[Path]) -> Iterator[Document]:

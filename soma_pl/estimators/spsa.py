@@ -21,6 +21,7 @@ The loss function sees weights with a leading group dimension ``G = E·2K`` laid
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -55,8 +56,13 @@ class SPSAConfig:
     last-level cache run faster (d_t = 181: 8 directions per call ≈ 2× faster than 64)."""
 
     def __post_init__(self) -> None:
-        if self.eps <= 0 or self.n_pert < 1 or self.micro_batch < 1 or self.loss_grouping < 1:
-            raise ValueError(f"invalid SPSA settings {self}")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"SPSA eps={self.eps} must be a positive finite number")
+        for name in ("n_pert", "micro_batch", "loss_grouping"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SPSA {name}={getattr(self, name)} must be >= 1")
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"SPSA max_rows={self.max_rows} must be >= 1 (or None)")
 
 
 @dataclass

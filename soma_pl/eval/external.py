@@ -37,6 +37,7 @@ from soma_pl.errors import ConfigError, DataError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.ensemble import score_top_k
 from soma_pl.lit.base import ByteLMModule
+from soma_pl.models.checkpoints import load_checkpoint
 from soma_pl.models.router import Router
 
 WIKITEXT_TITLE = re.compile(rb"^ ?= [^=\n][^\n]*[^=\n] = ?\r?$", re.MULTILINE)
@@ -134,15 +135,23 @@ def _model_section(config: Path) -> tuple[str, dict]:
     return section["class_path"], dict(section.get("init_args") or {})
 
 
-def _module_class(class_path: str) -> type[ByteLMModule]:
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ConfigError(f"model class {class_path!r} cannot be imported") from error
-    if not (isinstance(cls, type) and issubclass(cls, ByteLMModule)):
-        raise ConfigError(f"model class {class_path!r} is not a soma_pl ByteLMModule")
-    return cls
+def _soma_modules() -> dict[str, type[ByteLMModule]]:
+    """soma_pl's LightningModules under each class path that names them (`soma_pl.lit.SPSAModule`,
+    `soma_pl.lit.spsa.SPSAModule`)."""
+    lit = importlib.import_module("soma_pl.lit")
+    classes = [value for value in vars(lit).values() if isinstance(value, type) and issubclass(value, ByteLMModule)]
+    return {path: cls for cls in classes
+            for path in (f"{lit.__name__}.{cls.__name__}", f"{cls.__module__}.{cls.__qualname__}")}
+
+
+def _module_class(class_path: object, source: Path) -> type[ByteLMModule]:
+    """The soma_pl module `class_path` (read from `source`) names. A checkpoint may be crafted: the
+    path is looked up among soma_pl's own modules, and nothing it names is ever imported."""
+    modules = _soma_modules()
+    if not isinstance(class_path, str) or class_path not in modules:
+        names = ", ".join(sorted({f"soma_pl.lit.{cls.__name__}" for cls in modules.values()}))
+        raise ConfigError(f"{source}: model class {class_path!r} is not one of soma_pl's modules ({names})")
+    return modules[class_path]
 
 
 def load_module(checkpoint: str | Path, config: str | Path | None = None,
@@ -158,25 +167,23 @@ def load_module(checkpoint: str | Path, config: str | Path | None = None,
     from lightning.pytorch.cli import instantiate_module
 
     path = Path(checkpoint).expanduser()
-    if not path.is_file():
-        raise DataError(f"checkpoint not found: {path}")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-        state, hparams = payload["state_dict"], dict(payload.get("hyper_parameters") or {})
-    except Exception as error:  # torch.load raises many types for a damaged file
-        raise DataError(f"unreadable checkpoint {path}: {str(error).strip().splitlines()[0]}") from error
+    payload = load_checkpoint(path)
+    state, hparams = payload["state_dict"], dict(payload.get("hyper_parameters") or {})
     if config is not None:
-        class_path, init_args = _model_section(Path(config).expanduser())
+        source = Path(config).expanduser()
+        class_path, init_args = _model_section(source)
     elif "_class_path" in hparams:
-        class_path = hparams["_class_path"]
+        source, class_path = path, hparams["_class_path"]
         # A subclass's hyperparameters also hold what it passed to its parent's __init__ (SOMA's
-        # `head`): keep what this class accepts, as Lightning's own loading does.
-        accepted = inspect.signature(_module_class(class_path).__init__).parameters
-        init_args = {key: value for key, value in hparams.items() if key in accepted and key != "self"}
+        # `head`): keep what this class accepts, as Lightning's own loading does. The optimizer
+        # is left out: evaluation steps none, and building it would import the class it names.
+        accepted = inspect.signature(_module_class(class_path, source).__init__).parameters
+        init_args = {key: value for key, value in hparams.items()
+                     if key in accepted and key not in ("self", "optimizer")}
     else:
         raise ConfigError(f"checkpoint {path} does not name its module class: pass --config with the fit YAML")
     try:
-        module = instantiate_module(_module_class(class_path), init_args)
+        module = instantiate_module(_module_class(class_path, source), init_args)
     except ConfigError:
         raise
     except Exception as error:  # jsonargparse reports a bad key as one of several types

@@ -8,10 +8,15 @@ logged as `val/loss`: they give the scaling curves and the sweep selection, neve
 decision. Each expert's own expert-validation split, the held-out 1% of its training documents
 (dataloader 1; N = 1 is one expert), is logged as `expert/<e>/val_loss` and handed to
 `after_validation`, where every module decays its learning rate.
+
+Numbers are checked where they are given: every constructor refuses a setting that cannot work,
+naming its key. A NaN or infinite training loss or weight (`check_finite`, every step), validation
+loss, or checkpoint weight (written or read) stops the run with one line; no checkpoint holds one.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,13 +28,61 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
-from soma_pl.errors import ConfigError
+from soma_pl.errors import ConfigError, SomaError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.ensemble import EnsembleScores, score_windows
 from soma_pl.eval.metrics import NatsPerByte, PerExpertNats
 from soma_pl.io import write_json_atomic
 from soma_pl.lit.optim import optimizer_factory, optimizer_spec
+from soma_pl.models.checkpoints import first_nonfinite
 from soma_pl.models.experts import HeadMode, StackedExperts
+
+LR_KEY = "model.init_args.optimizer.init_args.lr"
+
+SAME_STATE = (frozenset({"SPSAModule", "DDPPModule"}),)
+"""Module classes whose training state is the same, so each resumes the others' checkpoints (DDPP is
+SPSA's update with the directions shared out across ranks). Any other class resumes only its own."""
+
+
+class NonFiniteError(SomaError):
+    """A loss or weight became NaN or infinite: the run stops and writes no checkpoint of it."""
+
+
+def require(ok: bool, key: str, value, rule: str) -> None:
+    """Raise `ConfigError("<key>=<value> must be <rule>")` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}={value} must be {rule}")
+
+
+def check_positive_lr(lr: float | Tensor) -> None:
+    """A learning rate must be a positive finite number (0 would also divide ε's schedule by zero)."""
+    lr = float(lr)
+    require(math.isfinite(lr) and lr > 0, LR_KEY, f"{lr:g}", "a positive finite number")
+
+
+def check_plateau(factor: float, patience: int, min_lr: float) -> None:
+    """The learning-rate decay settings every module shares."""
+    require(0 < factor < 1, "model.init_args.plateau_factor", factor, "in (0, 1)")
+    require(patience >= 0, "model.init_args.plateau_patience", patience, ">= 0")
+    require(math.isfinite(min_lr) and min_lr >= 0, "model.init_args.min_lr", min_lr, "a finite number >= 0")
+
+
+def resumes(module: str, written_by: str) -> bool:
+    """Whether module class `module` can resume a checkpoint written by class `written_by` (names)."""
+    return module == written_by or any({module, written_by} <= group for group in SAME_STATE)
+
+
+def finite_experts(model: StackedExperts) -> Tensor:
+    """`[E]` bool: whether each expert's weights are all finite (a shared tensor counts for every expert).
+
+    A float64 sum per expert is finite exactly when every float32/bf16 entry is (it cannot
+    overflow), and it allocates `[E]`, not a mask the size of the model.
+    """
+    finite = torch.ones(model.num_experts, dtype=torch.bool, device=model.w_hh.device)
+    for name, param in model.named_parameters():
+        rows = param.detach().reshape(1 if model.is_shared(name) else model.num_experts, -1)
+        finite &= torch.isfinite(rows.sum(1, dtype=torch.float64))
+    return finite
 
 
 @dataclass(frozen=True)
@@ -64,8 +117,14 @@ class ByteLMModule(L.LightningModule):
                  head: HeadMode = HeadMode.PER_EXPERT, train_context: int = 1024, score_from: int = ROUTE_BYTES,
                  time_chunk: int = 64):
         super().__init__()
-        if not 1 <= train_context < WINDOW_BYTES:
-            raise ConfigError(f"train_context={train_context} must be in [1, {WINDOW_BYTES - 1}]")
+        for key, value in (("num_experts", num_experts), ("width", width), ("num_layers", num_layers),
+                           ("embed_dim", embed_dim), ("time_chunk", time_chunk)):
+            require(value >= 1, f"model.init_args.{key}", value, ">= 1")
+        require(1 <= train_context < WINDOW_BYTES, "model.init_args.train_context", train_context,
+                f"in [1, {WINDOW_BYTES - 1}]")
+        # At least one scored target in a window of WINDOW_BYTES bytes (WINDOW_BYTES - 1 targets).
+        require(0 <= score_from < WINDOW_BYTES - 1, "model.init_args.score_from", score_from,
+                f"in [0, {WINDOW_BYTES - 2}]")
         self.model = StackedExperts(num_experts, width, embed_dim, num_layers, head, time_chunk)
         self.train_context = train_context
         self.score_from = score_from
@@ -84,6 +143,36 @@ class ByteLMModule(L.LightningModule):
         spec = optimizer_spec(optimizer)
         if spec is not None:
             self.hparams["optimizer"] = spec
+            if spec.get("init_args", {}).get("lr") is not None:  # checked here, before any data is prepared
+                check_positive_lr(spec["init_args"]["lr"])
+
+    def build_optimizer(self, params) -> torch.optim.Optimizer:
+        """The configured optimizer over `params`, its learning rate checked (`configure_optimizers`)."""
+        optimizer = self.optimizer_factory(params)
+        for group in optimizer.param_groups:
+            check_positive_lr(group["lr"])
+        return optimizer
+
+    def check_finite(self, step: int, losses: Tensor, model: StackedExperts, experts: range) -> None:
+        """Stop at the first non-finite training loss or weight, naming the step and the expert.
+
+        Every step, after the update and outside its timing: one `[2, E]` read to the host. On GPU
+        `UpdateClock` has already synchronised the device, so the read waits only for this check's
+        own pass over the weights, never for queued training work.
+
+        Args:
+            step: the update's index (`global_step` before it).
+            losses: `[E]` this step's training losses of `model`'s experts.
+            model: the weights just updated; experts: their global indices.
+        """
+        finite = torch.stack([torch.isfinite(losses.detach()).reshape(-1).to(model.w_hh.device),
+                              finite_experts(model)]).tolist()
+        for what, row in zip(("training loss", "weights after the update"), finite):
+            bad = [experts[i] for i, ok in enumerate(row) if not ok]
+            if bad:
+                raise NonFiniteError(f"non-finite {what} at step {step} (expert {', '.join(map(str, bad))}): "
+                                     f"lower the learning rate ({LR_KEY}) or eps/sigma, or resume from the last "
+                                     f"checkpoint with smaller ones")
 
     def training_tokens(self, batch: Tensor) -> Tensor:
         """`batch: [E, B, 1025] uint8` → `[E, B, train_context + 1]`."""
@@ -144,10 +233,24 @@ class ByteLMModule(L.LightningModule):
         return {"index": index, "loss": self.window_losses(windows)}
 
     def on_validation_epoch_end(self) -> None:
-        self._finish_evaluation("val")
+        value = self._finish_evaluation("val")
         held_out = self._finish_expert_validation()
+        if self.trainer.state.fn == TrainerFn.FITTING:
+            self._check_finite_validation(value, held_out)
         if self.trainer.state.fn == TrainerFn.FITTING and not self.trainer.sanity_checking and held_out is not None:
             self.after_validation(held_out)
+
+    def _check_finite_validation(self, value: Tensor, held_out: Tensor | None) -> None:
+        """Stop before a non-finite validation loss drives a decay or a checkpoint is written."""
+        losses = {"validation loss (val/loss)": [float(value)]}
+        if held_out is not None:
+            losses["expert-validation loss"] = held_out.tolist()
+        for what, values in losses.items():
+            bad = [str(e) for e, loss in enumerate(values) if not math.isfinite(loss)]
+            if bad:
+                expert = f" (expert {', '.join(bad)})" if what.startswith("expert") else ""
+                raise NonFiniteError(f"non-finite {what} at step {self.trainer.global_step}{expert}: lower the "
+                                     f"learning rate ({LR_KEY}) or eps/sigma")
 
     def _finish_expert_validation(self) -> Tensor | None:
         """Every expert's expert-validation loss `[E]` (None when there was none), logged per expert."""
@@ -199,13 +302,40 @@ class ByteLMModule(L.LightningModule):
         """Learning-rate decay on each expert's expert-validation loss `held_out [E]` (never on
         the ensemble-validation set)."""
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Record the module class; refuse to write weights that are not finite."""
+        checkpoint["module_class"] = f"{type(self).__module__}.{type(self).__qualname__}"
+        name = _nonfinite_weight(checkpoint)
+        if name is not None:
+            raise NonFiniteError(f"refusing to write a checkpoint at step {checkpoint.get('global_step')}: "
+                                 f"'{name}' holds NaN or infinite values")
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Refuse a checkpoint whose weights have other shapes, naming both shapes."""
+        """Refuse a checkpoint of another module class, with non-finite weights, or whose weights
+        have other shapes (naming both shapes)."""
+        path = getattr(self._trainer, "ckpt_path", None) or "checkpoint"
+        written_by = checkpoint.get("module_class") or (checkpoint.get("hyper_parameters") or {}).get("_class_path")
+        if written_by and not resumes(type(self).__name__, str(written_by).rpartition(".")[2]):
+            raise ConfigError(f"{path} was written by {written_by}, the configured model is "
+                              f"{type(self).__module__}.{type(self).__qualname__}: resume with the same module "
+                              f"(--model={written_by}); start another module from it with init_checkpoint or "
+                              f"seed_checkpoint")
+        name = _nonfinite_weight(checkpoint)
+        if name is not None:
+            raise NonFiniteError(f"{path}: '{name}' holds NaN or infinite values (a diverged run): resume from an "
+                                 f"earlier checkpoint")
         own = self.state_dict()
         for name, tensor in checkpoint.get("state_dict", {}).items():
             if name in own and tuple(own[name].shape) != tuple(tensor.shape):
                 raise ConfigError(f"checkpoint parameter '{name}' has shape {list(tensor.shape)}, "
                                   f"the configured model has {list(own[name].shape)}")
+
+
+def _nonfinite_weight(checkpoint: dict) -> str | None:
+    """The first model weight of a checkpoint holding NaN or infinity (the decay's `plateau.best`
+    starts infinite and is not a weight)."""
+    state = checkpoint.get("state_dict", {})
+    return first_nonfinite({name: value for name, value in state.items() if name.startswith("model.")})
 
 
 class UpdateClock:

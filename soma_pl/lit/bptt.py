@@ -13,7 +13,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
-from soma_pl.lit.base import ByteLMModule, UpdateClock, UpdateRecord
+from soma_pl.lit.base import ByteLMModule, UpdateClock, UpdateRecord, check_plateau
 from soma_pl.lit.plateau import ExpertPlateau, scale_updates
 from soma_pl.lit.routing import RoutedEnsemble
 from soma_pl.models.experts import HeadMode
@@ -38,6 +38,7 @@ class BPTTModule(RoutedEnsemble, ByteLMModule):
                  score_from: int = ROUTE_BYTES, time_chunk: int = 64, num_experts: int = 1,
                  head: HeadMode = HeadMode.PER_EXPERT, router_path: str | None = None, top_k: int = 4):
         super().__init__(num_experts, width, num_layers, embed_dim, head, train_context, score_from, time_chunk)
+        check_plateau(plateau_factor, plateau_patience, min_lr)
         self.save_hyperparameters(ignore=["optimizer"])
         self.automatic_optimization = False  # manual, like the ZO modules: one update per batch
         self.keep_optimizer(optimizer)
@@ -46,7 +47,7 @@ class BPTTModule(RoutedEnsemble, ByteLMModule):
         """Each expert's learning-rate multiplier, floored at `min_lr`."""
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory([p for p in self.parameters() if p.requires_grad])
+        optimizer = self.build_optimizer([p for p in self.parameters() if p.requires_grad])
         base_lr = optimizer.param_groups[0]["lr"]
         self.plateau.min_scale = self.hparams.min_lr / base_lr if base_lr > 0 else 0.0
         return optimizer
@@ -54,6 +55,7 @@ class BPTTModule(RoutedEnsemble, ByteLMModule):
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
         tokens = self.training_tokens(batch)
         optimizer = self.optimizers()
+        step = self.global_step
         clock = UpdateClock(tokens.device)
         clock.start()
         losses = self.model.loss_per_group({}, tokens)  # [E]: each expert's own loss
@@ -64,6 +66,7 @@ class BPTTModule(RoutedEnsemble, ByteLMModule):
         optimizer.step()
         scale_updates(experts, before, self.plateau.scale)
         seconds = clock.stop()
+        self.check_finite(step, losses, self.model, range(self.model.num_experts))
         count, windows, length = tokens.shape
         self.last_update = UpdateRecord(seconds, count * windows * (length - 1), count)
         self.log("train/loss", losses.detach().mean(), prog_bar=True)

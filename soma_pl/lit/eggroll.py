@@ -108,14 +108,12 @@ class EGGROLLModule(SPSAModule):
         return eggroll_estimate(self.member_losses, params, matrices, tokens, config, step=self.global_step,
                                 seed=self.seed)
 
-    def training_tokens(self, batch: Tensor) -> Tensor:
-        """As `SPSAModule`'s, and the batch must hold one window per group of members."""
-        tokens = super().training_tokens(batch)
-        if tokens.shape[1] != self.eggroll.windows:
-            raise ConfigError(f"training batch of {tokens.shape[1]} windows: population {self.eggroll.population} "
+    def check_batch_size(self, batch_size: int) -> None:
+        """The batch holds one window per group of members (checked at setup and on every batch)."""
+        if batch_size != self.eggroll.windows:
+            raise ConfigError(f"training batch of {batch_size} windows: population {self.eggroll.population} "
                               f"in groups of {self.eggroll.group_size} needs data.init_args.batch_size="
                               f"{self.eggroll.windows}")
-        return tokens
 
     def log_result(self, result: EGGROLLResult, tokens: Tensor, seconds: float, sigma: float) -> None:
         experts, _, length = tokens.shape

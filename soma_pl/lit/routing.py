@@ -3,6 +3,10 @@
 A mixin placed before the module's base class: it loads the sharding's router, ranks each window's
 experts on its first 256 bytes, sets the evaluated ensemble size k, and keeps the router inside
 checkpoints. Scoring itself is `ByteLMModule`'s, so every ensemble is evaluated by one code path.
+
+A router records the sharding that fitted it. One from another sharding than the experts were
+trained on (the checkpoint's router) or are trained and validated on (`data.experts_dir`) routes
+windows to the wrong experts without any error, so it is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pathlib import Path
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
+from soma_pl.data.experts import read_experts_manifest
 from soma_pl.errors import ConfigError
 from soma_pl.models.router import Router
 
@@ -29,6 +34,9 @@ class RoutedEnsemble:
         self.top_k = top_k
         self.router_path = router_path
         self.router: Router | None = None
+        self.trained_sharding: str | None = None
+        """The sharding of the router a loaded checkpoint carries: the one its experts learned."""
+        self._checked_router = 0  # id() of the router last checked (a module attribute would register it)
 
     @property
     def routed(self) -> bool:
@@ -36,10 +44,38 @@ class RoutedEnsemble:
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        origin = "the router"
         if self.routed and self.router is None and self.trainer.ckpt_path is None:  # a checkpoint brings its own
-            self.router = Router.load(self.router_path or self._default_router_path())
-        if self.router is not None and self.router.num_experts != self.model.num_experts:
-            raise ConfigError(f"router has {self.router.num_experts} centroids, the model {self.model.num_experts} experts")
+            path = self.router_path or self._default_router_path()
+            self.router, origin = Router.load(path), f"router {path}"
+        self.check_router(origin)
+
+    def check_router(self, origin: str = "the router") -> None:
+        """Refuse a router that does not fit the model or comes from another sharding than the
+        checkpoint's experts or the data's (a router or sharding recording none is not compared).
+
+        Args:
+            origin: where the router came from, for the message.
+
+        Raises:
+            ConfigError: another number of centroids than experts, or another sharding.
+        """
+        router = self.router
+        if router is None:
+            return
+        if router.num_experts != self.model.num_experts:
+            raise ConfigError(f"{origin} has {router.num_experts} centroids, the model {self.model.num_experts} experts")
+        experts_dir = getattr(self._trainer.datamodule, "experts_dir", None) if self._trainer else None
+        expected = [(self.trained_sharding, "the one this checkpoint's experts were trained on")]
+        if experts_dir is not None:
+            expected.append((read_experts_manifest(Path(experts_dir).expanduser()).get("fingerprint"),
+                             f"data.init_args.experts_dir={experts_dir}"))
+        for sharding, where in expected:
+            if router.sharding and sharding and router.sharding != sharding:
+                raise ConfigError(f"{origin} comes from another sharding ({router.sharding[:12]}) than {where} "
+                                  f"({sharding[:12]}), so it would route windows to the wrong experts: use the "
+                                  "router.pt and experts of one sharding")
+        self._checked_router = id(router)
 
     def _default_router_path(self) -> str:
         experts_dir = getattr(self.trainer.datamodule, "experts_dir", None) if self._trainer else None
@@ -55,6 +91,8 @@ class RoutedEnsemble:
     def ranking(self, windows: Tensor) -> Tensor:
         if not self.routed:
             return super().ranking(windows)
+        if id(self.router) != self._checked_router:  # one attached after loading (`evaluate --router`)
+            self.check_router("the router given")
         self.router.to(windows.device)
         return self.router.ranking(windows[:, :ROUTE_BYTES])
 
@@ -69,3 +107,5 @@ class RoutedEnsemble:
         super().on_load_checkpoint(checkpoint)
         if "router" in checkpoint:
             self.router = Router.load_from(io.BytesIO(checkpoint["router"]), "in checkpoint")
+            self.trained_sharding = self.router.sharding
+            self.check_router("the checkpoint's router")

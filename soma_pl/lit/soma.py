@@ -149,7 +149,7 @@ class SOMAModule(RoutedEnsemble, SPSAModule):
     def configure_optimizers(self):
         if self.expert_parallel:  # after setup and any checkpoint restore: `model` holds the start weights
             self.share = self._take_share()
-        optimizer = self.optimizer_factory(self.trainable_parameters().values())
+        optimizer = self.build_optimizer(self.trainable_parameters().values())
         base_lr = optimizer.param_groups[0]["lr"]
         self.plateau.min_scale = self.hparams.min_lr / base_lr if base_lr > 0 else 0.0
         return optimizer
@@ -175,6 +175,7 @@ class SOMAModule(RoutedEnsemble, SPSAModule):
         if batch.dim() != 3 or batch.shape[0] != len(self.experts):
             raise ConfigError(f"training batch of shape {tuple(batch.shape)}: this process trains experts "
                               f"{self.experts.start}..{self.experts.stop - 1}, expected [{len(self.experts)}, B, T]")
+        self.check_batch_size(batch.shape[1])
         return batch[..., : self.train_context + 1]
 
     def loss_fn(self, params: dict[str, Tensor], tokens: Tensor) -> Tensor:
@@ -188,6 +189,7 @@ class SOMAModule(RoutedEnsemble, SPSAModule):
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
         tokens = self.training_tokens(batch)
         optimizer = self.optimizers()
+        step = self.global_step
         clock = UpdateClock(tokens.device)
         clock.start()
         experts = self.experts
@@ -204,6 +206,7 @@ class SOMAModule(RoutedEnsemble, SPSAModule):
         optimizer.zero_grad(set_to_none=True)
         scale_updates(params, before, scale)
         seconds = clock.stop()
+        self.check_finite(step, result.loss, self.trained_model, experts)
         self.log_update(result.loss, tokens, seconds, float(eps.mean()))
         self.log_dict({f"expert/{e}/train_loss": loss for e, loss in zip(experts, result.loss)})
 

@@ -12,6 +12,7 @@ diverging replica); `DDPPModule` shares one model's directions across processes 
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
 import torch
@@ -23,7 +24,7 @@ from soma_pl import ROUTE_BYTES
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
 from soma_pl.errors import ConfigError
-from soma_pl.lit.base import ByteLMModule, UpdateClock, UpdateRecord
+from soma_pl.lit.base import ByteLMModule, UpdateClock, UpdateRecord, check_plateau, require
 from soma_pl.models.checkpoints import monolithic_state
 from soma_pl.models.experts import HeadMode
 
@@ -81,6 +82,11 @@ class SPSAModule(ByteLMModule):
                  score_from: int = ROUTE_BYTES, time_chunk: int = 64, num_experts: int = 1,
                  head: HeadMode = HeadMode.PER_EXPERT, init_checkpoint: str | None = None):
         super().__init__(num_experts, width, num_layers, embed_dim, head, train_context, score_from, time_chunk)
+        require(math.isfinite(eps) and eps > 0, "model.init_args.eps", eps, "a positive finite number")
+        require(n_pert >= 1, "model.init_args.n_pert", n_pert, ">= 1")
+        require(micro_batch >= 1, "model.init_args.micro_batch", micro_batch, ">= 1")
+        require(max_rows is None or max_rows >= 1, "model.init_args.max_rows", max_rows, ">= 1 (or null)")
+        check_plateau(plateau_factor, plateau_patience, min_lr)
         self.save_hyperparameters(ignore=["optimizer"])
         self.init_checkpoint = init_checkpoint
         self.keep_head = False
@@ -99,9 +105,24 @@ class SPSAModule(ByteLMModule):
                               f"differences, which mixed precision ruins; use one of {', '.join(FULL_PRECISION)}")
         if stage == "fit" and self.trainer.world_size > 1:
             self.check_world_size(self.trainer.world_size)
+        batch_size = getattr(self.trainer.datamodule, "batch_size", None)
+        if stage == "fit" and isinstance(batch_size, int):  # before the first step, not at it
+            self.check_batch_size(batch_size)
         # A fresh fit starts from the seed; a resumed one gets its weights from the checkpoint.
         if stage == "fit" and self.init_checkpoint and self.trainer.ckpt_path is None:
             self._warm_start(self.init_checkpoint)
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """The training batch B splits into micro-batches of `micro_batch` windows."""
+        if batch_size % self.spsa.micro_batch:
+            raise ConfigError(f"data.init_args.batch_size={batch_size} is not a multiple of "
+                              f"model.init_args.micro_batch={self.spsa.micro_batch}")
+
+    def training_tokens(self, batch: Tensor) -> Tensor:
+        """As `ByteLMModule`'s, and the batch must fit `check_batch_size`."""
+        tokens = super().training_tokens(batch)
+        self.check_batch_size(tokens.shape[1])
+        return tokens
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse to fit on several processes: each would train its own replica and they would diverge.
@@ -130,7 +151,7 @@ class SPSAModule(ByteLMModule):
             param.copy_(one if self.model.is_shared(name) else one.expand_as(param))
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(self.trainable_parameters().values())
+        optimizer = self.build_optimizer(self.trainable_parameters().values())
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
             optimizer, mode="min", factor=self.hparams.plateau_factor, patience=self.hparams.plateau_patience,
             min_lr=self.hparams.min_lr)
@@ -173,6 +194,7 @@ class SPSAModule(ByteLMModule):
         tokens = self.training_tokens(batch)
         optimizer = self.optimizers()
         self._initial_lr()
+        step = self.global_step
         clock = UpdateClock(tokens.device)
         clock.start()
         eps = self.current_eps()
@@ -182,6 +204,7 @@ class SPSAModule(ByteLMModule):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds = clock.stop()
+        self.check_finite(step, result.loss, self.model, range(self.model.num_experts))
         self.log_result(result, tokens, seconds, eps)
 
     def log_result(self, result, tokens: Tensor, seconds: float, eps: float) -> None:

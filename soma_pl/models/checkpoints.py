@@ -1,13 +1,83 @@
-"""Reading model weights out of Lightning checkpoints (seed models for warm starts and routers)."""
+"""Reading Lightning checkpoints safely, and model weights out of them (seed models for warm starts
+and routers).
+
+Every checkpoint is read with `torch.load(weights_only=True)`: tensors, plain values and the `str`
+enums of soma_pl modules (which a module built in Python keeps in its hyperparameters) load; any
+other class or function a file names is refused before anything in it runs.
+"""
 
 from __future__ import annotations
 
+import importlib
+from enum import Enum
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from soma_pl.errors import ConfigError, DataError
+
+
+def _reason(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def _soma_enum(name: str) -> type[Enum] | None:
+    """The enum class `name` (`module.Class`) when it is one defined in a soma_pl module, else None.
+    Only soma_pl's own modules are imported to find out."""
+    module_name, _, attribute = name.rpartition(".")
+    if not module_name.startswith("soma_pl."):
+        return None
+    try:
+        found = getattr(importlib.import_module(module_name), attribute, None)
+    except ImportError:
+        return None
+    if isinstance(found, type) and issubclass(found, Enum) and found.__module__ == module_name:
+        return found
+    return None
+
+
+def _allowed_globals(path: Path, what: str) -> list[type[Enum]]:
+    """The soma_pl enums a checkpoint names; any other global it names is refused (DataError)."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except (ValueError, RuntimeError, OSError, EOFError):  # not a zip checkpoint, or damaged: torch.load says
+        return []
+    allowed = {name: _soma_enum(name) for name in names}
+    refused = sorted(name for name, enum in allowed.items() if enum is None)
+    if refused:
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise DataError(f"{what} {path} refers to {refused[0]}{more}, which a weights-only load refuses "
+                        "(only tensors, plain values and soma_pl enums load): pass a checkpoint soma_pl wrote")
+    return list(allowed.values())
+
+
+def load_checkpoint(path: str | Path, what: str = "checkpoint", map_location="cpu") -> dict:
+    """A Lightning checkpoint read with `weights_only=True` (see the module doc).
+
+    Args:
+        path: the `.ckpt` file.
+        what: how error messages name the file ("seed checkpoint", ...).
+        map_location: as for `torch.load`.
+
+    Raises:
+        DataError: the file is missing, truncated or corrupt, names a class or function outside the
+            allow-list, or holds no `state_dict`.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"{what} not found: {path}")
+    allowed = _allowed_globals(path, what)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as error:  # torch.load raises many types for a damaged file
+        raise DataError(f"unreadable {what} {path} (truncated, corrupt or not a torch checkpoint): "
+                        f"{_reason(error)}") from error
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise DataError(f"{what} {path} is not a Lightning checkpoint: it holds no state_dict")
+    return checkpoint
 
 
 def monolithic_state(path: str | Path) -> tuple[dict[str, Tensor], dict]:
@@ -18,19 +88,14 @@ def monolithic_state(path: str | Path) -> tuple[dict[str, Tensor], dict]:
         ("per_expert" or "shared") read off their shapes.
 
     Raises:
-        DataError: the file is missing or unreadable.
+        DataError: the file is missing or unreadable, or its weights hold NaN or infinite values.
         ConfigError: it holds no monolithic stacked-expert model, or its hyperparameters disagree
             with its weights.
     """
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise DataError(f"seed checkpoint not found: {path}")
-    try:
-        checkpoint = torch.load(path, weights_only=False, map_location="cpu")
-        state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
-        hparams = checkpoint.get("hyper_parameters", {})
-    except Exception as error:  # torch.load raises many types for a damaged file
-        raise DataError(f"unreadable seed checkpoint {path}: {str(error).strip().splitlines()[0]}") from error
+    checkpoint = load_checkpoint(path, "seed checkpoint")
+    state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
     if "w_ih" not in state or state["w_ih"].shape[0] != 1:
         raise ConfigError(f"seed checkpoint {path}: no monolithic model (need model.w_ih of shape [1, ...])")
     config = {"width": int(state["w_ih"].shape[-1]), "num_layers": int(state["w_ih"].shape[1]),
@@ -38,4 +103,17 @@ def monolithic_state(path: str | Path) -> tuple[dict[str, Tensor], dict]:
     for key in ("width", "num_layers", "embed_dim"):
         if key in hparams and int(hparams[key]) != config[key]:
             raise ConfigError(f"seed checkpoint {path}: hyper_parameters {key}={hparams[key]}, weights say {config[key]}")
+    name = first_nonfinite(state)
+    if name is not None:
+        raise DataError(f"seed checkpoint {path}: 'model.{name}' holds NaN or infinite values (a diverged run): "
+                        f"start from a finite checkpoint")
     return state, config
+
+
+def first_nonfinite(state: dict[str, Tensor]) -> str | None:
+    """The name of the first floating-point tensor of `state` holding a NaN or an infinity; None when
+    every one is finite."""
+    for name, value in state.items():
+        if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return name
+    return None

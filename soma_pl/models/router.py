@@ -192,13 +192,16 @@ class Router(nn.Module):
     Args:
         encoder: a `SeedEncoder` or `HashedNgramEncoder`.
         centroids: `[N, D]`, D the encoder's output width; expert e's centroid is row e.
+        sharding: the fingerprint of the sharding that fitted it (`experts.json`'s `fingerprint`),
+            saved with it so that a router of another sharding can be told apart; None: unknown.
     """
 
-    def __init__(self, encoder: nn.Module, centroids: Tensor):
+    def __init__(self, encoder: nn.Module, centroids: Tensor, sharding: str | None = None):
         super().__init__()
         if centroids.dim() != 2 or centroids.shape[1] != encoder.output_dim:
             raise ConfigError(f"centroids of shape {tuple(centroids.shape)}: expected [N, {encoder.output_dim}]")
         self.encoder = encoder
+        self.sharding = sharding
         self.register_buffer("centroids", centroids.detach().float().clone())
 
     @property
@@ -228,6 +231,7 @@ class Router(nn.Module):
             "encoder": {"kind": self.encoder.kind.value, "config": self.encoder.config(),
                         "state": {k: v.detach().cpu() for k, v in self.encoder.state_dict().items()}},
             "centroids": self.centroids.cpu(),
+            "sharding": self.sharding,
         }
         torch.save(payload, target)
 
@@ -236,8 +240,12 @@ class Router(nn.Module):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        self.save_to(temporary)
-        os.replace(temporary, path)
+        try:
+            self.save_to(temporary)
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)  # a full disk must not keep a half-written temporary
+            raise
         return path
 
     @classmethod
@@ -252,7 +260,8 @@ class Router(nn.Module):
             if payload.get("format") != ROUTER_FORMAT:
                 raise ValueError(f"format {payload.get('format')!r}, expected {ROUTER_FORMAT}")
             encoder = payload["encoder"]
-            return cls(_encoder_from_saved(encoder["kind"], encoder["config"], encoder["state"]), payload["centroids"])
+            return cls(_encoder_from_saved(encoder["kind"], encoder["config"], encoder["state"]), payload["centroids"],
+                       payload.get("sharding"))
         except Exception as error:  # a damaged pickle/zip raises many types; all mean the same here
             raise DataError(f"corrupt router {name}: {_first_line(error)}") from error
 

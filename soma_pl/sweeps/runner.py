@@ -24,8 +24,8 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, override_args, trial_overrides
-from soma_pl.sweeps.study import (FailureKind, Heartbeat, claim_waiting, connect, default_storage, open_storage,
-                                  open_study, running_trials, state_counts, sync_queue)
+from soma_pl.sweeps.study import (FailureKind, Heartbeat, check_storage, claim_waiting, connect, default_storage,
+                                  open_storage, open_study, running_trials, state_counts, sync_queue)
 from soma_pl.sweeps.trial import TrialReporter
 
 
@@ -154,10 +154,12 @@ def _raise_interrupted(signum, frame) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
-def work(spec: SweepSpec, storage_url: str, n_trials: int | None = None, retry_failed: bool = False) -> dict:
+def work(spec: SweepSpec, storage_url: str, n_trials: int | None = None, retry_failed: bool = False,
+         setting: str = "storage") -> dict:
     """Claim and run trials until the study is done (waiting for other workers' running trials,
-    which a vanished worker leaves stale) or `n_trials` ran. Returns counts by final state."""
-    study = connect(spec, storage_url)
+    which a vanished worker leaves stale) or `n_trials` ran. Returns counts by final state.
+    `setting` names where the storage URL came from in errors."""
+    study = connect(spec, storage_url, setting=setting)
     sync_queue(study, spec, retry_failed)
     ran: dict[str, int] = {}
     trial = None
@@ -195,9 +197,12 @@ def work(spec: SweepSpec, storage_url: str, n_trials: int | None = None, retry_f
 def run(args: Namespace) -> None:
     spec = load_sweep(args.sweep)
     storage = args.storage or spec.storage or default_storage(spec)
+    setting = "--storage" if args.storage else f"{args.sweep}: storage" if spec.storage else "the default storage"
+    if args.storage or spec.storage:  # the default's folder, the sweep's output_dir, is made by `connect`
+        check_storage(storage, setting)
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        ran = work(spec, storage, args.n_trials, args.retry_failed)
+        ran = work(spec, storage, args.n_trials, args.retry_failed, setting)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -25,8 +25,10 @@ from optuna.exceptions import StorageInternalError, UpdateFinishedTrialError
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
+from soma_pl.errors import ConfigError
 from soma_pl.sweeps.space import PrunerKind, PrunerSpec, SweepSpec, point_key
 
 HEARTBEAT = "soma_pl:heartbeat"
@@ -55,13 +57,52 @@ def default_storage(spec: SweepSpec) -> str:
     return f"sqlite:///{(spec.output_dir / 'optuna.db').resolve()}"
 
 
-def open_storage(url: str) -> BaseStorage:
-    """An Optuna RDB URL (`sqlite:///...`, `postgresql://...`) or a journal file path."""
+DRIVER_PACKAGES = {"psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient",
+                   "pymysql": "PyMySQL", "mysql": "mysql-connector-python", "cx_Oracle": "cx_Oracle"}
+"""The pip package of a database driver module whose name differs from the module's."""
+STORAGE_FORMS = "sqlite:///PATH.db, postgresql://USER@HOST/DB, mysql://USER@HOST/DB, or a journal file path"
+
+
+def _check_folder(file: Path, setting: str) -> None:
+    # A mistyped folder is an error, not created: workers meant to share a study would not.
+    if not file.parent.is_dir():
+        raise ConfigError(f"{setting}: folder {file.parent} of {file.name} does not exist: create it or "
+                          "name a file in an existing folder")
+
+
+def check_storage(url: str, setting: str = "storage") -> None:
+    """Refuse a storage Optuna cannot open with one line naming `setting`: an unknown URL scheme, a
+    database driver that is not installed, or a SQLite or journal file whose folder does not exist."""
     if "://" not in url:
-        Path(url).parent.mkdir(parents=True, exist_ok=True)
+        _check_folder(Path(url).expanduser(), f"{setting} {url}")
+        return
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as error:
+        raise ConfigError(f"{setting} {url}: not a database URL Optuna can open; use {STORAGE_FORMS}") from error
+    shown = parsed.render_as_string(hide_password=True)
+    try:
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError as error:
+        raise ConfigError(f"{setting} {shown}: not a database URL Optuna can open; use {STORAGE_FORMS}") from error
+    try:
+        # SQLAlchemy 2 imports the driver with `import_dbapi`, 1.4 with `dbapi`.
+        (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()
+    except ImportError as error:
+        module = (error.name or "").split(".")[0] or parsed.get_driver_name()
+        raise ConfigError(f"{setting} {shown}: the {parsed.get_backend_name()} driver {module!r} is not "
+                          f"installed: pip install {DRIVER_PACKAGES.get(module, module)}") from error
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        _check_folder(Path(parsed.database).expanduser(), f"{setting} {shown}")
+
+
+def open_storage(url: str, setting: str = "storage") -> BaseStorage:
+    """An Optuna RDB URL (`sqlite:///...`, `postgresql://...`) or a journal file path, checked by
+    `check_storage` (`setting` names where the URL came from in its error)."""
+    check_storage(url, setting)
+    if "://" not in url:
         return JournalStorage(JournalFileBackend(url))
     if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         # Several processes write one SQLite file: wait for its lock instead of failing at once.
         return optuna.storages.get_storage(RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}}))
     return optuna.storages.get_storage(RDBStorage(url))
@@ -84,17 +125,20 @@ def open_study(spec: SweepSpec, storage: BaseStorage, create: bool = True) -> op
     return study
 
 
-def connect(spec: SweepSpec, url: str, attempts: int = 3) -> optuna.Study:
+def connect(spec: SweepSpec, url: str, attempts: int = 3, setting: str = "storage") -> optuna.Study:
     """Open the sweep's storage and study, creating them on first use. Workers that start together
     race to create the database schema and the study: the queue lock orders those sharing the
     output folder, and a race lost on a shared server is retried."""
     for attempt in range(attempts):
         try:
             with queue_lock(spec):
-                return open_study(spec, open_storage(url))
-        except (SQLAlchemyError, StorageInternalError):
+                return open_study(spec, open_storage(url, setting))
+        except (SQLAlchemyError, StorageInternalError) as error:
             if attempt == attempts - 1:
-                raise
+                shown = make_url(url).render_as_string(hide_password=True) if "://" in url else url
+                reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise ConfigError(f"{setting} {shown}: cannot open the database ({reason}): check the URL, "
+                                  "that the server runs and that the user may create tables") from error
             time.sleep(1.0 + attempt)
     raise AssertionError("unreachable")
 

@@ -18,6 +18,7 @@ import pytest
 from soma_pl.data import demo
 from soma_pl.data.demo import DemoSourceUnavailable, strip_wiki_markup
 from soma_pl.data.documents import Document
+from soma_pl.errors import ConfigError
 
 # ----------------------------------------------------------------------------- stripper
 
@@ -200,7 +201,7 @@ def test_every_source_missing_raises(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_unknown_source_raises(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="valid:.*wikipedia.*sotu.*python_docs"):
+    with pytest.raises(ConfigError, match="unknown demo source 'gutenberg'; valid:.*wikipedia.*sotu.*python_docs"):
         demo.iter_demo_documents(("sotu", "gutenberg"), cache_dir=tmp_path)
 
 
