@@ -13,6 +13,7 @@ import torch
 from soma_pl.cli import main
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args
+from tests.robustness.cli import error_line
 
 SMALL = ["--model.init_args.width=8", "--model.init_args.num_layers=1", "--model.init_args.embed_dim=8",
          "--model.init_args.train_context=24"]
@@ -34,12 +35,6 @@ def _fit(runs: Path, run: str, *extra: str) -> None:
 def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
-
-def _fail(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_last_checkpoint_holds_the_end_state_and_the_summary_points_at_it(runs):
@@ -71,7 +66,7 @@ def test_resume_with_another_module_class_is_one_line(runs, tmp_path, capsys):
     ckpt = runs / "seven" / "checkpoints" / "last.ckpt"
     argv = fit_args(runs / "corpus", runs / "data", tmp_path / "bptt", "--model=soma_pl.lit.BPTTModule", *SMALL,
                     f"--ckpt_path={ckpt}", "--trainer.max_steps=8")
-    line = _fail(argv, capsys)
+    line = error_line(argv, capsys)
     assert line.startswith(f"soma_pl: error: {ckpt} was written by soma_pl.lit.spsa.SPSAModule, the configured "
                            f"model is soma_pl.lit.bptt.BPTTModule")
 
@@ -89,7 +84,7 @@ def test_a_ckpt_path_that_is_no_checkpoint_is_one_line_before_any_data_is_prepar
     path = tmp_path / "model.ckpt"
     if kind == "text":
         path.write_text("not a checkpoint\n")
-    line = _fail(fit_args(runs / "corpus", tmp_path / "data", tmp_path / "run", f"--ckpt_path={path}"), capsys)
+    line = error_line(fit_args(runs / "corpus", tmp_path / "data", tmp_path / "run", f"--ckpt_path={path}"), capsys)
     expected = "no such checkpoint file" if kind == "missing" else "is not a checkpoint"
     assert line.startswith(f"soma_pl: error: --ckpt_path {path}") and expected in line
     assert not (tmp_path / "data").exists()

@@ -17,6 +17,7 @@ from soma_pl.lit.base import NonFiniteError
 from soma_pl.models.checkpoints import monolithic_state
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args
+from tests.robustness.cli import error_line
 
 SMALL = {"width": 8, "num_layers": 1, "embed_dim": 8}
 
@@ -30,12 +31,6 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def _fail(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
-
 
 def _poisoned(root: Path, tmp_path: Path) -> Path:
     """The finite run's checkpoint with one NaN weight."""
@@ -48,7 +43,7 @@ def _poisoned(root: Path, tmp_path: Path) -> Path:
 
 def test_a_diverging_run_stops_with_one_line_and_leaves_no_non_finite_checkpoint(root, tmp_path, capsys):
     run = tmp_path / "run"
-    line = _fail(fit_args(root / "corpus", root / "data", run, "--model.init_args.optimizer.init_args.lr=1e38"), capsys)
+    line = error_line(fit_args(root / "corpus", root / "data", run, "--model.init_args.optimizer.init_args.lr=1e38"), capsys)
     assert re.fullmatch(r"soma_pl: error: non-finite (training loss|weights after the update) at step \d+ "
                         r"\(expert 0\): lower the learning rate \(model\.init_args\.optimizer\.init_args\.lr\).*", line)
     assert not (run / "summary.json").exists()
@@ -94,7 +89,7 @@ def test_a_non_finite_seed_checkpoint_is_refused(root, tmp_path, capsys):
     path = _poisoned(root, tmp_path)
     with pytest.raises(DataError, match="'model.w_hh' holds NaN or infinite values"):
         monolithic_state(path)
-    line = _fail(fit_args(root / "corpus", root / "data", tmp_path / "warm", f"--model.init_args.init_checkpoint={path}"),
+    line = error_line(fit_args(root / "corpus", root / "data", tmp_path / "warm", f"--model.init_args.init_checkpoint={path}"),
                  capsys)
     assert line == (f"soma_pl: error: seed checkpoint {path}: 'model.w_hh' holds NaN or infinite values "
                     "(a diverged run): start from a finite checkpoint")
@@ -103,7 +98,7 @@ def test_a_non_finite_seed_checkpoint_is_refused(root, tmp_path, capsys):
 
 def test_resuming_a_non_finite_checkpoint_is_refused(root, tmp_path, capsys):
     path = _poisoned(root, tmp_path)
-    line = _fail(fit_args(root / "corpus", root / "data", tmp_path / "resumed", f"--ckpt_path={path}",
+    line = error_line(fit_args(root / "corpus", root / "data", tmp_path / "resumed", f"--ckpt_path={path}",
                           "--trainer.max_steps=8"), capsys)
     assert line.startswith(f"soma_pl: error: {path}: 'model.w_hh' holds NaN or infinite values")
     assert not list((tmp_path / "resumed").rglob("*.ckpt"))

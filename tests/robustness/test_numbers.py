@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from soma_pl.cli import main
 from soma_pl.data.datamodule import ByteDataModule
 from soma_pl.data.prepare import PrepareConfig, prepare
 from soma_pl.data.readers import CorpusConfig
@@ -16,6 +15,7 @@ from soma_pl.estimators.spsa import SPSAConfig
 from soma_pl.lit import BPTTModule, SOMAModule, SPSAModule
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args
+from tests.robustness.cli import error_line
 
 SOMA = Path(__file__).parents[1] / "lit" / "tiny_soma.yaml"
 BPTT = ["--model=soma_pl.lit.BPTTModule", "--model.init_args.width=8", "--model.init_args.num_layers=1",
@@ -29,13 +29,6 @@ def corpus(tmp_path_factory) -> Path:
     write_jsonl_corpus(folder, {"alpha": 40, "beta": 40}, min_words=150, max_words=600)
     return folder
 
-
-def _fail(argv: list[str], capsys) -> str:
-    """Run the CLI, expect exit 2, return the last line of stderr."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -72,7 +65,7 @@ def _fail(argv: list[str], capsys) -> str:
     (["--data.init_args.dataset.shard_max_bytes=0"], "dataset.shard_max_bytes=0 must be >= 1"),
 ])
 def test_a_bad_number_is_one_line_naming_its_key(corpus, tmp_path, capsys, extra, message):
-    line = _fail(fit_args(corpus, tmp_path / "data", tmp_path / "run", *extra), capsys)
+    line = error_line(fit_args(corpus, tmp_path / "data", tmp_path / "run", *extra), capsys)
     assert line.startswith(f"soma_pl: error: {message}")
     assert not (tmp_path / "data").exists(), "the check comes before any data is prepared"
 
@@ -84,11 +77,11 @@ def test_a_bad_number_is_one_line_naming_its_key(corpus, tmp_path, capsys, extra
 ])
 def test_soma_numbers(corpus, tmp_path, capsys, extra, message):
     argv = [*fit_args(corpus, tmp_path / "data", tmp_path / "run"), "--config", str(SOMA), *extra]
-    assert _fail(argv, capsys) == f"soma_pl: error: {message}"
+    assert error_line(argv, capsys) == f"soma_pl: error: {message}"
 
 
 def test_batch_size_must_split_into_micro_batches_before_the_first_step(corpus, tmp_path, capsys):
-    line = _fail(fit_args(corpus, tmp_path / "data", tmp_path / "run", "--data.init_args.batch_size=5"), capsys)
+    line = error_line(fit_args(corpus, tmp_path / "data", tmp_path / "run", "--data.init_args.batch_size=5"), capsys)
     assert line == "soma_pl: error: data.init_args.batch_size=5 is not a multiple of model.init_args.micro_batch=2"
     assert not list((tmp_path / "run").rglob("*.ckpt"))
 
