@@ -31,14 +31,36 @@ def write_json_atomic(path: str | Path, payload: dict) -> Path:
     """Write `payload` as indented JSON to `path` so that a reader sees the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_atomic((json.dumps(payload, indent=2) + "\n").encode(), path)
+    return path
+
+
+def temporary_path(path: Path) -> Path:
+    """`.<name>.tmp-<host>-<pid>` beside `path`: which machine and process is writing it."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def write_atomic(data: bytes | memoryview, path: Path) -> None:
+    """Write `data` to `path` by a synced temporary file in the same folder and a rename; on any
+    failure the temporary file is removed and `path` is untouched."""
+    temporary = temporary_path(path)
     try:
-        temporary.write_text(json.dumps(payload, indent=2) + "\n")
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
-        temporary.unlink(missing_ok=True)  # a full disk must not keep a half-written temporary
+        with suppress(OSError):
+            temporary.unlink()
         raise
-    return path
+    # The rename itself reaches the disk when the folder is synced (some filesystems refuse).
+    with suppress(OSError):
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 def write_error(error: OSError, targets: Iterable[Path], what: str, remedy: str) -> SomaError | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
-import os
 import re
 import socket
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from soma_pl.errors import DataError
-from soma_pl.io import process_alive
+from soma_pl.io import process_alive, write_atomic
 from soma_pl.models.checkpoints import load_checkpoint
 
 TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
@@ -38,10 +37,6 @@ FIXES = {
 }
 
 
-def temporary_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-
-
 def remove_stale_temporaries(folder: Path) -> list[Path]:
     """Remove the temporary checkpoints that processes of this machine left in `folder` when they
     were killed; another machine's (a shared filesystem) may still be writing and are kept."""
@@ -53,29 +48,6 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
                 entry.unlink()
                 removed.append(entry)
     return removed
-
-
-def write_atomic(data: bytes | memoryview, path: Path) -> None:
-    """Write `data` to `path` by a synced temporary file in the same folder and a rename; on any
-    failure the temporary file is removed and `path` is untouched."""
-    temporary = temporary_path(path)
-    try:
-        with open(temporary, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
-        raise
-    # The rename itself reaches the disk when the folder is synced (some filesystems refuse).
-    with contextlib.suppress(OSError):
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
 
 
 def write_error(error: OSError, path: Path) -> DataError:

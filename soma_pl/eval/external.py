@@ -209,9 +209,7 @@ def _attach_router(module: ByteLMModule, router: str | Path | None) -> None:
     path = router or (module.router_path if module.router is None else None)
     if path is not None:
         module.router = Router.load(path)
-    if module.router is not None and module.router.num_experts != module.model.num_experts:
-        raise ConfigError(f"router has {module.router.num_experts} centroids, the model "
-                          f"{module.model.num_experts} experts")
+        module.check_router("the router given" if router else f"router {path}")
 
 
 def routed_experts(module: ByteLMModule, windows: Tensor, k: int) -> Tensor:

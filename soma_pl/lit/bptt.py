@@ -48,8 +48,7 @@ class BPTTModule(RoutedEnsemble, ByteLMModule):
 
     def configure_optimizers(self):
         optimizer = self.build_optimizer([p for p in self.parameters() if p.requires_grad])
-        base_lr = optimizer.param_groups[0]["lr"]
-        self.plateau.min_scale = self.hparams.min_lr / base_lr if base_lr > 0 else 0.0
+        self.plateau.floor_at(self.hparams.min_lr, optimizer.param_groups[0]["lr"])
         return optimizer
 
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
@@ -81,5 +80,4 @@ class BPTTModule(RoutedEnsemble, ByteLMModule):
         """Each expert's learning rate decays on its own expert-validation loss."""
         self.plateau.step(held_out)
         if self.model.num_experts > 1:
-            base_lr = self.optimizers().param_groups[0]["lr"]
-            self.log_dict({f"expert/{e}/lr": base_lr * scale for e, scale in enumerate(self.plateau.scale.tolist())})
+            self.log_dict(self.plateau.learning_rates(self.optimizers().param_groups[0]["lr"]))

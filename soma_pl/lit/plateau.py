@@ -24,6 +24,14 @@ class ExpertPlateau(nn.Module):
         self.register_buffer("bad", torch.zeros(experts, dtype=torch.long))
         self.register_buffer("scale", torch.ones(experts))
 
+    def floor_at(self, min_lr: float, base_lr: float) -> None:
+        """Never decay an expert's learning rate below `min_lr`, the optimizer's being `base_lr`."""
+        self.min_scale = min_lr / base_lr if base_lr > 0 else 0.0
+
+    def learning_rates(self, base_lr: float) -> dict[str, float]:
+        """`expert/<e>/lr` of every expert, for logging."""
+        return {f"expert/{e}/lr": base_lr * scale for e, scale in enumerate(self.scale.tolist())}
+
     @torch.no_grad()
     def step(self, losses: Tensor) -> None:
         """One validation's losses `[E]`: experts without improvement for `patience` validations decay."""

@@ -36,7 +36,6 @@ class RoutedEnsemble:
         self.router: Router | None = None
         self.trained_sharding: str | None = None
         """The sharding of the router a loaded checkpoint carries: the one its experts learned."""
-        self._checked_router = 0  # id() of the router last checked (a module attribute would register it)
 
     @property
     def routed(self) -> bool:
@@ -75,7 +74,6 @@ class RoutedEnsemble:
                 raise ConfigError(f"{origin} comes from another sharding ({router.sharding[:12]}) than {where} "
                                   f"({sharding[:12]}), so it would route windows to the wrong experts: use the "
                                   "router.pt and experts of one sharding")
-        self._checked_router = id(router)
 
     def _default_router_path(self) -> str:
         experts_dir = getattr(self.trainer.datamodule, "experts_dir", None) if self._trainer else None
@@ -91,8 +89,6 @@ class RoutedEnsemble:
     def ranking(self, windows: Tensor) -> Tensor:
         if not self.routed:
             return super().ranking(windows)
-        if id(self.router) != self._checked_router:  # one attached after loading (`evaluate --router`)
-            self.check_router("the router given")
         self.router.to(windows.device)
         return self.router.ranking(windows[:, :ROUTE_BYTES])
 

@@ -150,8 +150,7 @@ class SOMAModule(RoutedEnsemble, SPSAModule):
         if self.expert_parallel:  # after setup and any checkpoint restore: `model` holds the start weights
             self.share = self._take_share()
         optimizer = self.build_optimizer(self.trainable_parameters().values())
-        base_lr = optimizer.param_groups[0]["lr"]
-        self.plateau.min_scale = self.hparams.min_lr / base_lr if base_lr > 0 else 0.0
+        self.plateau.floor_at(self.hparams.min_lr, optimizer.param_groups[0]["lr"])
         return optimizer
 
     @torch.no_grad()
@@ -235,8 +234,7 @@ class SOMAModule(RoutedEnsemble, SPSAModule):
         self.plateau.step(held_out)
         if self.eps_schedule is EpsSchedule.proportional:
             self.warn_small_eps(self.spsa.eps * self.plateau.scale)
-        base_lr = self.optimizers().param_groups[0]["lr"]
-        self.log_dict({f"expert/{e}/lr": base_lr * scale for e, scale in enumerate(self.plateau.scale.tolist())})
+        self.log_dict(self.plateau.learning_rates(self.optimizers().param_groups[0]["lr"]))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.share is not None:  # every rank saves (rank 0 writes): gather the experts and their optimizer state
