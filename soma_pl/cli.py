@@ -4,6 +4,7 @@
 - `prepare --config configs/data/<name>.yaml`: build a prepared dataset folder.
 - `bench data --config ... --out FILE.json`, `bench zo --out FILE.json`: measurements, written as JSON.
 - `bench inference|memory`: inference throughput (Table 12) and memory against context.
+- `bench kernels`: our LSTM stack against `torch.nn.LSTM` with the same weights (inference, BPTT, grouped).
 - `analyze params|variance|topk|error-correlation --out FILE.json`: analyses behind the paper's
   tables and figures.
 - `evaluate`: frozen next-byte loss of a checkpoint on external text (Table 9).
@@ -171,7 +172,8 @@ TOOLS: dict[str, dict[str | None, Tool]] = {
     "prepare": {None: (_prepare_parser, _run_prepare)},
     "shard": {None: (_shard_parser, _run_shard)},
     "bench": {"data": (_bench_data_parser, _run_bench_data), "zo": (_bench_zo_parser, _run_bench_zo),
-              "inference": _lazy("soma_pl.bench.inference"), "memory": _lazy("soma_pl.bench.memory")},
+              "inference": _lazy("soma_pl.bench.inference"), "memory": _lazy("soma_pl.bench.memory"),
+              "kernels": _lazy("soma_pl.bench.kernels")},
     "analyze": {"params": (_analyze_params_parser, _run_analyze_params),
                 "variance": _lazy("soma_pl.analysis.variance"), "topk": _lazy("soma_pl.analysis.topk"),
                 "error-correlation": _lazy("soma_pl.analysis.error_correlation")},

@@ -4,9 +4,10 @@ A request is one 1,025-byte window: the router reads its first 256 bytes and pic
 experts (k = 4, at most N), only those experts run over the 1,024 input bytes
 (:func:`soma_pl.eval.ensemble.score_top_k`), and the average of their next-byte distributions
 scores the last 768 targets. Throughput is ``batch · 768 / latency`` scored tokens per second, the
-latency the median of 7 warm batches (one untimed batch first), routing included. Each
-configuration runs in a fresh child process, whose peak memory is measured as in
-:mod:`soma_pl.bench.memory`.
+latency the median of 7 warm batches (one untimed batch first) in each of 3 rounds, routing
+included. Each round runs every configuration in a fresh child process, one after another, so that
+load from other jobs falls on all configurations alike; the load average before and after is
+recorded. Peak memory is measured as in :mod:`soma_pl.bench.memory`.
 
 The default configurations are Table 2's equal-total-size ensembles, with random weights (weights
 do not change the speed): N = 1 (d_t = 509), N = 2 (361), N = 8 (181) and N = 256 (32, one shared
@@ -20,6 +21,7 @@ paper's GPU batches are 768, 768, 1,024 and 4,096.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from jsonargparse import ArgumentParser, Namespace
 from torch import Tensor
+from tqdm import tqdm
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.bench.memory import PeakMemory, in_fresh_process, machine
@@ -85,7 +88,10 @@ class InferenceSettings:
     top_k: int = 4
     """Experts averaged per request (capped at N)."""
     repeats: int = 7
-    """Timed batches (the median is reported)."""
+    """Timed batches per process."""
+    rounds: int = 3
+    """Fresh processes per configuration, taken round-robin across configurations so that a slow
+    spell from another job lands on all of them alike; the median over every timed batch is reported."""
     warmup: int = 1
     """Untimed batches first."""
     embed_dim: int = 32
@@ -170,16 +176,37 @@ def bench_inference(models: Sequence[InferenceModel] = TABLE2_MODELS,
     """
     if not models or min(min(m.experts, m.width, m.batch_size) for m in models) < 1:
         raise ConfigError("every inference configuration needs experts, width and batch_size >= 1")
-    if min(settings.top_k, settings.repeats) < 1 or settings.warmup < 0:
-        raise ConfigError(f"top_k={settings.top_k} and repeats={settings.repeats} must be >= 1, warmup >= 0")
-    results = [in_fresh_process(measure_model, config, settings) for config in models]
+    if min(settings.top_k, settings.repeats, settings.rounds) < 1 or settings.warmup < 0:
+        raise ConfigError(f"top_k={settings.top_k}, repeats={settings.repeats} and rounds={settings.rounds} "
+                          "must be >= 1, warmup >= 0")
+    before = machine()
+    runs: list[list[dict]] = [[] for _ in models]
+    with tqdm(total=settings.rounds * len(models), desc="bench inference", unit="run") as progress:
+        for _ in range(settings.rounds):
+            for index, config in enumerate(models):
+                progress.set_postfix_str(config.name)
+                runs[index].append(in_fresh_process(measure_model, config, settings))
+                progress.update()
+    results = [_combine(config, records) for config, records in zip(models, runs)]
     monolithic = next((record for record in results if record["experts"] == 1), None)
     ratios = {}
     if monolithic is not None:
         ratios = {f"{record['model']} top-{record['top_k']}": round(record["tokens_per_s"] / monolithic["tokens_per_s"], 3)
                   for record in results}
-    return {"benchmark": "inference", "table": "Table 12", "machine": machine(), "settings": asdict(settings),
-            "results": results, "throughput_ratio_to_n1": ratios, "paper_table12": PAPER_TABLE12}
+    return {"benchmark": "inference", "table": "Table 12", "machine": before, "load_average_after": os.getloadavg(),
+            "settings": asdict(settings), "results": results, "throughput_ratio_to_n1": ratios,
+            "paper_table12": PAPER_TABLE12}
+
+
+def _combine(config: InferenceModel, records: list[dict]) -> dict:
+    """One configuration's rounds: the median over all their timed batches, the largest peak memory."""
+    latencies = [latency for record in records for latency in record["latencies_ms"]]
+    latency = statistics.median(latencies)
+    peak = max(records, key=lambda record: record["peak_bytes"])
+    return {**records[0], "latency_ms": round(latency, 3), "latencies_ms": latencies,
+            "tokens_per_s": round(config.batch_size * SCORED_TOKENS / (latency / 1e3), 1),
+            "tokens_per_s_per_round": [record["tokens_per_s"] for record in records],
+            **{key: peak[key] for key in ("peak_bytes", "baseline_bytes", "peak_above_baseline_bytes")}}
 
 
 def build_parser() -> ArgumentParser:

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from soma_pl import VOCAB_SIZE
+from soma_pl.models import recurrence
+from soma_pl.models.recurrence import Kernel
 
 EMBED_HEAD = "embed_head"
 """Optional ``params`` key: weights that embed the input bytes in place of the tied ``head``."""
@@ -42,10 +44,15 @@ class HeadMode(str, Enum):
     """One head for all experts: ``head`` is ``[256, d_E]`` (N = 256; the trainer freezes it)."""
 
 
-def _group_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``x @ weightᵀ`` per group: x ``[G, ..., in]``, weight ``[G, out, in]`` → ``[G, ..., out]``"""
+def _group_matmul(x: Tensor, weight_t: Tensor) -> Tensor:
+    """``x @ weight_t`` per group: x ``[G, ..., in]``, weight_t ``[G, in, out]`` → ``[G, ..., out]``"""
     flat = x.reshape(x.shape[0], -1, x.shape[-1])
-    return torch.bmm(flat, weight.transpose(1, 2)).reshape(*x.shape[:-1], weight.shape[1])
+    return torch.bmm(flat, weight_t).reshape(*x.shape[:-1], weight_t.shape[-1])
+
+
+def _transposed(weight: Tensor) -> Tensor:
+    """``[G, out, in]`` → contiguous ``[G, in, out]``."""
+    return weight.transpose(1, 2).contiguous()
 
 
 def _rms_norm(x: Tensor, gain: Tensor) -> Tensor:
@@ -63,22 +70,28 @@ def _embed(head: Tensor, tokens: Tensor) -> Tensor:
     return head[groups, index]
 
 
-def _logits(head: Tensor, features: Tensor) -> Tensor:
-    """Tied output head. features: ``[G, b, T, d_E]`` → logits ``[G, b, T, 256]``."""
-    if head.dim() == 2:
-        return features @ head.t()
-    return _group_linear(features, head)
+def _logits(head_t: Tensor, features: Tensor) -> Tensor:
+    """Tied output head. head_t: :func:`_head_t`; features: ``[G, b, T, d_E]`` → logits ``[G, b, T, 256]``."""
+    if head_t.dim() == 2:
+        return features @ head_t
+    return _group_matmul(features, head_t)
+
+
+def _head_t(head: Tensor) -> Tensor:
+    """The output head transposed once per pass: ``[d_E, 256]`` shared, ``[G, d_E, 256]`` per group."""
+    return head.t() if head.dim() == 2 else _transposed(head)
 
 
 def _lstm_chunk(
-    x: Tensor, w_ih: Tensor, w_hh: Tensor, state: tuple[Tensor, Tensor]
+    x: Tensor, w_ih_t: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor]
 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """One bias-free LSTM layer over a chunk of time steps, all groups at once.
+    """One bias-free LSTM layer over a chunk of time steps, all groups at once (the ``python`` kernel).
 
     Args:
         x: ``[G, b, Tc, d]`` normalised layer input.
-        w_ih: ``[G, 4d, d]`` input weights, gate rows ordered (input, forget, output, cell).
-        w_hh: ``[G, 4d, d]`` recurrent weights, same order.
+        w_ih_t: ``[G, d, 4d]`` transposed input weights, gate columns ordered (input, forget,
+            output, cell).
+        w_hh_t: ``[G, d, 4d]`` transposed recurrent weights, same order.
         state: ``(h, c)``, each ``[G, b, d]``.
 
     Returns:
@@ -87,14 +100,51 @@ def _lstm_chunk(
     steps = x.shape[2]
     # Time-major input projections: one large GEMM for the chunk, then slice a contiguous [b, 4d]
     # block per step instead of recomputing it inside the recurrence.
-    gates_in = _group_linear(x.transpose(1, 2), w_ih)
-    w_hh_t = w_hh.transpose(1, 2)
+    gates_in = _group_matmul(x.transpose(1, 2), w_ih_t)
     h, c = state
     outputs = []
     for t in range(steps):
         h, c = lstm_cell(torch.baddbmm(gates_in[:, t], h, w_hh_t), c)
         outputs.append(h)
     return torch.stack(outputs, dim=2), (h, c)
+
+
+class _Layers:
+    """The LSTM layers of one forward pass, each run by the kernel chosen for it once per pass.
+
+    Per-pass weight preparation (PyTorch's gate order for ``library``, transposed contiguous
+    recurrent weights for ``native``) happens here, not once per time chunk.
+    """
+
+    def __init__(self, kernel: Kernel, params: Mapping[str, Tensor]) -> None:
+        w_ih, w_hh = params["w_ih"], params["w_hh"]
+        self.kernel = recurrence.resolve_kernel(kernel, params)
+        self.grad = torch.is_grad_enabled() and any(param.requires_grad for param in params.values())
+        if self.kernel is Kernel.library:
+            self.library = recurrence.library_weights(w_ih, w_hh)
+        else:
+            # Batched GEMMs read contiguous [in, out] operands about 1.7x faster than transposed
+            # views (MKL, d_t = 181); one copy per pass, not per chunk or step.
+            self.w_ih_t = [_transposed(w_ih[:, layer]) for layer in range(w_ih.shape[1])]
+            self.w_hh_t = [_transposed(w_hh[:, layer]) for layer in range(w_hh.shape[1])]
+
+    def span(self, chunk: int, batch: int, steps: int) -> int:
+        """Time steps per layer call. The library kernel re-packs its weights on every call, so it
+        takes at least :data:`~soma_pl.models.recurrence.LIBRARY_ROW_STEPS` window-steps per call
+        (the whole sequence under autograd, which keeps every step anyway); the others take ``chunk``."""
+        if self.kernel is not Kernel.library:
+            return chunk
+        if self.grad:
+            return steps
+        return max(chunk, -(-recurrence.LIBRARY_ROW_STEPS // batch))
+
+    def __call__(self, layer: int, x: Tensor, state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        if self.kernel is Kernel.library:
+            return recurrence.library_chunk(x, self.library[layer], state)
+        if self.kernel is Kernel.native:
+            gates_in = _group_matmul(x.transpose(1, 2), self.w_ih_t[layer])
+            return recurrence.native_chunk(gates_in, self.w_hh_t[layer], state)
+        return _lstm_chunk(x, self.w_ih_t[layer], self.w_hh_t[layer], state)
 
 
 def lstm_cell(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
@@ -123,7 +173,10 @@ class StackedExperts(nn.Module):
         num_layers: number of LSTM layers L.
         head: per-expert or shared head.
         time_chunk: time steps whose input projections and logits are held at once; bounds
-            activation memory at ``G·b·time_chunk·4·d_t`` floats.
+            activation memory at ``G·b·time_chunk·4·d_t`` floats (one weight set without
+            gradients: at least 4,096 window-steps per call, see :meth:`_Layers.span`).
+        kernel: which LSTM implementation runs the layers (:mod:`soma_pl.models.recurrence`);
+            ``auto`` picks the fastest that applies to each call. All agree to float rounding.
         device: where to allocate (``"meta"`` counts parameters without allocating).
         dtype: parameter dtype.
     """
@@ -138,12 +191,14 @@ class StackedExperts(nn.Module):
         time_chunk: int = 64,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        kernel: Kernel | str = Kernel.auto,
     ) -> None:
         super().__init__()
         if min(num_experts, width, embed_dim, num_layers, time_chunk) < 1:
             raise ValueError("num_experts, width, embed_dim, num_layers, time_chunk must be >= 1")
         self.num_experts, self.width, self.embed_dim = num_experts, width, embed_dim
         self.num_layers, self.head_mode, self.time_chunk = num_layers, HeadMode(head), time_chunk
+        self.kernel = Kernel(kernel)
         make = {"device": device, "dtype": dtype}
         experts = () if self.head_mode == HeadMode.SHARED else (num_experts,)
         self.head = nn.Parameter(torch.empty(*experts, VOCAB_SIZE, embed_dim, **make))
@@ -236,22 +291,26 @@ class StackedExperts(nn.Module):
         return full
 
     def _features(self, params: Mapping[str, Tensor], tokens: Tensor) -> Iterator[Tensor]:
-        """Final features per time chunk. tokens: ``[G, b, T]`` → yields ``[G, b, Tc, d_E]``."""
+        """Final features per span of time steps (:meth:`_Layers.span`). tokens: ``[G, b, T]`` →
+        yields ``[G, b, Tc, d_E]``."""
         groups, batch, steps = tokens.shape
         zeros = params["w_hh"].new_zeros(groups, batch, self.width)
         states = [(zeros, zeros)] * self.num_layers
         gains = params["norm_gains"]
-        for start in range(0, steps, self.time_chunk):
-            x = _embed(params.get(EMBED_HEAD, params["head"]), tokens[:, :, start : start + self.time_chunk])
+        lstm = _Layers(self.kernel, params)
+        span = lstm.span(self.time_chunk, batch, steps)
+        if self.has_projections:
+            in_proj_t, out_proj_t = _transposed(params["in_proj"]), _transposed(params["out_proj"])
+        for start in range(0, steps, span):
+            x = _embed(params.get(EMBED_HEAD, params["head"]), tokens[:, :, start : start + span])
             if self.has_projections:
-                x = _group_linear(x, params["in_proj"])
+                x = _group_matmul(x, in_proj_t)
             for layer in range(self.num_layers):
-                w_ih, w_hh = params["w_ih"][:, layer], params["w_hh"][:, layer]
-                normed = _rms_norm(x, gains[:, layer])
-                out, states[layer] = _lstm_chunk(normed, w_ih, w_hh, states[layer])
+                out, states[layer] = lstm(layer, _rms_norm(x, gains[:, layer]), states[layer])
                 x = x + out
             x = _rms_norm(x, gains[:, self.num_layers])
-            yield _group_linear(x, params["out_proj"]) if self.has_projections else x
+            features = _group_matmul(x, out_proj_t) if self.has_projections else x
+            yield features
 
     def forward_with(self, params: Mapping[str, Tensor], tokens: Tensor) -> Tensor:
         """Logits under the given weights.
@@ -264,7 +323,8 @@ class StackedExperts(nn.Module):
             logits: ``[G, b, T, 256]``.
         """
         full = self.group_parameters(params, tokens.shape[0])
-        chunks = [_logits(full["head"], y) for y in self._features(full, tokens)]
+        head_t = _head_t(full["head"])
+        chunks = [_logits(head_t, y) for y in self._features(full, tokens)]
         return torch.cat(chunks, dim=2)
 
     def target_log_probs(
@@ -284,12 +344,13 @@ class StackedExperts(nn.Module):
         if not 0 <= score_from < steps - 1:
             raise ValueError(f"score_from={score_from} leaves no targets in {steps} bytes")
         full = self.group_parameters(params, groups)
+        head_t = _head_t(full["head"])
         start = 0
         for features in self._features(full, tokens[..., :-1]):
             stop = start + features.shape[2]
             first = max(score_from, start)
             if first < stop:
-                logits = _logits(full["head"], features[:, :, first - start :])
+                logits = _logits(head_t, features[:, :, first - start :])
                 targets = tokens[:, :, first + 1 : stop + 1].long()
                 nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="none")
                 yield -nll.view(groups, batch, -1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -12,7 +13,7 @@ from soma_pl.cli import main
 from soma_pl.models.experts import HeadMode, StackedExperts
 
 MODELS = (InferenceModel(1, 12, 2), InferenceModel(6, 8, 3, shared_head=True))
-SETTINGS = InferenceSettings(repeats=2, embed_dim=8, num_layers=1, time_chunk=256)
+SETTINGS = InferenceSettings(repeats=2, rounds=2, embed_dim=8, num_layers=1, time_chunk=256)
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +30,26 @@ def test_one_record_per_configuration_with_table12_fields(report):
         assert record["parameters"] == sum(p.numel() for p in expected.parameters())
         assert record["head"] == config.head.value and record["batch_size"] == config.batch_size
         assert record["scored_tokens_per_request"] == 768
-        assert len(record["latencies_ms"]) == 2 and min(record["latencies_ms"]) > 0
-        assert record["latency_ms"] == pytest.approx(sum(record["latencies_ms"]) / 2, abs=0.02)  # median of two
+        assert len(record["latencies_ms"]) == 4 and min(record["latencies_ms"]) > 0  # 2 rounds x 2 batches
+        assert record["latency_ms"] == pytest.approx(statistics.median(record["latencies_ms"]), abs=0.02)
+        assert len(record["tokens_per_s_per_round"]) == 2
         assert record["tokens_per_s"] == pytest.approx(config.batch_size * 768 / (record["latency_ms"] / 1e3), rel=1e-3)
         assert record["peak_bytes"] > record["baseline_bytes"] > 0
         assert record["peak_above_baseline_bytes"] == record["peak_bytes"] - record["baseline_bytes"]
+
+
+def test_rounds_take_the_configurations_in_turn_and_record_the_load(monkeypatch):
+    calls = []
+
+    def in_process(function, config, settings):
+        calls.append(config.name)
+        return function(config, settings)
+
+    monkeypatch.setattr(inference, "in_fresh_process", in_process)
+    report = bench_inference(MODELS, InferenceSettings(repeats=1, rounds=3, embed_dim=8, num_layers=1,
+                                                       time_chunk=256, threads=None))
+    assert calls == ["N=1", "N=6"] * 3
+    assert len(report["machine"]["load_average"]) == 3 and len(report["load_average_after"]) == 3
 
 
 def test_top_k_is_capped_at_n_and_routing_load_adds_up(report):

@@ -1,0 +1,152 @@
+"""The LSTM layer kernels behind :class:`~soma_pl.models.experts.StackedExperts`.
+
+One layer, one time chunk, ``G`` groups of weights (experts × perturbed copies), three kernels:
+
+- ``library``: one weight set (``G = 1``: BPTT, the monolithic model, the seed model, one expert at
+  a time) runs ``torch._VF.lstm``, the kernel behind ``torch.nn.LSTM``: oneDNN's fused LSTM on the
+  CPU, cuDNN on a GPU. Our gate rows (input, forget, output, cell) are permuted once per forward to
+  PyTorch's (input, forget, cell, output). Differentiable, so BPTT uses it too.
+- ``native``: many weight sets without gradients (the zero-order hot path and routed evaluation) on
+  the CPU run the C++ loop in ``grouped_lstm.cpp``, built on first use with the system compiler
+  (about a minute; cached in ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
+  per step one batched GEMM and one fused, vectorised gate/cell pass, groups taken in blocks whose
+  recurrent weights fit in cache. Where it cannot be built, ``python`` is used with one warning.
+- ``python``: the batched PyTorch loop over time (one ``baddbmm`` and a few elementwise kernels per
+  step); the reference the others are tested against, and what grouped training under autograd
+  (BPTT with ``N > 1`` experts) and GPUs run.
+
+``Kernel.auto`` picks ``library`` for one weight set, ``native`` for several without gradients on
+the CPU in float32, ``python`` otherwise. ``SOMA_PL_LSTM_KERNEL=python|library|native|auto``
+overrides the choice for a whole process (e.g. to compare against the reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import warnings
+from collections.abc import Mapping
+from enum import Enum
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+KERNEL_ENV = "SOMA_PL_LSTM_KERNEL"
+"""Environment variable that overrides :class:`Kernel` for every model in the process."""
+CACHE_BYTES = 2**20
+"""Recurrent weights per block of groups in the native kernel: one core's L2 cache on current x86
+servers, so a block's weights stay resident across a chunk's time steps (measured on a 1 MiB L2:
+d_t = 181 runs best 2 groups at a time, d_t = 509 one at a time, d_t = 32 any 8 or more)."""
+LIBRARY_ROW_STEPS = 4096
+"""Window-steps (batch × time steps) per library-kernel call without gradients: enough that the
+weight re-packing each call does is small next to the call's work, few enough that activations
+stay bounded (``4096 · 4 · d_t`` floats of gates inside the call)."""
+_SOURCE = Path(__file__).with_name("grouped_lstm.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math"]
+"""``-fno-trapping-math`` lets the compiler vectorise the float → int conversion in the fast exp."""
+
+
+class Kernel(str, Enum):
+    """Which implementation runs an LSTM layer (see the module docstring)."""
+
+    auto = "auto"
+    library = "library"
+    native = "native"
+    python = "python"
+
+
+def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor]) -> Kernel:
+    """The kernel a forward pass under ``params`` (``[G, ...]`` each) runs: the override, else
+    ``kernel`` made concrete for these weights and the current grad mode."""
+    chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
+    groups, weights = params["w_hh"].shape[0], params["w_hh"]
+    if chosen is Kernel.auto:
+        chosen = Kernel.library if groups == 1 else Kernel.native
+    if chosen is Kernel.library and groups != 1:
+        return Kernel.python
+    if chosen is Kernel.native:
+        grad = torch.is_grad_enabled() and any(param.requires_grad for param in params.values())
+        if grad or weights.device.type != "cpu" or weights.dtype != torch.float32 or grouped_extension() is None:
+            return Kernel.python
+    return chosen
+
+
+def torch_gate_order(weight: Tensor) -> Tensor:
+    """Gate rows (input, forget, output, cell) → PyTorch's (input, forget, cell, output), and back:
+    the permutation swaps the last two blocks, so it is its own inverse."""
+    width = weight.shape[-2] // 4
+    i_f, out, cell = weight[..., : 2 * width, :], weight[..., 2 * width : 3 * width, :], weight[..., 3 * width :, :]
+    return torch.cat([i_f, cell, out], dim=-2)
+
+
+def library_weights(w_ih: Tensor, w_hh: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Per-layer PyTorch-ordered weights of the one group. w_ih, w_hh: ``[1, L, 4d, d]``."""
+    return list(zip(torch_gate_order(w_ih[0]).unbind(0), torch_gate_order(w_hh[0]).unbind(0)))
+
+
+def library_chunk(x: Tensor, weights: tuple[Tensor, Tensor], state: tuple[Tensor, Tensor]
+                  ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """One layer over a chunk with ``torch._VF.lstm``. x: ``[1, b, Tc, d]``; state ``[1, b, d]`` each."""
+    h, c = state
+    with warnings.catch_warnings():
+        # cuDNN asks for weights in one flat buffer and copies them when they are not; one copy
+        # per chunk is small next to the chunk's work.
+        warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous")
+        out, h, c = torch._VF.lstm(x[0], (h, c), list(weights), False, 1, 0.0, torch.is_grad_enabled(),
+                                   False, True)
+    return out[None], (h, c)
+
+
+def native_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor]
+                 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """One layer over a chunk with the native kernel.
+
+    Args:
+        gates_in: ``[G, Tc, b, 4d]`` input projections, contiguous.
+        w_hh_t: ``[G, d, 4d]`` transposed recurrent weights, contiguous.
+        state: ``(h, c)``, each ``[G, b, d]``.
+
+    Returns:
+        out: ``[G, b, Tc, d]`` (a view); the final ``(h, c)``.
+    """
+    block = max(1, CACHE_BYTES // (w_hh_t[0].numel() * w_hh_t.element_size()))
+    out, h, c = grouped_extension().grouped_lstm_chunk(gates_in, w_hh_t, state[0], state[1], block)
+    return out.transpose(1, 2), (h, c)
+
+
+def _build_tag() -> str:
+    """Names the build by source (its text and its path), torch version and CPU, so a shared cache
+    never serves a binary compiled for another processor (``-march=native``) or another torch, and
+    two checkouts never rebuild each other's (the build file names the source's path)."""
+    cpu = ""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        cpu = platform.processor()
+    parts = (_SOURCE.read_bytes(), str(_SOURCE.resolve()).encode(), torch.__version__.encode(), cpu.encode(),
+             " ".join(_CFLAGS).encode())
+    digest = hashlib.sha256(b"\0".join(parts))
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
+def grouped_extension():
+    """The compiled native kernel module, or None (with one warning) where it cannot be built."""
+    if os.environ.get(KERNEL_ENV) == Kernel.python.value:
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        log.info("building the native grouped LSTM kernel (once per machine, about a minute)")
+        return load(name=f"soma_pl_grouped_lstm_{_build_tag()}", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                    verbose=False)
+    except Exception as error:  # no compiler, no ninja, an unsupported platform: the PyTorch loop still runs
+        warnings.warn(f"native grouped LSTM kernel unavailable ({type(error).__name__}: {str(error)[:200]}); "
+                      "using the PyTorch loop", RuntimeWarning, stacklevel=2)
+        return None

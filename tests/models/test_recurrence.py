@@ -1,0 +1,108 @@
+"""The LSTM kernels agree with the PyTorch reference loop: outputs, states across chunks, gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from soma_pl.models import recurrence
+from soma_pl.models.experts import StackedExperts
+from soma_pl.models.recurrence import Kernel, resolve_kernel
+
+TOLERANCE = 1e-5
+
+
+def _model(experts: int, width: int, kernel: str) -> StackedExperts:
+    torch.manual_seed(0)
+    return StackedExperts(experts, width, embed_dim=8, num_layers=2, time_chunk=7, kernel=kernel)
+
+
+def _copies(model: StackedExperts, groups: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return {name: param.detach().repeat_interleave(groups // model.num_experts, 0)
+            + 0.05 * torch.randn((groups, *param.shape[1:]), generator=generator)
+            for name, param in model.expert_parameters().items()}
+
+
+@pytest.mark.parametrize("kernel", [Kernel.library, Kernel.native, Kernel.auto])
+@pytest.mark.parametrize(("experts", "width", "groups"), [(1, 8, 1), (1, 12, 1), (2, 12, 6), (3, 8, 3)])
+def test_every_kernel_matches_the_reference_loop(kernel, experts, width, groups):
+    """T = 20 bytes in chunks of 7: the state crosses chunk boundaries; d_t = 12 adds projections."""
+    tokens = torch.randint(0, 256, (groups, 3, 20), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    reference, model = _model(experts, width, "python"), _model(experts, width, kernel)
+    params = {} if groups == experts else _copies(model, groups)
+    with torch.no_grad():
+        expected = reference.forward_with(params, tokens)
+        got = model.forward_with(params, tokens)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+def test_library_kernel_backpropagates_the_same_gradients():
+    tokens = torch.randint(0, 256, (1, 4, 30), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    gradients = {}
+    for kernel in ("python", "library"):
+        model = _model(1, 12, kernel)
+        model.loss_per_group({}, tokens).sum().backward()
+        gradients[kernel] = {name: param.grad for name, param in model.named_parameters()}
+    for name, expected in gradients["python"].items():
+        assert expected.abs().max() > 0, name
+        assert (gradients["library"][name] - expected).abs().max().item() <= TOLERANCE, name
+
+
+def test_the_choice_follows_groups_grad_mode_and_the_override(monkeypatch):
+    model = _model(2, 8, "auto")
+    one, many = {"w_hh": model.w_hh[:1]}, {"w_hh": model.w_hh}
+    assert resolve_kernel(Kernel.auto, one) is Kernel.library
+    with torch.no_grad():
+        assert resolve_kernel(Kernel.auto, many) is Kernel.native
+        assert resolve_kernel(Kernel.library, many) is Kernel.python  # one weight set only
+    assert resolve_kernel(Kernel.auto, many) is Kernel.python  # gradients: the native kernel has no backward
+    monkeypatch.setenv(recurrence.KERNEL_ENV, "python")
+    assert resolve_kernel(Kernel.auto, one) is Kernel.python
+
+
+def test_the_native_kernel_is_built_here_and_is_deterministic():
+    assert recurrence.grouped_extension() is not None  # a C++ compiler is part of the supported setup
+    model = _model(2, 8, "native")
+    tokens = torch.randint(0, 256, (4, 2, 15), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    params = _copies(model, 4)
+    with torch.no_grad():
+        assert torch.equal(model.forward_with(params, tokens), model.forward_with(params, tokens))
+
+
+def test_non_finite_weights_give_non_finite_losses_in_every_kernel():
+    """The trainers stop on a non-finite loss; no kernel may turn a NaN into a number."""
+    tokens = torch.randint(0, 256, (2, 2, 10), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    for kernel in ("python", "library", "native"):
+        model = _model(2, 8, kernel)
+        params = _copies(model, 2)
+        params["w_hh"][1, 0, 0, 0] = float("nan")
+        one = {name: value[:1] for name, value in params.items()}
+        one["w_hh"] = params["w_hh"][1:]
+        with torch.no_grad():
+            losses = model.loss_per_group(params, tokens)
+            single = _model(1, 8, kernel).loss_per_group(one, tokens[1:])
+        assert torch.isfinite(losses[0]) and torch.isnan(losses[1]), kernel
+        assert torch.isnan(single).all(), kernel
+
+
+@pytest.mark.cuda
+def test_cudnn_library_kernel_matches_the_reference_loop_on_the_gpu():
+    """cuDNN runs the one-weight-set path on a GPU; the grouped path runs the PyTorch loop there."""
+    tokens = torch.randint(0, 256, (1, 4, 40), dtype=torch.uint8, device="cuda")
+    outputs, gradients = {}, {}
+    for kernel in ("python", "library"):
+        model = _model(1, 12, kernel).cuda()
+        loss = model.loss_per_group({}, tokens)
+        loss.sum().backward()
+        outputs[kernel], gradients[kernel] = loss.detach(), model.w_hh.grad
+    assert torch.backends.cudnn.is_available()
+    # cuDNN may use TF32 matrix units for float32: ‖Δ‖/‖ref‖ well under 1e-3.
+    assert (outputs["library"] - outputs["python"]).abs().max().item() <= 1e-4
+    assert ((gradients["library"] - gradients["python"]).norm() / gradients["python"].norm()).item() <= 1e-3
+    with torch.no_grad():
+        many = _model(3, 8, "auto").cuda()
+        grouped = many.forward_with({}, tokens.expand(3, -1, -1))
+        assert resolve_kernel(Kernel.auto, {"w_hh": many.w_hh}) is Kernel.python
+    assert torch.isfinite(grouped).all()
