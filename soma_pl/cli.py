@@ -3,6 +3,7 @@
 - `fit`, `validate`, `test`, `predict`: LightningCLI over the LightningModules and DataModules.
 - `prepare --config configs/data/<name>.yaml`: build a prepared dataset folder.
 - `bench data --config ... --out FILE.json`, `bench zo --out FILE.json`: measurements, written as JSON.
+- `bench prepare --out FILE.json`: `prepare` throughput and peak memory per task at 1 and N tasks.
 - `bench inference|memory`: inference throughput (Table 12) and memory against context.
 - `bench kernels`: our LSTM stack against `torch.nn.LSTM` with the same weights (inference, BPTT, grouped).
 - `analyze params|variance|topk|error-correlation --out FILE.json`: analyses behind the paper's
@@ -51,9 +52,13 @@ def _prepare_parser() -> ArgumentParser:
 
 
 def _run_prepare(args: Namespace) -> None:
-    from soma_pl.data.prepare import prepare, read_manifest
+    from soma_pl.data.prepare import MANIFEST, prepare, read_manifest
 
     output = prepare(args.dataset, progress=args.progress)
+    if not (output / MANIFEST).is_file():  # a Slurm or Ray executor: its jobs are still running
+        print(json.dumps({"output_dir": str(output), "submitted": True,
+                          "note": "run the same command again once the jobs are done"}, indent=2))
+        return
     manifest = read_manifest(output)
     summary = {
         "output_dir": str(output),
@@ -63,6 +68,7 @@ def _run_prepare(args: Namespace) -> None:
         "ensemble_val_windows": manifest["ensemble_val"]["windows"],
         "test_windows": manifest["test"]["windows"],
         "test_excluded": manifest["test"]["excluded"],
+        "tasks": manifest["tasks"],
         "prepare_seconds": manifest["prepare_seconds"],
     }
     print(json.dumps(summary, indent=2))
@@ -172,6 +178,7 @@ TOOLS: dict[str, dict[str | None, Tool]] = {
     "prepare": {None: (_prepare_parser, _run_prepare)},
     "shard": {None: (_shard_parser, _run_shard)},
     "bench": {"data": (_bench_data_parser, _run_bench_data), "zo": (_bench_zo_parser, _run_bench_zo),
+              "prepare": _lazy("soma_pl.bench.prepare"),
               "inference": _lazy("soma_pl.bench.inference"), "memory": _lazy("soma_pl.bench.memory"),
               "kernels": _lazy("soma_pl.bench.kernels")},
     "analyze": {"params": (_analyze_params_parser, _run_analyze_params),

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 EXPECTED = 20
 # configs/{quickstart,spsa,bptt,seed,soma_quickstart,soma_n2,soma_n8,soma_n256,eggroll,ddpp} (10),
-# data/{demo,fineweb_edu} (2), shard/{demo_n2,demo_n3,fineweb_n8} (3), demo/{spsa,soma_n2,eggroll,ddpp} (4)
+# data/{demo,fineweb_edu} (2), shard/{demo_n2,demo_n3,fineweb_n8} (3), demo/{spsa,soma_n2,bptt_n2,eggroll,ddpp} (5)
 
 
 def test_found_every_config():

@@ -16,12 +16,14 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from soma_pl.data.evalsets import EvalDataset, EvalSet, ExpertWindowsDataset
+from soma_pl import WINDOW_BYTES
+from soma_pl.data.evalsets import EvalSet
 from soma_pl.data.experts import check_sharded_from, expert_shards, read_experts_manifest
-from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
+from soma_pl.data.prepare import PrepareConfig, open_prepared, prepare, prepare_recipe, read_manifest
 from soma_pl.data.shards import ShardRecord, Verify, verify_shards
 from soma_pl.data.stream import RankSplit, WindowStream, fixed_windows, rank_share
 from soma_pl.errors import ConfigError, DataError
@@ -31,7 +33,12 @@ class ByteDataModule(L.LightningDataModule):
     """Byte-level windows for ZO and BPTT training.
 
     Args:
-        dataset: what `prepare` builds; prepared on first use when `auto_prepare` is on.
+        prepared: a prepared dataset folder, used by path alone: everything is read from its
+            manifest, so `dataset` must be left unset. A folder from another soma_pl version is refused.
+        recipe: a data config (`configs/data/<name>.yaml`) that builds `prepared` on first use (once
+            per job, by global rank 0) when it is missing or was built from another corpus or config.
+        dataset: what `prepare` builds when `prepared` is not given; prepared on first use when
+            `auto_prepare` is on.
         experts_dir: a sharded dataset folder (`experts.json`); its N expert shard sets give
             `[N, B, 1025]` training batches. None: the prepared training shards, `[1, B, 1025]`.
         batch_size: training windows per expert per batch (B).
@@ -49,7 +56,7 @@ class ByteDataModule(L.LightningDataModule):
     def __init__(self, dataset: PrepareConfig = PrepareConfig(), experts_dir: str | None = None,
                  batch_size: int = 64, eval_batch_size: int = 64, shuffle_buffer: int = 1024,
                  num_workers: int = 0, seed: int = 0, verify: Verify = Verify.sha256, auto_prepare: bool = True,
-                 expert_val_windows: int | None = None):
+                 expert_val_windows: int | None = None, prepared: str | None = None, recipe: str | None = None):
         super().__init__()
         for key, value, least in (("batch_size", batch_size, 1), ("eval_batch_size", eval_batch_size, 1),
                                   ("shuffle_buffer", shuffle_buffer, 1), ("num_workers", num_workers, 0)):
@@ -57,7 +64,17 @@ class ByteDataModule(L.LightningDataModule):
                 raise ConfigError(f"data.init_args.{key}={value} must be >= {least}")
         if expert_val_windows is not None and expert_val_windows < 1:
             raise ConfigError(f"data.expert_val_windows={expert_val_windows} must be >= 1 (or null: the whole split)")
-        dataset.validate()
+        if recipe is not None and prepared is None:
+            raise ConfigError("data.init_args.recipe needs data.init_args.prepared (the folder it builds)")
+        if prepared is None:
+            dataset.validate()
+        elif dataset != PrepareConfig():  # it would be ignored: the folder's manifest says what it holds
+            raise ConfigError(f"data.init_args.dataset is set but data.init_args.prepared={prepared} names the "
+                              "dataset: give one of them (a recipe goes in data.init_args.recipe)")
+        # One process per job prepares (global rank 0, on a shared file system); the others wait.
+        self.prepare_data_per_node = False
+        self.prepared = prepared
+        self.recipe = recipe
         self.dataset = dataset
         self.experts_dir = experts_dir
         self.batch_size = batch_size
@@ -76,14 +93,21 @@ class ByteDataModule(L.LightningDataModule):
 
     @property
     def root(self) -> Path:
-        return Path(self.dataset.output_dir).expanduser()
+        return Path(self.prepared if self.prepared is not None else self.dataset.output_dir).expanduser()
 
     def prepare_data(self) -> None:
-        if self.auto_prepare:
+        if not self.auto_prepare:
+            return
+        if self.prepared is None:
             prepare(self.dataset)
+        elif self.recipe is not None:
+            prepare_recipe(self.recipe, self.prepared)
 
     def setup(self, stage: str | None = None) -> None:
-        manifest = read_manifest(self.root)
+        if self.prepared is None:
+            manifest = read_manifest(self.root)
+        else:
+            manifest = open_prepared(self.prepared, "data.init_args.prepared")
         if self.experts_dir is None:
             if "expert_val" not in manifest:
                 raise DataError(f"{self.root} was prepared without an expert-validation split (an older format): "
@@ -178,3 +202,42 @@ class ByteDataModule(L.LightningDataModule):
 
 def _records(entry: dict) -> list[ShardRecord]:
     return [ShardRecord(**r) for r in entry["shards"]]
+
+
+class EvalDataset(torch.utils.data.Dataset):
+    """A map-style view of an `EvalSet`: item i is `(window [1025] uint8, i)`.
+
+    The index comes along so evaluation can attach per-window results to documents.
+    """
+
+    def __init__(self, evalset: EvalSet):
+        self.windows = torch.from_numpy(np.ascontiguousarray(evalset.windows))
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.windows[index], index
+
+
+class ExpertWindowsDataset(torch.utils.data.Dataset):
+    """Every expert's own validation windows, padded to a common count.
+
+    Item i is `(windows [E, b, 1025] uint8, valid [E, b] bool)`: batch i of each expert's windows,
+    `valid` false on the padding of experts with fewer windows.
+    """
+
+    def __init__(self, windows: list[torch.Tensor], batch_size: int = 16):
+        count = max(len(w) for w in windows)
+        padded = torch.zeros(len(windows), count, WINDOW_BYTES, dtype=torch.uint8)
+        valid = torch.zeros(len(windows), count, dtype=torch.bool)
+        for expert, rows in enumerate(windows):
+            padded[expert, : len(rows)] = rows
+            valid[expert, : len(rows)] = True
+        self.batches = list(zip(padded.split(batch_size, dim=1), valid.split(batch_size, dim=1)))
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batches[index]

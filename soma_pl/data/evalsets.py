@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.documents import Document
@@ -69,42 +68,3 @@ class EvalSet:
         if loaded.windows.ndim != 2 or loaded.windows.shape[1] != WINDOW_BYTES:
             raise DataError(f"{path}: windows of shape {tuple(loaded.windows.shape)}, expected [n, {WINDOW_BYTES}]")
         return loaded
-
-
-class EvalDataset(torch.utils.data.Dataset):
-    """A map-style view of an `EvalSet`: item i is `(window [1025] uint8, i)`.
-
-    The index comes along so evaluation can attach per-window results to documents.
-    """
-
-    def __init__(self, evalset: EvalSet):
-        self.windows = torch.from_numpy(np.ascontiguousarray(evalset.windows))
-
-    def __len__(self) -> int:
-        return len(self.windows)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.windows[index], index
-
-
-class ExpertWindowsDataset(torch.utils.data.Dataset):
-    """Every expert's own validation windows, padded to a common count.
-
-    Item i is `(windows [E, b, 1025] uint8, valid [E, b] bool)`: batch i of each expert's windows,
-    `valid` false on the padding of experts with fewer windows.
-    """
-
-    def __init__(self, windows: list[torch.Tensor], batch_size: int = 16):
-        count = max(len(w) for w in windows)
-        padded = torch.zeros(len(windows), count, WINDOW_BYTES, dtype=torch.uint8)
-        valid = torch.zeros(len(windows), count, dtype=torch.bool)
-        for expert, rows in enumerate(windows):
-            padded[expert, : len(rows)] = rows
-            valid[expert, : len(rows)] = True
-        self.batches = list(zip(padded.split(batch_size, dim=1), valid.split(batch_size, dim=1)))
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.batches[index]

@@ -1,55 +1,51 @@
-"""`prepare`: turn a corpus into a prepared dataset folder.
+"""`prepare`: turn a corpus into a prepared dataset folder, as a datatrove pipeline.
 
 ```
 <output_dir>/
-  train/train-000000.tar ...   training documents, WebDataset shards cut by size
-  expert_val/val-000000.tar    the held-out 1% of the training documents: a monolithic model's
+  train/train-<task>-NNNNNN.tar  training documents, WebDataset shards cut by size, per task
+  expert_val/val-<task>-NNNNNN.tar the held-out 1% of the training documents: a monolithic model's
                                learning-rate decay signal (N = 1 is one expert, Table 1)
   ensemble_val.npz             fixed 1,025-byte windows from held-out documents
   test.npz                     one window per held-out, overlap-screened test document
   manifest.json                counts, bytes, sources, seed, screening, sha256 of every shard
 ```
 
-Two streaming passes over the corpus: the first picks the held-out documents (smallest seeded hash of
-the id), the second writes every other document into shards and screens the test candidates
-against it. A seeded hash of the id also sends `expert_val_fraction` of the training documents
-(at least one) to the expert-validation split, decided per document, so the choice is the same
-whatever order or partition the corpus is read in. The folder is built under a temporary name and renamed into place with its manifest, so
-an interrupted run leaves nothing that reads as a prepared dataset. The manifest records a hash of
-the config and of the corpus's identity: an identical re-run is a no-op, a changed one rebuilds. Each
-pass ends by checking that the corpus files are still those (paths, sizes, mtimes) seen at the
-start, so a file that changes or disappears meanwhile stops the run instead of shrinking the
-dataset. Only a folder soma_pl wrote as a prepared dataset is replaced (`soma_pl.io.atomic_folder`).
+The stages (`soma_pl.data.prepare_steps`) run on the executor of `dataset.executor` (local by
+default, all cores; Slurm or Ray for clusters). Held-out documents are those of smallest seeded
+hash of the id; a seeded hash of the id also sends `expert_val_fraction` of the training documents
+(at least one) to the expert-validation split. Both choices are the same for any task count and
+any order or partition of the corpus; only the grouping of documents into shard files depends on
+the task count. The overlap screen is exact (any shared 50-byte substring excludes a test
+candidate) and runs in every task over that task's documents.
+
+Everything is built in a staging folder beside the output, named after the build's fingerprint;
+datatrove's completion markers there let a killed run resume where it stopped. The finished folder
+is renamed into place with its manifest, so nothing half-written ever reads as a prepared dataset.
+The manifest records a hash of the config and of the corpus's identity: an identical re-run is a
+no-op, a changed one rebuilds. The last stage checks that the corpus files are still those (paths,
+sizes, mtimes) seen at the start. Only a folder soma_pl wrote as a prepared dataset is replaced
+(`soma_pl.io.atomic_folder`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import math
 import time
 import warnings
-from collections import Counter
-from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-from tqdm.auto import tqdm
-
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.documents import Document
-from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.heldout import (HeldOutSelector, OverlapScreen, seeded_hash, test_window_offset,
-                                  validation_windows)
-from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_change, corpus_fingerprint, iter_corpus
-from soma_pl.data.shards import ShardRecord, ShardWriter
-from soma_pl.errors import ConfigError, DataError
-from soma_pl.io import atomic_folder, close_quietly, write_json_atomic
+from soma_pl.data.pipeline import (ExecutorConfig, ExecutorKind, check_stage, corpus_reader, make_executor,
+                                   remove_staging, run_stages, staging_folder, write_paths_file)
+from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_fingerprint
+from soma_pl.errors import ConfigError, DataError, SomaError
+from soma_pl.io import check_output, write_error
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 KIND = "prepared dataset"
 """What the output folder's marker calls it (`soma_pl.io.OUTPUT_MARKER`)."""
 
@@ -71,6 +67,8 @@ class PrepareConfig:
         shard_max_bytes: a training shard is cut once it reaches this size.
         expert_val_fraction: share of the training documents held out as the expert-validation
             split that drives a monolithic model's learning-rate decay (paper: 1%).
+        executor: how the datatrove pipeline runs (local tasks x workers, Slurm, Ray); it does not
+            change which documents go where, so it is not part of the fingerprint.
     """
 
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
@@ -83,6 +81,7 @@ class PrepareConfig:
     shingle_bytes: int = 50
     shard_max_bytes: int = 64_000_000
     expert_val_fraction: float = 0.01
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
 
     @property
     def test_candidates(self) -> int:
@@ -93,6 +92,7 @@ class PrepareConfig:
         already read by `corpus_fingerprint`), format."""
         settings = asdict(self)
         settings.pop("output_dir")
+        settings.pop("executor")
         corpus = corpus_fingerprint(self.corpus) if corpus is None else corpus
         identity = {"settings": settings, "corpus": corpus, "format": FORMAT_VERSION}
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
@@ -116,24 +116,92 @@ class PrepareConfig:
                               f"(a test window's length)")
         if not 0 < self.expert_val_fraction < 1:
             raise ConfigError(f"dataset.expert_val_fraction={self.expert_val_fraction} must be in (0, 1)")
+        self.executor.validate("dataset")
 
 
 def prepare(config: PrepareConfig, progress: bool = True) -> Path:
-    """Build `config.output_dir` unless an identical build is already there; return its path."""
+    """Build `config.output_dir` unless an identical build is already there; return its path.
+
+    With a Slurm or Ray executor the stages may still be running when this returns (the output
+    then has no manifest yet): run it again once they are done.
+    """
     config.validate()
+    started = time.time()
     output = Path(config.output_dir).expanduser()
     corpus = corpus_fingerprint(config.corpus)
     fingerprint = config.fingerprint(corpus)
-    existing = read_manifest(output) if (output / MANIFEST).is_file() else None
-    if existing is not None and existing.get("fingerprint") == fingerprint:
+    if existing_fingerprint(output) == fingerprint:
+        remove_staging(output, "prepare")
         return output
-    with atomic_folder(output, KIND, "dataset.output_dir", corpus_inputs(config.corpus), MANIFEST) as work:
-        if existing is not None:
-            warnings.warn(f"{output}: prepared with another config or corpus; rebuilding", stacklevel=3)
-        manifest = _build(config, work, progress, corpus)
-        manifest["fingerprint"] = fingerprint
-        write_json_atomic(work / MANIFEST, manifest)
+    check_output(output, KIND, "dataset.output_dir", corpus_inputs(config.corpus), MANIFEST)
+    if (output / MANIFEST).is_file():
+        warnings.warn(f"{output}: prepared with another config or corpus; rebuilding", stacklevel=2)
+    stage = staging_folder(output, "prepare", fingerprint)
+    write_paths_file(config.corpus, stage / "files.txt")
+    stages = _stages(config, stage, fingerprint, corpus, started, progress)
+    try:
+        run_stages(stages[-1][1])
+    except (OSError, SomaError) as error:
+        refused = _refused_write(error, [stage, output], f"dataset.output_dir={output}")
+        if refused is None:
+            raise  # the finished tasks stay in the staging folder: running the command again resumes
+        remove_staging(output, "prepare")  # the disk refused a write: keep nothing, as the line says
+        raise refused from error
+    if ExecutorKind(config.executor.kind) is not ExecutorKind.local and existing_fingerprint(output) != fingerprint:
+        return output
+    for name, executor in stages:
+        check_stage(stage / "logs" / name, executor.world_size, f"prepare {name}")
+    from soma_pl.data.prepare_steps import warn_about
+
+    warn_about(read_manifest(output))
+    remove_staging(output, "prepare")
     return output
+
+
+def _stages(config: PrepareConfig, stage: Path, fingerprint: str, corpus: dict, started: float,
+            progress: bool) -> list[tuple[str, object]]:
+    """The four executors, each depending on the one before: `(name, executor)`."""
+    from soma_pl.data.prepare_steps import FinishPrepare, PlanHeldOut, SelectHeldOut, WriteShards
+
+    tasks = config.executor.task_count()
+    if CorpusKind(config.corpus.kind) is not CorpusKind.demo:
+        files = sum(1 for line in (stage / "files.txt").read_text().splitlines() if line)
+        tasks = min(tasks, files)  # datatrove deals out whole files: more tasks would idle
+    paths = stage / "files.txt"
+    pipelines = [("select", [corpus_reader(config.corpus, paths, progress), SelectHeldOut(config, stage)], tasks),
+                 ("plan", [PlanHeldOut(config, stage, tasks)], 1),
+                 ("write", [corpus_reader(config.corpus, paths, progress), WriteShards(config, stage)], tasks),
+                 ("finish", [FinishPrepare(config, stage, tasks, fingerprint, corpus, started)], 1)]
+    executors, previous = [], None
+    for name, pipeline, count in pipelines:
+        previous = make_executor(config.executor, pipeline, count, stage / "logs" / name, f"prepare-{name}", previous)
+        executors.append((name, previous))
+    return executors
+
+
+def _refused_write(error: BaseException, targets: list[Path], what: str) -> SomaError | None:
+    """The one line for `error` when it is the disk refusing a write under `targets` (raised by a
+    stage as an OSError, or already translated by `atomic_folder`), else None."""
+    cause = error if isinstance(error, OSError) else error.__cause__
+    if not isinstance(cause, OSError):
+        return None
+    translated = write_error(cause, targets, what, "choose another dataset.output_dir")
+    if translated is None or isinstance(error, OSError):
+        return translated
+    return error
+
+
+def existing_fingerprint(output: Path) -> str | None:
+    """The fingerprint of the prepared folder at `output`, or None."""
+    try:
+        return json.loads((output / MANIFEST).read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def config_json(config: PrepareConfig) -> dict:
+    """The config as plain JSON (what the manifest records)."""
+    return json.loads(json.dumps(asdict(config), default=str))
 
 
 def read_manifest(folder: Path) -> dict:
@@ -156,163 +224,44 @@ def corpus_inputs(corpus: CorpusConfig) -> list[str]:
     return [] if CorpusKind(corpus.kind) is CorpusKind.demo else list(corpus.paths)
 
 
-def _read_corpus(config: PrepareConfig, before: dict, stage: str, progress: bool) -> Iterator[Document]:
-    """One pass over the corpus; after its last document, a check that the corpus files are still
-    those `before` (`corpus_fingerprint`) lists, so both passes read the same documents.
+
+
+def load_prepare_config(recipe: str | Path) -> PrepareConfig:
+    """The `dataset:` section of a data config (`configs/data/<name>.yaml`).
 
     Raises:
-        DataError: a file appeared, disappeared or changed size or mtime.
+        ConfigError: the file is missing or its `dataset:` section does not parse.
     """
-    yield from tqdm(iter_corpus(config.corpus), desc=f"prepare: {stage}", unit="doc", disable=not progress)
+    from jsonargparse import ArgumentParser
+
+    path = Path(recipe).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data config not found: {path}")
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--dataset", type=PrepareConfig)
     try:
-        change = corpus_change(before, corpus_fingerprint(config.corpus))
+        return parser.instantiate_classes(parser.parse_path(str(path))).dataset
+    except Exception as error:  # jsonargparse reports every parse problem its own way
+        raise ConfigError(f"{path}: {str(error).strip().splitlines()[0]}") from error
+
+
+def prepare_recipe(recipe: str | Path, folder: str | Path, progress: bool = True) -> Path:
+    """Build `folder` with the `dataset:` section of the data config `recipe` (a no-op when the
+    folder already holds that build)."""
+    config = load_prepare_config(recipe)
+    config.output_dir = str(folder)
+    return prepare(config, progress=progress)
+
+
+def open_prepared(folder: str | Path, setting: str) -> dict:
+    """The manifest of the prepared folder `folder`, refused with one line when it is missing or
+    was written by another format of `prepare` (`setting` names the option for the message)."""
+    try:
+        manifest = read_manifest(Path(folder).expanduser())
     except DataError as error:
-        change = str(error)
-    if change:
-        raise DataError(f"the corpus changed while prepare read it ({stage}): {change}; nothing was written: "
-                        "run prepare again once the corpus is complete")
-
-
-def _build(config: PrepareConfig, work: Path, progress: bool, corpus: dict) -> dict:
-    if not 0 < config.expert_val_fraction < 1:
-        raise ConfigError(f"dataset.expert_val_fraction={config.expert_val_fraction} must be in (0, 1)")
-    started = time.perf_counter()
-    keep_bytes = max(config.val_windows, 1) * WINDOW_BYTES
-    held_count = config.val_documents + config.test_candidates
-    selector = HeldOutSelector(config.seed, held_count, keep_bytes)
-    expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, held_count + 1)
-    short = Counter()
-    for document in _read_corpus(config, corpus, "select held-out", progress):
-        if len(document.text) < WINDOW_BYTES:
-            short[document.source] += 1
-        else:
-            selector.offer(document)
-            expert_val.offer(document.doc_id)
-    held = selector.selected()
-    if not held and not short:
-        raise DataError(f"empty corpus: no documents in {_describe(config.corpus)}")
-    if len(held) < config.val_documents + config.test_candidates:
-        raise DataError(f"corpus too small: {len(held)} documents of >= {WINDOW_BYTES} bytes, "
-                        f"{config.val_documents + config.test_candidates} needed for held-out sets")
-    if sum(short.values()):
-        warnings.warn(f"skipped {sum(short.values())} documents shorter than {WINDOW_BYTES} bytes", stacklevel=2)
-    val_docs, candidates = held[: config.val_documents], held[config.val_documents :]
-    held_ids = {d.doc_id for d in held}
-    offsets = [test_window_offset(config.seed, d) for d in candidates]
-    screen = OverlapScreen([d.text[o : o + WINDOW_BYTES] for d, o in zip(candidates, offsets)], config.shingle_bytes)
-    expert_val.exclude(held_ids)
-    shards, train_stats = _write_training(config, work, held_ids, screen, expert_val,
-                                          _read_corpus(config, corpus, "write shards", progress))
-    val = _validation_set(val_docs, config.val_windows)
-    test, test_stats = _test_set(candidates, offsets, screen.contaminated, config.test_windows, config.shingle_bytes)
-    val.save(work / "ensemble_val.npz")
-    test.save(work / "test.npz")
-    return {
-        "format": FORMAT_VERSION,
-        "config": json.loads(json.dumps(asdict(config), default=str)),
-        "seed": config.seed,
-        "window_bytes": WINDOW_BYTES,
-        "train": {**train_stats, "shards": [s.to_json() for s in shards["train"]]},
-        "expert_val": {**train_stats.pop("expert_val"), "fraction": config.expert_val_fraction,
-                       "shards": [s.to_json() for s in shards["expert_val"]]},
-        "skipped_short_documents": dict(sorted(short.items())),
-        "ensemble_val": {"file": "ensemble_val.npz", "documents": len(set(val.doc_ids)), "windows": len(val)},
-        "test": {"file": "test.npz", **test_stats},
-        "prepare_seconds": round(time.perf_counter() - started, 3),
-    }
-
-
-class ExpertValChoice:
-    """Which training documents form the expert-validation split, decided one document at a time.
-
-    A document is held out when its seeded hash falls below `fraction` of the hash range; the
-    document of smallest hash is held out too, so the split is never empty. Pass 1 offers every
-    eligible id (a bounded heap keeps the `keep` smallest hashes) and then excludes the documents
-    held out for evaluation; pass 2 asks `holds(id)`.
-    """
-
-    def __init__(self, seed: int, fraction: float, keep: int):
-        self.seed, self.threshold, self.keep = seed, int(fraction * 2**64), keep
-        self._smallest: list[tuple[int, str]] = []  # max-heap by hash: (-hash, id)
-        self.fallback: str | None = None
-
-    def hash(self, doc_id: str) -> int:
-        return seeded_hash(self.seed, "expert_val", doc_id)
-
-    def offer(self, doc_id: str) -> None:
-        item = (-self.hash(doc_id), doc_id)
-        if len(self._smallest) < self.keep:
-            heapq.heappush(self._smallest, item)
-        elif item > self._smallest[0]:
-            heapq.heapreplace(self._smallest, item)
-
-    def exclude(self, held_ids: set[str]) -> None:
-        """Fix the fallback: the smallest-hash training document that is not held out."""
-        eligible = sorted((-negative, doc_id) for negative, doc_id in self._smallest if doc_id not in held_ids)
-        self.fallback = eligible[0][1] if eligible else None
-
-    def holds(self, doc_id: str) -> bool:
-        return doc_id == self.fallback or self.hash(doc_id) < self.threshold
-
-
-def _write_training(config: PrepareConfig, work: Path, held_ids: set[str], screen: OverlapScreen,
-                    expert_val: ExpertValChoice, corpus: Iterable[Document]) -> tuple[dict[str, list[ShardRecord]], dict]:
-    writers = {"train": ShardWriter(work / "train", "train", config.shard_max_bytes),
-               "expert_val": ShardWriter(work / "expert_val", "val", config.shard_max_bytes)}
-    documents, sizes, held_out = Counter(), Counter(), Counter()
-    try:
-        for document in corpus:
-            if len(document.text) < WINDOW_BYTES or document.doc_id in held_ids:
-                continue
-            screen.screen(document.text)  # expert-validation documents are training data too
-            if expert_val.holds(document.doc_id):
-                writers["expert_val"].write(document)
-                held_out["documents"] += 1
-                held_out["bytes"] += len(document.text)
-                continue
-            writers["train"].write(document)
-            documents[document.source] += 1
-            sizes[document.source] += len(document.text)
-        records = {split: writer.close() for split, writer in writers.items()}
-    except BaseException:
-        close_quietly(writers.values())
-        raise
-    if not records["train"]:
-        raise DataError(f"no training documents left in {_describe(config.corpus)}")
-    stats = {
-        "documents": sum(documents.values()),
-        "bytes": sum(sizes.values()),
-        "sources": {s: {"documents": documents[s], "bytes": sizes[s]} for s in sorted(documents)},
-        "expert_val": {"documents": held_out["documents"], "bytes": held_out["bytes"]},
-    }
-    return records, stats
-
-
-def _validation_set(documents: list[Document], count: int) -> EvalSet:
-    picks = validation_windows(documents, count, WINDOW_BYTES)
-    if len(picks) < count:
-        warnings.warn(f"ensemble validation: only {len(picks)} of {count} windows available", stacklevel=3)
-    return EvalSet.from_picks(documents, picks)
-
-
-def _test_set(candidates: list[Document], offsets: list[int], contaminated: np.ndarray, count: int,
-              shingle_bytes: int) -> tuple[EvalSet, dict]:
-    clean = [i for i, bad in enumerate(contaminated.tolist()) if not bad]
-    chosen = clean[:count]
-    if len(chosen) < count:
-        warnings.warn(f"test set: only {len(chosen)} of {count} clean documents", stacklevel=3)
-    stats = {
-        "documents": len(chosen),
-        "windows": len(chosen),
-        "window_position": "one window per document at a seeded uniform offset",
-        "screening": f"excluded candidates sharing any {shingle_bytes}-byte substring with a training document "
-                     "(64-bit polynomial hashes of every shingle)",
-        "candidates": len(candidates),
-        "excluded": int(contaminated.sum()),
-        "unused_clean_candidates": len(clean) - len(chosen),
-    }
-    return EvalSet.from_picks(candidates, [(i, offsets[i]) for i in chosen]), stats
-
-
-def _describe(corpus: CorpusConfig) -> str:
-    return "the demo corpus" if str(getattr(corpus.kind, "value", corpus.kind)) == "demo" else ", ".join(corpus.paths)
+        raise DataError(f"{setting}={folder}: {error}; build it first (python -m soma_pl.cli prepare "
+                        "--config configs/data/<name>.yaml)") from error
+    if manifest.get("format") != FORMAT_VERSION or "fingerprint" not in manifest:
+        raise DataError(f"{setting}={folder} was prepared by another soma_pl version (format "
+                        f"{manifest.get('format')}, this one reads {FORMAT_VERSION}): run prepare again")
+    return manifest

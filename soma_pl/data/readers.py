@@ -43,6 +43,8 @@ class CorpusConfig:
         paths: files or folders (folders are searched recursively: `**/*.parquet`, `**/*.jsonl[.gz]`,
             `**/*.txt`); ignored for `demo`.
         text_field: the column (parquet) or key (JSONL) holding the document text.
+        id_field: the column (parquet) or key (JSONL) holding a corpus-wide unique document id
+            (FineWeb-Edu: `id`); it decides the held-out choice. None: `<file name>:<row>`.
         min_int_score: keep only parquet rows whose `int_score` is at least this (FineWeb-Edu's
             educational score); ignored when the file has no `int_score` column.
         demo_sources: which demo sources to use.
@@ -52,6 +54,7 @@ class CorpusConfig:
     kind: CorpusKind = CorpusKind.demo
     paths: list[str] = field(default_factory=list)
     text_field: str = "text"
+    id_field: str | None = None
     min_int_score: int | None = None
     demo_sources: list[str] = field(default_factory=lambda: ["wikipedia", "sotu", "python_docs"])
     parquet_batch_rows: int = 1024
@@ -81,7 +84,8 @@ def corpus_files(kind: CorpusKind, paths: Sequence[str | Path]) -> list[Path]:
 
 
 def iter_parquet(
-    files: Sequence[Path], text_field: str = "text", min_int_score: int | None = None, batch_rows: int = 1024
+    files: Sequence[Path], text_field: str = "text", min_int_score: int | None = None, batch_rows: int = 1024,
+    id_field: str | None = None,
 ) -> Iterator[Document]:
     """Yield the documents of FineWeb-Edu-style parquet files, reading only the needed columns."""
     import pyarrow as pa
@@ -91,24 +95,27 @@ def iter_parquet(
         try:
             parquet = pq.ParquetFile(path)
             names = set(parquet.schema_arrow.names)
-            if text_field not in names:
-                raise DataError(f"{path}: no '{text_field}' column (columns: {', '.join(sorted(names))})")
+            for needed in (text_field, id_field):
+                if needed is not None and needed not in names:
+                    raise DataError(f"{path}: no '{needed}' column (columns: {', '.join(sorted(names))})")
             use_score = min_int_score is not None and "int_score" in names
-            columns = [text_field] + (["int_score"] if use_score else [])
+            columns = [text_field] + ([id_field] if id_field else []) + (["int_score"] if use_score else [])
             row = 0
             for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
                 texts = batch.column(text_field).to_pylist()
                 scores = batch.column("int_score").to_pylist() if use_score else None
+                ids = batch.column(id_field).to_pylist() if id_field else None
                 for i, text in enumerate(texts):
                     keep = text is not None and (scores is None or (scores[i] is not None and scores[i] >= min_int_score))
                     if keep:
-                        yield Document(text.encode("utf-8"), str(path), f"{path.name}:{row + i}")
+                        doc_id = str(ids[i]) if ids is not None else f"{path.name}:{row + i}"
+                        yield Document(text.encode("utf-8"), str(path), doc_id)
                 row += len(texts)
         except (pa.ArrowException, OSError) as error:
             raise DataError(f"corrupt parquet file {path}: {_first_line(error)}") from error
 
 
-def iter_jsonl(files: Sequence[Path], text_field: str = "text") -> Iterator[Document]:
+def iter_jsonl(files: Sequence[Path], text_field: str = "text", id_field: str | None = None) -> Iterator[Document]:
     """Yield one document per JSON line with a `text_field` string; `.gz` files are decompressed."""
     for path in files:
         opener = gzip.open if path.suffix == ".gz" else open
@@ -124,7 +131,13 @@ def iter_jsonl(files: Sequence[Path], text_field: str = "text") -> Iterator[Docu
                     text = record.get(text_field) if isinstance(record, dict) else None
                     if not isinstance(text, str):
                         raise DataError(f"{path}:{number}: no string field '{text_field}'")
-                    yield Document(_utf8(text, path, number), str(path), f"{path.name}:{number}")
+                    if id_field is None:
+                        doc_id = f"{path.name}:{number}"
+                    elif isinstance(record.get(id_field), (str, int)):
+                        doc_id = str(record[id_field])
+                    else:
+                        raise DataError(f"{path}:{number}: no string or integer field '{id_field}' (corpus.id_field)")
+                    yield Document(_utf8(text, path, number), str(path), doc_id)
         except (OSError, EOFError, UnicodeDecodeError) as error:
             raise DataError(f"unreadable JSONL file {path}: {_first_line(error)}") from error
 
@@ -160,13 +173,20 @@ def iter_corpus(config: CorpusConfig) -> Iterator[Document]:
 
         yield from iter_demo_documents(tuple(config.demo_sources))
         return
-    files = corpus_files(kind, config.paths)
+    for path in corpus_files(kind, config.paths):
+        yield from iter_file(config, path)
+
+
+def iter_file(config: CorpusConfig, path: Path) -> Iterator[Document]:
+    """Yield the documents of one file of a (non-demo) corpus: the unit a prepare task reads."""
+    kind = CorpusKind(config.kind)
     if kind is CorpusKind.parquet:
-        yield from iter_parquet(files, config.text_field, config.min_int_score, config.parquet_batch_rows)
+        yield from iter_parquet([path], config.text_field, config.min_int_score, config.parquet_batch_rows,
+                                config.id_field)
     elif kind is CorpusKind.jsonl:
-        yield from iter_jsonl(files, config.text_field)
+        yield from iter_jsonl([path], config.text_field, config.id_field)
     else:
-        yield from iter_text(files)
+        yield from iter_text([path])
 
 
 def corpus_fingerprint(config: CorpusConfig) -> dict:
@@ -181,7 +201,7 @@ def corpus_fingerprint(config: CorpusConfig) -> dict:
         return {"kind": kind.value, "demo": demo_fingerprint(tuple(config.demo_sources))}
     files = corpus_files(kind, config.paths)
     listing = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    options = {"text_field": config.text_field, "min_int_score": config.min_int_score}
+    options = {"text_field": config.text_field, "id_field": config.id_field, "min_int_score": config.min_int_score}
     return {"kind": kind.value, "files": listing, **options}
 
 
@@ -200,6 +220,13 @@ def corpus_change(before: dict, after: dict) -> str | None:
     if added:
         return f"{added[0]} appeared"
     return None if before == after else "its identity changed"
+
+
+def corpus_changed(change: str) -> DataError:
+    """The one line that stops a prepare whose corpus changed while it read it (`change`: from
+    `corpus_change`)."""
+    return DataError(f"the corpus changed while prepare read it: {change}; nothing was written: "
+                     "run prepare again once the corpus is complete")
 
 
 def _first_line(error: BaseException) -> str:

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from soma_pl.data.documents import Document
 from soma_pl.data.experts import EXPERTS_MANIFEST, ExpertShardWriter, read_experts_manifest
 from soma_pl.data.heldout import seeded_hash
-from soma_pl.data.prepare import PrepareConfig, corpus_inputs, prepare, read_manifest
+from soma_pl.data.prepare import MANIFEST, open_prepared, prepare_recipe, read_manifest
 from soma_pl.data.shards import ShardRecord, Verify, iter_shard_documents, sha256_file, verify_shards
 from soma_pl.io import atomic_folder, check_output
 from soma_pl.errors import ConfigError, DataError
@@ -63,7 +63,10 @@ class ShardConfig:
     """What `shard` builds, from which prepared dataset, and where.
 
     Attributes:
-        dataset: the prepared dataset whose training shards are split (prepared first if missing).
+        prepared: the prepared dataset folder whose training shards are split; everything else about
+            it is read from its manifest.
+        recipe: a data config (`configs/data/<name>.yaml`) that builds `prepared` first when it is
+            missing or was built from another corpus or config. None: `prepared` must exist.
         num_experts: N, the number of experts (and of clusters).
         output_dir: the sharded dataset folder (what `ByteDataModule(experts_dir=...)` reads).
         embedder: how the first 256 bytes are embedded: `seed` (the seed model's mean final
@@ -86,7 +89,8 @@ class ShardConfig:
         device: where the embedder runs (`cpu`, `cuda`, ...).
     """
 
-    dataset: PrepareConfig = field(default_factory=PrepareConfig)
+    prepared: str = "data/demo"
+    recipe: str | None = None
     num_experts: int = 3
     output_dir: str = "data/demo-experts"
     embedder: EncoderKind = EncoderKind.hashed
@@ -114,7 +118,7 @@ class ShardConfig:
              "shard.kmeans_batch_size, kmeans_n_init and embed_batch_size must be >= 1"),
             (EncoderKind(self.embedder) is not EncoderKind.seed or bool(self.seed_checkpoint),
              "shard.embedder=seed needs shard.seed_checkpoint (the seed model's Lightning checkpoint)"),
-            (Path(self.output_dir).expanduser().resolve() != Path(self.dataset.output_dir).expanduser().resolve(),
+            (Path(self.output_dir).expanduser().resolve() != Path(self.prepared).expanduser().resolve(),
              f"shard.output_dir={self.output_dir} must differ from the prepared dataset folder"),
         ]
         for ok, message in checks:
@@ -124,12 +128,15 @@ class ShardConfig:
     def inputs(self) -> list[str]:
         """What a sharding reads: the prepared dataset, its corpus, the seed checkpoint."""
         seed = [self.seed_checkpoint] if EncoderKind(self.embedder) is EncoderKind.seed else []
-        return [self.dataset.output_dir, *corpus_inputs(self.dataset.corpus), *seed]
+        corpus = []
+        if (Path(self.prepared).expanduser() / MANIFEST).is_file():
+            corpus = read_manifest(Path(self.prepared).expanduser()).get("config", {}).get("corpus", {}).get("paths", [])
+        return [self.prepared, *corpus, *seed]
 
     def fingerprint(self, manifest: dict) -> str:
         """Hash of everything the output depends on: settings, the prepared shards, the seed model."""
         settings = asdict(self)
-        for key in ("output_dir", "dataset"):
+        for key in ("output_dir", "prepared", "recipe"):
             settings.pop(key)
         checkpoint = None
         if EncoderKind(self.embedder) is EncoderKind.seed:
@@ -167,8 +174,10 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     config.validate()
     output = Path(config.output_dir).expanduser()
     check_output(output, KIND, "shard.output_dir", config.inputs(), EXPERTS_MANIFEST)  # before hours of work
-    root = prepare(config.dataset, progress=progress)
-    manifest = read_manifest(root)
+    root = Path(config.prepared).expanduser()
+    if config.recipe is not None:
+        prepare_recipe(config.recipe, root, progress=progress)
+    manifest = open_prepared(root, "shard.prepared")
     fingerprint = config.fingerprint(manifest)
     if (output / EXPERTS_MANIFEST).is_file():
         if _read_fingerprint(output) == fingerprint:

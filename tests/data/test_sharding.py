@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +49,7 @@ def dataset(tmp_path_factory) -> PrepareConfig:
 
 def _config(dataset: PrepareConfig, output: Path, **changes) -> ShardConfig:
     settings = {"num_experts": 3, "embed_batch_size": 16, **changes}
-    return ShardConfig(dataset=dataset, output_dir=str(output), **settings)
+    return ShardConfig(prepared=dataset.output_dir, output_dir=str(output), **settings)
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +176,11 @@ def test_validation_takes_at_least_one_document_and_never_all():
 
 @pytest.mark.parametrize("shard_config, data_config", [("demo_n2", "demo"), ("demo_n3", "demo"),
                                                        ("fineweb_n8", "fineweb_edu")])
-def test_shard_configs_reuse_their_prepared_dataset(shard_config, data_config):
+def test_shard_configs_name_their_prepared_dataset_by_path_alone(shard_config, data_config):
     prepared = yaml.safe_load((ROOT / f"configs/data/{data_config}.yaml").read_text())["dataset"]
     section = yaml.safe_load((ROOT / f"configs/shard/{shard_config}.yaml").read_text())["shard"]
-    assert section["dataset"] == prepared
+    assert "dataset" not in section and section["prepared"] == prepared["output_dir"]
+    assert section.get("recipe") in (None, f"configs/data/{data_config}.yaml")
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -189,7 +189,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_shards_and_prints_a_summary(dataset, tmp_path):
-    config = {"shard": {"dataset": json.loads(json.dumps(asdict(dataset), default=str)), "num_experts": 3,
+    config = {"shard": {"prepared": dataset.output_dir, "num_experts": 3,
                         "output_dir": str(tmp_path / "cli")}}
     (tmp_path / "shard.yaml").write_text(yaml.safe_dump(config))
     result = _run_cli("--config", str(tmp_path / "shard.yaml"), "--progress", "false")

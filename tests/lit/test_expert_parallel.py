@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from soma_pl.data.prepare import PrepareConfig
+from soma_pl.data.prepare import PrepareConfig, prepare
 from soma_pl.data.readers import CorpusConfig
 from soma_pl.data.sharding import ShardConfig, shard
 from soma_pl.data.stream import WindowStream, rank_share
@@ -37,7 +37,8 @@ def sharded(corpus_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
     dataset = PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(corpus_dir)]), output_dir=str(root / "data"),
                             val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000)
-    experts = shard(ShardConfig(dataset=dataset, num_experts=EXPERTS, output_dir=str(root / "experts"),
+    prepare(dataset, progress=False)
+    experts = shard(ShardConfig(prepared=dataset.output_dir, num_experts=EXPERTS, output_dir=str(root / "experts"),
                                 val_fraction=0.05, shard_max_bytes=40000), progress=False)
     return root, experts
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.prepare import PrepareConfig
+from soma_pl.data.prepare import PrepareConfig, prepare
 from soma_pl.data.readers import CorpusConfig
 from soma_pl.data.sharding import ShardConfig, shard
 from soma_pl.lightning_cli import make_cli
@@ -53,7 +53,8 @@ def datasets(corpus_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("protocol")
     dataset = PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(corpus_dir)]), output_dir=str(root / "data"),
                             val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000)
-    shard(ShardConfig(dataset=dataset, num_experts=2, output_dir=str(root / "experts"), val_fraction=0.05,
+    prepare(dataset, progress=False)
+    shard(ShardConfig(prepared=dataset.output_dir, num_experts=2, output_dir=str(root / "experts"), val_fraction=0.05,
                       shard_max_bytes=40000), progress=False)
     return root
 

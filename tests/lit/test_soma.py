@@ -56,7 +56,7 @@ def test_expert_plateau_decays_only_the_expert_that_stalls():
 
 from pathlib import Path  # noqa: E402
 
-from soma_pl.data.prepare import PrepareConfig  # noqa: E402
+from soma_pl.data.prepare import PrepareConfig, prepare  # noqa: E402
 from soma_pl.data.readers import CorpusConfig  # noqa: E402
 from soma_pl.data.sharding import ShardConfig, shard  # noqa: E402
 from soma_pl.lightning_cli import make_cli  # noqa: E402
@@ -71,8 +71,9 @@ def sharded(corpus_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("soma")
     dataset = PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(corpus_dir)]), output_dir=str(root / "data"),
                             val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000)
-    experts = shard(ShardConfig(dataset=dataset, num_experts=2, output_dir=str(root / "experts"), val_fraction=0.05,
-                                shard_max_bytes=40000), progress=False)
+    prepare(dataset, progress=False)
+    experts = shard(ShardConfig(prepared=dataset.output_dir, num_experts=2, output_dir=str(root / "experts"),
+                                val_fraction=0.05, shard_max_bytes=40000), progress=False)
     return root, dataset, experts
 
 

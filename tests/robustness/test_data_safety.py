@@ -6,7 +6,6 @@ Every case runs the real CLI in-process and expects exit code 2 with one `soma_p
 from __future__ import annotations
 
 import errno
-import importlib
 import json
 import os
 import shutil
@@ -57,11 +56,9 @@ def prepare_args(corpus: Path, output: Path, *extra: str) -> list[str]:
             "--progress=false", *extra]
 
 
-def shard_args(corpus: Path, dataset: Path, output: Path, *extra: str) -> list[str]:
-    return ["shard", "--shard.dataset.corpus.kind=jsonl", f"--shard.dataset.corpus.paths=[{corpus}]",
-            f"--shard.dataset.output_dir={dataset}", *(f"--shard.dataset.{k}={v}" for k, v in SMALL.items()),
-            "--shard.num_experts=2", "--shard.val_fraction=0.05", "--shard.shard_max_bytes=40000",
-            f"--shard.output_dir={output}", "--progress=false", *extra]
+def shard_args(dataset: Path, output: Path, *extra: str) -> list[str]:
+    return ["shard", f"--shard.prepared={dataset}", "--shard.num_experts=2", "--shard.val_fraction=0.05",
+            "--shard.shard_max_bytes=40000", f"--shard.output_dir={output}", "--progress=false", *extra]
 
 
 def soma_args(corpus: Path, dataset: Path, experts: Path, run: Path, *extra: str) -> list[str]:
@@ -86,8 +83,9 @@ def sharded(tmp_path_factory) -> tuple[Path, Path, Path, Path]:
     """A corpus, its prepared dataset, and two shardings of it (seeds 0 and 7)."""
     root = tmp_path_factory.mktemp("sharded")
     write_jsonl_corpus(root / "corpus", {"alpha": 30, "beta": 30}, min_words=150, max_words=600)
+    main(prepare_args(root / "corpus", root / "data"))
     for name, seed in (("experts", 0), ("experts7", 7)):
-        main(shard_args(root / "corpus", root / "data", root / name, f"--shard.seed={seed}"))
+        main(shard_args(root / "data", root / name, f"--shard.seed={seed}"))
     return root / "corpus", root / "data", root / "experts", root / "experts7"
 
 
@@ -109,10 +107,10 @@ def test_shard_refuses_a_folder_it_did_not_write_and_the_prepared_datasets_paren
     (mine / "notes.txt").write_text("mine")
     assert cli(capsys, *prepare_args(corpus, tmp_path / "work" / "data")) == (0, [])
     data = listing(tmp_path / "work" / "data")
-    one_error(cli(capsys, *shard_args(corpus, tmp_path / "work" / "data", mine)),
+    one_error(cli(capsys, *shard_args(tmp_path / "work" / "data", mine)),
               f"shard.output_dir={mine} exists and soma_pl did not write it")
     assert listing(mine) == {"notes.txt": b"mine"}
-    one_error(cli(capsys, *shard_args(corpus, tmp_path / "work" / "data", tmp_path / "work")),
+    one_error(cli(capsys, *shard_args(tmp_path / "work" / "data", tmp_path / "work")),
               f"shard.output_dir={tmp_path / 'work'} holds the input")
     assert listing(tmp_path / "work" / "data") == data
 
@@ -156,20 +154,19 @@ def test_leftovers_of_dead_processes_are_removed_and_live_ones_kept(capsys, corp
 
 
 def test_a_corpus_file_vanishing_between_the_passes_stops_prepare(capsys, corpus, tmp_path, monkeypatch):
-    prepare_module = importlib.import_module("soma_pl.data.prepare")  # `soma_pl.data.prepare` is also a function
+    from soma_pl.data.prepare_steps import PlanHeldOut
 
-    original, passes = prepare_module.iter_corpus, []
+    original = PlanHeldOut.run
 
-    def first_pass_then_delete(config):
-        yield from original(config)
-        passes.append(1)
-        if len(passes) == 1:  # between the two passes
-            (corpus / "beta.jsonl").unlink()
+    def plan_then_delete(self, *args, **kwargs):
+        yield from original(self, *args, **kwargs)
+        (corpus / "beta.jsonl").unlink()  # between the pass that selects held-out documents and the one that writes
 
-    monkeypatch.setattr(prepare_module, "iter_corpus", first_pass_then_delete)
+    monkeypatch.setattr(PlanHeldOut, "run", plan_then_delete)
     one_error(cli(capsys, *prepare_args(corpus, tmp_path / "prepared")),
               "the corpus changed while prepare read it", f"{(corpus / 'beta.jsonl').resolve()} disappeared")
-    assert sorted(os.listdir(tmp_path)) == ["corpus"]
+    # Nothing reads as prepared; only the staging folder of the finished tasks remains, for a rerun.
+    assert [name for name in sorted(os.listdir(tmp_path)) if not name.startswith(".prepared.prepare-")] == ["corpus"]
 
 
 # --- silent wrong results ------------------------------------------------------------------------------
@@ -266,7 +263,7 @@ def test_a_read_only_or_full_disk_is_one_line_and_leaves_nothing(capsys, request
         args, writer, setting = prepare_args(request.getfixturevalue("corpus"), output), ShardWriter, "dataset"
     else:
         corpus, data, _, _ = request.getfixturevalue("sharded")
-        args, writer, setting = shard_args(corpus, data, output), ExpertShardWriter, "shard"
+        args, writer, setting = shard_args(data, output), ExpertShardWriter, "shard"
     if failure == "read-only":
         _read_only(monkeypatch)
         message = f"read-only file system (Errno 30): choose another {setting}.output_dir on a writable disk"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -92,7 +91,7 @@ def _entry_point(name: str, checkpoint: Path, prepared: PrepareConfig, tmp_path:
                 "--repeats", "2",
                 "--out", str(tmp_path / "v.json")]
     if name == "shard --shard.seed_checkpoint":
-        config = {"shard": {"dataset": json.loads(json.dumps(asdict(prepared), default=str)), "num_experts": 2,
+        config = {"shard": {"prepared": prepared.output_dir, "num_experts": 2,
                             "embedder": "seed", "seed_checkpoint": str(checkpoint),
                             "output_dir": str(tmp_path / "experts")}}
         (tmp_path / "shard.yaml").write_text(yaml.safe_dump(config))

@@ -1,0 +1,125 @@
+"""`bench prepare`: `prepare` throughput (MB/s of document text) and peak memory per task, at 1 and
+N tasks, on a generated corpus in the FineWeb-Edu parquet schema.
+
+Each measurement runs the whole command (`python -m soma_pl.cli prepare`) in a fresh process and
+times it from start to exit. Peak RSS is reported per task, as each task's process recorded it
+(`manifest.json: peak_rss_mib`). The corpus has the columns of FineWeb-Edu (`text`, `id`, `dump`,
+`url`, `file_path`, `language`, `language_score`, `token_count`, `score`, `int_score`); its text is
+words drawn from a fixed vocabulary, and a small share of documents repeat a passage of another, so
+the overlap screen has something to exclude.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from jsonargparse import ArgumentParser, Namespace
+
+from soma_pl.io import write_json_atomic
+
+COLUMNS = ("text", "id", "dump", "url", "file_path", "language", "language_score", "token_count", "score",
+           "int_score")
+
+
+def write_fineweb_corpus(folder: Path, total_bytes: int, files: int, seed: int = 0) -> dict:
+    """Write `files` parquet files holding about `total_bytes` of text; return what was written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "pe", "da", "gi", "zu", "ber", "tan", "el", "or"]
+    vocabulary = np.array(sorted({"".join(rng.choice(syllables, rng.integers(1, 5))) for _ in range(20_000)}))
+    folder.mkdir(parents=True, exist_ok=True)
+    per_file, written, documents, texts = total_bytes // files, 0, 0, []
+    for index in range(files):
+        rows, size = [], 0
+        while size < per_file:
+            words = vocabulary[rng.integers(0, len(vocabulary), int(rng.lognormal(6.6, 0.7)) + 20)]
+            text = " ".join(words.tolist()) + "."
+            if texts and rng.random() < 0.02:  # a passage of an earlier document, as web text repeats
+                earlier = texts[int(rng.integers(len(texts)))]
+                text = text[: len(text) // 2] + earlier[: 400] + text[len(text) // 2 :]
+            texts = (texts + [text])[-200:]
+            rows.append(text)
+            size += len(text)
+        ids = [f"<urn:uuid:{documents + i:012d}>" for i in range(len(rows))]
+        table = pa.table({
+            "text": rows, "id": ids, "dump": ["CC-MAIN-2024-10"] * len(rows),
+            "url": [f"https://example.org/{documents + i}" for i in range(len(rows))],
+            "file_path": [f"s3://commoncrawl/{index:05d}.warc.gz"] * len(rows), "language": ["en"] * len(rows),
+            "language_score": rng.uniform(0.65, 1.0, len(rows)), "token_count": [len(t) // 4 for t in rows],
+            "score": rng.uniform(2.5, 5.0, len(rows)), "int_score": rng.integers(3, 6, len(rows)),
+        })
+        pq.write_table(table, folder / f"{index:03d}_00000.parquet")
+        written += size
+        documents += len(rows)
+    return {"files": files, "documents": documents, "text_bytes": written,
+            "parquet_bytes": sum(f.stat().st_size for f in folder.glob("*.parquet"))}
+
+
+def run_prepare(corpus: Path, output: Path, tasks: int) -> dict:
+    """One whole `prepare` command at `tasks` tasks: wall seconds and the manifest's figures."""
+    command = [sys.executable, "-m", "soma_pl.cli", "prepare", "--progress", "false",
+               "--config", str(Path(__file__).resolve().parents[2] / "configs" / "data" / "fineweb_edu.yaml"),
+               f"--dataset.corpus.paths=[{corpus}]", f"--dataset.output_dir={output}",
+               f"--dataset.executor.tasks={tasks}"]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines() or ["(no output)"]
+        raise SystemExit(f"bench prepare: prepare failed at {tasks} tasks: {lines[-1]}")
+    manifest = json.loads((output / "manifest.json").read_text())
+    return {"tasks": tasks, "seconds": round(seconds, 3), "in_process_seconds": manifest["prepare_seconds"],
+            "peak_rss_mib_per_task": manifest["peak_rss_mib"], "train_documents": manifest["train"]["documents"],
+            "test_excluded": manifest["test"]["excluded"], "shards": len(manifest["train"]["shards"])}
+
+
+def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 2),
+                  workdir: str | None = None) -> dict:
+    """Generate the corpus, then time `prepare` at each task count (a fresh output each time).
+
+    Returns:
+        `corpus` (files, documents, text and parquet bytes), `runs` (per task count: seconds,
+        MB/s of text, peak RSS per task in MiB, ...), `speedup` of the largest task count over 1.
+    """
+    with tempfile.TemporaryDirectory(dir=workdir) as scratch:
+        root = Path(scratch)
+        corpus = write_fineweb_corpus(root / "corpus", int(megabytes * 1e6), files)
+        runs = []
+        for count in tasks:
+            run = run_prepare(root / "corpus", root / f"prepared-{count}", count)
+            run["mb_per_second"] = round(corpus["text_bytes"] / 1e6 / run["seconds"], 2)
+            runs.append(run)
+    base = next((r for r in runs if r["tasks"] == 1), None)
+    speedup = {str(r["tasks"]): round(base["seconds"] / r["seconds"], 2) for r in runs} if base else {}
+    return {"bench": "prepare", "corpus": corpus, "runs": runs, "speedup_over_1_task": speedup,
+            "cpu_count": os.cpu_count(), "python": platform.python_version()}
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="prepare throughput and peak RSS per task at 1 and N tasks, on a generated "
+                                        "corpus in the FineWeb-Edu parquet schema.")
+    parser.add_argument("--megabytes", type=float, default=100.0, help="text in the generated corpus (MB)")
+    parser.add_argument("--files", type=int, default=8, help="parquet files (datatrove deals files to tasks)")
+    parser.add_argument("--tasks", type=list[int], default=[1, 2], help="task counts to time")
+    parser.add_argument("--workdir", type=str | None, default=None, help="where the scratch corpus goes")
+    parser.add_argument("--out", type=str, default="bench_prepare.json")
+    return parser
+
+
+def run(args: Namespace) -> None:
+    if args.megabytes <= 0 or args.files < 1 or not args.tasks or min(args.tasks) < 1:
+        raise SystemExit("bench prepare: --megabytes must be > 0, --files and every --tasks >= 1")
+    result = bench_prepare(args.megabytes, args.files, tuple(args.tasks), args.workdir)
+    path = write_json_atomic(Path(args.out), result)
+    print(json.dumps(result, indent=2))
+    print(f"wrote {path}", file=sys.stderr)

@@ -1,0 +1,284 @@
+"""datatrove plumbing shared by `prepare` and `shard`: executors, corpus readers, staging folders.
+
+`prepare` and `shard` are datatrove pipelines. Each stage is a list of `PipelineStep`s run by an
+executor chosen in the config (`ExecutorConfig.kind`): `local` (`LocalPipelineExecutor`: tasks x
+workers on this machine, the default, all cores), `slurm` (`SlurmPipelineExecutor`: one job array per
+stage, chained by dependencies) or `ray` (`RayPipelineExecutor`). A task reads its share of the
+corpus files (datatrove deals them out: file i goes to task i mod tasks) and writes only files named
+by its rank; datatrove writes a completion marker per finished task, so a killed run started again
+skips the finished tasks and redoes the others. All of it happens in a staging folder beside the
+output, named after the build's fingerprint; the output appears only when the last stage renames
+the finished folder into place.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import datatrove.executor.base as datatrove_executor_base
+from datatrove.data import Document as PipelineDocument
+from datatrove.data import DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.readers import JsonlReader, ParquetReader
+from datatrove.pipeline.readers.base import BaseDiskReader
+
+from soma_pl.data.documents import Document
+from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_changed, corpus_files, iter_file
+from soma_pl.errors import ConfigError, DataError
+from soma_pl.io import write_json_atomic
+
+STAGING_MARKER = ".soma_pl-staging.json"
+
+
+class ExecutorKind(str, Enum):
+    """Which datatrove executor runs the pipeline."""
+
+    local = "local"
+    slurm = "slurm"
+    ray = "ray"
+
+
+@dataclass
+class ExecutorConfig:
+    """How a datatrove pipeline is run.
+
+    Attributes:
+        kind: `local` (this machine), `slurm` (job arrays; the command returns once they are
+            submitted, run it again when they are done to print the result) or `ray` (a running
+            Ray cluster).
+        tasks: parallel tasks of the reading stages; the corpus files are dealt out among them, so
+            more tasks than files leaves some idle. None: the CPU cores of this machine.
+        workers: tasks running at once (local), or concurrent array tasks (slurm). None: all.
+        options: further keyword arguments of the executor, e.g. for local `start_method`
+            (default `fork`; `forkserver` next to a process holding threads); for slurm `partition`,
+            `time`, `cpus_per_task`, `mem_per_cpu_gb`, `venv_path`, `sbatch_args`; for ray
+            `cpus_per_task`.
+    """
+
+    kind: ExecutorKind = ExecutorKind.local
+    tasks: int | None = None
+    workers: int | None = None
+    options: dict = field(default_factory=dict)
+
+    def task_count(self) -> int:
+        return self.tasks if self.tasks is not None else (os.cpu_count() or 1)
+
+    def validate(self, section: str) -> None:
+        for key, value in (("tasks", self.tasks), ("workers", self.workers)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{section}.executor.{key}={value} must be >= 1 (or null)")
+        if ExecutorKind(self.kind) is ExecutorKind.slurm and not {"partition", "time"} <= set(self.options):
+            raise ConfigError(f"{section}.executor.kind=slurm needs executor.options.partition and "
+                              f"executor.options.time")
+
+
+def make_executor(config: ExecutorConfig, pipeline: list[PipelineStep], tasks: int, logging_dir: Path,
+                  name: str, depends=None):
+    """The configured datatrove executor for one stage (`depends`: the stage it waits for)."""
+    kind = ExecutorKind(config.kind)
+    workers = -1 if config.workers is None else min(config.workers, tasks)
+    common = {"tasks": tasks, "workers": workers, "logging_dir": str(logging_dir), "depends": depends,
+              **config.options}
+    if kind is ExecutorKind.local:
+        from datatrove.executor import LocalPipelineExecutor
+
+        if workers == -1:
+            common["workers"] = min(tasks, os.cpu_count() or 1)
+        # Forked workers start at once with everything imported; forkserver (datatrove's default,
+        # safer next to threads a host process started) re-imports soma_pl in every worker.
+        common.setdefault("start_method", "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        return LocalPipelineExecutor(pipeline, **common)
+    if kind is ExecutorKind.slurm:
+        from datatrove.executor import SlurmPipelineExecutor
+
+        return SlurmPipelineExecutor(pipeline, job_name=f"soma_pl-{name}", **common)
+    from datatrove.executor import RayPipelineExecutor
+
+    return RayPipelineExecutor(pipeline, **common)
+
+
+def run_stages(last) -> None:
+    """Run a chain of stage executors: `last` launches the ones it depends on first."""
+    _console_logs()
+    try:
+        last.run()
+    finally:
+        _console_logs()
+
+
+LOG_FORMAT = ("{time:YYYY-MM-DD HH:mm:ss.SSS} | <level>{level: <8}</level> | {name}:{function}:{line} - "
+              "<level>{message}</level>")
+"""datatrove's format of a log line."""
+
+
+def _console_logs() -> None:
+    """Only warnings, and no tracebacks, on the console (a failed task's error ends the command as
+    one `soma_pl: error:` line; its traceback stays in the task's log file). The sink looks up
+    `sys.stderr` at every message: one bound to the stream of the moment it was added would write
+    to a closed stream once the host (pytest, a notebook, an in-process CLI) swapped it."""
+    from loguru import logger
+
+    logger.remove()
+    logger.add(lambda message: sys.stderr.write(message), level="WARNING", format=LOG_FORMAT,
+               filter=lambda record: record["exception"] is None)
+
+
+def _task_logger(logging_dir, rank: int, local_rank: int = 0, node_rank: int = -1):
+    """datatrove's `add_task_logger` with soma_pl's console: the task's log file keeps everything."""
+    from loguru import logger
+
+    _console_logs()
+    logfile = logging_dir.open(f"logs/task_{rank:05d}.log", "w")
+    prefix = f"[NODE {node_rank}] " if node_rank != -1 else ""
+    logger.add(logfile, colorize=False, level="DEBUG", format=prefix + LOG_FORMAT)
+    logger.info(f"Launching pipeline for {rank=}")
+    return logfile
+
+
+def _close_task_logger(logfile) -> None:
+    from loguru import logger
+
+    logger.complete()
+    _console_logs()
+    logfile.close()
+
+
+# datatrove sets up a task's logging with these two functions and offers no other hook; every
+# process that runs a soma_pl step imports this module (the steps are defined here and beside it),
+# so local, forked, spawned and Slurm tasks all log the same way.
+datatrove_executor_base.add_task_logger = _task_logger
+datatrove_executor_base.close_task_logger = _close_task_logger
+
+
+def incomplete_tasks(logging_dir: Path, tasks: int) -> list[int]:
+    """The tasks of a stage without datatrove's completion marker."""
+    return [rank for rank in range(tasks) if not (logging_dir / "completions" / f"{rank:05d}").is_file()]
+
+
+def to_pipeline(document: Document) -> PipelineDocument:
+    """A soma_pl document as a datatrove one: `text` keeps the UTF-8 bytes (no decode/encode round
+    trip; only soma_pl steps read it), provenance goes into `metadata`."""
+    return PipelineDocument(text=document.text, id=document.doc_id,
+                            metadata={"source": document.source, "title": document.title})
+
+
+def from_pipeline(document: PipelineDocument) -> Document:
+    return Document(document.text, document.metadata["source"], document.id, document.metadata.get("title", ""))
+
+
+class _CorpusFileReader:
+    """Reads one corpus file with soma_pl's reader of its kind (`soma_pl.data.readers`): the same
+    documents, ids and one-line errors as a single-process read."""
+
+    corpus: CorpusConfig
+
+    def read_file(self, filepath: str) -> DocumentsPipeline:
+        path = Path("/") / filepath
+        if not path.exists():  # listed when prepare started
+            raise corpus_changed(f"{path} disappeared")
+        for document in iter_file(self.corpus, path):
+            yield to_pipeline(document)
+
+
+class CorpusParquetReader(_CorpusFileReader, ParquetReader):
+    """datatrove's parquet reader over the corpus files of a task, reading only the needed columns."""
+
+
+class CorpusJsonlReader(_CorpusFileReader, JsonlReader):
+    """datatrove's JSONL reader over the corpus files of a task (`.jsonl`, `.jsonl.gz`)."""
+
+
+class CorpusTextReader(_CorpusFileReader, BaseDiskReader):
+    """Text files, one document each, dealt out to tasks like the other readers."""
+
+    name = "soma_pl text"
+
+
+class DemoReader(PipelineStep):
+    """The built-in demo corpus (one stream, not files): task r keeps documents r, r + tasks, ..."""
+
+    name = "soma_pl demo"
+    type = "📖 - READER"
+
+    def __init__(self, corpus: CorpusConfig):
+        super().__init__()
+        self.corpus = corpus
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from soma_pl.data.demo import iter_demo_documents
+
+        for number, document in enumerate(iter_demo_documents(tuple(self.corpus.demo_sources))):
+            if number % world_size == rank:
+                self.stat_update("documents")
+                yield to_pipeline(document)
+
+
+def corpus_reader(corpus: CorpusConfig, paths_file: Path, progress: bool = False) -> PipelineStep:
+    """The reader step of a corpus; `paths_file` lists its files (written by `write_paths_file`);
+    `progress` shows datatrove's per-task file progress bars."""
+    kind = CorpusKind(corpus.kind)
+    if kind is CorpusKind.demo:
+        return DemoReader(corpus)
+    reader_class = {CorpusKind.parquet: CorpusParquetReader, CorpusKind.jsonl: CorpusJsonlReader,
+                    CorpusKind.text: CorpusTextReader}[kind]
+    reader = reader_class(data_folder="/", paths_file=str(paths_file), file_progress=progress)
+    reader.corpus = corpus
+    return reader
+
+
+def write_paths_file(corpus: CorpusConfig, path: Path) -> None:
+    """List the corpus files (absolute, sorted: the order tasks are dealt them) in `path`."""
+    if CorpusKind(corpus.kind) is CorpusKind.demo:
+        return
+    files = [str(f.resolve()).lstrip("/") for f in corpus_files(CorpusKind(corpus.kind), corpus.paths)]
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text("\n".join(files) + "\n")
+    os.replace(temporary, path)
+
+
+def read_documents(data: DocumentsPipeline) -> Iterator[Document]:
+    for document in data or ():
+        yield from_pipeline(document)
+
+
+def staging_folder(output: Path, purpose: str, fingerprint: str) -> Path:
+    """The staging folder of a build: beside `output`, named after its fingerprint, so a rerun of
+    the same build finds its finished tasks and a changed build starts afresh."""
+    folder = output.parent / f".{output.name}.{purpose}-{fingerprint[:16]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / STAGING_MARKER
+    if not marker.is_file():
+        write_json_atomic(marker, {"tool": "soma_pl", "kind": f"{purpose} staging", "output": str(output),
+                                   "fingerprint": fingerprint})
+    return folder
+
+
+def remove_staging(output: Path, purpose: str) -> None:
+    """Remove every staging folder of `purpose` beside `output` that soma_pl wrote."""
+    for folder in output.parent.glob(f".{output.name}.{purpose}-*"):
+        if _is_staging(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _is_staging(folder: Path) -> bool:
+    try:
+        marker = json.loads((folder / STAGING_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("tool") == "soma_pl"
+
+
+def check_stage(logging_dir: Path, tasks: int, stage: str) -> None:
+    """Raise when a finished local stage left tasks without completion markers."""
+    missing = incomplete_tasks(logging_dir, tasks)
+    if missing:
+        raise DataError(f"{stage}: tasks {missing[:5]} did not finish (see {logging_dir / 'logs'}): run the command "
+                        "again to resume")

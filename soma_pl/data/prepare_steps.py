@@ -1,0 +1,308 @@
+"""The four datatrove stages of `prepare` (see `soma_pl.data.prepare` for the folder they build).
+
+```
+select  (N tasks)  each task: its documents' held-out candidates (smallest seeded id hashes),
+                   short-document counts, expert-validation candidates -> select/<rank>.json
+plan    (1 task)   the global held-out choice from the union of the tasks' candidates; the
+                   ensemble-validation windows; the test candidate windows     -> plan.json
+write   (N tasks)  each task: screens its training documents against the test candidates (exact,
+                   any shared 50-byte substring) and writes them to its own WebDataset shards
+                   (train/train-<rank>-NNNNNN.tar, expert_val/val-<rank>-NNNNNN.tar) -> write/<rank>.json
+finish  (1 task)   the manifest (sha256 of every shard), the screened test set; the finished
+                   folder is renamed into place
+```
+
+Held-out and expert-validation choices depend only on seeded hashes of document ids, so any task
+count gives the same evaluation sets and the same training documents. The shard files (how the
+documents are grouped and ordered into tars) depend on the task count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from datatrove.data import DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+
+from soma_pl import WINDOW_BYTES
+from soma_pl.data.documents import Document
+from soma_pl.data.evalsets import EvalSet
+from soma_pl.data.heldout import (ExpertValChoice, HeldOutSelector, OverlapScreen, document_rank,
+                                  test_window_offset, validation_windows)
+from soma_pl.data.pipeline import read_documents
+from soma_pl.data.readers import corpus_change, corpus_changed, corpus_fingerprint
+from soma_pl.data.shards import ShardRecord, ShardWriter, iter_shard_documents
+from soma_pl.errors import DataError
+from soma_pl.io import atomic_folder, close_quietly, write_json_atomic
+
+if TYPE_CHECKING:
+    from soma_pl.data.prepare import PrepareConfig
+
+SCREEN_BATCH_BYTES = 4_000_000
+"""Training bytes screened at once (one vectorised lookup)."""
+
+
+class _Stage(PipelineStep):
+    type = "🔪 - SOMA_PL"
+
+    def __init__(self, config: PrepareConfig, stage: Path):
+        super().__init__()
+        self.config = config
+        self.stage = Path(stage)
+
+    def held_count(self) -> int:
+        return self.config.val_documents + self.config.test_candidates
+
+
+class SelectHeldOut(_Stage):
+    """Per task: the `held_count` smallest-rank documents of its share, trimmed to what evaluation
+    needs, and the expert-validation choice's smallest hashes."""
+
+    name = "select held-out"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        config = self.config
+        selector = HeldOutSelector(config.seed, self.held_count(), max(config.val_windows, 1) * WINDOW_BYTES)
+        expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, self.held_count() + 1)
+        short, eligible = Counter(), 0
+        for document in read_documents(data):
+            if len(document.text) < WINDOW_BYTES:
+                short[document.source] += 1
+                continue
+            eligible += 1
+            selector.offer(document)
+            expert_val.offer(document.doc_id)
+        folder = self.stage / "select"
+        writer = ShardWriter(folder, f"held-{rank:05d}", max_bytes=1 << 62, max_documents=1 << 62)
+        try:
+            for document in selector.selected():
+                writer.write(document)
+            records = writer.close()
+        except BaseException:
+            close_quietly([writer])
+            raise
+        write_json_atomic(folder / f"{rank:05d}.json", {
+            "documents": eligible, "short": dict(short), "held": [r.to_json() for r in records],
+            "expert_val_smallest": expert_val.smallest(), "peak_rss_mib": peak_rss_mib(),
+        })
+        return
+        yield
+
+
+class PlanHeldOut(_Stage):
+    """One task: the global held-out choice, the ensemble-validation set and the test candidates."""
+
+    name = "plan held-out"
+
+    def __init__(self, config: PrepareConfig, stage: Path, tasks: int):
+        super().__init__(config, stage)
+        self.tasks = tasks
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        config = self.config
+        parts = [json.loads((self.stage / "select" / f"{task:05d}.json").read_text()) for task in range(self.tasks)]
+        held: list[Document] = []
+        for part in parts:
+            for record in part["held"]:
+                held.extend(iter_shard_documents(self.stage / record["path"]))
+        held.sort(key=lambda d: (document_rank(config.seed, d.doc_id), d.doc_id))
+        held = held[: self.held_count()]
+        short = sum((Counter(p["short"]) for p in parts), Counter())
+        if not held and not short:
+            raise DataError(f"empty corpus: no documents in {describe(config)}")
+        if len(held) < self.held_count():
+            raise DataError(f"corpus too small: {len(held)} documents of >= {WINDOW_BYTES} bytes, "
+                            f"{self.held_count()} needed for held-out sets")
+        val_docs, candidates = held[: config.val_documents], held[config.val_documents :]
+        held_ids = {d.doc_id for d in held}
+        expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, self.held_count() + 1)
+        for part in parts:
+            for doc_id in part["expert_val_smallest"]:
+                expert_val.offer(doc_id)
+        expert_val.exclude(held_ids)
+        EvalSet.from_picks(val_docs, validation_windows(val_docs, config.val_windows, WINDOW_BYTES)).save(
+            self.stage / "ensemble_val.npz")
+        offsets = [test_window_offset(config.seed, d) for d in candidates]
+        EvalSet.from_picks(candidates, list(enumerate(offsets))).save(self.stage / "candidates.npz")
+        write_json_atomic(self.stage / "plan.json", {
+            "held_ids": sorted(held_ids), "expert_val_fallback": expert_val.fallback,
+            "short": dict(sorted(short.items())), "documents": sum(p["documents"] for p in parts),
+        })
+        return
+        yield
+
+
+class WriteShards(_Stage):
+    """Per task: screen the test candidates against its training documents and write them into its
+    own shards, training or expert validation by a seeded hash of the id."""
+
+    name = "screen and write shards"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        config = self.config
+        plan = json.loads((self.stage / "plan.json").read_text())
+        held_ids = set(plan["held_ids"])
+        expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, 0)
+        expert_val.fallback = plan["expert_val_fallback"]
+        candidates = EvalSet.load(self.stage / "candidates.npz")
+        screen = OverlapScreen([w.tobytes() for w in candidates.windows], config.shingle_bytes)
+        writers = {"train": ShardWriter(self.stage / "train", f"train-{rank:05d}", config.shard_max_bytes),
+                   "expert_val": ShardWriter(self.stage / "expert_val", f"val-{rank:05d}", config.shard_max_bytes)}
+        counts = {split: Counter() for split in ("documents", "bytes", "val_documents", "val_bytes")}
+        pending, pending_bytes = [], 0
+        try:
+            for document in read_documents(data):
+                if len(document.text) < WINDOW_BYTES or document.doc_id in held_ids:
+                    continue
+                pending.append(document.text)  # expert-validation documents are training data too
+                pending_bytes += len(document.text)
+                if pending_bytes >= SCREEN_BATCH_BYTES:
+                    screen.screen_many(pending)
+                    pending, pending_bytes = [], 0
+                split = "expert_val" if expert_val.holds(document.doc_id) else "train"
+                writers[split].write(document)
+                prefix = "val_" if split == "expert_val" else ""
+                counts[f"{prefix}documents"][document.source] += 1
+                counts[f"{prefix}bytes"][document.source] += len(document.text)
+            screen.screen_many(pending)
+            records = {split: writer.close() for split, writer in writers.items()}
+        except BaseException:
+            close_quietly(writers.values())
+            raise
+        write_json_atomic(self.stage / "write" / f"{rank:05d}.json", {
+            "records": {split: [r.to_json() for r in rs] for split, rs in records.items()},
+            "counts": {key: dict(counter) for key, counter in counts.items()},
+            "contaminated": screen.contaminated.nonzero()[0].tolist(), "peak_rss_mib": peak_rss_mib(),
+        })
+        return
+        yield
+
+
+class FinishPrepare(_Stage):
+    """One task: merge the tasks' results into the prepared folder and rename it into place."""
+
+    name = "finish prepared folder"
+
+    def __init__(self, config: PrepareConfig, stage: Path, tasks: int, fingerprint: str, corpus: dict,
+                 started: float):
+        super().__init__(config, stage)
+        self.tasks, self.fingerprint, self.corpus, self.started = tasks, fingerprint, corpus, started
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from soma_pl.data.prepare import KIND, MANIFEST, corpus_inputs, existing_fingerprint
+
+        output = Path(self.config.output_dir).expanduser()
+        if existing_fingerprint(output) == self.fingerprint:
+            return  # finished before a kill stopped the task from marking itself complete
+        self._check_corpus()
+        with atomic_folder(output, KIND, "dataset.output_dir", corpus_inputs(self.config.corpus), MANIFEST) as work:
+            manifest = self._merge(work)
+            manifest["fingerprint"] = self.fingerprint
+            write_json_atomic(work / MANIFEST, manifest)
+        return
+        yield
+
+    def _check_corpus(self) -> None:
+        try:
+            change = corpus_change(self.corpus, corpus_fingerprint(self.config.corpus))
+        except DataError as error:
+            change = str(error)
+        if change:
+            raise corpus_changed(change)
+
+    def _merge(self, work: Path) -> dict:
+        from soma_pl.data.prepare import FORMAT_VERSION, config_json
+
+        config = self.config
+        plan = json.loads((self.stage / "plan.json").read_text())
+        parts = [json.loads((self.stage / "write" / f"{task:05d}.json").read_text()) for task in range(self.tasks)]
+        shards = {split: [ShardRecord(**r) for p in parts for r in p["records"][split]] for split in ("train", "expert_val")}
+        if not shards["train"]:
+            raise DataError(f"no training documents left in {describe(config)}")
+        for record in shards["train"] + shards["expert_val"]:
+            (work / record.path).parent.mkdir(parents=True, exist_ok=True)
+            link_or_copy(self.stage / record.path, work / record.path)
+        totals = {key: sum((Counter(p["counts"][key]) for p in parts), Counter())
+                  for key in ("documents", "bytes", "val_documents", "val_bytes")}
+        contaminated = sorted({i for p in parts for i in p["contaminated"]})
+        candidates = EvalSet.load(self.stage / "candidates.npz")
+        excluded = set(contaminated)
+        clean = [i for i in range(len(candidates)) if i not in excluded]
+        chosen = clean[: config.test_windows]
+        test = EvalSet(candidates.windows[chosen], candidates.doc_ids[chosen], candidates.sources[chosen],
+                       candidates.offsets[chosen])
+        val = EvalSet.load(self.stage / "ensemble_val.npz")
+        val.save(work / "ensemble_val.npz")
+        test.save(work / "test.npz")
+        sources = sorted(totals["documents"])
+        return {
+            "format": FORMAT_VERSION,
+            "config": config_json(config),
+            "seed": config.seed,
+            "window_bytes": WINDOW_BYTES,
+            "train": {"documents": sum(totals["documents"].values()), "bytes": sum(totals["bytes"].values()),
+                      "sources": {s: {"documents": totals["documents"][s], "bytes": totals["bytes"][s]} for s in sources},
+                      "shards": [s.to_json() for s in shards["train"]]},
+            "expert_val": {"documents": sum(totals["val_documents"].values()),
+                           "bytes": sum(totals["val_bytes"].values()), "fraction": config.expert_val_fraction,
+                           "shards": [s.to_json() for s in shards["expert_val"]]},
+            "skipped_short_documents": plan["short"],
+            "ensemble_val": {"file": "ensemble_val.npz", "documents": len(set(val.doc_ids.tolist())),
+                             "windows": len(val), "wanted": config.val_windows},
+            "test": {"file": "test.npz", "documents": len(chosen), "windows": len(chosen), "wanted": config.test_windows,
+                     "window_position": "one window per document at a seeded uniform offset",
+                     "screening": f"excluded candidates sharing any {config.shingle_bytes}-byte substring with a "
+                                  "training document (exact: hashed lookups verified on the bytes)",
+                     "candidates": len(candidates), "excluded": len(contaminated),
+                     "unused_clean_candidates": len(clean) - len(chosen)},
+            "tasks": self.tasks,
+            "peak_rss_mib": {"select": [self._select_rss(task) for task in range(self.tasks)],
+                             "write": [p["peak_rss_mib"] for p in parts]},
+            "prepare_seconds": round(time.time() - self.started, 3),
+        }
+
+
+    def _select_rss(self, task: int) -> float:
+        return json.loads((self.stage / "select" / f"{task:05d}.json").read_text())["peak_rss_mib"]
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, MiB (the process that ran the task)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """A hard link (no copy of a shard's bytes); a copy where the file system refuses links."""
+    try:
+        os.link(source, target)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(source, target)
+
+
+def describe(config: PrepareConfig) -> str:
+    kind = str(getattr(config.corpus.kind, "value", config.corpus.kind))
+    return "the demo corpus" if kind == "demo" else ", ".join(config.corpus.paths)
+
+
+def warn_about(manifest: dict) -> None:
+    """The warnings of a finished build (its tasks may have run in other processes)."""
+    skipped = sum(manifest["skipped_short_documents"].values())
+    if skipped:
+        warnings.warn(f"skipped {skipped} documents shorter than {WINDOW_BYTES} bytes", stacklevel=3)
+    for name, label in (("ensemble_val", "ensemble validation: only {} of {} windows available"),
+                        ("test", "test set: only {} of {} clean documents")):
+        entry = manifest[name]
+        if entry["windows"] < entry.get("wanted", entry["windows"]):
+            warnings.warn(label.format(entry["windows"], entry["wanted"]), stacklevel=3)

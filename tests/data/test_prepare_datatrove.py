@@ -1,0 +1,163 @@
+"""prepare on datatrove: task-count independence, kill and resume, the exact screen, path-alone use."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from soma_pl.cli import main
+from soma_pl.data.evalsets import EvalSet
+from soma_pl.data.heldout import OverlapScreen
+from soma_pl.data.pipeline import ExecutorConfig
+from soma_pl.data.prepare import FORMAT_VERSION, PrepareConfig, prepare, read_manifest
+from soma_pl.data.readers import CorpusConfig
+from soma_pl.data.shards import ShardWriter, iter_shard_documents
+from soma_pl.errors import ConfigError, DataError
+
+from .corpora import write_jsonl_corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def four_file_config(tmp_path: Path) -> PrepareConfig:
+    """Four JSONL files (datatrove deals whole files to tasks), ids from the `id` key."""
+    folder = tmp_path / "corpus"
+    texts = write_jsonl_corpus(folder, {"alpha": 40, "beta": 40, "gamma": 40, "delta": 40}, min_words=150,
+                               max_words=500)
+    for path in folder.glob("*.jsonl"):  # corpus-wide unique ids, as FineWeb-Edu's `id` column
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "id": f"{path.stem}-{r['id']}"}) + "\n" for r in rows))
+    assert len(texts) == 160
+    return PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(folder)], id_field="id"),
+                         output_dir=str(tmp_path / "one"), val_documents=5, val_windows=12, test_windows=10,
+                         shard_max_bytes=60_000, executor=ExecutorConfig(tasks=1))
+
+
+def _ids(folder: Path, split: str) -> list[str]:
+    manifest = read_manifest(folder)
+    return sorted(d.doc_id for s in manifest[split]["shards"] for d in iter_shard_documents(folder / s["path"]))
+
+
+def _same_evaluation_sets(first: Path, second: Path) -> None:
+    for name in ("ensemble_val.npz", "test.npz"):
+        a, b = EvalSet.load(first / name), EvalSet.load(second / name)
+        assert np.array_equal(a.windows, b.windows) and a.doc_ids.tolist() == b.doc_ids.tolist()
+        assert a.offsets.tolist() == b.offsets.tolist()
+
+
+def test_one_and_two_tasks_give_the_same_heldout_sets_and_training_documents(four_file_config, tmp_path):
+    one = prepare(four_file_config, progress=False)
+    two = prepare(replace(four_file_config, output_dir=str(tmp_path / "two"), executor=ExecutorConfig(tasks=2)),
+                  progress=False)
+    assert (read_manifest(one)["tasks"], read_manifest(two)["tasks"]) == (1, 2)
+    _same_evaluation_sets(one, two)
+    assert _ids(one, "train") == _ids(two, "train") and len(_ids(one, "train")) > 100
+    assert _ids(one, "expert_val") == _ids(two, "expert_val")
+    # Only the grouping into shard files depends on the task count.
+    assert {s["path"].split("-")[1] for s in read_manifest(two)["train"]["shards"]} == {"00000", "00001"}
+    held = set(EvalSet.load(one / "ensemble_val.npz").doc_ids) | set(EvalSet.load(one / "test.npz").doc_ids)
+    assert not held & set(_ids(two, "train"))
+
+
+def test_a_task_that_dies_midway_resumes_to_the_uninterrupted_output(four_file_config, tmp_path, monkeypatch):
+    uninterrupted = prepare(replace(four_file_config, output_dir=str(tmp_path / "whole"),
+                                    executor=ExecutorConfig(tasks=2, workers=1)), progress=False)
+    config = replace(four_file_config, output_dir=str(tmp_path / "resumed"), executor=ExecutorConfig(tasks=2, workers=1))
+    original, calls = ShardWriter.write, {"n": 0}
+
+    def dying_write(self, document):
+        # The tenth training document of gamma.jsonl, the second task's share: the first has finished.
+        calls["n"] += self.prefix.startswith("train-") and document.source.endswith("gamma.jsonl")
+        if calls["n"] == 10:
+            raise RuntimeError("killed")
+        original(self, document)
+
+    monkeypatch.setattr(ShardWriter, "write", dying_write)
+    with pytest.raises(RuntimeError, match="killed"):
+        prepare(config, progress=False)
+    output = Path(config.output_dir)
+    assert not output.exists(), "nothing half-written reads as prepared"
+    staging = next(output.parent.glob(".resumed.prepare-*"))
+    assert sorted(p.name for p in (staging / "logs" / "write" / "completions").iterdir()) == ["00000"]
+    monkeypatch.setattr(ShardWriter, "write", original)
+    written = []
+    monkeypatch.setattr(ShardWriter, "write", lambda self, d: (written.append(d.doc_id), original(self, d)))
+    resumed = prepare(config, progress=False)
+    first_task = {d.doc_id for s in read_manifest(resumed)["train"]["shards"] if "train-00000" in s["path"]
+                  for d in iter_shard_documents(resumed / s["path"])}
+    assert written and not first_task & set(written), "the finished task was not run again"
+    shas = [[s["sha256"] for s in read_manifest(f)["train"]["shards"]] for f in (uninterrupted, resumed)]
+    assert shas[0] == shas[1]
+    _same_evaluation_sets(uninterrupted, resumed)
+    assert not list(output.parent.glob(".resumed.prepare-*")), "the staging folder goes once the build is done"
+
+
+def _shingles(data: bytes, size: int) -> set[bytes]:
+    return {data[i : i + size] for i in range(len(data) - size + 1)}
+
+
+@pytest.mark.parametrize("size", [1, 7, 49, 50, 51])
+def test_screen_is_exact_against_independent_shingles(size):
+    rng = np.random.default_rng(size)
+    for _ in range(30):
+        # Three letters: long shared substrings are common, so both answers occur often.
+        windows = [rng.integers(97, 100, 1025, dtype=np.uint8).tobytes() for _ in range(4)]
+        documents = [rng.integers(97, 100, int(rng.integers(0, 2500)), dtype=np.uint8).tobytes() for _ in range(3)]
+        documents.append(b"xyz" + windows[0][300 : 300 + size] + b"xyz")  # exactly `size` shared bytes
+        screen = OverlapScreen(windows, size)
+        screen.screen_many(documents)
+        training = set().union(*(_shingles(d, size) for d in documents))
+        expected = [bool(_shingles(w, size) & training) for w in windows]
+        assert screen.contaminated.tolist() == expected
+        assert expected[0]
+
+
+def test_screen_sees_a_shared_passage_one_byte_short_as_clean():
+    rng = np.random.default_rng(0)
+    window = rng.integers(128, 256, 1025, dtype=np.uint8).tobytes()
+    screen = OverlapScreen([window], 50)
+    screen.screen_many([b"a" * 30 + window[200:249] + b"b" * 30, window[600:649]])
+    assert not screen.contaminated[0]
+    screen.screen_many([b"c" * 7 + window[600:650]])
+    assert screen.contaminated[0]
+
+
+def test_fit_takes_a_prepared_folder_by_path_alone(four_file_config, tmp_path, monkeypatch):
+    folder = prepare(four_file_config, progress=False)
+    config = yaml.safe_load((ROOT / "tests" / "lit" / "tiny_spsa.yaml").read_text())
+    config["data"]["init_args"].pop("dataset")
+    config["data"]["init_args"]["prepared"] = str(folder)
+    config["trainer"]["max_steps"] = 2
+    config["trainer"]["val_check_interval"] = 2
+    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = tmp_path / "run"
+    main(["fit", "--config", str(tmp_path / "fit.yaml"), f"--trainer.default_root_dir={run}",
+          "--trainer.logger=false", f"--checkpoint.dirpath={run / 'checkpoints'}"])
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_folder_from_another_version_is_refused_with_one_line(four_file_config, tmp_path, capsys):
+    folder = prepare(four_file_config, progress=False)
+    manifest = read_manifest(folder)
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "format": FORMAT_VERSION - 1}))
+    from soma_pl.data.datamodule import ByteDataModule
+
+    with pytest.raises(DataError, match=f"prepared by another soma_pl version .*format {FORMAT_VERSION - 1}"):
+        ByteDataModule(prepared=str(folder)).setup()
+    with pytest.raises(DataError, match=r"data.init_args.prepared=.*not a prepared dataset"):
+        ByteDataModule(prepared=str(tmp_path / "nowhere")).setup()
+
+
+def test_a_dataset_block_beside_a_prepared_folder_is_refused_not_ignored(tmp_path):
+    from soma_pl.data.datamodule import ByteDataModule
+
+    with pytest.raises(ConfigError, match=r"data.init_args.dataset is set but data.init_args.prepared="):
+        ByteDataModule(dataset=PrepareConfig(output_dir=str(tmp_path / "elsewhere")), prepared=str(tmp_path / "x"))
+    ByteDataModule(prepared=str(tmp_path / "x"))  # the default dataset block is not "set"
