@@ -10,6 +10,7 @@
   tables and figures.
 - `evaluate`: frozen next-byte loss of a checkpoint on external text (Table 9).
 - `sweep --sweep sweeps/<name>.yaml`, `sweep report`: Optuna studies and their tables.
+- `demo`: the main job: monolithic SPSA against SOMA at equal compute, a table and a figure.
 
 Tools whose code lives elsewhere are registered with `_lazy(module)`: the module defines
 `build_parser() -> ArgumentParser` and `run(args)`.
@@ -186,6 +187,7 @@ TOOLS: dict[str, dict[str | None, Tool]] = {
                 "error-correlation": _lazy("soma_pl.analysis.error_correlation")},
     "evaluate": {None: _lazy("soma_pl.eval.external")},
     "sweep": {None: _lazy("soma_pl.sweeps.runner"), "report": _lazy("soma_pl.sweeps.report")},
+    "demo": {None: _lazy("soma_pl.demo")},
 }
 
 

@@ -5,8 +5,14 @@ later) next to a local CSV logger, a last-and-periodic checkpoint, compute accou
 (`compute.json`), an optional compute budget, and `summary.json` in the run directory. The
 `--model` and `--data` classes are picked by `class_path` in the YAML. Checkpoints are written
 atomically and read with `weights_only=True` (`soma_pl.callbacks.checkpoint_io`); a full or read-only
-disk ends the command with one line. Each W&B run gets the whole resolved config, and is grouped and
-named by the `wandb:` section (sweeps set `--wandb.group=<study> --wandb.name=trial-<n>`).
+disk ends the command with one line.
+
+W&B: every run's config is the whole resolved config, once (`model`, `data`, `trainer`,
+`seed_everything`, `checkpoint`, `wandb`, ...; the optimizer under `model.init_args.optimizer`),
+whichever W&B logger the run has: the default one or `--trainer.logger WandbLogger`. The `wandb:`
+section groups and names the run (sweeps set `--wandb.group=<study> --wandb.name=trial-<n>`); for a
+`WandbLogger` named in the config it fills the settings that logger leaves unset.
+`predict` writes each window's losses (`--predictions.*`, `soma_pl.callbacks.predictions`).
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import contextlib
 import errno
 import os
 import sys
+import warnings
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -28,6 +36,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from soma_pl.callbacks.checkpoint_io import AtomicCheckpointIO
 from soma_pl.callbacks.compute import ComputeAccounting, ComputeBudget
 from soma_pl.callbacks.final import EndStateCheckpoint
+from soma_pl.callbacks.predictions import WindowLossWriter
 from soma_pl.callbacks.summary import RunSummary
 from soma_pl.data.datamodule import ByteDataModule
 from soma_pl.errors import DataError, SomaError
@@ -57,18 +66,49 @@ class WandbSettings:
     entity: str | None = None
 
 
-def default_loggers(root: str, settings: WandbSettings | None = None, config: dict | None = None,
-                    job_type: str | None = None) -> list:
+WANDB_SETTINGS = ("project", "name", "group", "job_type", "tags", "notes", "entity")
+"""`WandbSettings` fields that are also `WandbLogger` (or `wandb.init`) arguments of the same name."""
+
+
+def default_loggers(root: str, settings: WandbSettings | None = None, job_type: str | None = None) -> list:
     """A CSV logger (the run directory is its `root/version_N`) and W&B, offline unless
-    `WANDB_MODE=online` is set, writing under the same root, with `config` as the run's config."""
+    `WANDB_MODE=online` is set, writing under the same root. The config is logged by
+    `CompleteConfigCallback` when the run starts."""
     settings = settings or WandbSettings()
     return [
         CSVLogger(save_dir=root, name=""),
         WandbLogger(project=settings.project, name=settings.name, save_dir=root, group=settings.group,
                     job_type=settings.job_type or job_type, tags=list(settings.tags) or None, notes=settings.notes,
-                    entity=settings.entity, config=config,
-                    offline=os.environ.get("WANDB_MODE", "offline") != "online"),
+                    entity=settings.entity, offline=os.environ.get("WANDB_MODE", "offline") != "online"),
     ]
+
+
+def fill_wandb_logger(logger: Namespace, settings: Namespace | None, root: str, job_type: str | None) -> None:
+    """Give a configured `WandbLogger` (`--trainer.logger WandbLogger`) the `wandb:` section's
+    settings where its own init args leave them unset, and the run's root as its folder."""
+    init_args = logger.init_args
+    values = {key: settings.get(key) for key in WANDB_SETTINGS} if settings is not None else {}
+    values["job_type"] = values.get("job_type") or job_type
+    values["tags"] = list(values.get("tags") or []) or None
+    for key, value in values.items():
+        if init_args.get(key) is None and value is not None:
+            init_args[key] = value
+    if init_args.get("save_dir") in (None, ".") and init_args.get("dir") is None:
+        init_args["save_dir"] = root
+
+
+def is_wandb_logger(logger) -> bool:
+    class_path = logger.get("class_path", "") if isinstance(logger, Namespace) else ""
+    return class_path.rsplit(".", 1)[-1] == WandbLogger.__name__
+
+
+def without_unset_anonymous(logger: WandbLogger) -> WandbLogger:
+    """`WandbLogger` passes `anonymous=None` to `wandb.init`, which W&B answers with a warning that
+    the setting has no effect; an unset value is dropped instead."""
+    init = getattr(logger, "_wandb_init", {})
+    if init.get("anonymous") is None:
+        init.pop("anonymous", None)
+    return logger
 
 
 def finish_wandb(exit_code: int = 0) -> None:
@@ -84,7 +124,19 @@ def finish_wandb(exit_code: int = 0) -> None:
 
 class CompleteConfigCallback(SaveConfigCallback):
     """Saves `config.yaml` into the run folder, or nothing: a write that fails (a full disk) removes
-    its partial file and names it in the error."""
+    its partial file and names it in the error. Every logger gets the whole resolved config as the
+    run's hyperparameters, once: Lightning's own logging of the module's flat arguments, which
+    would repeat part of it beside the nested sections, is turned off."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        config = yaml.safe_load(self.parser.dump(self.config, format="yaml", skip_unset=False))
+        for logger in trainer.loggers:
+            logger.log_hyperparams(config)
+        # Runs before Lightning logs `pl_module.hparams` (setup comes first); the same switch
+        # `save_hyperparameters(logger=False)` sets.
+        pl_module._log_hyperparams = False
+        if trainer.datamodule is not None:
+            trainer.datamodule._log_hyperparams = False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         try:
@@ -110,6 +162,7 @@ class SomaCLI(LightningCLI):
         parser.add_lightning_class_args(ComputeAccounting, "compute")
         parser.add_lightning_class_args(ComputeBudget, "budget")
         parser.add_lightning_class_args(RunSummary, "summary")
+        parser.add_lightning_class_args(WindowLossWriter, "predictions")
         parser.add_class_arguments(WandbSettings, "wandb")
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs):
@@ -119,26 +172,32 @@ class SomaCLI(LightningCLI):
             parser.set_defaults(weights_only=True)
         return parser
 
+    def before_instantiate_classes(self) -> None:
+        """A `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset."""
+        trainer = self._get(self.config, "trainer")
+        loggers = trainer.get("logger")
+        root = trainer.get("default_root_dir") or RUNS_DIR
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            if is_wandb_logger(logger):
+                fill_wandb_logger(logger, self._get(self.config, "wandb"), root, self.subcommand)
+
     def instantiate_trainer(self, **kwargs):
         """Replace Lightning's default logger (`logger: true`) by the CSV + offline W&B pair, and
         write checkpoints atomically (unless the config names its own CheckpointIO)."""
         config = self._get(self.config_init, "trainer", default={})
         if config.get("logger") in (True, None) and "logger" not in kwargs:
             kwargs["logger"] = default_loggers(config.get("default_root_dir") or RUNS_DIR,
-                                               self._get(self.config_init, "wandb"), self.resolved_config(),
-                                               self.subcommand)
+                                               self._get(self.config_init, "wandb"), self.subcommand)
+        loggers = kwargs.get("logger", config.get("logger"))
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            if isinstance(logger, WandbLogger):
+                without_unset_anonymous(logger)
         if "plugins" not in kwargs:
             plugins = config.get("plugins") or []
             plugins = list(plugins) if isinstance(plugins, list) else [plugins]
             if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
                 kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         return super().instantiate_trainer(**kwargs)
-
-    def resolved_config(self) -> dict:
-        """The subcommand's whole config (defaults included) as plain data, for the W&B run."""
-        parser = self._parser(self.subcommand)
-        config = self.config.get(str(self.subcommand), self.config)
-        return yaml.safe_load(parser.dump(config, format="yaml", skip_unset=False))
 
     def _parse_ckpt_path(self) -> None:
         """Keep the model the config describes when `--ckpt_path` is given.
@@ -199,6 +258,9 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
     """Parse `argv` (a subcommand first when `run`), instantiate, and run the subcommand."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
+    # ZO modules step their plateau decay themselves (manual optimisation) and keep the metric it
+    # follows beside the scheduler for readers; Lightning warns that it will not use that key.
+    warnings.filterwarnings("ignore", message=r"The lr scheduler dict contains the key\(s\) \['monitor'\]")
     try:
         cli = SomaCLI(
             model_class=ByteLMModule,

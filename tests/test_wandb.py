@@ -92,3 +92,37 @@ def test_fit_and_test_log_grouped_offline_runs(sharded, corpus_dir, monkeypatch)
     assert fit.summary["val/loss"] == pytest.approx(summary["metrics"]["val/loss"])
     scores = json.loads(next(run_dir.rglob("test_scores.json")).read_text())
     assert test.summary["test/loss"] == pytest.approx(scores["loss"], rel=1e-5)
+
+
+SECTIONS = {"model", "data", "trainer", "seed_everything", "checkpoint", "compute", "budget", "summary", "wandb"}
+
+
+@pytest.mark.parametrize("logger", ["default", "WandbLogger"])
+def test_each_logger_path_logs_the_whole_config_once(logger, corpus_dir, tmp_path, monkeypatch, capfd):  # noqa: F811
+    """Both the default W&B logger and `--trainer.logger WandbLogger` get every resolved section,
+    nothing flat beside them, and the `--wandb.*` settings."""
+    from tests.lit.conftest import fit_args
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    args = [a for a in fit_args(corpus_dir, tmp_path / "data", run_dir) if a != "--trainer.logger=false"]
+    args += ["--trainer.max_steps=4", "--wandb.group=study-b", "--wandb.name=trial-3", "--wandb.tags=[x]"]
+    args += ["--trainer.logger=WandbLogger"] if logger == "WandbLogger" else []
+    make_cli(args)
+    folders = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(folders) == 1, f"one W&B run under the run folder, found {folders}"
+    run = OfflineRun(folders[0])
+    assert (run.run.run_group, run.run.display_name, run.run.project, run.run.job_type) == \
+        ("study-b", "trial-3", "soma_pl", "fit")
+    assert list(run.run.tags) == ["x"]
+    logged = set(run.config) - {"_wandb"}
+    assert SECTIONS <= logged, f"missing sections: {SECTIONS - logged}"
+    init_args = run.config["model"]["init_args"]
+    assert not logged & set(init_args), f"flat module arguments beside the nested config: {logged & set(init_args)}"
+    assert init_args["optimizer"]["class_path"] == "torch.optim.SGD"
+    assert init_args["optimizer"]["init_args"]["lr"] == 0.1 and init_args["width"] == 8
+    assert run.config["seed_everything"] == 0 and run.config["trainer"]["max_steps"] == 4
+    assert run.config["data"]["init_args"]["batch_size"] == 4
+    assert run.config["wandb"]["group"] == "study-b"
+    err = capfd.readouterr().err
+    assert "anonymous setting" not in err and "contains the key(s) ['monitor']" not in err

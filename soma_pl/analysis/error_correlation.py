@@ -28,6 +28,7 @@ from enum import Enum
 import torch
 from jsonargparse import ArgumentParser, Namespace
 from torch import Tensor
+from tqdm import tqdm
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.analysis.loading import ensemble_val_windows, load_experts
@@ -67,14 +68,15 @@ class PairStatistics:
 
 @torch.no_grad()
 def accumulate(model: StackedExperts, windows: Tensor, batch_size: int,
-               score_from: int = ROUTE_BYTES) -> PairStatistics:
-    """One pass of every expert over `windows: [n, T] uint8`, accumulating :class:`PairStatistics`."""
+               score_from: int = ROUTE_BYTES, progress: bool = False) -> PairStatistics:
+    """One pass of every expert over `windows: [n, T] uint8`, accumulating :class:`PairStatistics`
+    (`progress`: a bar of batches on stderr)."""
     experts = model.num_experts
     pairs = torch.triu_indices(experts, experts, offset=1)
     float64 = {"dtype": torch.float64}
     stats = PairStatistics(0, torch.zeros(experts, **float64), torch.zeros(experts, experts, **float64),
                            torch.zeros(pairs.shape[1], **float64), pairs)
-    for chunk in windows.split(batch_size):
+    for chunk in tqdm(windows.split(batch_size), desc="analyze error-correlation", unit="batch", disable=not progress):
         tokens = chunk.unsqueeze(0).expand(experts, *chunk.shape)
         for log_probs in model.target_log_probs({}, tokens, score_from):  # [E, b, Tc]
             flat = log_probs.reshape(experts, -1).double()
@@ -163,6 +165,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--max_windows", type=int | None, default=None, help="use only the first windows")
     parser.add_argument("--batch_size", type=int, default=16, help="windows per forward")
     parser.add_argument("--out", type=str, default="error_correlation.json")
+    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar on stderr")
     return parser
 
 
@@ -176,7 +179,8 @@ def run(args: Namespace) -> None:
         raise ConfigError(f"checkpoint {loaded.path} has {loaded.model.num_experts} experts; removing shared token "
                           "difficulty needs at least 3")
     evalset = ensemble_val_windows(args.data, args.max_windows)
-    stats = accumulate(loaded.model, torch.from_numpy(evalset.windows.copy()), args.batch_size)
+    stats = accumulate(loaded.model, torch.from_numpy(evalset.windows.copy()), args.batch_size,
+                       progress=args.progress)
     result = {"analysis": "error_correlation", "figure": "Fig. 17", "checkpoint": loaded.path,
               "data": f"{args.data}/ensemble_val.npz", **summarise(stats, args.baseline, args.bins)}
     _emit(result, args.out)

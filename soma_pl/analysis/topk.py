@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from jsonargparse import ArgumentParser, Namespace
+from tqdm import tqdm
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.analysis.loading import ensemble_val_windows, load_experts, load_router
@@ -24,8 +25,9 @@ from soma_pl.models.router import Router
 
 
 @torch.no_grad()
-def score_all(model: StackedExperts, router: Router, windows: torch.Tensor, batch_size: int) -> EnsembleScores:
-    """Every top-k loss of every window, in batches.
+def score_all(model: StackedExperts, router: Router, windows: torch.Tensor, batch_size: int,
+              progress: bool = False) -> EnsembleScores:
+    """Every top-k loss of every window, in batches (`progress`: a bar of batches on stderr).
 
     Args:
         windows: ``[n, 1025] uint8``.
@@ -34,7 +36,7 @@ def score_all(model: StackedExperts, router: Router, windows: torch.Tensor, batc
         Scores with ``loss_by_k [n, E]``, ``expert_losses [E, n]``, ``ranking [n, E]``.
     """
     parts = []
-    for chunk in windows.split(batch_size):
+    for chunk in tqdm(windows.split(batch_size), desc="analyze topk", unit="batch", disable=not progress):
         ranking = router.ranking(chunk[:, :ROUTE_BYTES])
         parts.append(score_windows(model, ranking, chunk, model.num_experts, ROUTE_BYTES))
     return EnsembleScores(torch.cat([p.loss_by_k for p in parts]), torch.cat([p.expert_losses for p in parts], 1),
@@ -63,6 +65,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--max_windows", type=int | None, default=None, help="score only the first windows")
     parser.add_argument("--batch_size", type=int, default=16, help="windows per forward")
     parser.add_argument("--out", type=str, default="topk.json")
+    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar on stderr")
     return parser
 
 
@@ -72,7 +75,8 @@ def run(args: Namespace) -> None:
     loaded = load_experts(args.checkpoint)
     router = load_router(loaded, args.router)
     evalset = ensemble_val_windows(args.data, args.max_windows)
-    scores = score_all(loaded.model, router, torch.from_numpy(evalset.windows.copy()), args.batch_size)
+    scores = score_all(loaded.model, router, torch.from_numpy(evalset.windows.copy()), args.batch_size,
+                       progress=args.progress)
     result = {"analysis": "topk", "figure": "Fig. 16", "checkpoint": loaded.path,
               "data": f"{args.data}/ensemble_val.npz", **topk_curve(scores, evalset.doc_ids)}
     _emit(result, args.out)

@@ -17,11 +17,13 @@ the error of separate losses is than that of one joint loss over ``joint_loss_gr
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import sys
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 
 import torch
 from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
+from tqdm import tqdm
 
 from soma_pl.analysis.loading import load_experts, window_pool
 from soma_pl.analysis.variance_panels import (
@@ -150,13 +152,40 @@ def _headline(panel: dict) -> dict:
     return out
 
 
-def variance_analysis(settings: VarianceSettings) -> dict:
-    """Run the selected panels and return the JSON record (see the module docstring)."""
+def total_draws(settings: VarianceSettings, panels: list[Panel]) -> int:
+    """Direction draws the selected panels make (the progress bar's length)."""
+    return ((len(settings.expert_counts) * settings.repeats if Panel.experts in panels else 0)
+            + (settings.repeats if Panel.n_pert in panels else 0)
+            + (len(settings.batch_sizes) * settings.batch_repeats if Panel.batch in panels else 0))
+
+
+def variance_analysis(settings: VarianceSettings, progress: bool = False) -> dict:
+    """Run the selected panels and return the JSON record (see the module docstring); `progress`
+    shows a bar of direction draws on stderr."""
     settings.validate()
     panels = [Panel(p) for p in settings.panels]
+    # The bar appears with the first draw: a run that stops while loading (a bad checkpoint, a
+    # missing folder) prints its one error line and nothing above it.
+    bar = None
+
+    def drawn() -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total_draws(settings, panels), desc="analyze variance", unit="draw", file=sys.stderr,
+                       disable=not progress)
+        bar.update()
+
+    try:
+        return _panels(settings, panels, drawn)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _panels(settings: VarianceSettings, panels: list[Panel], drawn) -> dict:
     windows = window_pool(settings.data, settings.windows_needed(), settings.seed)
     config = SPSAConfig(eps=settings.eps, direction=DirectionKind(settings.direction), max_rows=settings.max_rows)
-    measure = Measurement(config, settings.repeats, settings.seed)
+    measure = Measurement(config, settings.repeats, settings.seed, drawn)
     result = {"analysis": "variance", "figures": ["Fig. 10", "Fig. 11"],
               "settings": {k: v.value if isinstance(v, Enum) else v for k, v in asdict(settings).items()},
               "windows": f"{settings.data}/ensemble_val.npz" if settings.data else "random bytes"}
@@ -174,7 +203,7 @@ def variance_analysis(settings: VarianceSettings) -> dict:
         pool = windows[: settings.pool, : settings.context + 1]
         result["batch"] = batch_panel(model, pool, settings.probe_coordinates, settings.budget,
                                       settings.batch_sizes, settings.loss_groupings,
-                                      Measurement(config, settings.batch_repeats, settings.seed))
+                                      replace(measure, repeats=settings.batch_repeats))
     return result
 
 
@@ -189,6 +218,7 @@ def build_parser() -> ArgumentParser:
     finally:
         set_parsing_settings(docstring_parse_attribute_docstrings=False)
     parser.add_argument("--out", type=str, default="variance.json", help="where to write the JSON")
+    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar on stderr")
     return parser
 
 
@@ -197,4 +227,4 @@ def run(args: Namespace) -> None:
 
     names = {f.name for f in fields(VarianceSettings)}
     settings = VarianceSettings(**{name: value for name, value in vars(args).items() if name in names})
-    _emit(variance_analysis(settings), args.out)
+    _emit(variance_analysis(settings, progress=args.progress), args.out)

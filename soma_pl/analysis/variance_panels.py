@@ -12,8 +12,8 @@ batch panel, the measured per-window gradient spread); nothing is fitted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -43,6 +43,8 @@ class Measurement:
     config: SPSAConfig
     repeats: int
     seed: int
+    drawn: Callable[[], None] = field(default=lambda: None, compare=False)
+    """Called after each draw of directions (a progress bar's update)."""
 
     @property
     def kind(self) -> DirectionKind:
@@ -62,8 +64,11 @@ def _trainable(model: StackedExperts) -> dict[str, Tensor]:
 def _draws(loss_fn, params, tokens, reference, n_perts, groupings, measurement: Measurement) -> Tensor:
     """``[R, len(n_perts), len(groupings)]`` relative errors of R independent draws."""
     total = reference.pow(2).sum()
-    rows = [draw_errors(loss_fn, params, tokens, reference, n_perts, groupings, measurement.config,
-                        step=r, seed=measurement.seed) for r in range(measurement.repeats)]
+    rows = []
+    for r in range(measurement.repeats):
+        rows.append(draw_errors(loss_fn, params, tokens, reference, n_perts, groupings, measurement.config,
+                                step=r, seed=measurement.seed))
+        measurement.drawn()
     return torch.stack(rows).sum(-1) / total
 
 
@@ -209,6 +214,7 @@ def batch_panel(model: StackedExperts, pool: Tensor, coordinates: int, budget: i
             tokens = pool[picks].expand(experts, batch, pool.shape[1])
             rows.append(draw_errors(loss_fn, params, tokens, reference, [n_pert], groupings, measurement.config,
                                     step=index * measurement.repeats + r, seed=measurement.seed + 1)[0])
+            measurement.drawn()
         relative = torch.stack(rows).sum(-1) / norms.sum()  # [R, groupings]
         variance = sampled_batch_variance(window_variance, batch, windows)
         for j, k in enumerate(groupings):

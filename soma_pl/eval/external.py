@@ -29,6 +29,7 @@ import torch
 import yaml
 from jsonargparse import ArgumentParser, Namespace
 from torch import Tensor
+from tqdm import tqdm
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.data.documents import Document
@@ -221,11 +222,13 @@ def routed_experts(module: ByteLMModule, windows: Tensor, k: int) -> Tensor:
 
 @torch.no_grad()
 def window_losses(module: ByteLMModule, windows: np.ndarray, k: int, batch_size: int,
-                  device: torch.device) -> np.ndarray:
-    """Scored nats/byte of the top-k average on every window: ``[n, 1025]`` → ``[n]`` float64."""
+                  device: torch.device, progress: bool = False) -> np.ndarray:
+    """Scored nats/byte of the top-k average on every window: ``[n, 1025]`` → ``[n]`` float64
+    (`progress`: a bar of batches on stderr)."""
     module.to(device)
     losses = []
-    for part in torch.from_numpy(np.ascontiguousarray(windows)).split(batch_size):
+    parts = torch.from_numpy(np.ascontiguousarray(windows)).split(batch_size)
+    for part in tqdm(parts, desc="evaluate", unit="batch", disable=not progress):
         part = part.to(device)
         scores = score_top_k(module.model, routed_experts(module, part, k), part, module.score_from)
         losses.append(scores.loss.double().cpu())
@@ -234,7 +237,8 @@ def window_losses(module: ByteLMModule, windows: np.ndarray, k: int, batch_size:
 
 def evaluate(checkpoint: str, text: str, config: str | None = None, router: str | None = None,
              documents: DocumentSplit = DocumentSplit.file, top_k: int | None = None, batch_size: int = 32,
-             max_windows: int | None = None, resamples: int = 1000, device: str = "cpu") -> dict:
+             max_windows: int | None = None, resamples: int = 1000, device: str = "cpu",
+             progress: bool = False) -> dict:
     """Evaluate a checkpoint on a text file or folder; returns the JSON report (see module doc)."""
     module = load_module(checkpoint, config, router)
     experts = module.model.num_experts
@@ -246,7 +250,7 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
         raise ConfigError(f"batch_size={batch_size} and resamples={resamples} must be >= 1")
     data = read_windows(text, documents, max_windows)
     started = time.perf_counter()
-    losses = window_losses(module, data.windows, k, batch_size, torch.device(device))
+    losses = window_losses(module, data.windows, k, batch_size, torch.device(device), progress)
     interval = document_bootstrap(losses, data.doc_ids, resamples=resamples)
     if interval.documents < 2:
         warnings.warn(f"{text}: all windows come from one document, so the document-bootstrap interval has "
@@ -279,6 +283,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--resamples", type=int, default=1000, help="document-bootstrap resamples")
     parser.add_argument("--device", type=str, default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--out", type=str, default="evaluate.json")
+    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar on stderr")
     return parser
 
 
@@ -286,5 +291,5 @@ def run(args: Namespace) -> None:
     from soma_pl.cli import _emit
 
     result = evaluate(args.checkpoint, args.text, args.config, args.router, args.documents, args.top_k,
-                      args.batch_size, args.max_windows, args.resamples, args.device)
+                      args.batch_size, args.max_windows, args.resamples, args.device, args.progress)
     _emit(result, args.out)

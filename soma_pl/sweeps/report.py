@@ -10,7 +10,11 @@ Reads a sweep's study and prints, as markdown, and writes, as JSON:
   deviation. Test losses never take part in the selection.
 
 All losses are nats/byte. Only COMPLETE trials enter the tables; pruned and failed ones are counted,
-and failed ones listed with their error.
+and failed ones listed with their error (a trial Optuna failed for a stale heartbeat is `stale`).
+
+With `--figures DIR` it also saves Optuna's own views of the study as PNG (matplotlib):
+`<study>_parallel_coordinate.png` (every COMPLETE trial as a line across its parameters to its
+value) and `<study>_optimization_history.png` (value by trial, best so far).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +33,7 @@ from optuna.trial import TrialState
 from soma_pl.errors import ConfigError
 from soma_pl.io import write_json_atomic
 from soma_pl.sweeps.space import Label, load_sweep
-from soma_pl.sweeps.study import RETRYABLE, SWEEP_ATTR, default_storage, open_storage, state_counts
+from soma_pl.sweeps.study import RETRYABLE, SWEEP_ATTR, FailureKind, default_storage, open_storage, state_counts
 
 ALL = "all"
 """The one column of a sweep without `report.columns`."""
@@ -52,6 +57,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--storage", type=str | None, default=None, help="Optuna RDB URL or journal file path")
     parser.add_argument("--out", type=str, default="results/sweep_report.json", help="JSON report path")
     parser.add_argument("--markdown", type=str | None, default=None, help="also write the markdown here")
+    parser.add_argument("--figures", type=str | None, default=None,
+                        help="also save Optuna's parallel-coordinate and history plots as PNG into this folder")
     return parser
 
 
@@ -135,10 +142,20 @@ def table7(records: list[Record], description: dict) -> dict:
 
 
 def failures(study: optuna.Study) -> list[dict]:
-    return [{"trial": t.number, "params": t.params, "failure": t.user_attrs.get("failure"),
-             "error": t.user_attrs.get("error"), "log": t.user_attrs.get("log"),
-             "rerun": t.user_attrs.get("failure") in RETRYABLE}
-            for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))]
+    """FAIL trials with why; `rerun`: its point runs again (a retry exists or will be enqueued)."""
+    trials = study.get_trials(deepcopy=False)
+    # Optuna's stale-trial retry (database storages) names the failed trials in the copy it enqueues.
+    retried = {number: t.number for t in trials for number in t.system_attrs.get("retry_history", [])}
+    rows = []
+    for t in trials:
+        if t.state != TrialState.FAIL:
+            continue
+        failure, error = t.user_attrs.get("failure"), t.user_attrs.get("error")
+        if failure is None and t.number in retried:
+            failure, error = FailureKind.stale.value, f"no heartbeat: Optuna retried it as trial {retried[t.number]}"
+        rows.append({"trial": t.number, "params": t.params, "failure": failure, "error": error,
+                     "log": t.user_attrs.get("log"), "rerun": failure in RETRYABLE})
+    return rows
 
 
 def build_report(study: optuna.Study, storage: str) -> dict:
@@ -194,6 +211,36 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def save_figures(study: optuna.Study, folder: Path) -> list[Path]:
+    """Optuna's parallel-coordinate and optimization-history plots of the COMPLETE trials as PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, whatever display the shell has
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("sweep report --figures needs matplotlib: pip install -e '.[notebooks]'") from None
+    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        raise ConfigError(f"sweep report --figures: study '{study.study_name}' has no COMPLETE trial to draw")
+    from optuna.visualization import matplotlib as views
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, view in (("parallel_coordinate", views.plot_parallel_coordinate),
+                       ("optimization_history", views.plot_optimization_history)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            axes = view(study, target_name="ensemble validation loss (nats/byte)")
+        figure = axes.figure
+        figure.set_size_inches(9, 4.5)
+        figure.tight_layout()
+        path = folder / f"{study.study_name}_{name}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
 def run(args: Namespace) -> None:
     if not args.sweep and not args.study:
         raise ConfigError("sweep report needs --sweep FILE or --study NAME (with --storage)")
@@ -216,3 +263,6 @@ def run(args: Namespace) -> None:
         temporary.write_text(text)
         os.replace(temporary, path)
     print(f"wrote {write_json_atomic(Path(args.out), report)}", file=sys.stderr)
+    if args.figures:
+        for path in save_figures(study, Path(args.figures)):
+            print(f"wrote {path}", file=sys.stderr)

@@ -5,6 +5,8 @@ A worker claims trials of the sweep's shared Optuna study one at a time and runs
 and tells the study the ensemble-validation loss. The test loss is stored as the user attribute
 `test_loss` and never used for selection (Table 7's protocol). Start several workers on one storage
 to share the work; stop and restart them at any moment: completed trials are never run again.
+A progress bar on stderr counts the study's finished trials (every worker's) and shows the trial
+running here and the best ensemble-validation loss so far; the JSON summary goes to stdout.
 """
 
 from __future__ import annotations
@@ -15,17 +17,21 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
 from jsonargparse import ArgumentParser, Namespace
 from optuna.exceptions import UpdateFinishedTrialError
+from optuna.storages import BaseStorage
 from optuna.trial import TrialState
+from tqdm import tqdm
 
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, override_args, trial_overrides
-from soma_pl.sweeps.study import (FailureKind, Heartbeat, check_storage, claim_waiting, connect, default_storage,
-                                  open_storage, open_study, running_trials, state_counts, sync_queue)
+from soma_pl.sweeps.study import (FailureKind, Heartbeat, best_value, check_storage, claim_waiting, connect,
+                                  default_storage, open_storage, open_study, running_trials, state_counts,
+                                  sync_queue, trial_id)
 from soma_pl.sweeps.trial import TrialReporter
 
 
@@ -55,6 +61,7 @@ def build_parser() -> ArgumentParser:
                         help="most trials this worker runs (default: until the study is done)")
     parser.add_argument("--retry-failed", "--retry_failed", dest="retry_failed", type=bool, default=False,
                         help="re-run grid points whose trials failed by their own error")
+    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar on stderr")
     return parser
 
 
@@ -141,13 +148,40 @@ def execute(spec: SweepSpec, study: optuna.Study, trial: optuna.Trial, storage: 
     return TrialState.COMPLETE
 
 
-def _next_trial(spec: SweepSpec, study: optuna.Study) -> optuna.Trial | None:
+def _next_trial(spec: SweepSpec, study: optuna.Study, storage: BaseStorage) -> optuna.Trial | None:
     """A waiting trial, or for range sweeps a new TPE trial while fewer than `trials` are live or done."""
-    trial = claim_waiting(study)
+    trial = claim_waiting(study, storage)
     if trial is not None or spec.is_grid:
         return trial
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
-    return study.ask() if len(study.get_trials(deepcopy=False, states=states)) < spec.trials else None
+    if len(study.get_trials(deepcopy=False, states=states)) >= spec.trials:
+        return None
+    with warnings.catch_warnings():
+        # Optuna suggests `optimize` with its heartbeat; this worker sends the trial's heartbeats itself.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+        return study.ask()
+
+
+class SweepProgress:
+    """A tqdm bar over the study's points (grid) or trials (ranges): finished trials of every
+    worker, the trial running here, and the best value so far."""
+
+    def __init__(self, spec: SweepSpec, enabled: bool = True):
+        total = len(spec.grid_points()) if spec.is_grid else spec.trials
+        self.bar = tqdm(total=total, desc=f"sweep {spec.name}", unit="trial", disable=not enabled, file=sys.stderr)
+
+    def update(self, study: optuna.Study, running: optuna.Trial | None = None) -> None:
+        done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+        best = best_value(study)
+        postfix = {"best": "—" if best is None else f"{best:.4f}"}
+        if running is not None:
+            point = json.loads(running.user_attrs.get("point", "{}")) or "TPE"
+            postfix["running"] = f"trial {running.number} {point}"
+        self.bar.n = min(done, self.bar.total)
+        self.bar.set_postfix(postfix, refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _raise_interrupted(signum, frame) -> None:
@@ -155,28 +189,30 @@ def _raise_interrupted(signum, frame) -> None:
 
 
 def work(spec: SweepSpec, storage_url: str, n_trials: int | None = None, retry_failed: bool = False,
-         setting: str = "storage") -> dict:
+         setting: str = "storage", progress: bool = False) -> dict:
     """Claim and run trials until the study is done (waiting for other workers' running trials,
     which a vanished worker leaves stale) or `n_trials` ran. Returns counts by final state.
     `setting` names where the storage URL came from in errors."""
-    study = connect(spec, storage_url, setting=setting)
-    sync_queue(study, spec, retry_failed)
+    study, storage = connect(spec, storage_url, setting=setting)
+    sync_queue(study, storage, spec, retry_failed)
+    bar = SweepProgress(spec, progress)
+    bar.update(study)
     ran: dict[str, int] = {}
     trial = None
     try:
         while n_trials is None or sum(ran.values()) < n_trials:
-            trial = _next_trial(spec, study)
+            trial = _next_trial(spec, study, storage)
             if trial is None:
                 if not running_trials(study):
                     break
                 # Other workers' trials are running: wait, failing those that went stale.
                 time.sleep(spec.heartbeat_seconds)
-                sync_queue(study, spec)
+                sync_queue(study, storage, spec)
+                bar.update(study)
                 continue
-            print(f"trial {trial.number}: {json.loads(trial.user_attrs.get('point', '{}')) or 'TPE'}",
-                  file=sys.stderr, flush=True)
+            bar.update(study, trial)
             try:
-                with Heartbeat(study, trial._trial_id, spec.heartbeat_seconds):  # noqa: SLF001
+                with Heartbeat(storage, trial_id(storage, study, trial.number), spec.heartbeat_seconds):
                     state = execute(spec, study, trial, storage_url)
             except UpdateFinishedTrialError:
                 # Its heartbeat went stale (a stalled machine) and another worker failed it and
@@ -184,13 +220,16 @@ def work(spec: SweepSpec, storage_url: str, n_trials: int | None = None, retry_f
                 state = TrialState.FAIL
             ran[state.name] = ran.get(state.name, 0) + 1
             trial = None
-            sync_queue(study, spec)  # re-enqueue the points of trials whose workers vanished meanwhile
+            sync_queue(study, storage, spec)  # re-enqueue the points of trials whose workers vanished meanwhile
+            bar.update(study)
     except Interrupted as signal_name:
         if trial is not None:
             _fail(study, trial, FailureKind.interrupted, f"worker stopped by {signal_name}")
+        bar.close()
         print(f"interrupted by {signal_name}: trial {getattr(trial, 'number', None)} will re-run on restart",
               file=sys.stderr)
         raise SystemExit(130) from None
+    bar.close()
     return ran
 
 
@@ -202,7 +241,7 @@ def run(args: Namespace) -> None:
         check_storage(storage, setting)
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        ran = work(spec, storage, args.n_trials, args.retry_failed, setting)
+        ran = work(spec, storage, args.n_trials, args.retry_failed, setting, progress=args.progress)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -3,26 +3,40 @@
 Grid points are enqueued trials (`study.enqueue_trial`) carrying their point as the user attribute
 `point`. A worker claims a WAITING trial by the storage's atomic WAITING → RUNNING transition, so two
 workers never claim the same trial; a point enqueued twice (two workers starting at once on a server
-database) is run once: the later claim is failed as `duplicate`. A claimed trial's worker writes a
-heartbeat (system attribute) every `heartbeat_seconds`; a RUNNING trial whose heartbeat is older than
-`stale_seconds` (its worker was killed) is failed as `stale`, and its point is enqueued again. A point
-counts as done when it has a COMPLETE or PRUNED trial; one failed by its own error stays failed (with
-its error) unless the runner is asked to retry failures.
+database) is run once: the later claim is failed as `duplicate`. A point counts as done when it has a
+COMPLETE or PRUNED trial; one failed by its own error stays failed (with its error) unless the runner
+is asked to retry failures.
+
+A claimed trial's worker sends a heartbeat every `heartbeat_seconds`; a RUNNING trial without one for
+`stale_seconds` (its worker was killed) is failed and its point run again:
+
+- on a database (`sqlite:///...`, `postgresql://...`) by Optuna itself: `RDBStorage(heartbeat_interval,
+  grace_period, heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback())` records the
+  heartbeats, `optuna.storages.fail_stale_trials` fails stale trials, and the callback enqueues a
+  copy (same point, system attribute `failed_trial` naming the original);
+- on a journal file, where Optuna has no heartbeat, by this module: the heartbeat is the trial's
+  system attribute `soma_pl:heartbeat`, a stale trial is failed with `failure: stale` and its point
+  is enqueued again by `sync_queue`.
+
+The storage object is passed explicitly (the one `open_storage` made), so nothing here reads a
+study's private storage.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
 import optuna
 from filelock import FileLock
-from optuna.exceptions import StorageInternalError, UpdateFinishedTrialError
-from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.exceptions import ExperimentalWarning, StorageInternalError, UpdateFinishedTrialError
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.engine import make_url
@@ -32,7 +46,7 @@ from soma_pl.errors import ConfigError
 from soma_pl.sweeps.space import PrunerKind, PrunerSpec, SweepSpec, point_key
 
 HEARTBEAT = "soma_pl:heartbeat"
-"""Trial system attribute: the worker's wall-clock time at its last heartbeat."""
+"""Trial system attribute (journal storage): the worker's wall-clock time at its last heartbeat."""
 SWEEP_ATTR = "soma_pl:sweep"
 """Study user attribute: the sweep's description (factors, seeds, report layout)."""
 
@@ -96,16 +110,31 @@ def check_storage(url: str, setting: str = "storage") -> None:
         _check_folder(Path(parsed.database).expanduser(), f"{setting} {shown}")
 
 
-def open_storage(url: str, setting: str = "storage") -> BaseStorage:
+def open_storage(url: str, setting: str = "storage", spec: SweepSpec | None = None) -> BaseStorage:
     """An Optuna RDB URL (`sqlite:///...`, `postgresql://...`) or a journal file path, checked by
-    `check_storage` (`setting` names where the URL came from in its error)."""
+    `check_storage` (`setting` names where the URL came from in its error). With the sweep's `spec`
+    (a worker), a database storage runs Optuna's heartbeat: every `heartbeat_seconds`, stale after
+    `stale_seconds` (whole seconds, at least 1), stale trials retried."""
     check_storage(url, setting)
     if "://" not in url:
         return JournalStorage(JournalFileBackend(url))
+    kwargs = {}
     if url.startswith("sqlite:///"):
         # Several processes write one SQLite file: wait for its lock instead of failing at once.
-        return optuna.storages.get_storage(RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}}))
-    return optuna.storages.get_storage(RDBStorage(url))
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+    if spec is not None:
+        kwargs.update(heartbeat_interval=max(1, math.ceil(spec.heartbeat_seconds)),
+                      grace_period=max(1, math.ceil(spec.stale_seconds)),
+                      heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExperimentalWarning)  # the heartbeat arguments are marked experimental
+        return optuna.storages.get_storage(RDBStorage(url, **kwargs))
+
+
+def optuna_heartbeat(storage: BaseStorage) -> bool:
+    """Whether Optuna records heartbeats and fails stale trials on this storage (a database opened
+    for a worker); otherwise (a journal file) this module does."""
+    return getattr(storage, "get_heartbeat_interval", lambda: None)() is not None
 
 
 def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
@@ -125,14 +154,15 @@ def open_study(spec: SweepSpec, storage: BaseStorage, create: bool = True) -> op
     return study
 
 
-def connect(spec: SweepSpec, url: str, attempts: int = 3, setting: str = "storage") -> optuna.Study:
-    """Open the sweep's storage and study, creating them on first use. Workers that start together
-    race to create the database schema and the study: the queue lock orders those sharing the
-    output folder, and a race lost on a shared server is retried."""
+def connect(spec: SweepSpec, url: str, attempts: int = 3, setting: str = "storage") -> tuple[optuna.Study, BaseStorage]:
+    """Open the sweep's storage (with heartbeats) and study, creating them on first use. Workers
+    that start together race to create the database schema and the study: the queue lock orders
+    those sharing the output folder, and a race lost on a shared server is retried."""
     for attempt in range(attempts):
         try:
             with queue_lock(spec):
-                return open_study(spec, open_storage(url, setting))
+                storage = open_storage(url, setting, spec)
+                return open_study(spec, storage), storage
         except (SQLAlchemyError, StorageInternalError) as error:
             if attempt == attempts - 1:
                 shown = make_url(url).render_as_string(hide_password=True) if "://" in url else url
@@ -143,9 +173,17 @@ def connect(spec: SweepSpec, url: str, attempts: int = 3, setting: str = "storag
     raise AssertionError("unreachable")
 
 
-def _trial_id(study: optuna.Study, number: int) -> int:
-    storage = study._storage  # noqa: SLF001 - the public Study API has no trial-id lookup
-    return storage.get_trial_id_from_study_id_trial_number(study._study_id, number)  # noqa: SLF001
+def trial_id(storage: BaseStorage, study: optuna.Study, number: int) -> int:
+    """The storage's id of trial `number` (the public Study API has no trial-id lookup)."""
+    return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name), number)
+
+
+def beat(storage: BaseStorage, trial: int) -> None:
+    """One heartbeat of the trial with storage id `trial`: Optuna's where it has them, else ours."""
+    if optuna_heartbeat(storage):
+        storage.record_heartbeat(trial)
+    else:
+        storage.set_trial_system_attr(trial, HEARTBEAT, time.time())
 
 
 def _heartbeat_age(trial: FrozenTrial, now: float) -> float:
@@ -155,18 +193,26 @@ def _heartbeat_age(trial: FrozenTrial, now: float) -> float:
     return now - last
 
 
-def fail_stale_trials(study: optuna.Study, stale_seconds: float) -> list[int]:
-    """Fail RUNNING trials whose heartbeat is older than `stale_seconds`; return their numbers."""
+def fail_stale_trials(study: optuna.Study, storage: BaseStorage, stale_seconds: float) -> list[int]:
+    """Fail RUNNING trials without a heartbeat for `stale_seconds`; return their numbers. On a
+    database Optuna does it (and enqueues each one's retry); on a journal file this function."""
+    if optuna_heartbeat(storage):
+        before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        return sorted(t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+                      if t.number in before)
     now, failed = time.time(), []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         age = _heartbeat_age(trial, now)
         if age <= stale_seconds:
             continue
-        trial_id = _trial_id(study, trial.number)
+        identifier = trial_id(storage, study, trial.number)
         try:
-            study._storage.set_trial_user_attr(trial_id, "failure", FailureKind.stale.value)  # noqa: SLF001
-            study._storage.set_trial_user_attr(trial_id, "error", f"no heartbeat for {age:.0f} s")  # noqa: SLF001
-            if study._storage.set_trial_state_values(trial_id, TrialState.FAIL):  # noqa: SLF001
+            storage.set_trial_user_attr(identifier, "failure", FailureKind.stale.value)
+            storage.set_trial_user_attr(identifier, "error", f"no heartbeat for {age:.0f} s")
+            if storage.set_trial_state_values(identifier, TrialState.FAIL):
                 failed.append(trial.number)
         except UpdateFinishedTrialError:
             continue  # finished or failed meanwhile by its worker or another checker
@@ -194,10 +240,10 @@ def queue_lock(spec: SweepSpec) -> Iterator[None]:
         yield
 
 
-def sync_queue(study: optuna.Study, spec: SweepSpec, retry_failed: bool = False) -> int:
+def sync_queue(study: optuna.Study, storage: BaseStorage, spec: SweepSpec, retry_failed: bool = False) -> int:
     """Fail stale trials, then enqueue every grid point not settled; return how many were enqueued."""
     with queue_lock(spec):
-        fail_stale_trials(study, spec.stale_seconds)
+        fail_stale_trials(study, storage, spec.stale_seconds)
         if not spec.is_grid:
             return 0
         settled = settled_points(study, retry_failed)
@@ -218,24 +264,24 @@ def _duplicate_of(study: optuna.Study, trial: FrozenTrial) -> int | None:
     return None
 
 
-def claim_waiting(study: optuna.Study) -> optuna.Trial | None:
-    """Atomically move one WAITING trial to RUNNING and return it; None when none is waiting."""
-    storage = study._storage  # noqa: SLF001
+def claim_waiting(study: optuna.Study, storage: BaseStorage) -> optuna.Trial | None:
+    """Atomically move one WAITING trial to RUNNING, send its first heartbeat and return it; None
+    when none is waiting."""
     for waiting in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        trial_id = _trial_id(study, waiting.number)
+        identifier = trial_id(storage, study, waiting.number)
         try:
-            if not storage.set_trial_state_values(trial_id, TrialState.RUNNING):
+            if not storage.set_trial_state_values(identifier, TrialState.RUNNING):
                 continue
         except UpdateFinishedTrialError:
             continue
-        storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
-        owner = _duplicate_of(study, storage.get_trial(trial_id))
+        beat(storage, identifier)
+        owner = _duplicate_of(study, storage.get_trial(identifier))
         if owner is not None:
-            storage.set_trial_user_attr(trial_id, "failure", FailureKind.duplicate.value)
-            storage.set_trial_user_attr(trial_id, "error", f"point already taken by trial {owner}")
-            storage.set_trial_state_values(trial_id, TrialState.FAIL)
+            storage.set_trial_user_attr(identifier, "failure", FailureKind.duplicate.value)
+            storage.set_trial_user_attr(identifier, "error", f"point already taken by trial {owner}")
+            storage.set_trial_state_values(identifier, TrialState.FAIL)
             continue
-        return optuna.Trial(study, trial_id)
+        return optuna.Trial(study, identifier)
     return None
 
 
@@ -247,26 +293,33 @@ def state_counts(study: optuna.Study) -> dict[str, int]:
     return counts
 
 
+def best_value(study: optuna.Study) -> float | None:
+    """The lowest value of the study's COMPLETE trials (None before the first)."""
+    values = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    return min(values) if values else None
+
+
 def running_trials(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
 
 
 class Heartbeat:
-    """Records `HEARTBEAT` on a RUNNING trial every `interval` seconds from a thread."""
+    """Sends a RUNNING trial's heartbeat (`beat`) every `interval` seconds from a thread."""
 
-    def __init__(self, study: optuna.Study, trial_id: int, interval: float):
-        self.storage, self.trial_id, self.interval = study._storage, trial_id, interval  # noqa: SLF001
+    def __init__(self, storage: BaseStorage, trial: int, interval: float):
+        self.storage, self.trial, self.interval = storage, trial, interval
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, daemon=True)
 
     def _beat(self) -> None:
         while not self.stop.wait(self.interval):
             try:
-                self.storage.set_trial_system_attr(self.trial_id, HEARTBEAT, time.time())
+                beat(self.storage, self.trial)
             except UpdateFinishedTrialError:
                 return  # failed as stale by another worker: the runner notices at tell time
 
     def __enter__(self) -> Heartbeat:
+        beat(self.storage, self.trial)  # a trial `study.ask` just made has none yet
         self.thread.start()
         return self
 

@@ -58,13 +58,11 @@ class TrialReporter(L.Callback):
 
     def _optuna_trial(self) -> optuna.Trial:
         if self._trial is None:
-            from soma_pl.sweeps.study import make_pruner, open_storage
+            from soma_pl.sweeps.study import make_pruner, open_storage, trial_id
 
-            study = optuna.load_study(study_name=self.study_name, storage=open_storage(self.storage),
-                                      pruner=make_pruner(self.pruner))
-            trial_id = study._storage.get_trial_id_from_study_id_trial_number(  # noqa: SLF001
-                study._study_id, self.trial_number)  # noqa: SLF001
-            self._trial = optuna.Trial(study, trial_id)
+            storage = open_storage(self.storage)
+            study = optuna.load_study(study_name=self.study_name, storage=storage, pruner=make_pruner(self.pruner))
+            self._trial = optuna.Trial(study, trial_id(storage, study, self.trial_number))
         return self._trial
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:

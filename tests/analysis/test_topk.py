@@ -32,12 +32,15 @@ def _target_probs(model, windows) -> torch.Tensor:
     return picked[..., ROUTE_BYTES:]
 
 
-def test_k1_is_the_top_ranked_expert_and_kN_the_full_average(tmp_path, prepared, soma_n8):
+def test_k1_is_the_top_ranked_expert_and_kN_the_full_average(tmp_path, prepared, soma_n8, capsys):
     path, model, router = soma_n8
     out = tmp_path / "topk.json"
     main(["analyze", "topk", "--checkpoint", str(path), "--data", str(prepared), "--batch_size", "4",
           "--out", str(out)])
     result = json.loads(out.read_text())
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == result, "stdout holds the JSON only; progress goes to stderr"
+    assert "analyze topk" in printed.err and "2/2" in printed.err  # 6 windows in batches of 4
     windows = _windows(prepared)
     probs = _target_probs(model, windows)  # [8, 6, 768]
     top = router.ranking(windows)[:, 0]

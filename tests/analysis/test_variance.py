@@ -173,12 +173,16 @@ TINY_CLI = ["--context", "4", "--batch", "1", "--experts", "2", "--loss_grouping
             "--width", "3"]
 
 
-def test_cli_writes_every_panel_with_predictions(tmp_path, prepared):
+def test_cli_writes_every_panel_with_predictions(tmp_path, prepared, capsys):
     checkpoint = save_checkpoint(tmp_path / "three.ckpt", tiny_experts(3), None)
     out = tmp_path / "variance.json"
     main(["analyze", "variance", *TINY_CLI, "--checkpoint", str(checkpoint), "--data", str(prepared),
           "--out", str(out)])
     result = json.loads(out.read_text())
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == result, "stdout holds the JSON only; progress goes to stderr"
+    # 2 expert counts x 2 repeats + 2 repeats (n_pert panel) + 2 batch sizes x 2 batch repeats.
+    assert "analyze variance" in printed.err and "10/10" in printed.err
     assert result["weights"].endswith("(experts [0, 1])")
     panel = result["n_pert"]
     assert [c["loss_grouping"] for c in panel["curves"]] == [1, 2]

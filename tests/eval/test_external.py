@@ -114,6 +114,16 @@ def test_spsa_checkpoint_loss_equals_the_modules_own_window_losses(corpus, tmp_p
     assert low <= report["loss"] <= high and low < high
 
 
+def test_progress_goes_to_stderr_and_json_to_stdout(corpus, tmp_path, capsys):
+    _, checkpoint = _soma(tmp_path)
+    report = _evaluate(tmp_path, "--checkpoint", str(checkpoint), "--text", str(corpus), "--batch_size", "2")
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == report
+    assert "evaluate" in printed.err and "3/3" in printed.err  # 5 windows in batches of 2
+    _evaluate(tmp_path, "--checkpoint", str(checkpoint), "--text", str(corpus), "--progress", "false")
+    assert "3/3" not in capsys.readouterr().err
+
+
 def test_soma_checkpoint_routes_with_its_own_router_and_averages_top_k(corpus, tmp_path):
     module, checkpoint = _soma(tmp_path)
     windows = torch.from_numpy(read_windows(corpus).windows)

@@ -1,4 +1,5 @@
-"""Every notebook runs headless on tiny results made by the real commands; committed ones are stripped.
+"""Every notebook, executed unmodified on tiny results made by the real commands, draws inline and
+saves each of its figures as a PNG into `$SOMA_PL_FIGURES`; committed notebooks are stripped.
 
 Each notebook family has a writer that puts its inputs into a fresh `$SOMA_PL_RESULTS` folder:
 the real commands with tiny settings where that is cheap (`bench`, `analyze`, `sweep report`),
@@ -25,14 +26,12 @@ from soma_pl.cli import main  # noqa: E402
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 FAMILIES = ("scaling", "variance", "routing", "sweeps", "inference")
 FIGURES = {"scaling": {"scaling_curves.png", "scaling_target.png", "scaling_budget_map.png"},
-           "inference": {"inference_table12.png", "memory_context.png"}}
-"""Figure files a notebook of this suite must write (others' notebooks: whatever they draw)."""
-SAVE_OPEN_FIGURES = """
-import os as _os
-import matplotlib.pyplot as _plt
-for _number in _plt.get_fignums():
-    _plt.figure(_number).savefig(_os.path.join(_os.environ["SOMA_PL_FIGURES"], f"open-{_number}.png"))
-"""
+           "inference": {"inference_table12.png", "memory_context.png"},
+           "variance": {"variance_fig10.png", "variance_fig11.png"},
+           "routing": {"routing_topk.png", "routing_error_correlation.png"},
+           "sweeps": {"sweeps_table6.png", "sweeps_table7.png"}}
+"""The PNG files each notebook saves (all of its figures); notebooks/README.md lists the same."""
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _write_runs(results: Path) -> None:
@@ -167,12 +166,19 @@ def test_notebook_executes_headless_on_tiny_results(stem, tmp_path, monkeypatch)
     WRITERS[stem](results, monkeypatch)
     monkeypatch.setenv("SOMA_PL_RESULTS", str(results))
     monkeypatch.setenv("SOMA_PL_FIGURES", str(figures))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's own (inline) backend, as in Jupyter
     notebook = nbformat.read(path, as_version=4)
-    notebook.cells.append(nbformat.v4.new_code_cell(SAVE_OPEN_FIGURES))
+    cells = len(notebook.cells)
     client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
+    assert len(notebook.cells) == cells
+    assert stem in FIGURES, f"notebooks/{stem}.ipynb: list the PNG files it saves in FIGURES"
     written = {p.name for p in figures.glob("*.png")}
-    assert FIGURES.get(stem, set()) <= written, f"{stem}: wrote {sorted(written)}"
-    assert written, f"{stem} drew no figure"
+    assert written == FIGURES[stem], f"{stem}: wrote {sorted(written)}, expected {sorted(FIGURES[stem])}"
+    for name in written:
+        data = (figures / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 5000, f"{stem}: {name} is not a drawn PNG"
+    inline = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
+              if "image/png" in output.get("data", {})]
+    assert len(inline) >= len(FIGURES[stem]), f"{stem}: {len(inline)} figures shown inline, expected every one"

@@ -304,16 +304,6 @@ def _check(results: dict) -> None:
         assert counts["temporaries_after_resume"] == 0, (name, counts)
 
 
-def test_ci_runs_the_readme_test_command_and_then_the_slow_checks():
-    script = (ROOT / ".ci" / "run").read_text()
-    commands = [line.strip() for line in script.splitlines() if line.strip().startswith("python -m pytest")]
-    assert commands == ["python -m pytest -q", "python -m pytest -q -m 'slow and not cuda'"]
-    assert "set -euo pipefail" in script
-    tests = (ROOT / "README.md").read_text().split("## Tests", 1)[1]
-    assert "`python -m pytest -q`" in tests and "`python -m pytest -q -m 'slow and not cuda'`" in tests
-    assert "CI (`.ci/run`) runs the default command and then this one" in " ".join(tests.split())
-
-
 @pytest.mark.slow
 def test_a_run_killed_while_writing_checkpoints_leaves_only_loadable_ones_and_resumes(dataset, tmp_path):
     corpus, data = dataset

@@ -71,3 +71,29 @@ def test_table6_cells_are_mean_and_sample_sd_over_seeds(study):
     assert "| lr | N=1 | N=2 |" in text and "2.2920 ± 0.0010" in text
     assert "| Mean | 2.2628 | 2.2232 | 0.0396 |" in text
     assert "| Sample standard deviation | 0.0046 | 0.0036 | 0.0057 |" in text
+
+
+def test_a_trial_optuna_failed_and_retried_is_reported_stale(study):
+    study.add_trial(create_trial(state=TrialState.FAIL, user_attrs={"point": "{}"}))
+    failed = study.trials[-1].number
+    study.add_trial(create_trial(state=TrialState.WAITING, system_attrs={"failed_trial": failed,
+                                                                          "retry_history": [failed]}))
+    (row,) = build_report(study, "memory")["failed"]
+    assert row["trial"] == failed and row["failure"] == "stale" and row["rerun"]
+    assert row["error"] == f"no heartbeat: Optuna retried it as trial {failed + 1}"
+
+
+def test_report_saves_optunas_parallel_coordinate_view(study, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from soma_pl.cli import main
+    from soma_pl.sweeps import report
+
+    monkeypatch.setattr(report.optuna, "load_study", lambda study_name, storage: study)
+    monkeypatch.setattr(report, "open_storage", lambda url: url)
+    main(["sweep", "report", "--study", "paper_table7", "--storage", "sqlite:///unused.db",
+          "--out", str(tmp_path / "report.json"), "--figures", str(tmp_path / "figures")])
+    for name in ("parallel_coordinate", "optimization_history"):
+        path = tmp_path / "figures" / f"paper_table7_{name}.png"
+        assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    assert json.loads((tmp_path / "report.json").read_text())["study"] == "paper_table7"
+    assert "| Mean | 2.2628 | 2.2232 | 0.0396 |" in capsys.readouterr().out

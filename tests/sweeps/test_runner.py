@@ -12,7 +12,7 @@ from optuna.trial import TrialState
 
 from soma_pl.sweeps import runner
 from soma_pl.sweeps.space import point_key
-from soma_pl.sweeps.study import HEARTBEAT, claim_waiting, open_storage, open_study, sync_queue
+from soma_pl.sweeps.study import HEARTBEAT, claim_waiting, open_storage, open_study, sync_queue, trial_id
 
 from .conftest import TINY, fake_val_loss, ran, spec_of, write_sweep
 
@@ -67,16 +67,41 @@ def test_failed_trial_is_kept_with_its_error_and_rerun_only_on_request(tmp_path,
 def test_stale_running_trial_is_failed_and_its_point_rerun(tmp_path, fake_trials):
     storage = STORAGES["journal"](tmp_path)
     spec = spec_of(write_sweep(tmp_path, stale_seconds=5, seeds=[0]))
-    study = open_study(spec, open_storage(storage))
-    sync_queue(study, spec)
-    orphan = claim_waiting(study)  # claimed by a worker that is then SIGKILLed: no more heartbeats
-    study._storage.set_trial_system_attr(orphan._trial_id, HEARTBEAT, time.time() - 60)
+    opened = open_storage(storage)
+    study = open_study(spec, opened)
+    sync_queue(study, opened, spec)
+    orphan = claim_waiting(study, opened)  # claimed by a worker that is then SIGKILLed: no more heartbeats
+    opened.set_trial_system_attr(trial_id(opened, study, orphan.number), HEARTBEAT, time.time() - 60)
     assert runner.work(spec, storage) == {"COMPLETE": 4}
     study = _study(spec, storage)
     stale = study.trials[orphan.number]
     assert stale.state == TrialState.FAIL and stale.user_attrs["failure"] == "stale"
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert sorted(t.user_attrs["point"] for t in complete) == sorted(map(point_key, spec.grid_points()))
+
+
+def test_database_storage_uses_optunas_heartbeat_and_retry(tmp_path, fake_trials):
+    """On SQLite Optuna records the heartbeats, fails a trial whose worker went silent and enqueues
+    its retry (a copy naming the failed trial); the sweep's own heartbeat attribute is not used."""
+    storage = STORAGES["sqlite"](tmp_path)
+    spec = spec_of(write_sweep(tmp_path, stale_seconds=1, seeds=[0]))
+    opened = open_storage(storage, spec=spec)
+    assert opened.get_heartbeat_interval() == 1  # heartbeat_seconds 0.2, rounded up to whole seconds
+    study = open_study(spec, opened)
+    sync_queue(study, opened, spec)
+    orphan = claim_waiting(study, opened)  # its worker is then SIGKILLed: no more heartbeats
+    assert HEARTBEAT not in study.trials[orphan.number].system_attrs
+    time.sleep(2.5)  # past the 1 s grace period, by the database's clock
+    assert runner.work(spec, storage) == {"COMPLETE": 4}
+    study = _study(spec, storage)
+    stale = study.trials[orphan.number]
+    assert stale.state == TrialState.FAIL and "failure" not in stale.user_attrs  # failed by Optuna
+    retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == orphan.number]
+    assert len(retries) == 1 and retries[0].state == TrialState.COMPLETE
+    assert retries[0].user_attrs["point"] == stale.user_attrs["point"]
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert sorted(t.user_attrs["point"] for t in complete) == sorted(map(point_key, spec.grid_points()))
+    assert sorted(map(point_key, ran(fake_trials))) == sorted(map(point_key, spec.grid_points()))
 
 
 def test_interrupted_worker_fails_its_trial_and_a_restart_finishes(tmp_path, fake_trials, monkeypatch):
@@ -104,15 +129,16 @@ def test_interrupted_worker_fails_its_trial_and_a_restart_finishes(tmp_path, fak
 
 def test_a_point_enqueued_twice_is_claimed_once(tmp_path):
     spec = spec_of(write_sweep(tmp_path, seeds=[0], grid={"lr": {"key": "k", "values": [0.01]}}, report={}))
-    study = open_study(spec, open_storage(STORAGES["journal"](tmp_path)))
-    sync_queue(study, spec)
+    opened = open_storage(STORAGES["journal"](tmp_path))
+    study = open_study(spec, opened)
+    sync_queue(study, opened, spec)
     point = spec.grid_points()[0]
     study.enqueue_trial(point, user_attrs={"point": point_key(point)})  # a second worker's enqueue
-    first, second = claim_waiting(study), claim_waiting(study)
+    first, second = claim_waiting(study, opened), claim_waiting(study, opened)
     assert first is not None and second is None
     duplicate = study.get_trials(states=(TrialState.FAIL,))
     assert len(duplicate) == 1 and duplicate[0].user_attrs["failure"] == "duplicate"
-    assert sync_queue(study, spec) == 0  # the point is RUNNING: nothing to enqueue
+    assert sync_queue(study, opened, spec) == 0  # the point is RUNNING: nothing to enqueue
 
 
 def test_range_sweep_asks_tpe_for_trials_over_every_seed(tmp_path, fake_trials):
@@ -137,9 +163,10 @@ def test_trial_command_parses_through_the_real_fit_cli(tmp_path, monkeypatch):
     spec = spec_of(write_sweep(tmp_path, budget={"token_forwards": 1000}, wandb=True,
                                pruner={"kind": "median", "n_warmup_steps": 4}))
     storage = STORAGES["journal"](tmp_path)
-    study = open_study(spec, open_storage(storage))
-    sync_queue(study, spec)
-    trial = claim_waiting(study)
+    opened = open_storage(storage)
+    study = open_study(spec, opened)
+    sync_queue(study, opened, spec)
+    trial = claim_waiting(study, opened)
     params = runner.suggest(spec, trial)
     command = runner.fit_command(spec, trial, params, params["seed"], tmp_path / "trial", storage, report=True)
     assert command[3].endswith("trial_result.json") and command[4:6] == ["--config", str(TINY)]
@@ -175,3 +202,13 @@ def test_two_workers_starting_together_share_the_study(tmp_path, fake_trials):
     assert sum(r.get("COMPLETE", 0) for r in results) == 4
     assert sorted(map(point_key, ran(fake_trials))) == sorted(map(point_key, spec.grid_points()))
     assert _by_state(_study(spec, storage)) == {"COMPLETE": 4}
+
+
+def test_progress_bar_counts_trials_and_shows_the_best_value(tmp_path, fake_trials, capsys):
+    storage = STORAGES["journal"](tmp_path)
+    spec = spec_of(write_sweep(tmp_path, seeds=[0]))
+    assert runner.work(spec, storage, progress=True) == {"COMPLETE": 4}
+    err = capsys.readouterr().err
+    best = min(fake_val_loss(p, p["seed"]) for p in spec.grid_points())
+    assert "sweep unit" in err and "4/4" in err and f"best={best:.4f}" in err
+    assert "running=trial 3" in err

@@ -1,0 +1,367 @@
+"""`python -m soma_pl.cli demo`: the paper's central claim at CPU scale, in one command.
+
+Monolithic SPSA (one model) against SOMA (N experts of 1/N the size, each trained by SPSA on its own
+semantic shard with its own loss), both from random weights of one seed, both for the same number
+of updates at the same n_pert, B and context (the equal-size pair `configs/demo/spsa.yaml` and
+`configs/demo/soma_n2.yaml`: 143,680 and 146,360 parameters, the same multiply-adds per update).
+Each side runs at the learning rate that the demo's Table 6 selection (`sweeps/demo/table7_pair.yaml`)
+chose for it. Every step is an ordinary `python -m soma_pl.cli` command in a child process:
+
+    prepare → shard → per side: validate (untrained) → fit → validate → test
+
+The two sides run side by side, one intra-op thread each unless `--demo.threads` or
+`OMP_NUM_THREADS` says otherwise: on a CPU shared with other jobs, more threads per process mostly
+spin in OpenMP waits. A finished step is reused when the command runs again with the same settings
+(its record is `<step>.json`); an interrupted fit resumes from its last checkpoint. The command
+prints a side-by-side table and writes `main_job.json` (the same figures), `main_job.md` and
+`main_job.png` (ensemble-validation loss against token-forwards and against update time) into
+`--demo.output_dir`.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+from tqdm import tqdm
+
+from soma_pl.errors import SomaError
+from soma_pl.io import write_atomic, write_json_atomic
+
+SELECTION = "sweeps/demo/table7_pair.yaml"
+
+
+@dataclass
+class DemoSide:
+    """One side of the comparison.
+
+    Attributes:
+        name: folder and key of this side in the outputs.
+        label: its name in the table and the figure.
+        config: its fit config.
+        lr: its learning rate (`model.init_args.optimizer.init_args.lr`): the Table 6 selection's.
+        overrides: extra arguments for this side's fit, validate and test.
+    """
+
+    name: str = "spsa"
+    label: str = "SPSA, N = 1"
+    config: str = "configs/demo/spsa.yaml"
+    lr: float = 0.025
+    overrides: list[str] = field(default_factory=list)
+
+
+def _spsa() -> DemoSide:
+    return DemoSide()
+
+
+def _soma() -> DemoSide:
+    return DemoSide(name="soma", label="SOMA, N = 2", config="configs/demo/soma_n2.yaml", lr=0.025)
+
+
+@dataclass
+class DemoConfig:
+    """The main job: what runs, for how long, and where its outputs go.
+
+    Attributes:
+        output_dir: every run, record, table and figure of the demo.
+        updates: updates of each side. For the equal-size pair that is equal multiply-adds and about
+            equal update time (the paper's aggregate device-hours); SOMA then forwards N times the
+            tokens, each through an expert of 1/N the size.
+        token_forwards: give both sides this many token forwards instead (`--budget.token_forwards`;
+            SOMA N = 2 then makes half the updates of SPSA, at half its multiply-adds).
+        val_every: updates between the curves' ensemble-validation points.
+        threads: intra-op threads per child process. None: `OMP_NUM_THREADS` if set, else 1.
+        parallel: run the two sides at the same time, in two processes.
+        prepare_args: arguments of `prepare` (a no-op when the dataset is up to date).
+        shard_args: arguments of `shard` (the SOMA side's expert shards and router).
+        spsa: the monolithic side.
+        soma: the SOMA side.
+        overrides: extra arguments for both sides' fit, validate and test.
+    """
+
+    output_dir: str = "runs/main_job"
+    updates: int = 400
+    token_forwards: int | None = None
+    val_every: int = 50
+    threads: int | None = None
+    parallel: bool = True
+    prepare_args: list[str] = field(default_factory=lambda: ["--config", "configs/data/demo.yaml"])
+    shard_args: list[str] = field(default_factory=lambda: ["--config", "configs/shard/demo_n2.yaml"])
+    spsa: DemoSide = field(default_factory=_spsa)
+    soma: DemoSide = field(default_factory=_soma)
+    overrides: list[str] = field(default_factory=list)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="The main job: monolithic SPSA against SOMA at equal compute, "
+                                        "then a side-by-side table and a figure of both loss curves.")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML with a `demo:` section")
+    parser.add_argument("--demo", type=DemoConfig, default=DemoConfig())
+    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar")
+    return parser
+
+
+def thread_count(configured: int | None) -> int:
+    """Intra-op threads for the children: the option, else `OMP_NUM_THREADS`, else 1."""
+    if configured is not None:
+        return configured
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+class Steps:
+    """Runs `python -m soma_pl.cli` commands as child processes, each recorded in `<folder>/<name>.json`
+    together with its arguments; a recorded command with the same arguments is not run again."""
+
+    def __init__(self, threads: int, bar: tqdm):
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        self.bar = bar
+        self.reused = 0
+
+    def run(self, folder: Path, name: str, args: list[str], reuse: bool = True) -> dict:
+        """Run `args` unless `reuse` and `<folder>/<name>.json` records the same arguments."""
+        record = folder / f"{name}.json"
+        previous = json.loads(record.read_text()) if reuse and record.is_file() else None
+        if previous is not None and previous.get("args") == args:
+            self.reused += 1
+            self.bar.update()
+            return previous
+        folder.mkdir(parents=True, exist_ok=True)
+        log = folder / f"{name}.log"
+        started = time.monotonic()
+        with log.open("w") as out:
+            code = subprocess.call([sys.executable, "-m", "soma_pl.cli", *args], stdout=out,
+                                   stderr=subprocess.STDOUT, env=self.env)
+        if code != 0:
+            tail = log.read_text().strip().splitlines()[-3:]
+            raise SomaError(f"`{' '.join(args[:1])}` failed ({log}): " + " | ".join(tail))
+        result = {"args": args, "seconds": round(time.monotonic() - started, 1)}
+        write_json_atomic(record, result)
+        self.bar.update()
+        return result
+
+
+def _settings_key(args: list[str]) -> str:
+    return hashlib.sha256(json.dumps(args).encode()).hexdigest()[:8]
+
+
+def _side_args(demo: DemoConfig, side: DemoSide) -> list[str]:
+    """Arguments shared by the side's fit, validate and test."""
+    return ["--config", side.config, f"--model.init_args.optimizer.init_args.lr={side.lr}",
+            "--trainer.enable_progress_bar=false", "--wandb.group=main_job", *demo.overrides, *side.overrides]
+
+
+def _fit_length(demo: DemoConfig) -> list[str]:
+    if demo.token_forwards is None:
+        return [f"--trainer.max_steps={demo.updates}", f"--trainer.val_check_interval={demo.val_every}"]
+    return [f"--budget.token_forwards={demo.token_forwards}", "--trainer.max_steps=1000000000",
+            f"--trainer.val_check_interval={demo.val_every}"]
+
+
+def _versions(folder: Path, name: str) -> list[Path]:
+    """`folder/version_N/name` files, oldest first."""
+    return sorted(folder.glob(f"version_*/{name}"), key=lambda p: int(p.parent.name.split("_")[1]))
+
+
+def _latest(folder: Path, name: str) -> Path:
+    found = _versions(folder, name)
+    if not found:
+        raise SomaError(f"no {name} under {folder}")
+    return found[-1]
+
+
+def _fit_summary(fit_root: Path) -> dict:
+    """The latest `summary.json` that accounts for training (one resumed after its last update
+    trains nothing and has no compute figures)."""
+    for path in reversed(_versions(fit_root, "summary.json")):
+        summary = json.loads(path.read_text())
+        if summary.get("compute"):
+            return summary
+    raise SomaError(f"no summary.json with compute figures under {fit_root}")
+
+
+def _curve(fit_root: Path) -> list[tuple[int, float]]:
+    """(updates, ensemble-validation loss) from every CSV log of the fit (a resumed fit has several;
+    the logged `step` is the update count minus one)."""
+    points: dict[int, float] = {}
+    for path in _versions(fit_root, "metrics.csv"):
+        with path.open() as rows:
+            for row in csv.DictReader(rows):
+                if row.get("val/loss"):
+                    points[int(row["step"]) + 1] = float(row["val/loss"])
+    return sorted(points.items())
+
+
+@dataclass
+class SideResult:
+    """What one side measured: the table's row and the figure's curve."""
+
+    label: str
+    lr: float
+    experts: int
+    parameters: int
+    updates: int
+    token_forwards: int
+    aggregate_device_seconds: float
+    """`U · Σₑ t̄ₑ`: update time only (Table 3's aggregate device-hours, in seconds)."""
+    fit_wall_seconds: float
+    """The fit command's wall time, start-up and validations included (a reused fit: the time of
+    the run that made it)."""
+    val: dict
+    """Ensemble-validation loss of the final weights: `loss`, `bootstrap_95`, `windows`, `documents`."""
+    test: dict
+    """Test loss of the final weights, as `val`."""
+    curve: list[dict]
+    """Ensemble-validation loss against compute: `step`, `token_forwards`, `device_seconds`, `val_loss`."""
+    run_dir: str
+
+
+def _scores(path: Path) -> dict:
+    scores = json.loads(path.read_text())
+    return {key: scores[key] for key in ("loss", "bootstrap_95", "windows", "documents")}
+
+
+def run_side(demo: DemoConfig, side: DemoSide, steps: Steps) -> SideResult:
+    """Untrained validation, fit, then validation and test of the last checkpoint, as CLI commands."""
+    shared = _side_args(demo, side)
+    fit_args = [*shared, *_fit_length(demo)]
+    folder = Path(demo.output_dir) / side.name / f"run-{_settings_key(fit_args)}"
+    steps.run(folder, "init_validate", ["validate", *shared, f"--trainer.default_root_dir={folder / 'init'}"])
+    checkpoints = folder / "checkpoints"
+    fit = ["fit", *fit_args, f"--trainer.default_root_dir={folder / 'fit'}", f"--checkpoint.dirpath={checkpoints}"]
+    if (checkpoints / "last.ckpt").is_file() and not (folder / "fit.json").is_file():
+        fit.append("--ckpt_path=last")  # an interrupted fit resumes where it stopped
+    fit_record = steps.run(folder, "fit", fit)
+    summary = _fit_summary(folder / "fit")
+    last = ["--ckpt_path", summary["last_checkpoint"]]
+    steps.run(folder, "validate", ["validate", *shared, *last, f"--trainer.default_root_dir={folder / 'val'}"])
+    steps.run(folder, "test", ["test", *shared, *last, f"--trainer.default_root_dir={folder / 'test'}"])
+    compute = summary["compute"]
+    per_update = compute["token_forwards"] / max(compute["updates"], 1)
+    update_seconds = sum(compute["expert_mean_update_seconds"])
+    points = [(0, _scores(_latest(folder / "init", "val_scores.json"))["loss"]), *_curve(folder / "fit")]
+    curve = [{"step": s, "token_forwards": int(s * per_update), "device_seconds": s * update_seconds, "val_loss": v}
+             for s, v in points]
+    return SideResult(label=side.label, lr=side.lr, experts=compute["experts"], parameters=summary["parameters"],
+                      updates=compute["updates"], token_forwards=compute["token_forwards"],
+                      aggregate_device_seconds=compute["aggregate_device_hours"] * 3600,
+                      fit_wall_seconds=fit_record["seconds"], val=_scores(_latest(folder / "val", "val_scores.json")),
+                      test=_scores(_latest(folder / "test", "test_scores.json")), curve=curve, run_dir=str(folder))
+
+
+def _interval(scores: dict) -> str:
+    low, high = scores["bootstrap_95"]
+    return f"{scores['loss']:.4f} [{low:.4f}, {high:.4f}]"
+
+
+def table(results: dict[str, SideResult]) -> str:
+    """The side-by-side table (markdown), losses in nats/byte with 95% document-bootstrap intervals."""
+    cells = {
+        "parameters": lambda r: f"{r.parameters:,} ({r.experts} × {r.parameters // r.experts:,})",
+        "learning rate (Table 6 selection)": lambda r: f"{r.lr:g}",
+        "updates": lambda r: f"{r.updates:,}",
+        "token-forwards": lambda r: f"{r.token_forwards:,}",
+        "update time, U·Σₑ t̄ₑ (s)": lambda r: f"{r.aggregate_device_seconds:.0f}",
+        "fit wall time (s)": lambda r: f"{r.fit_wall_seconds:.0f}",
+        "ensemble-validation loss [95%]": lambda r: _interval(r.val),
+        "test loss [95%]": lambda r: _interval(r.test),
+    }
+    rows = [("", *[r.label for r in results.values()]),
+            *[(name, *[cell(r) for r in results.values()]) for name, cell in cells.items()]]
+    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    lines.insert(1, "|" + "---|" * len(rows[0]))
+    return "\n".join(lines)
+
+
+def draw(results: dict[str, SideResult], path: Path) -> Path:
+    """Both loss curves against updates, token-forwards and update time; saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes_of = {"updates": ("step", 1, "updates"),
+               "token-forwards": ("token_forwards", 1e6, "token-forwards (millions)"),
+               "update time": ("device_seconds", 60, "update time U·Σₑ t̄ₑ (minutes)")}
+    figure, axes = plt.subplots(1, len(axes_of), figsize=(13, 3.8), sharey=True)
+    for result in results.values():
+        losses = [p["val_loss"] for p in result.curve]
+        for axis, (key, scale, _) in zip(axes, axes_of.values()):
+            axis.plot([p[key] / scale for p in result.curve], losses, marker="o", ms=3, label=result.label)
+    for axis, (_, _, label) in zip(axes, axes_of.values()):
+        axis.set_xlabel(label)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    trained = [p["val_loss"] for r in results.values() for p in r.curve[1:]]
+    if trained:  # the untrained start (about ln 256) would flatten the rest: it stays above the frame
+        axes[0].set_ylim(min(trained) - 0.05, max(trained) + 0.05)
+    axes[0].set_ylabel("ensemble-validation loss (nats/byte)")
+    start = " and ".join(f"{r.curve[0]['val_loss']:.2f}" for r in results.values())
+    figure.suptitle(f"Monolithic SPSA vs SOMA on the demo corpus, both from random weights (loss {start} at update 0)")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    write_atomic(buffer.getvalue(), path)
+    return path
+
+
+def _machine() -> dict:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cores": cores, "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _print_summary(report: dict, text: str, out: Path) -> None:
+    difference = report["difference_spsa_minus_soma"]
+    steps = 2 + 4 * len(report["table"])
+    print(f"\n{text}\n\nSPSA − SOMA: {difference['val']:+.4f} (ensemble validation), "
+          f"{difference['test']:+.4f} (test) nats/byte; losses with 95% document-bootstrap intervals.\n"
+          f"wall time {report['wall_seconds']:.0f} s ({report['reused_steps']} of {steps} steps reused from "
+          f"an earlier run), load average {report['machine_end']['load_average'][0]:.2f} at the end\n"
+          f"table: {out / 'main_job.json'}\nfigure: {out / 'main_job.png'}")
+
+
+def run(args: Namespace) -> dict:
+    """Prepare, shard, run both sides, then print and save the table and the figure."""
+    demo: DemoConfig = args.demo
+    sides = {side.name: side for side in (demo.spsa, demo.soma)}
+    threads = thread_count(demo.threads)
+    out = Path(demo.output_dir)
+    machine = _machine()
+    print(f"main job: {' vs '.join(s.label for s in sides.values())}; outputs in {out}/\n"
+          f"threads: {threads} intra-op thread(s) per child process (OMP_NUM_THREADS={threads}; change with "
+          f"--demo.threads or OMP_NUM_THREADS), {len(sides) if demo.parallel else 1} process(es) at a time on "
+          f"{machine['cores']} core(s), load average {machine['load_average'][0]:.2f}", flush=True)
+    started = time.monotonic()
+    with tqdm(total=2 + 4 * len(sides), desc="main job steps", unit="step", disable=not args.progress) as bar:
+        steps = Steps(threads, bar)
+        # Always asked (each is a quick no-op when its output is up to date), so the two fits never
+        # start on a missing dataset and race to build it.
+        steps.run(out, "prepare", ["prepare", *demo.prepare_args, "--progress=false"], reuse=False)
+        steps.run(out, "shard", ["shard", *demo.shard_args, "--progress=false"], reuse=False)
+        with ThreadPoolExecutor(len(sides) if demo.parallel else 1) as pool:
+            futures = {name: pool.submit(run_side, demo, side, steps) for name, side in sides.items()}
+            results = {name: future.result() for name, future in futures.items()}
+    report = {"table": {name: asdict(result) for name, result in results.items()},
+              "difference_spsa_minus_soma": {stage: getattr(results[demo.spsa.name], stage)["loss"]
+                                             - getattr(results[demo.soma.name], stage)["loss"]
+                                             for stage in ("val", "test")},
+              "selection": SELECTION, "threads": threads, "machine_start": machine, "machine_end": _machine(),
+              "wall_seconds": round(time.monotonic() - started, 1), "reused_steps": steps.reused,
+              "figure": str(out / "main_job.png")}
+    text = table(results)
+    draw(results, out / "main_job.png")
+    write_atomic((text + "\n").encode(), out / "main_job.md")
+    write_json_atomic(out / "main_job.json", report)
+    _print_summary(report, text, out)
+    return report

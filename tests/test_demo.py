@@ -1,0 +1,113 @@
+"""The main job (`python -m soma_pl.cli demo`) end to end at tiny settings: real prepare, shard, fits,
+validations and tests in child processes, then the table JSON and the figure."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from soma_pl.cli import main
+from soma_pl.demo import thread_count
+from tests.data.corpora import write_jsonl_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TINY_MODEL = ["--model.init_args.width=8", "--model.init_args.num_layers=1", "--model.init_args.embed_dim=8",
+              "--model.init_args.n_pert=2", "--model.init_args.micro_batch=2", "--model.init_args.train_context=16",
+              "--data.init_args.batch_size=2", "--data.init_args.eval_batch_size=4",
+              "--trainer.enable_model_summary=false"]
+
+
+def _demo_config(tmp_path: Path) -> Path:
+    corpus, data, experts = tmp_path / "corpus", tmp_path / "data", tmp_path / "experts"
+    write_jsonl_corpus(corpus, {"alpha": 30, "beta": 30}, min_words=150, max_words=500)
+    demo = {
+        "output_dir": str(tmp_path / "main_job"), "updates": 4, "val_every": 2,
+        "prepare_args": ["--dataset.corpus.kind=jsonl", f"--dataset.corpus.paths=[{corpus}]",
+                         f"--dataset.output_dir={data}", "--dataset.val_documents=2", "--dataset.val_windows=4",
+                         "--dataset.test_windows=4", "--dataset.shard_max_bytes=40000"],
+        "shard_args": [f"--shard.prepared={data}", "--shard.num_experts=2", f"--shard.output_dir={experts}",
+                       "--shard.val_fraction=0.05"],
+        "overrides": [f"--data.init_args.prepared={data}", "--data.init_args.recipe=null", *TINY_MODEL],
+        "spsa": {"overrides": ["--checkpoint.save_top_k=-1"]},  # keep update 2's checkpoint for the resume
+        "soma": {"overrides": [f"--data.init_args.experts_dir={experts}", "--data.init_args.expert_val_windows=4"]},
+    }
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump({"demo": demo}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One tiny main job: its config, output folder, report and what it printed."""
+    tmp_path = tmp_path_factory.mktemp("demo")
+    config = _demo_config(tmp_path)
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.chdir(ROOT)  # the sides' configs are repository paths
+        main(["demo", "--config", str(config), "--progress=false"])
+    out = tmp_path / "main_job"
+    return config, out, json.loads((out / "main_job.json").read_text()), printed.getvalue()
+
+
+def _rerun(config: Path, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)
+    main(["demo", "--config", str(config), "--progress=false"])
+
+
+def test_demo_writes_the_table_and_the_figure_and_reuses_finished_steps(demo_run, monkeypatch):
+    config, out, report, printed = demo_run
+    spsa, soma = report["table"]["spsa"], report["table"]["soma"]
+    assert (spsa["experts"], soma["experts"]) == (1, 2)
+    assert spsa["updates"] == soma["updates"] == 4
+    # 2 · n_pert · E · B · T token forwards per update
+    assert spsa["token_forwards"] == 4 * 2 * 2 * 1 * 2 * 16 and soma["token_forwards"] == 2 * spsa["token_forwards"]
+    for side in (spsa, soma):
+        assert side["lr"] == 0.025
+        for stage in ("val", "test"):
+            low, high = side[stage]["bootstrap_95"]
+            assert low <= side[stage]["loss"] <= high and 0 < side[stage]["loss"] < 6
+        assert [p["step"] for p in side["curve"]] == [0, 2, 4]
+        assert side["curve"][0]["token_forwards"] == 0 and side["curve"][-1]["token_forwards"] == side["token_forwards"]
+    assert report["difference_spsa_minus_soma"]["test"] == pytest.approx(spsa["test"]["loss"] - soma["test"]["loss"])
+    figure = Path(report["figure"]).read_bytes()
+    assert figure.startswith(PNG_SIGNATURE) and len(figure) > 10_000
+    assert "OMP_NUM_THREADS=1" in printed and f"figure: {out / 'main_job.png'}" in printed
+    assert "| test loss [95%] |" in printed
+
+    # A second run reuses every recorded step: no fit runs again, the numbers are the same.
+    fits = sorted(out.glob("*/run-*/fit/version_*"))
+    _rerun(config, monkeypatch)
+    assert sorted(out.glob("*/run-*/fit/version_*")) == fits
+    again = json.loads((out / "main_job.json").read_text())
+    assert again["table"] == report["table"] and again["reused_steps"] == 8
+
+
+@pytest.mark.slow
+def test_an_interrupted_fit_resumes_to_the_same_scores(demo_run, monkeypatch):
+    # A fit stopped after update 2 (its record not written, its last checkpoint the one of update 2)
+    # resumes from that checkpoint and reaches the uninterrupted run's weights and scores.
+    config, out, report, _ = demo_run
+    (record,) = out.glob("spsa/run-*/fit.json")
+    record.unlink()
+    checkpoints = record.parent / "checkpoints"
+    shutil.copyfile(checkpoints / "epoch=0-step=2.ckpt", checkpoints / "last.ckpt")
+    _rerun(config, monkeypatch)
+    assert "--ckpt_path=last" in json.loads(record.read_text())["args"]
+    assert len(list(record.parent.glob("fit/version_*"))) == 2
+    resumed = json.loads((out / "main_job.json").read_text())["table"]["spsa"]
+    assert resumed["updates"] == 4 and resumed["test"] == report["table"]["spsa"]["test"]
+
+
+def test_threads_default_to_one_unless_set(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert thread_count(None) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert thread_count(None) == 2
+    assert thread_count(3) == 3

@@ -1,0 +1,54 @@
+"""The README as a newcomer reads it: short, two commands that exist, links that resolve, and CI
+running its test command as written."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from soma_pl.cli import LIGHTNING_COMMANDS, TOOLS
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _two_commands() -> list[str]:
+    section = README.split("## Two commands", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return block.strip().splitlines()
+
+
+def test_readme_is_short_and_opens_with_what_the_project_is():
+    assert len(README.splitlines()) <= 150
+    intro = README.split("```", 1)[0]
+    assert "Scaling Zero-Order Pretraining through Model Sharding" in intro
+    assert "Chaubard" in intro and "Kochenderfer" in intro
+
+
+def test_the_two_commands_install_then_run_the_main_job_and_the_tests():
+    main_job, tests = _two_commands()
+    install, run = (part.strip() for part in main_job.split("&&"))
+    assert install.startswith("pip install ") and install.endswith(" -e .")
+    command = run.split()
+    assert command[:3] == ["python", "-m", "soma_pl.cli"]
+    assert command[3] in TOOLS or command[3] in LIGHTNING_COMMANDS
+    assert tests.startswith("pip install ") and tests.endswith("-e '.[dev]' && python -m pytest -q")
+
+
+def test_ci_runs_the_readme_test_command_and_then_the_slow_checks():
+    printed = subprocess.run([str(ROOT / ".ci" / "run"), "--print"], capture_output=True, text=True, check=True)
+    assert printed.stdout.splitlines() == [_two_commands()[1], "python -m pytest -q -m 'slow and not cuda'"]
+    assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()
+    tests = " ".join(README.split("## Tests", 1)[1].split())
+    assert "`python -m pytest -q -m 'slow and not cuda'`" in tests
+    assert "CI (`.ci/run`) runs the default command and then this one" in tests
+
+
+def test_links_and_the_figure_resolve():
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
+    assert "docs/figures/main_job.png" in targets
+    figure = ROOT / "docs" / "figures" / "main_job.png"
+    assert figure.read_bytes().startswith(b"\x89PNG") and figure.stat().st_size < 300_000
+    missing = [t for t in targets if not t.startswith("http") and not (ROOT / t).exists()]
+    assert missing == []
