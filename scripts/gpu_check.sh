@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One prepared GPU check (about 6 minutes on one GPU): the CUDA-marked tests, then the kernel,
-# zero-order and inference benchmarks on the device, JSON under $OUT (default results/gpu).
+# One prepared GPU check, sized to finish within 10 minutes on one GPU (not yet run on one): the
+# CUDA-marked tests, then the kernel, zero-order and inference benchmarks on the device, JSON under
+# $OUT (default results/gpu). The CPU dry run below takes about a minute.
 #
 #   bash scripts/gpu_check.sh             # on a machine with a CUDA GPU
 #   DEVICE=cpu QUICK=1 bash scripts/gpu_check.sh   # the same steps, tiny, on the CPU (a dry run)
@@ -36,7 +37,7 @@ if [ "${QUICK:-0}" = 1 ]; then
 else
   KERNELS=(--settings.threads null)
   ZO=(--widths '[32, 181]' --soma_experts 8)
-  INFERENCE=(--batch_sizes '[768, 768, 1024, 4096]' --settings.threads null)
+  INFERENCE=(--batch_sizes '[768, 768, 1024, 4096]' --settings.threads null --settings.repeats 3)
   TESTS=(tests)
 fi
 
