@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from jsonargparse import ArgumentParser, Namespace
+from tqdm import tqdm
 
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
@@ -191,8 +192,9 @@ def bench_memory(contexts: Sequence[int] = (256, 512, 1024, 2048),
     """
     if not contexts or min(contexts) < 1:
         raise ConfigError(f"contexts {list(contexts)} must be positive")
+    runs = [(method, context) for method in TrainingMethod for context in contexts]
     results = [in_fresh_process(measure_update, method, context, settings)
-               for method in TrainingMethod for context in contexts]
+               for method, context in tqdm(runs, desc="bench memory", unit="run")]
     curves = {}
     for method in TrainingMethod:
         rows = [record for record in results if record["method"] == method.value]

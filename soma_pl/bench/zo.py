@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from soma_pl.estimators.directions import DirectionKind, directions
 from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, eggroll_estimate
@@ -327,10 +328,15 @@ def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBe
     average before and after shows whether other jobs shared the CPU.
     """
     load_before = os.getloadavg()
-    results = [zo_record(width, settings) for width in widths]
+    records = [(f"zo d_t={width}", lambda width=width: zo_record(width, settings)) for width in widths]
     if soma_experts:
-        results.append(soma_record(soma_experts, soma_width, settings))
-    results.extend(eggroll_record(width, settings) for width in eggroll_widths)
+        records.append((f"soma N={soma_experts}", lambda: soma_record(soma_experts, soma_width, settings)))
+    records += [(f"eggroll d_t={width}", lambda width=width: eggroll_record(width, settings)) for width in eggroll_widths]
+    results = []
+    with tqdm(records, desc="bench zo", unit="record") as progress:
+        for name, record in progress:
+            progress.set_postfix_str(name)
+            results.append(record())
     return {
         "benchmark": "zo",
         "machine": {"processor": platform.processor() or platform.machine(), "torch": torch.__version__,
