@@ -112,8 +112,8 @@ def _lstm_chunk(
 class _Layers:
     """The LSTM layers of one forward pass, each run by the kernel chosen for it once per pass.
 
-    Per-pass weight preparation (PyTorch's gate order for ``library``, transposed contiguous
-    recurrent weights for ``native``) happens here, not once per time chunk.
+    Per-pass weight preparation (PyTorch's gate order for ``library``, contiguous transposed
+    weights for ``native`` and ``python``) happens here, not once per time chunk.
     """
 
     def __init__(self, kernel: Kernel, params: Mapping[str, Tensor]) -> None:
@@ -176,7 +176,8 @@ class StackedExperts(nn.Module):
             activation memory at ``G·b·time_chunk·4·d_t`` floats (one weight set without
             gradients: at least 4,096 window-steps per call, see :meth:`_Layers.span`).
         kernel: which LSTM implementation runs the layers (:mod:`soma_pl.models.recurrence`);
-            ``auto`` picks the fastest that applies to each call. All agree to float rounding.
+            ``auto`` picks by the call's number of weight sets, grad mode and device. All agree to
+            float rounding.
         device: where to allocate (``"meta"`` counts parameters without allocating).
         dtype: parameter dtype.
     """
