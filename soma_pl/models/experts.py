@@ -119,7 +119,7 @@ class _Layers:
     def __init__(self, kernel: Kernel, params: Mapping[str, Tensor]) -> None:
         w_ih, w_hh = params["w_ih"], params["w_hh"]
         self.kernel = recurrence.resolve_kernel(kernel, params)
-        self.grad = torch.is_grad_enabled() and any(param.requires_grad for param in params.values())
+        self.grad = recurrence.needs_grad(params)
         if self.kernel is Kernel.library:
             self.library = recurrence.library_weights(w_ih, w_hh)
         else:

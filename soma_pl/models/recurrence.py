@@ -61,6 +61,11 @@ class Kernel(str, Enum):
     python = "python"
 
 
+def needs_grad(params: Mapping[str, Tensor]) -> bool:
+    """Whether a forward pass under ``params`` records autograd history."""
+    return torch.is_grad_enabled() and any(param.requires_grad for param in params.values())
+
+
 def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor]) -> Kernel:
     """The kernel a forward pass under ``params`` (``[G, ...]`` each) runs: the override, else
     ``kernel`` made concrete for these weights and the current grad mode."""
@@ -71,8 +76,7 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor]) -> Kernel
     if chosen is Kernel.library and groups != 1:
         return Kernel.python
     if chosen is Kernel.native:
-        grad = torch.is_grad_enabled() and any(param.requires_grad for param in params.values())
-        if grad or weights.device.type != "cpu" or weights.dtype != torch.float32 or grouped_extension() is None:
+        if needs_grad(params) or weights.device.type != "cpu" or weights.dtype != torch.float32 or grouped_extension() is None:
             return Kernel.python
     return chosen
 
