@@ -30,10 +30,9 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from jsonargparse import ArgumentParser, Namespace
 from torch import Tensor
-from tqdm import tqdm
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
-from soma_pl.bench.memory import PeakMemory, in_fresh_process, machine
+from soma_pl.bench.memory import PeakMemory, machine, round_robin
 from soma_pl.errors import ConfigError
 from soma_pl.eval.ensemble import score_top_k
 from soma_pl.models.experts import HeadMode, StackedExperts
@@ -180,13 +179,8 @@ def bench_inference(models: Sequence[InferenceModel] = TABLE2_MODELS,
         raise ConfigError(f"top_k={settings.top_k}, repeats={settings.repeats} and rounds={settings.rounds} "
                           "must be >= 1, warmup >= 0")
     before = machine()
-    runs: list[list[dict]] = [[] for _ in models]
-    with tqdm(total=settings.rounds * len(models), desc="bench inference", unit="run") as progress:
-        for _ in range(settings.rounds):
-            for index, config in enumerate(models):
-                progress.set_postfix_str(config.name)
-                runs[index].append(in_fresh_process(measure_model, config, settings))
-                progress.update()
+    runs = round_robin(measure_model, [(config, settings) for config in models], settings.rounds, "bench inference",
+                       lambda config: config[0].name)
     results = [_combine(config, records) for config, records in zip(models, runs)]
     monolithic = next((record for record in results if record["experts"] == 1), None)
     ratios = {}

@@ -28,10 +28,9 @@ import torch
 import torch.nn.functional as F
 from jsonargparse import ArgumentParser, Namespace
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from soma_pl import VOCAB_SIZE
-from soma_pl.bench.memory import in_fresh_process, machine
+from soma_pl.bench.memory import machine, round_robin
 from soma_pl.bench.zo import median_seconds
 from soma_pl.errors import ConfigError
 from soma_pl.models import recurrence
@@ -236,13 +235,8 @@ def bench_kernels(shapes: Sequence[KernelShape] = DEFAULT_SHAPES, settings: Kern
     configs = [(kind, shape) for shape in shapes for kind in settings.kinds]
     recurrence.grouped_extension()  # build the native kernel once, before any child needs it
     before = machine()
-    runs: dict[int, list[dict]] = {index: [] for index in range(len(configs))}
-    with tqdm(total=settings.rounds * len(configs), desc="bench kernels", unit="run") as progress:
-        for _ in range(settings.rounds):
-            for index, (kind, shape) in enumerate(configs):
-                progress.set_postfix_str(f"d_t={shape.width} {kind}")
-                runs[index].append(in_fresh_process(measure_pair, kind, shape, settings))
-                progress.update()
+    runs = round_robin(measure_pair, [(kind, shape, settings) for kind, shape in configs], settings.rounds,
+                       "bench kernels", lambda config: f"d_t={config[1].width} {config[0]}")
     results = [_summary(kind, shape, settings, runs[index]) for index, (kind, shape) in enumerate(configs)]
     return {"benchmark": "kernels", "machine": before, "load_average_after": os.getloadavg(),
             "settings": asdict(settings), "shapes": [asdict(shape) for shape in shapes], "results": results,

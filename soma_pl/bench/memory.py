@@ -92,6 +92,21 @@ def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
         return pool.submit(function, *args).result()
 
 
+def round_robin(function: Callable[..., Any], configs: Sequence[tuple], rounds: int, desc: str,
+                label: Callable[[tuple], str] = str) -> list[list[Any]]:
+    """``function(*config)`` for every config, ``rounds`` times, each call in a fresh process, the
+    configs taken in turn every round so that load from other jobs lands on all of them alike.
+    Returns one list of ``rounds`` results per config, in config order."""
+    runs: list[list[Any]] = [[] for _ in configs]
+    with tqdm(total=rounds * len(configs), desc=desc, unit="run") as progress:
+        for _ in range(rounds):
+            for index, config in enumerate(configs):
+                progress.set_postfix_str(label(config))
+                runs[index].append(in_fresh_process(function, *config))
+                progress.update()
+    return runs
+
+
 def machine() -> dict:
     """What the measurement ran on; the load average shows whether other jobs shared the CPU."""
     return {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from soma_pl.bench import inference
+from soma_pl.bench import memory
 from soma_pl.bench.inference import InferenceModel, InferenceSettings, bench_inference
 from soma_pl.cli import main
 from soma_pl.models.experts import HeadMode, StackedExperts
@@ -45,7 +45,7 @@ def test_rounds_take_the_configurations_in_turn_and_record_the_load(monkeypatch)
         calls.append(config.name)
         return function(config, settings)
 
-    monkeypatch.setattr(inference, "in_fresh_process", in_process)
+    monkeypatch.setattr(memory, "in_fresh_process", in_process)
     report = bench_inference(MODELS, InferenceSettings(repeats=1, rounds=3, embed_dim=8, num_layers=1,
                                                        time_chunk=256, threads=None))
     assert calls == ["N=1", "N=6"] * 3
@@ -64,7 +64,7 @@ def test_top_k_is_capped_at_n_and_routing_load_adds_up(report):
 
 
 def test_cli_overrides_batch_sizes_and_rejects_a_wrong_count(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(inference, "in_fresh_process", lambda function, *args: function(*args))
+    monkeypatch.setattr(memory, "in_fresh_process", lambda function, *args: function(*args))
     out = tmp_path / "bench.json"
     models = "[{experts: 1, width: 8, batch_size: 5}]"
     common = ["--settings.repeats", "1", "--settings.num_layers", "1", "--settings.embed_dim", "8",

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from soma_pl.bench import kernels
+from soma_pl.bench import memory
 from soma_pl.bench.kernels import KernelSettings, KernelShape, ReferenceStack, bench_kernels
 from soma_pl.cli import main
 from soma_pl.models.experts import StackedExperts
@@ -36,7 +36,7 @@ def report(monkeypatch) -> tuple[dict, list]:
         calls.append((shape.width, kind))
         return function(kind, shape, settings)
 
-    monkeypatch.setattr(kernels, "in_fresh_process", in_process)
+    monkeypatch.setattr(memory, "in_fresh_process", in_process)
     return bench_kernels(SHAPES, SETTINGS), calls
 
 
@@ -58,7 +58,7 @@ def test_every_pair_is_checked_equal_and_rounds_interleave(report):
 
 
 def test_cli_writes_json_and_refuses_unknown_kinds(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(kernels, "in_fresh_process", lambda function, *args: function(*args))
+    monkeypatch.setattr(memory, "in_fresh_process", lambda function, *args: function(*args))
     out = tmp_path / "kernels.json"
     common = ["--shapes", "[{width: 8, batch: 1, groups: 2, group_batch: 1}]", "--settings.context", "9",
               "--settings.grouped_context", "5", "--settings.rounds", "1", "--settings.repeats", "1",

@@ -65,10 +65,10 @@ def _write_runs(results: Path) -> None:
 
 
 def _write_bench(results: Path, monkeypatch) -> None:
-    from soma_pl.bench import inference, memory
+    from soma_pl.bench import memory
 
-    for module in (inference, memory):  # in this process: tiny runs need no clean heap
-        monkeypatch.setattr(module, "in_fresh_process", lambda function, *args: function(*args))
+    # in this process: tiny runs need no clean heap (bench inference and memory both spawn through memory)
+    monkeypatch.setattr(memory, "in_fresh_process", lambda function, *args: function(*args))
     tiny = ["--settings.num_layers", "1", "--settings.embed_dim", "8", "--settings.threads", "null"]
     main(["bench", "inference", "--models", "[{experts: 1, width: 8, batch_size: 2}, "
           "{experts: 4, width: 4, batch_size: 2, shared_head: true}]", "--settings.repeats", "1", *tiny,
