@@ -14,7 +14,7 @@ The two sides run side by side, one intra-op thread each unless `--demo.threads`
 spin in OpenMP waits. A finished step is reused when the command runs again with the same settings
 (its record is `<step>.json`); an interrupted fit resumes from its last checkpoint. The command
 prints a side-by-side table and writes `main_job.json` (the same figures), `main_job.md` and
-`main_job.png` (ensemble-validation loss against token-forwards and against update time) into
+`main_job.png` (ensemble-validation loss against updates, multiply-adds and update time) into
 `--demo.output_dir`.
 """
 
@@ -151,8 +151,26 @@ class Steps:
         return result
 
 
-def _settings_key(args: list[str]) -> str:
-    return hashlib.sha256(json.dumps(args).encode()).hexdigest()[:8]
+def _settings_key(args: list[str], data: list[str]) -> str:
+    return hashlib.sha256(json.dumps([args, data]).encode()).hexdigest()[:8]
+
+
+def _data_fingerprints(demo: DemoConfig, side: DemoSide) -> list[str]:
+    """The fingerprints of the prepared dataset and expert shards the side's config reads: a run is
+    reused only on the data it was trained on."""
+    import yaml
+
+    data = (yaml.safe_load(Path(side.config).read_text()) or {}).get("data", {}).get("init_args", {})
+    for argument in [*demo.overrides, *side.overrides]:  # the last override of a folder wins
+        key, _, value = argument.partition("=")
+        if key in ("--data.init_args.prepared", "--data.init_args.experts_dir"):
+            data[key.rsplit(".", 1)[1]] = value
+    found = []
+    for folder, name in ((data.get("prepared"), "manifest.json"), (data.get("experts_dir"), "experts.json")):
+        path = Path(folder) / name if folder else None
+        if path is not None and path.is_file():
+            found.append(json.loads(path.read_text()).get("fingerprint", ""))
+    return found
 
 
 def _side_args(demo: DemoConfig, side: DemoSide) -> list[str]:
@@ -222,7 +240,8 @@ class SideResult:
     test: dict
     """Test loss of the final weights, as `val`."""
     curve: list[dict]
-    """Ensemble-validation loss against compute: `step`, `token_forwards`, `device_seconds`, `val_loss`."""
+    """Ensemble-validation loss against compute: `step`, `token_forwards`, `multiply_adds`
+    (token-forwards × parameters per expert), `device_seconds`, `val_loss`."""
     run_dir: str
 
 
@@ -235,7 +254,7 @@ def run_side(demo: DemoConfig, side: DemoSide, steps: Steps) -> SideResult:
     """Untrained validation, fit, then validation and test of the last checkpoint, as CLI commands."""
     shared = _side_args(demo, side)
     fit_args = [*shared, *_fit_length(demo)]
-    folder = Path(demo.output_dir) / side.name / f"run-{_settings_key(fit_args)}"
+    folder = Path(demo.output_dir) / side.name / f"run-{_settings_key(fit_args, _data_fingerprints(demo, side))}"
     steps.run(folder, "init_validate", ["validate", *shared, f"--trainer.default_root_dir={folder / 'init'}"])
     checkpoints = folder / "checkpoints"
     fit = ["fit", *fit_args, f"--trainer.default_root_dir={folder / 'fit'}", f"--checkpoint.dirpath={checkpoints}"]
@@ -250,8 +269,9 @@ def run_side(demo: DemoConfig, side: DemoSide, steps: Steps) -> SideResult:
     per_update = compute["token_forwards"] / max(compute["updates"], 1)
     update_seconds = sum(compute["expert_mean_update_seconds"])
     points = [(0, _scores(_latest(folder / "init", "val_scores.json"))["loss"]), *_curve(folder / "fit")]
-    curve = [{"step": s, "token_forwards": int(s * per_update), "device_seconds": s * update_seconds, "val_loss": v}
-             for s, v in points]
+    per_expert = summary["parameters"] // compute["experts"]
+    curve = [{"step": s, "token_forwards": int(s * per_update), "multiply_adds": int(s * per_update) * per_expert,
+              "device_seconds": s * update_seconds, "val_loss": v} for s, v in points]
     return SideResult(label=side.label, lr=side.lr, experts=compute["experts"], parameters=summary["parameters"],
                       updates=compute["updates"], token_forwards=compute["token_forwards"],
                       aggregate_device_seconds=compute["aggregate_device_hours"] * 3600,
@@ -271,6 +291,7 @@ def table(results: dict[str, SideResult]) -> str:
         "learning rate (Table 6 selection)": lambda r: f"{r.lr:g}",
         "updates": lambda r: f"{r.updates:,}",
         "token-forwards": lambda r: f"{r.token_forwards:,}",
+        "multiply-adds (token-forwards × parameters per expert)": lambda r: f"{r.token_forwards * r.parameters // r.experts:.3e}",
         "update time, U·Σₑ t̄ₑ (s)": lambda r: f"{r.aggregate_device_seconds:.0f}",
         "fit wall time (s)": lambda r: f"{r.fit_wall_seconds:.0f}",
         "ensemble-validation loss [95%]": lambda r: _interval(r.val),
@@ -284,14 +305,14 @@ def table(results: dict[str, SideResult]) -> str:
 
 
 def draw(results: dict[str, SideResult], path: Path) -> Path:
-    """Both loss curves against updates, token-forwards and update time; saved as PNG."""
+    """Both loss curves against updates, forward multiply-adds and update time; saved as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     axes_of = {"updates": ("step", 1, "updates"),
-               "token-forwards": ("token_forwards", 1e6, "token-forwards (millions)"),
+               "multiply-adds": ("multiply_adds", 1e12, "multiply-adds ≈ token-forwards × parameters per expert (10¹²)"),
                "update time": ("device_seconds", 60, "update time U·Σₑ t̄ₑ (minutes)")}
     figure, axes = plt.subplots(1, len(axes_of), figsize=(13, 3.8), sharey=True)
     for result in results.values():

@@ -105,6 +105,33 @@ def test_an_interrupted_fit_resumes_to_the_same_scores(demo_run, monkeypatch):
     assert resumed["updates"] == 4 and resumed["test"] == report["table"]["spsa"]["test"]
 
 
+def test_equal_token_forwards_gives_soma_half_the_updates(demo_run, monkeypatch):
+    """`--demo.token_forwards` stops both sides at the same token forwards (a budget, not a step
+    count): SOMA N = 2 forwards twice the tokens per update, so it makes half the updates."""
+    config, out, report, _ = demo_run
+    budget = report["table"]["spsa"]["token_forwards"]  # SPSA's 4 updates
+    monkeypatch.chdir(ROOT)
+    main(["demo", "--config", str(config), "--progress=false", f"--demo.token_forwards={budget}"])
+    equal = json.loads((out / "main_job.json").read_text())["table"]
+    assert equal["spsa"]["token_forwards"] == equal["soma"]["token_forwards"] == budget
+    assert (equal["spsa"]["updates"], equal["soma"]["updates"]) == (4, 2)
+    assert equal["soma"]["curve"][-1]["multiply_adds"] == budget * (equal["soma"]["parameters"] // 2)
+
+
+def test_a_finished_run_is_reused_only_on_the_data_it_was_trained_on(tmp_path):
+    from soma_pl.demo import DemoConfig, DemoSide, _data_fingerprints
+
+    for folder, name, value in (("data", "manifest.json", "a" * 64), ("experts", "experts.json", "b" * 64)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text(json.dumps({"fingerprint": value}))
+    side = DemoSide(config=str(ROOT / "configs" / "demo" / "soma_n2.yaml"),
+                    overrides=[f"--data.init_args.experts_dir={tmp_path / 'experts'}"])
+    demo = DemoConfig(overrides=[f"--data.init_args.prepared={tmp_path / 'data'}"])
+    assert _data_fingerprints(demo, side) == ["a" * 64, "b" * 64]
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps({"fingerprint": "c" * 64}))
+    assert _data_fingerprints(demo, side) == ["c" * 64, "b" * 64]
+
+
 def test_threads_default_to_one_unless_set(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert thread_count(None) == 1

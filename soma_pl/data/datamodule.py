@@ -90,6 +90,9 @@ class ByteDataModule(L.LightningDataModule):
         self.shard_sets: list[list[Path]] = []
         self.val_set: EvalSet | None = None
         self.test_set: EvalSet | None = None
+        self.fingerprints: dict[str, str | None] = {}
+        """What `setup` read: `dataset` (the prepared folder's fingerprint) and `experts` (the
+        sharding's); saved in checkpoints and checked when one is restored."""
 
     @property
     def root(self) -> Path:
@@ -118,6 +121,7 @@ class ByteDataModule(L.LightningDataModule):
         else:
             origin = Path(self.experts_dir).expanduser()
             sharded = read_experts_manifest(origin)
+            self.fingerprints["experts"] = sharded.get("fingerprint")
             # Shards cut from another preparation of the corpus may hold this one's held-out documents.
             check_sharded_from(origin, sharded, self.root, manifest.get("fingerprint"))
             experts = expert_shards(origin, sharded)
@@ -127,8 +131,29 @@ class ByteDataModule(L.LightningDataModule):
             self.expert_val = [fixed_windows(paths, self.expert_val_windows) for paths in val_sets]
         else:
             warnings.warn(f"{origin}: some experts have no validation shards: no learning-rate decay", stacklevel=2)
+        self.fingerprints["dataset"] = manifest.get("fingerprint")
         self.val_set = EvalSet.load(self.root / manifest["ensemble_val"]["file"])
         self.test_set = EvalSet.load(self.root / manifest["test"]["file"])
+
+    def state_dict(self) -> dict:
+        """Saved in every checkpoint: the fingerprints of the data it was trained on."""
+        return {"fingerprints": dict(self.fingerprints)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Refuse a checkpoint trained on another prepared dataset or sharding (Lightning calls this
+        after `setup` on `fit`, `validate`, `test` and `predict` with a checkpoint): its test windows
+        were screened against other training documents, and a resumed run would read other data.
+
+        Raises:
+            DataError: a fingerprint recorded in the checkpoint differs from the data in use.
+        """
+        for key, recorded in state.get("fingerprints", {}).items():
+            current = self.fingerprints.get(key)
+            if recorded and current and recorded != current:
+                kind, folder = ("prepared dataset", self.root) if key == "dataset" else ("sharding", self.experts_dir)
+                raise DataError(f"the checkpoint was trained on another {kind} (fingerprint {recorded[:12]}) than "
+                                f"{folder} (fingerprint {current[:12]}): another corpus or preparation; point the "
+                                "command at the data it was trained on")
 
     @property
     def num_experts(self) -> int:

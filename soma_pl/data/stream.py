@@ -71,21 +71,41 @@ def document_windows(text: bytes, rng: np.random.Generator, window: int = WINDOW
 
 def fixed_windows(shards: Sequence[Path], count: int | None = None) -> torch.Tensor:
     """The windows of the shards' documents, each document cut from its start into consecutive
-    1,025-byte windows: `[n, 1025]`, all of them, or the first `count`. The same on every call.
+    1,025-byte windows: `[n, 1025]`, all of them, or `count` spread over the documents.
+
+    With `count`, every document gives its first windows in turn, as evenly as their lengths allow
+    (k each from the documents that have k, one more from the first ones until `count`), so a
+    capped split measures all its documents rather than the first one or two. The same on every call;
+    memory is O(count) windows.
 
     Raises:
         DataError: the shards hold no document long enough for a window.
     """
-    rows: list[np.ndarray] = []
-    for shard in shards:
-        for document in iter_shard_documents(shard):
-            data = np.frombuffer(document.text, dtype=np.uint8)
-            rows.extend(data[o : o + WINDOW_BYTES] for o in range(0, len(data) - WINDOW_BYTES + 1, WINDOW_BYTES))
-            if count is not None and len(rows) >= count:
-                return torch.from_numpy(np.stack(rows[:count]))
-    if not rows:
+    lengths = [len(d.text) // WINDOW_BYTES for shard in shards for d in iter_shard_documents(shard)]
+    if not any(lengths):
         raise DataError(f"no {WINDOW_BYTES}-byte window in validation shards {[str(s) for s in shards]}")
+    take = lengths if count is None else _spread(lengths, count)
+    rows: list[np.ndarray] = []
+    documents = (d for shard in shards for d in iter_shard_documents(shard))
+    for document, k in zip(documents, take):
+        data = np.frombuffer(document.text, dtype=np.uint8)
+        rows.extend(data[i * WINDOW_BYTES : (i + 1) * WINDOW_BYTES] for i in range(k))
     return torch.from_numpy(np.stack(rows))
+
+
+def _spread(lengths: list[int], count: int) -> list[int]:
+    """Windows to take from each document: the largest level k with Σ min(n, k) ≤ count, then one
+    more from the first documents that have more, until `count` (or every window) is taken."""
+    level = 0
+    while level < max(lengths) and sum(min(n, level + 1) for n in lengths) <= count:
+        level += 1
+    take = [min(n, level) for n in lengths]
+    left = count - sum(take)
+    for i, n in enumerate(lengths):
+        if left > 0 and n > take[i]:
+            take[i] += 1
+            left -= 1
+    return take
 
 
 class ExpertWindows:

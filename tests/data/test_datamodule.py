@@ -88,6 +88,30 @@ def test_a_cap_keeps_the_first_windows_of_each_expert(small_config):
         ByteDataModule(small_config, expert_val_windows=0)
 
 
+@pytest.mark.parametrize("count", [1, 4, 7, 10, 100])
+def test_a_capped_split_spreads_its_windows_over_every_document(tmp_path, count):
+    """A cap takes windows from every document in turn (documents of 1, 5, 2 and 3 windows), not the
+    first document's: checked against a round-robin over the documents' consecutive windows."""
+    from soma_pl.data.documents import Document
+    from soma_pl.data.shards import ShardWriter
+    from soma_pl.data.stream import fixed_windows
+
+    rng = np.random.default_rng(0)
+    sizes = [1, 5, 2, 3]
+    texts = [rng.integers(0, 256, n * WINDOW_BYTES + 17, dtype=np.uint8).tobytes() for n in sizes]
+    writer = ShardWriter(tmp_path, "val", max_bytes=3 * WINDOW_BYTES)
+    for i, text in enumerate(texts):
+        writer.write(Document(text, "test", f"doc-{i}"))
+    shards = [tmp_path / r.path.split("/")[-1] for r in writer.close()]
+    assert len(shards) > 1
+    windows = {(d, k): texts[d][k * WINDOW_BYTES : (k + 1) * WINDOW_BYTES] for d, n in enumerate(sizes) for k in range(n)}
+    turns = [(d, k) for k in range(max(sizes)) for d, n in enumerate(sizes) if k < n]  # round-robin
+    expected = sorted(turns[:count])  # document order, then window order
+    got = [bytes(row.numpy()) for row in fixed_windows(shards, count)]
+    assert got == [windows[key] for key in expected]
+    assert len({d for d, _ in expected}) == min(count, len(sizes))
+
+
 def test_stream_is_deterministic_and_skips_exactly(module):
     stream = module.train_stream()
     reference = batches(stream, 7)

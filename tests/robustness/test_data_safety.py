@@ -184,6 +184,27 @@ def test_experts_of_another_preparation_are_refused(capsys, sharded, tmp_path):
                   f"experts_dir={experts} was sharded from another prepared dataset than {copy}")
 
 
+def test_a_checkpoint_is_refused_on_another_prepared_dataset(capsys, tmp_path):
+    """The datamodule records the prepared dataset's fingerprint in each checkpoint; validate, test
+    and a resumed fit on a dataset prepared otherwise (another seed: other held-out documents) stop."""
+    from tests.lit.conftest import fit_args
+
+    corpus = tmp_path / "corpus"
+    write_jsonl_corpus(corpus, {"alpha": 30, "beta": 30}, min_words=150, max_words=600)
+    run, data = tmp_path / "run", tmp_path / "data"
+    assert cli(capsys, *fit_args(corpus, data, run, "--trainer.max_steps=2"))[0] == 0
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    recorded = checkpoint["ByteDataModule"]["fingerprints"]["dataset"]
+    assert recorded == json.loads((data / "manifest.json").read_text())["fingerprint"]
+    same = fit_args(corpus, data, run)[1:]  # the same data: accepted
+    assert cli(capsys, "validate", *same, f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}")[0] == 0
+    other = fit_args(corpus, tmp_path / "other", run, "--data.init_args.dataset.seed=1")[1:]
+    for command in ("validate", "test", "fit"):
+        one_error(cli(capsys, command, *other, f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}"),
+                  f"the checkpoint was trained on another prepared dataset (fingerprint {recorded[:12]})",
+                  f"than {tmp_path / 'other'} (fingerprint")
+
+
 def test_a_router_of_another_sharding_is_refused(capsys, sharded, tmp_path):
     corpus, data, experts, experts7 = sharded
     one_error(cli(capsys, "fit", *soma_args(corpus, data, experts, tmp_path / "run",
