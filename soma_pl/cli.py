@@ -87,8 +87,8 @@ def _run_shard(args: Namespace) -> None:
 
     output = shard(args.shard, progress=args.progress)
     manifest = read_shard_manifest(output)
-    keys = ("num_experts", "documents", "shard_sizes", "rebalanced_documents", "contingency", "purity",
-            "router_agreement", "shard_seconds")
+    keys = ("num_experts", "documents", "kmeans_sample", "shard_sizes", "rebalanced_documents", "contingency",
+            "purity", "router_agreement", "tasks", "shard_seconds")
     summary = {"output_dir": str(output), "router": str(output / manifest["router"]),
                "embedder": manifest["config"]["embedder"], "sharding": manifest["config"]["sharding"],
                **{key: manifest[key] for key in keys},

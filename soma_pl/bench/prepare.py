@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 from jsonargparse import ArgumentParser, Namespace
+from tqdm import tqdm
 
 from soma_pl.io import write_json_atomic
 
@@ -65,12 +67,13 @@ def write_fineweb_corpus(folder: Path, total_bytes: int, files: int, seed: int =
             "parquet_bytes": sum(f.stat().st_size for f in folder.glob("*.parquet"))}
 
 
-def run_prepare(corpus: Path, output: Path, tasks: int) -> dict:
-    """One whole `prepare` command at `tasks` tasks: wall seconds and the manifest's figures."""
+def run_prepare(corpus: Path, output: Path, tasks: int, extra: tuple[str, ...] = ()) -> dict:
+    """One whole `prepare` command at `tasks` tasks (`extra`: further arguments): wall seconds and
+    the manifest's figures."""
     command = [sys.executable, "-m", "soma_pl.cli", "prepare", "--progress", "false",
                "--config", str(Path(__file__).resolve().parents[2] / "configs" / "data" / "fineweb_edu.yaml"),
                f"--dataset.corpus.paths=[{corpus}]", f"--dataset.output_dir={output}",
-               f"--dataset.executor.tasks={tasks}"]
+               f"--dataset.executor.tasks={tasks}", *extra]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - started
@@ -79,29 +82,54 @@ def run_prepare(corpus: Path, output: Path, tasks: int) -> dict:
         raise SystemExit(f"bench prepare: prepare failed at {tasks} tasks: {lines[-1]}")
     manifest = json.loads((output / "manifest.json").read_text())
     return {"tasks": tasks, "seconds": round(seconds, 3), "in_process_seconds": manifest["prepare_seconds"],
-            "peak_rss_mib_per_task": manifest["peak_rss_mib"], "train_documents": manifest["train"]["documents"],
+            "peak_rss_mib_per_task": manifest["peak_rss_mib"], "task_seconds": manifest["task_seconds"],
+            "parallel_stage_seconds": round(max(manifest["task_seconds"]["select"])
+                                            + max(manifest["task_seconds"]["write"]), 3),
+            "train_documents": manifest["train"]["documents"],
             "test_excluded": manifest["test"]["excluded"], "shards": len(manifest["train"]["shards"])}
 
 
 def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 2),
-                  workdir: str | None = None) -> dict:
-    """Generate the corpus, then time `prepare` at each task count (a fresh output each time).
+                  workdir: str | None = None, extra: tuple[str, ...] = (), rounds: int = 3,
+                  progress: bool = True) -> dict:
+    """Generate the corpus, then time `prepare` at each task count, `rounds` times, the task counts
+    taking turns (1, 2, 1, 2, ...) so that a change of load on the machine touches both; a fresh
+    output folder each time.
 
     Returns:
-        `corpus` (files, documents, text and parquet bytes), `runs` (per task count: seconds,
-        MB/s of text, peak RSS per task in MiB, ...), `speedup` of the largest task count over 1.
+        `corpus` (files, documents, text and parquet bytes), `runs` (per task count, the round of
+        median time: seconds, MB/s of text, peak RSS per task in MiB, each task's own seconds per
+        stage, ...; `seconds_per_round` all of them), the whole command's speedup over 1 task, and
+        that of its parallel stages alone (the slowest select task plus the slowest write task;
+        start-up, the planning task and the merge run once whatever the task count), both from
+        medians, and the load average before and after.
     """
-    with tempfile.TemporaryDirectory(dir=workdir) as scratch:
+    load_before = os.getloadavg()
+    measured: dict[int, list[dict]] = {count: [] for count in tasks}
+    with tempfile.TemporaryDirectory(dir=workdir) as scratch, \
+            tqdm(total=rounds * len(tasks), desc="bench prepare", unit="run", disable=not progress) as bar:
         root = Path(scratch)
         corpus = write_fineweb_corpus(root / "corpus", int(megabytes * 1e6), files)
-        runs = []
-        for count in tasks:
-            run = run_prepare(root / "corpus", root / f"prepared-{count}", count)
-            run["mb_per_second"] = round(corpus["text_bytes"] / 1e6 / run["seconds"], 2)
-            runs.append(run)
+        for round_ in range(rounds):
+            for count in tasks:
+                output = root / f"prepared-{count}-{round_}"
+                run = run_prepare(root / "corpus", output, count, extra)
+                run["mb_per_second"] = round(corpus["text_bytes"] / 1e6 / run["seconds"], 2)
+                measured[count].append(run)
+                shutil.rmtree(output)
+                bar.update()
+    runs = []
+    for count, results in measured.items():
+        median = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]
+        runs.append({**median, "seconds_per_round": [r["seconds"] for r in results],
+                     "median_parallel_stage_seconds": float(np.median([r["parallel_stage_seconds"] for r in results]))})
     base = next((r for r in runs if r["tasks"] == 1), None)
     speedup = {str(r["tasks"]): round(base["seconds"] / r["seconds"], 2) for r in runs} if base else {}
-    return {"bench": "prepare", "corpus": corpus, "runs": runs, "speedup_over_1_task": speedup,
+    stages = ({str(r["tasks"]): round(base["median_parallel_stage_seconds"] / r["median_parallel_stage_seconds"], 2)
+               for r in runs} if base else {})
+    return {"bench": "prepare", "corpus": corpus, "rounds": rounds, "runs": runs, "speedup_over_1_task": speedup,
+            "parallel_stages_speedup_over_1_task": stages, "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
@@ -112,14 +140,19 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--files", type=int, default=8, help="parquet files (datatrove deals files to tasks)")
     parser.add_argument("--tasks", type=list[int], default=[1, 2], help="task counts to time")
     parser.add_argument("--workdir", type=str | None, default=None, help="where the scratch corpus goes")
+    parser.add_argument("--prepare_args", type=list[str], default=[],
+                        help="further `prepare` arguments, e.g. ['--dataset.test_windows=64'] for a small corpus")
+    parser.add_argument("--rounds", type=int, default=3, help="times each task count runs, taking turns")
+    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar")
     parser.add_argument("--out", type=str, default="bench_prepare.json")
     return parser
 
 
 def run(args: Namespace) -> None:
-    if args.megabytes <= 0 or args.files < 1 or not args.tasks or min(args.tasks) < 1:
-        raise SystemExit("bench prepare: --megabytes must be > 0, --files and every --tasks >= 1")
-    result = bench_prepare(args.megabytes, args.files, tuple(args.tasks), args.workdir)
+    if args.megabytes <= 0 or args.files < 1 or not args.tasks or min(args.tasks) < 1 or args.rounds < 1:
+        raise SystemExit("bench prepare: --megabytes must be > 0, --files, --rounds and every --tasks >= 1")
+    result = bench_prepare(args.megabytes, args.files, tuple(args.tasks), args.workdir, tuple(args.prepare_args),
+                           args.rounds, args.progress)
     path = write_json_atomic(Path(args.out), result)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}", file=sys.stderr)

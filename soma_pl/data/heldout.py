@@ -17,6 +17,7 @@ import numpy as np
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.documents import Document
+from soma_pl.errors import DataError
 
 def document_rank(seed: int, doc_id: str) -> int:
     """A seeded 64-bit hash of a document id: the held-out order."""
@@ -34,34 +35,53 @@ def seeded_hash(seed: int, salt: str, doc_id: str) -> int:
 class _Held:
     neg_rank: int
     document: Document = field(compare=False)
+    offset: int = field(default=0, compare=False)
 
 
 class HeldOutSelector:
     """Keep the `count` eligible documents of smallest rank seen in a stream (bounded memory).
 
     Only the first `keep_bytes` bytes of each held document are kept: evaluation needs no more.
+    With `test_window`, only its test window (`test_window_offset` of those bytes) is kept: what a
+    test candidate needs, 1,025 bytes however long the document.
     """
 
-    def __init__(self, seed: int, count: int, keep_bytes: int):
+    def __init__(self, seed: int, count: int, keep_bytes: int, test_window: bool = False):
         self.seed = seed
         self.count = count
         self.keep_bytes = keep_bytes
+        self.test_window = test_window
         self._heap: list[_Held] = []
 
-    def offer(self, document: Document) -> None:
+    def offer(self, document: Document, rank: int | None = None) -> None:
+        """Offer a document (`rank`: its `document_rank`, when already known)."""
         if self.count == 0:
             return
-        rank = document_rank(self.seed, document.doc_id)
+        rank = document_rank(self.seed, document.doc_id) if rank is None else rank
+        if len(self._heap) == self.count and -rank <= self._heap[0].neg_rank:
+            return
         trimmed = Document(document.text[: self.keep_bytes], document.source, document.doc_id, document.title)
-        item = _Held(-rank, trimmed)
+        offset = 0
+        if self.test_window:
+            offset = test_window_offset(self.seed, trimmed)
+            trimmed = Document(trimmed.text[offset : offset + WINDOW_BYTES], trimmed.source, trimmed.doc_id,
+                               trimmed.title)
+        item = _Held(-rank, trimmed, offset)
         if len(self._heap) < self.count:
             heapq.heappush(self._heap, item)
-        elif -rank > self._heap[0].neg_rank:
+        else:
             heapq.heapreplace(self._heap, item)
 
     def selected(self) -> list[Document]:
         """The held documents in rank order (smallest first)."""
-        return [held.document for held in sorted(self._heap, key=lambda h: -h.neg_rank)]
+        return [held.document for held in self._sorted()]
+
+    def offsets(self) -> list[int]:
+        """With `test_window`: each selected document's window offset, in `selected()` order."""
+        return [held.offset for held in self._sorted()]
+
+    def _sorted(self) -> list[_Held]:
+        return sorted(self._heap, key=lambda h: -h.neg_rank)
 
 
 def test_window_offset(seed: int, document: Document, window: int = WINDOW_BYTES) -> int:
@@ -97,6 +117,36 @@ def gram_hashes(grams: np.ndarray) -> np.ndarray:
     return hashes
 
 
+def hashes_at(data: np.ndarray, starts: np.ndarray | None, width: int, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """`gram_hashes` of the `width`-byte strings of `data` (uint8, 1-D) starting at `starts`,
+    without copying them out: each 8-byte lane is one unaligned little-endian load, the last one
+    masked to its bytes, which is what `gram_hashes` reads from a zero-padded row.
+
+    `rows=(n, length)` instead of `starts`: `data` is n rows of `length` bytes and every string of
+    every row is hashed (`[n * (length - width + 1)]`, row-major), through strided views.
+    """
+    padded = np.concatenate([data, np.zeros(8, dtype=np.uint8)])
+    words = np.ndarray((len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))  # a word at every byte
+    if rows is not None:
+        count, length = rows[0], rows[1]
+        shape, strides = (count, length - width + 1), (length, 1)
+        lane_words = [np.lib.stride_tricks.as_strided(words[8 * lane:], shape, strides) for lane in range(-(-width // 8))]
+    else:
+        lane_words = [words[starts + 8 * lane] for lane in range(-(-width // 8))]
+    hashes = _MIX[0]
+    with np.errstate(over="ignore"):
+        for lane, word in enumerate(lane_words):
+            left = width - 8 * lane
+            if left < 8:
+                word = word & np.uint64((1 << (8 * left)) - 1)
+            hashes = (hashes ^ word) * _MIX[1]
+        hashes = np.asarray(hashes, dtype=np.uint64).reshape(-1)
+        hashes ^= hashes >> np.uint64(31)
+        hashes *= _MIX[2]
+        hashes ^= hashes >> np.uint64(29)
+    return hashes
+
+
 class OverlapScreen:
     """Exact overlap screen: marks the test candidate windows that share any `shingle_bytes`-long
     substring with a screened (training) document.
@@ -111,26 +161,53 @@ class OverlapScreen:
         contaminated: `[n] bool`, per candidate window, set by `screen`.
     """
 
-    def __init__(self, windows: list[bytes], shingle_bytes: int):
+    def __init__(self, windows: list[bytes], shingle_bytes: int, index: np.ndarray | None = None,
+                 filter_bits: np.ndarray | None = None):
+        """`index`, `filter_bits`: `index_keys()` and `filter_bits()` of a screen built on the same
+        windows and `shingle_bytes` (built once, e.g. saved by a planning task and loaded by every
+        screening task)."""
         self.windows = [bytes(w) for w in windows]
         self.shingle_bytes = shingle_bytes
         self.gram = (shingle_bytes + 1) // 2
-        hashes, owners, offsets = [], [], []
-        for index, window in enumerate(self.windows):
-            count = len(window) - self.gram + 1
-            if len(window) < shingle_bytes or count <= 0:
-                continue
-            array = np.frombuffer(window, dtype=np.uint8)
-            grams = np.lib.stride_tricks.sliding_window_view(array, self.gram)
-            hashes.append(gram_hashes(grams))
-            owners.append(np.full(count, index, dtype=np.int32))
-            offsets.append(np.arange(count, dtype=np.int32))
-        hashes = np.concatenate(hashes) if hashes else np.empty(0, dtype=np.uint64)
-        order = np.argsort(hashes, kind="stable")
-        self._hashes = hashes[order]
-        self._owners = np.concatenate(owners)[order] if owners else np.empty(0, dtype=np.int32)
-        self._offsets = np.concatenate(offsets)[order] if offsets else np.empty(0, dtype=np.int32)
+        # Each indexed gram is one uint64 key: the top bits of its hash, then its window, then its
+        # offset in the window; sorting the keys sorts by hash (np.sort: no argsort and gathers).
+        self._offset_bits = max(1, int(max((len(w) for w in self.windows), default=1) - 1).bit_length())
+        self._low = self._offset_bits + max(1, (len(self.windows) - 1).bit_length())
+        if self._low > 32:
+            raise DataError(f"{len(self.windows)} screened windows of up to {max(map(len, self.windows))} bytes "
+                            "leave the overlap screen under 32 hash bits")
+        self._keys = self._build_index() if index is None else np.asarray(index, dtype=np.uint64)
+        self._filter = filter_bits
+        self._bits = int(min(27, max(10, np.ceil(np.log2(max(self._keys.size, 1))) + 4)))
         self.contaminated = np.zeros(len(self.windows), dtype=bool)
+
+    def filter_bits(self) -> np.ndarray:
+        """A filter in front of the sorted keys, as packed bits: bit i is set when some indexed gram's
+        hash has top bits i; about 16 slots per gram, so most of a document's grams are dismissed by
+        one lookup. Built on first use, or given (`filter_bits` of a screen of the same windows)."""
+        if self._filter is None:
+            table = np.zeros(1 << self._bits, dtype=bool)
+            table[self._keys >> np.uint64(64 - self._bits)] = True  # sorted keys: a sequential scatter
+            self._filter = np.packbits(table)
+        return self._filter
+
+    def _build_index(self) -> np.ndarray:
+        """Every g-gram of every window as a key, sorted (windows of one length at once)."""
+        keys = []
+        high = np.uint64(((1 << 64) - 1) ^ ((1 << self._low) - 1))
+        usable = [(i, w) for i, w in enumerate(self.windows) if len(w) >= self.shingle_bytes and len(w) >= self.gram]
+        for length in sorted({len(w) for _, w in usable}):
+            group = [(i, w) for i, w in usable if len(w) == length]
+            count = length - self.gram + 1
+            data = np.frombuffer(b"".join(w for _, w in group), dtype=np.uint8)
+            owners = np.array([i for i, _ in group], dtype=np.uint64) << np.uint64(self._offset_bits)
+            places = (owners[:, None] | np.arange(count, dtype=np.uint64)[None, :]).reshape(-1)  # window, offset
+            keys.append((hashes_at(data, None, self.gram, rows=(len(group), length)) & high) | places)
+        return np.sort(np.concatenate(keys)) if keys else np.empty(0, dtype=np.uint64)
+
+    def index_keys(self) -> np.ndarray:
+        """The sorted gram keys, to pass as `index` to a screen of the same windows elsewhere."""
+        return self._keys
 
     def screen(self, document: bytes) -> None:
         """Screen one document (see `screen_many`)."""
@@ -138,7 +215,7 @@ class OverlapScreen:
 
     def screen_many(self, documents: list[bytes]) -> None:
         """Mark every candidate window sharing `shingle_bytes` bytes with one of `documents`."""
-        if self._hashes.size == 0 or not documents:
+        if self._keys.size == 0 or not documents:
             return
         text = b"".join(documents)
         lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
@@ -149,21 +226,28 @@ class OverlapScreen:
             return
         first = np.repeat(np.cumsum(counts) - counts, counts)
         positions = np.repeat(starts, counts) + self.gram * (np.arange(counts.sum()) - first)
-        array = np.frombuffer(text, dtype=np.uint8)
-        queries = gram_hashes(array[positions[:, None] + np.arange(self.gram)])
-        left = np.searchsorted(self._hashes, queries, side="left")
-        found = left < self._hashes.size
-        found[found] = self._hashes[left[found]] == queries[found]
+        queries = hashes_at(np.frombuffer(text, dtype=np.uint8), positions, self.gram)
+        slot = queries >> np.uint64(64 - self._bits)
+        maybe = ((self.filter_bits()[slot >> np.uint64(3)] >> (7 - (slot & np.uint64(7))).astype(np.uint8)) & 1).astype(bool)
+        positions, queries = positions[maybe], queries[maybe]
+        source = np.repeat(np.arange(len(documents)), counts)[maybe]  # each query's document
+        # The keys of a hash lie in [its top bits, then zeros; its top bits, then ones].
+        low = np.uint64((1 << self._low) - 1)
+        queries &= ~low
+        left = np.searchsorted(self._keys, queries, side="left")
+        right = np.searchsorted(self._keys, queries | low, side="right")
+        found = right > left
         if not found.any():
             return
-        right = np.searchsorted(self._hashes, queries[found], side="right")
-        spans = right - left[found]
+        spans = right[found] - left[found]
         entries = np.repeat(left[found] - (np.cumsum(spans) - spans), spans) + np.arange(spans.sum())
         where = np.repeat(positions[found], spans)
-        document = np.repeat(np.repeat(np.arange(len(documents)), counts)[found], spans)
-        owners = self._owners[entries]
+        document = np.repeat(source[found], spans)
+        keys = self._keys[entries]
+        owners = (keys >> np.uint64(self._offset_bits)) & np.uint64((1 << (self._low - self._offset_bits)) - 1)
+        offsets = keys & np.uint64((1 << self._offset_bits) - 1)
         keep = ~self.contaminated[owners]
-        for owner, offset, position, doc in zip(owners[keep].tolist(), self._offsets[entries][keep].tolist(),
+        for owner, offset, position, doc in zip(owners[keep].tolist(), offsets[keep].tolist(),
                                                 where[keep].tolist(), document[keep].tolist()):
             if not self.contaminated[owner]:
                 self.contaminated[owner] = self._extends(text, int(starts[doc]), int(starts[doc] + lengths[doc]),

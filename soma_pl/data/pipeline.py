@@ -32,8 +32,8 @@ from datatrove.pipeline.readers.base import BaseDiskReader
 
 from soma_pl.data.documents import Document
 from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_changed, corpus_files, iter_file
-from soma_pl.errors import ConfigError, DataError
-from soma_pl.io import write_json_atomic
+from soma_pl.errors import ConfigError, DataError, SomaError
+from soma_pl.io import write_error, write_json_atomic
 
 STAGING_MARKER = ".soma_pl-staging.json"
 
@@ -103,6 +103,53 @@ def make_executor(config: ExecutorConfig, pipeline: list[PipelineStep], tasks: i
     from datatrove.executor import RayPipelineExecutor
 
     return RayPipelineExecutor(pipeline, **common)
+
+
+def chain(config: ExecutorConfig, pipelines: list[tuple[str, list[PipelineStep], int]], stage: Path,
+          purpose: str) -> list[tuple[str, object]]:
+    """One executor per `(name, steps, tasks)`, each depending on the one before: `(name, executor)`;
+    logs and completion markers under `stage/logs/<name>`."""
+    executors, previous = [], None
+    for name, pipeline, count in pipelines:
+        previous = make_executor(config, pipeline, count, stage / "logs" / name, f"{purpose}-{name}", previous)
+        executors.append((name, previous))
+    return executors
+
+
+def run_chain(stages: list[tuple[str, object]], config: ExecutorConfig, stage: Path, output: Path, purpose: str,
+              setting: str, finished) -> bool:
+    """Run a chain of stages; True when the output is finished here (a Slurm or Ray run may still
+    be going: False, run the command again once it is done).
+
+    Raises:
+        SomaError: one line when the disk refused a write (nothing is kept), or a task failed (its
+            finished siblings stay in the staging folder, so running the command again resumes).
+    """
+    try:
+        run_stages(stages[-1][1])
+    except (OSError, SomaError) as error:
+        refused = refused_write(error, [stage, output], f"{setting}={output}", setting)
+        if refused is None:
+            raise  # the finished tasks stay in the staging folder: running the command again resumes
+        remove_staging(output, purpose)  # the disk refused a write: keep nothing, as the line says
+        raise refused from error
+    if ExecutorKind(config.kind) is not ExecutorKind.local and not finished():
+        return False
+    for name, executor in stages:
+        check_stage(stage / "logs" / name, executor.world_size, f"{purpose} {name}")
+    return True
+
+
+def refused_write(error: BaseException, targets: list[Path], what: str, setting: str) -> SomaError | None:
+    """The one line for `error` when it is the disk refusing a write under `targets` (raised by a
+    stage as an OSError, or already translated by `atomic_folder`), else None."""
+    cause = error if isinstance(error, OSError) else error.__cause__
+    if not isinstance(cause, OSError):
+        return None
+    translated = write_error(cause, targets, what, f"choose another {setting}")
+    if translated is None or isinstance(error, OSError):
+        return translated
+    return error
 
 
 def run_stages(last) -> None:

@@ -38,11 +38,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.pipeline import (ExecutorConfig, ExecutorKind, check_stage, corpus_reader, make_executor,
-                                   remove_staging, run_stages, staging_folder, write_paths_file)
+from soma_pl.data.pipeline import (ExecutorConfig, chain, corpus_reader, remove_staging, run_chain, staging_folder,
+                                   write_paths_file)
 from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_fingerprint
-from soma_pl.errors import ConfigError, DataError, SomaError
-from soma_pl.io import check_output, write_error
+from soma_pl.errors import ConfigError, DataError
+from soma_pl.io import check_output
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 4
@@ -139,18 +139,9 @@ def prepare(config: PrepareConfig, progress: bool = True) -> Path:
     stage = staging_folder(output, "prepare", fingerprint)
     write_paths_file(config.corpus, stage / "files.txt")
     stages = _stages(config, stage, fingerprint, corpus, started, progress)
-    try:
-        run_stages(stages[-1][1])
-    except (OSError, SomaError) as error:
-        refused = _refused_write(error, [stage, output], f"dataset.output_dir={output}")
-        if refused is None:
-            raise  # the finished tasks stay in the staging folder: running the command again resumes
-        remove_staging(output, "prepare")  # the disk refused a write: keep nothing, as the line says
-        raise refused from error
-    if ExecutorKind(config.executor.kind) is not ExecutorKind.local and existing_fingerprint(output) != fingerprint:
+    if not run_chain(stages, config.executor, stage, output, "prepare", "dataset.output_dir",
+                     lambda: existing_fingerprint(output) == fingerprint):
         return output
-    for name, executor in stages:
-        check_stage(stage / "logs" / name, executor.world_size, f"prepare {name}")
     from soma_pl.data.prepare_steps import warn_about
 
     warn_about(read_manifest(output))
@@ -172,23 +163,7 @@ def _stages(config: PrepareConfig, stage: Path, fingerprint: str, corpus: dict, 
                  ("plan", [PlanHeldOut(config, stage, tasks)], 1),
                  ("write", [corpus_reader(config.corpus, paths, progress), WriteShards(config, stage)], tasks),
                  ("finish", [FinishPrepare(config, stage, tasks, fingerprint, corpus, started)], 1)]
-    executors, previous = [], None
-    for name, pipeline, count in pipelines:
-        previous = make_executor(config.executor, pipeline, count, stage / "logs" / name, f"prepare-{name}", previous)
-        executors.append((name, previous))
-    return executors
-
-
-def _refused_write(error: BaseException, targets: list[Path], what: str) -> SomaError | None:
-    """The one line for `error` when it is the disk refusing a write under `targets` (raised by a
-    stage as an OSError, or already translated by `atomic_folder`), else None."""
-    cause = error if isinstance(error, OSError) else error.__cause__
-    if not isinstance(cause, OSError):
-        return None
-    translated = write_error(cause, targets, what, "choose another dataset.output_dir")
-    if translated is None or isinstance(error, OSError):
-        return translated
-    return error
+    return chain(config.executor, pipelines, stage, "prepare")
 
 
 def existing_fingerprint(output: Path) -> str | None:

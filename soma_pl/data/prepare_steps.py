@@ -1,10 +1,13 @@
 """The four datatrove stages of `prepare` (see `soma_pl.data.prepare` for the folder they build).
 
 ```
-select  (N tasks)  each task: its documents' held-out candidates (smallest seeded id hashes),
-                   short-document counts, expert-validation candidates -> select/<rank>.json
+select  (N tasks)  each task: its documents' held-out candidates (smallest seeded id hashes: the
+                   few that may be validation documents with their text, the others with only
+                   their test window), short-document counts, expert-validation candidates
+                                                                              -> select/<rank>.json
 plan    (1 task)   the global held-out choice from the union of the tasks' candidates; the
-                   ensemble-validation windows; the test candidate windows     -> plan.json
+                   ensemble-validation windows; the test candidate windows and the overlap
+                   screen's gram index (built once)                           -> plan.json
 write   (N tasks)  each task: screens its training documents against the test candidates (exact,
                    any shared 50-byte substring) and writes them to its own WebDataset shards
                    (train/train-<rank>-NNNNNN.tar, expert_val/val-<rank>-NNNNNN.tar) -> write/<rank>.json
@@ -19,6 +22,7 @@ documents are grouped and ordered into tars) depend on the task count.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -27,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
@@ -34,12 +39,12 @@ from soma_pl import WINDOW_BYTES
 from soma_pl.data.documents import Document
 from soma_pl.data.evalsets import EvalSet
 from soma_pl.data.heldout import (ExpertValChoice, HeldOutSelector, OverlapScreen, document_rank,
-                                  test_window_offset, validation_windows)
+                                  validation_windows)
 from soma_pl.data.pipeline import read_documents
 from soma_pl.data.readers import corpus_change, corpus_changed, corpus_fingerprint
-from soma_pl.data.shards import ShardRecord, ShardWriter, iter_shard_documents
+from soma_pl.data.shards import ShardRecord, ShardWriter
 from soma_pl.errors import DataError
-from soma_pl.io import atomic_folder, close_quietly, write_json_atomic
+from soma_pl.io import atomic_folder, close_quietly, write_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from soma_pl.data.prepare import PrepareConfig
@@ -67,8 +72,12 @@ class SelectHeldOut(_Stage):
     name = "select held-out"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        config = self.config
-        selector = HeldOutSelector(config.seed, self.held_count(), max(config.val_windows, 1) * WINDOW_BYTES)
+        config, begun = self.config, time.perf_counter()
+        # Only a document among a task's `val_documents` smallest ranks can be an ensemble-validation
+        # document; the other held-out documents are test candidates and keep only their test window.
+        keep_bytes = max(config.val_windows, 1) * WINDOW_BYTES
+        validation = HeldOutSelector(config.seed, config.val_documents, keep_bytes)
+        candidates = HeldOutSelector(config.seed, self.held_count(), keep_bytes, test_window=True)
         expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, self.held_count() + 1)
         short, eligible = Counter(), 0
         for document in read_documents(data):
@@ -76,20 +85,18 @@ class SelectHeldOut(_Stage):
                 short[document.source] += 1
                 continue
             eligible += 1
-            selector.offer(document)
+            order = document_rank(config.seed, document.doc_id)
+            validation.offer(document, order)
+            candidates.offer(document, order)
             expert_val.offer(document.doc_id)
         folder = self.stage / "select"
-        writer = ShardWriter(folder, f"held-{rank:05d}", max_bytes=1 << 62, max_documents=1 << 62)
-        try:
-            for document in selector.selected():
-                writer.write(document)
-            records = writer.close()
-        except BaseException:
-            close_quietly([writer])
-            raise
         write_json_atomic(folder / f"{rank:05d}.json", {
-            "documents": eligible, "short": dict(short), "held": [r.to_json() for r in records],
+            "documents": eligible, "short": dict(short),
+            "validation": save_documents(validation.selected(), folder / f"validation-{rank:05d}"),
+            "candidates": save_documents(candidates.selected(), folder / f"candidates-{rank:05d}",
+                                         offsets=candidates.offsets()),
             "expert_val_smallest": expert_val.smallest(), "peak_rss_mib": peak_rss_mib(),
+            "seconds": round(time.perf_counter() - begun, 3),
         })
         return
         yield
@@ -105,13 +112,15 @@ class PlanHeldOut(_Stage):
         self.tasks = tasks
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        config = self.config
+        config, begun = self.config, time.perf_counter()
         parts = [json.loads((self.stage / "select" / f"{task:05d}.json").read_text()) for task in range(self.tasks)]
-        held: list[Document] = []
+        held: list[tuple[Document, int]] = []  # (test window, its offset) of each held document
+        full: dict[str, Document] = {}
         for part in parts:
-            for record in part["held"]:
-                held.extend(iter_shard_documents(self.stage / record["path"]))
-        held.sort(key=lambda d: (document_rank(config.seed, d.doc_id), d.doc_id))
+            windows = self.stage / "select" / part["candidates"]
+            held.extend(zip(load_documents(windows), json.loads(windows.with_suffix(".json").read_text())["offsets"]))
+            full.update((d.doc_id, d) for d in load_documents(self.stage / "select" / part["validation"]))
+        held.sort(key=lambda pair: (document_rank(config.seed, pair[0].doc_id), pair[0].doc_id))
         held = held[: self.held_count()]
         short = sum((Counter(p["short"]) for p in parts), Counter())
         if not held and not short:
@@ -119,8 +128,9 @@ class PlanHeldOut(_Stage):
         if len(held) < self.held_count():
             raise DataError(f"corpus too small: {len(held)} documents of >= {WINDOW_BYTES} bytes, "
                             f"{self.held_count()} needed for held-out sets")
-        val_docs, candidates = held[: config.val_documents], held[config.val_documents :]
-        held_ids = {d.doc_id for d in held}
+        val_docs = [full[d.doc_id] for d, _ in held[: config.val_documents]]
+        candidates = held[config.val_documents :]
+        held_ids = {d.doc_id for d, _ in held}
         expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, self.held_count() + 1)
         for part in parts:
             for doc_id in part["expert_val_smallest"]:
@@ -128,11 +138,17 @@ class PlanHeldOut(_Stage):
         expert_val.exclude(held_ids)
         EvalSet.from_picks(val_docs, validation_windows(val_docs, config.val_windows, WINDOW_BYTES)).save(
             self.stage / "ensemble_val.npz")
-        offsets = [test_window_offset(config.seed, d) for d in candidates]
-        EvalSet.from_picks(candidates, list(enumerate(offsets))).save(self.stage / "candidates.npz")
+        candidate_set = EvalSet.from_picks([d for d, _ in candidates], [(i, 0) for i in range(len(candidates))])
+        candidate_set.offsets = np.array([offset for _, offset in candidates], dtype=np.int64)
+        candidate_set.save(self.stage / "candidates.npz")
+        # The screen's gram index, built once here rather than by every screening task.
+        screen = OverlapScreen([w.tobytes() for w in candidate_set.windows], config.shingle_bytes)
+        save_array(self.stage / "screen_index.npy", screen.index_keys())
+        save_array(self.stage / "screen_filter.npy", screen.filter_bits())
         write_json_atomic(self.stage / "plan.json", {
             "held_ids": sorted(held_ids), "expert_val_fallback": expert_val.fallback,
             "short": dict(sorted(short.items())), "documents": sum(p["documents"] for p in parts),
+            "seconds": round(time.perf_counter() - begun, 3),
         })
         return
         yield
@@ -145,13 +161,15 @@ class WriteShards(_Stage):
     name = "screen and write shards"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        config = self.config
+        config, begun = self.config, time.perf_counter()
         plan = json.loads((self.stage / "plan.json").read_text())
         held_ids = set(plan["held_ids"])
         expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, 0)
         expert_val.fallback = plan["expert_val_fallback"]
         candidates = EvalSet.load(self.stage / "candidates.npz")
-        screen = OverlapScreen([w.tobytes() for w in candidates.windows], config.shingle_bytes)
+        screen = OverlapScreen([w.tobytes() for w in candidates.windows], config.shingle_bytes,
+                               index=np.load(self.stage / "screen_index.npy"),
+                               filter_bits=np.load(self.stage / "screen_filter.npy"))
         writers = {"train": ShardWriter(self.stage / "train", f"train-{rank:05d}", config.shard_max_bytes),
                    "expert_val": ShardWriter(self.stage / "expert_val", f"val-{rank:05d}", config.shard_max_bytes)}
         counts = {split: Counter() for split in ("documents", "bytes", "val_documents", "val_bytes")}
@@ -179,6 +197,7 @@ class WriteShards(_Stage):
             "records": {split: [r.to_json() for r in rs] for split, rs in records.items()},
             "counts": {key: dict(counter) for key, counter in counts.items()},
             "contaminated": screen.contaminated.nonzero()[0].tolist(), "peak_rss_mib": peak_rss_mib(),
+            "seconds": round(time.perf_counter() - begun, 3),
         })
         return
         yield
@@ -262,14 +281,16 @@ class FinishPrepare(_Stage):
                      "candidates": len(candidates), "excluded": len(contaminated),
                      "unused_clean_candidates": len(clean) - len(chosen)},
             "tasks": self.tasks,
-            "peak_rss_mib": {"select": [self._select_rss(task) for task in range(self.tasks)],
+            "peak_rss_mib": {"select": [self._select_part(task)["peak_rss_mib"] for task in range(self.tasks)],
                              "write": [p["peak_rss_mib"] for p in parts]},
+            "task_seconds": {"select": [self._select_part(task).get("seconds") for task in range(self.tasks)],
+                             "plan": plan.get("seconds"), "write": [p.get("seconds") for p in parts]},
             "prepare_seconds": round(time.time() - self.started, 3),
         }
 
 
-    def _select_rss(self, task: int) -> float:
-        return json.loads((self.stage / "select" / f"{task:05d}.json").read_text())["peak_rss_mib"]
+    def _select_part(self, task: int) -> dict:
+        return json.loads((self.stage / "select" / f"{task:05d}.json").read_text())
 
 
 def peak_rss_mib() -> float:
@@ -306,3 +327,33 @@ def warn_about(manifest: dict) -> None:
         entry = manifest[name]
         if entry["windows"] < entry.get("wanted", entry["windows"]):
             warnings.warn(label.format(entry["windows"], entry["wanted"]), stacklevel=3)
+
+
+def save_documents(documents: list[Document], path: Path, **extra: list) -> str:
+    """Write documents as `<path>.bin` (their texts, back to back) and `<path>.json` (lengths,
+    provenance and `extra` lists, written last); return the name to give `load_documents`. A stage's
+    private hand-off: no tar parsing for the held-out documents the planning task reads back."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(b"".join(d.text for d in documents), path.with_suffix(".bin"))
+    write_json_atomic(path.with_suffix(".json"), {
+        "lengths": [len(d.text) for d in documents], "ids": [d.doc_id for d in documents],
+        "sources": [d.source for d in documents], "titles": [d.title for d in documents], **extra})
+    return path.name
+
+
+def load_documents(path: Path) -> list[Document]:
+    meta = json.loads(path.with_suffix(".json").read_text())
+    text = path.with_suffix(".bin").read_bytes()
+    ends = np.cumsum(meta["lengths"]).tolist()
+    starts = [0, *ends[:-1]]
+    if (ends[-1] if ends else 0) != len(text):
+        raise DataError(f"{path.with_suffix('.bin')} does not hold the documents {path.with_suffix('.json')} lists")
+    return [Document(text[a:b], source, doc_id, title)
+            for a, b, source, doc_id, title in zip(starts, ends, meta["sources"], meta["ids"], meta["titles"])]
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    """`np.save` written atomically."""
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    write_atomic(buffer.getvalue(), path)

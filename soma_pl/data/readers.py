@@ -102,14 +102,17 @@ def iter_parquet(
             columns = [text_field] + ([id_field] if id_field else []) + (["int_score"] if use_score else [])
             row = 0
             for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
-                texts = batch.column(text_field).to_pylist()
+                column = batch.column(text_field)
+                if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+                    column = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+                texts = column.to_pylist()  # UTF-8 bytes as stored: no decode and re-encode
                 scores = batch.column("int_score").to_pylist() if use_score else None
                 ids = batch.column(id_field).to_pylist() if id_field else None
                 for i, text in enumerate(texts):
                     keep = text is not None and (scores is None or (scores[i] is not None and scores[i] >= min_int_score))
                     if keep:
                         doc_id = str(ids[i]) if ids is not None else f"{path.name}:{row + i}"
-                        yield Document(text.encode("utf-8"), str(path), doc_id)
+                        yield Document(text if isinstance(text, bytes) else str(text).encode("utf-8"), str(path), doc_id)
                 row += len(texts)
         except (pa.ArrowException, OSError) as error:
             raise DataError(f"corrupt parquet file {path}: {_first_line(error)}") from error

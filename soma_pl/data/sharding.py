@@ -2,21 +2,24 @@
 
 ```
 <output_dir>/
-  expert-000/train-000000.tar ... val-000000.tar   expert 0's documents (train / expert validation)
+  expert-000/train-<task>-000000.tar ... val-<task>-000000.tar   expert 0's documents (train / validation)
   ...
   router.pt                                        encoder of the first 256 bytes + N centroids
   experts.json                                     written last: shard records, sizes, contingency
 ```
 
 Semantic sharding (the paper's) embeds each training document's first 256 bytes (the routed prefix)
-and clusters the embeddings with mini-batch k-means; random sharding (the Fig. 9 ablation) deals the
-documents to experts in the order of a seeded hash. Held-out documents never reach a shard: only the
-prepared training shards are read. Two streaming passes (embed, then write); only the embeddings are
-held in memory. The folder is built under a temporary name and renamed into place with experts.json
-last; experts.json records a fingerprint, so an identical re-run is a no-op and a changed one rebuilds.
-experts.json also records the prepared dataset's fingerprint, and router.pt the sharding's, so
-training and evaluation can refuse shards or a router that belong to another dataset or sharding.
-Only a folder soma_pl wrote as a sharded dataset is replaced, never an input or a folder holding one.
+and clusters the embeddings with mini-batch k-means, fitted on a bounded sample of documents (all of
+them up to `kmeans_sample`); random sharding (the Fig. 9 ablation) deals the documents to experts
+in the order of a seeded hash. Held-out documents never reach a shard: only the prepared training
+shards are read. It runs as a datatrove pipeline (`soma_pl.data.shard_steps`: embed, fit, write,
+finish) on the executor of `shard.executor`, local with all cores by default; per-task memory is
+bounded whatever the corpus size, and any task count gives the same experts and splits. The
+finished folder is renamed into place with experts.json last; experts.json records a fingerprint,
+so an identical re-run is a no-op and a changed one rebuilds. experts.json also records the
+prepared dataset's fingerprint, and router.pt the sharding's, so training and evaluation can refuse
+shards or a router that belong to another dataset or sharding. Only a folder soma_pl wrote as a
+sharded dataset is replaced, never an input or a folder holding one.
 """
 
 from __future__ import annotations
@@ -25,23 +28,20 @@ import hashlib
 import json
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from soma_pl.data.documents import Document
-from soma_pl.data.experts import EXPERTS_MANIFEST, ExpertShardWriter, read_experts_manifest
-from soma_pl.data.heldout import seeded_hash
+from soma_pl.data.experts import EXPERTS_MANIFEST, read_experts_manifest
+from soma_pl.data.pipeline import ExecutorConfig, chain, remove_staging, run_chain, staging_folder
 from soma_pl.data.prepare import MANIFEST, open_prepared, prepare_recipe, read_manifest
-from soma_pl.data.shards import ShardRecord, Verify, iter_shard_documents, sha256_file, verify_shards
-from soma_pl.io import atomic_folder, check_output
+from soma_pl.data.shards import ShardRecord, Verify, sha256_file, verify_shards
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.models.router import EncoderKind, HashedNgramEncoder, Router, SeedEncoder, prefix_batch
+from soma_pl.io import check_output
+from soma_pl.models.router import EncoderKind, HashedNgramEncoder, SeedEncoder
 
 ROUTER_FILE = "router.pt"
 FORMAT_VERSION = 1
@@ -87,6 +87,10 @@ class ShardConfig:
         hashed_center: remove the corpus's mean hashed encoding before clustering (and routing).
         embed_batch_size: documents embedded at once.
         device: where the embedder runs (`cpu`, `cuda`, ...).
+        kmeans_sample: documents k-means is fitted on, the smallest seeded sample keys (bounded
+            memory whatever the corpus size); the others go to their nearest fitted centroid.
+        executor: how the datatrove pipeline runs (local tasks x workers, Slurm, Ray); it does not
+            change which document goes to which expert, so it is not part of the fingerprint.
     """
 
     prepared: str = "data/demo"
@@ -107,6 +111,8 @@ class ShardConfig:
     hashed_center: bool = True
     embed_batch_size: int = 64
     device: str = "cpu"
+    kmeans_sample: int = 1_000_000
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
 
     def validate(self) -> None:
         """Raises ConfigError naming the first setting that cannot work."""
@@ -116,6 +122,8 @@ class ShardConfig:
             (0 <= self.min_expert_fraction <= 1, f"shard.min_expert_fraction={self.min_expert_fraction} must be in [0, 1]"),
             (min(self.kmeans_batch_size, self.kmeans_n_init, self.embed_batch_size) >= 1,
              "shard.kmeans_batch_size, kmeans_n_init and embed_batch_size must be >= 1"),
+            (self.kmeans_sample >= 2 * self.num_experts,
+             f"shard.kmeans_sample={self.kmeans_sample} must be >= 2 x num_experts"),
             (EncoderKind(self.embedder) is not EncoderKind.seed or bool(self.seed_checkpoint),
              "shard.embedder=seed needs shard.seed_checkpoint (the seed model's Lightning checkpoint)"),
             (Path(self.output_dir).expanduser().resolve() != Path(self.prepared).expanduser().resolve(),
@@ -124,6 +132,7 @@ class ShardConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self.executor.validate("shard")
 
     def inputs(self) -> list[str]:
         """What a sharding reads: the prepared dataset, its corpus, the seed checkpoint."""
@@ -136,7 +145,7 @@ class ShardConfig:
     def fingerprint(self, manifest: dict) -> str:
         """Hash of everything the output depends on: settings, the prepared shards, the seed model."""
         settings = asdict(self)
-        for key in ("output_dir", "prepared", "recipe"):
+        for key in ("output_dir", "prepared", "recipe", "executor"):
             settings.pop(key)
         checkpoint = None
         if EncoderKind(self.embedder) is EncoderKind.seed:
@@ -150,28 +159,16 @@ class ShardConfig:
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
-@dataclass
-class DocumentIndex:
-    """What the embedding pass keeps per training document (never the text).
-
-    Attributes:
-        embeddings: `[n, D]` float32 encodings of the first 256 bytes.
-        sources: `[n]` index into `source_names`.
-        source_names: the distinct `Document.source` values, in order of first appearance.
-        deal_keys: `[n]` uint64 seeded hashes of the ids (random sharding's order).
-        val_keys: `[n]` uint64 seeded hashes of the ids (expert-validation choice).
-    """
-
-    embeddings: np.ndarray
-    sources: np.ndarray
-    source_names: list[str]
-    deal_keys: np.ndarray
-    val_keys: np.ndarray
-
-
 def shard(config: ShardConfig, progress: bool = True) -> Path:
-    """Build `config.output_dir` unless an identical build is already there; return its path."""
+    """Build `config.output_dir` unless an identical build is already there; return its path.
+
+    The build is a datatrove pipeline (`soma_pl.data.shard_steps`) in a staging folder beside the
+    output, run by `config.executor`: a killed run started again skips its finished tasks. With a
+    Slurm or Ray executor the stages may still be running when this returns (the output then has
+    no experts.json yet): run it again once they are done.
+    """
     config.validate()
+    started = time.time()
     output = Path(config.output_dir).expanduser()
     check_output(output, KIND, "shard.output_dir", config.inputs(), EXPERTS_MANIFEST)  # before hours of work
     root = Path(config.prepared).expanduser()
@@ -181,11 +178,30 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     fingerprint = config.fingerprint(manifest)
     if (output / EXPERTS_MANIFEST).is_file():
         if _read_fingerprint(output) == fingerprint:
+            remove_staging(output, "shard")
             return output
         warnings.warn(f"{output}: sharded with another config or dataset; rebuilding", stacklevel=2)
-    with atomic_folder(output, KIND, "shard.output_dir", config.inputs(), EXPERTS_MANIFEST) as work:
-        _build(config, root, manifest, work, fingerprint, progress)
+    paths = verify_shards(root, [ShardRecord(**r) for r in manifest["train"]["shards"]], Verify.sha256)
+    stage = staging_folder(output, "shard", fingerprint)
+    stages = _stages(config, paths, stage, fingerprint, manifest, started)
+    if not run_chain(stages, config.executor, stage, output, "shard", "shard.output_dir",
+                     lambda: _read_fingerprint(output) == fingerprint):
+        return output
+    remove_staging(output, "shard")
     return output
+
+
+def _stages(config: ShardConfig, paths: list[Path], stage: Path, fingerprint: str, manifest: dict,
+            started: float) -> list[tuple[str, object]]:
+    """The four executors, each depending on the one before: `(name, executor)`."""
+    from soma_pl.data.shard_steps import EmbedDocuments, FinishShard, FitExperts, PreparedShardsReader, WriteExperts
+
+    tasks = max(1, min(config.executor.task_count(), len(paths)))  # whole shards are dealt out
+    pipelines = [("embed", [PreparedShardsReader(paths), EmbedDocuments(config, stage)], tasks),
+                 ("fit", [FitExperts(config, stage, tasks)], 1),
+                 ("write", [PreparedShardsReader(paths), WriteExperts(config, stage)], tasks),
+                 ("finish", [FinishShard(config, stage, tasks, fingerprint, manifest, started)], 1)]
+    return chain(config.executor, pipelines, stage, "shard")
 
 
 read_shard_manifest = read_experts_manifest  # the name cli.py and the notebooks use
@@ -198,86 +214,21 @@ def make_encoder(config: ShardConfig) -> torch.nn.Module:
     return HashedNgramEncoder(config.hashed_dim, tuple(config.hashed_orders), config.seed).to(config.device)
 
 
-def _build(config: ShardConfig, root: Path, manifest: dict, work: Path, fingerprint: str, progress: bool) -> None:
-    started = time.perf_counter()
-    paths = verify_shards(root, [ShardRecord(**r) for r in manifest["train"]["shards"]], Verify.sha256)
-    encoder = make_encoder(config)
-    index = _embed_documents(paths, encoder, config, progress)
-    if isinstance(encoder, HashedNgramEncoder) and config.hashed_center:
-        index.embeddings = encoder.fit_center(torch.from_numpy(index.embeddings)).numpy()
-    if len(index.sources) < 2 * config.num_experts:
-        raise DataError(f"{root}: {len(index.sources)} training documents cannot fill {config.num_experts} experts "
-                        "(each needs one training and one validation document)")
-    labels, moved = assign_experts(config, index)
-    centroids = expert_centroids(index.embeddings, labels, config.num_experts)
-    Router(encoder, torch.from_numpy(centroids), sharding=fingerprint).save(work / ROUTER_FILE)
-    validation = validation_mask(labels, index.val_keys, config.num_experts, config.val_fraction)
-    writer = ExpertShardWriter(work, config.num_experts, config.shard_max_bytes)
-    try:
-        sizes = _write_experts(paths, labels, validation, writer, config.num_experts, progress)
-        writer.close(extra={
-            "format": FORMAT_VERSION,
-            "fingerprint": fingerprint,
-            "dataset_fingerprint": manifest["fingerprint"],
-            "config": json.loads(json.dumps(asdict(config), default=str)),
-            "dataset_dir": str(root),
-            "router": ROUTER_FILE,
-            "documents": int(len(labels)),
-            "expert_sizes": sizes,
-            "shard_sizes": _min_max(sizes),
-            "rebalanced_documents": moved,
-            **_cluster_report(index, labels, centroids, config.num_experts),
-            "shard_seconds": round(time.perf_counter() - started, 3),
-        })
-    except BaseException:
-        writer.abandon()
-        raise
-
-
-def _iter_documents(paths: list[Path]) -> Iterator[Document]:
-    for path in paths:
-        yield from iter_shard_documents(path)
-
-
-def _embed_documents(paths: list[Path], encoder: torch.nn.Module, config: ShardConfig, progress: bool) -> DocumentIndex:
-    """Pass 1: embed each training document's first 256 bytes, in batches."""
-    embeddings, sources, deal, val = [], [], [], []
-    names: dict[str, int] = {}
-    batch: list[bytes] = []
-
-    def flush() -> None:
-        if batch:
-            embeddings.append(encoder.encode(prefix_batch(batch, config.device)).cpu().numpy())
-            batch.clear()
-
-    for document in tqdm(_iter_documents(paths), desc="shard: embed", unit="doc", disable=not progress):
-        batch.append(document.text)
-        sources.append(names.setdefault(document.source, len(names)))
-        deal.append(seeded_hash(config.seed, "deal", document.doc_id))
-        val.append(seeded_hash(config.seed, "val", document.doc_id))
-        if len(batch) == config.embed_batch_size:
-            flush()
-    flush()
-    if not sources:
-        raise DataError(f"no training documents in {paths[0].parent if paths else 'the prepared dataset'}")
-    return DocumentIndex(np.concatenate(embeddings).astype(np.float32), np.array(sources, dtype=np.int64),
-                         list(names), np.array(deal, dtype=np.uint64), np.array(val, dtype=np.uint64))
-
-
-def assign_experts(config: ShardConfig, index: DocumentIndex) -> tuple[np.ndarray, int]:
-    """Each document's expert `[n]` int64, and how many documents rebalancing moved."""
-    experts, count = config.num_experts, len(index.sources)
+def assign_labels(config: ShardConfig, embeddings: np.ndarray, deal_keys: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each document's expert `[n]` int64, and how many documents rebalancing moved: k-means on
+    the (centred) `embeddings`, or for random sharding a deal in the order of the `deal_keys`."""
+    experts, count = config.num_experts, len(embeddings)
     if Sharding(config.sharding) is Sharding.random:
         labels = np.empty(count, dtype=np.int64)
-        labels[np.argsort(index.deal_keys, kind="stable")] = np.arange(count) % experts
+        labels[np.argsort(deal_keys, kind="stable")] = np.arange(count) % experts
         return labels, 0
     from sklearn.cluster import MiniBatchKMeans
 
     kmeans = MiniBatchKMeans(n_clusters=experts, random_state=config.seed, n_init=config.kmeans_n_init,
                              batch_size=config.kmeans_batch_size)
-    labels = kmeans.fit_predict(index.embeddings).astype(np.int64)
+    labels = kmeans.fit_predict(embeddings).astype(np.int64)
     minimum = max(2, int(config.min_expert_fraction * count / experts))
-    return rebalance(labels, kmeans.transform(index.embeddings), minimum)
+    return rebalance(labels, kmeans.transform(embeddings), minimum)
 
 
 def rebalance(labels: np.ndarray, distances: np.ndarray, minimum: int) -> tuple[np.ndarray, int]:
@@ -326,46 +277,6 @@ def validation_mask(labels: np.ndarray, keys: np.ndarray, experts: int, fraction
         take = min(max(1, round(fraction * len(members))), len(members) - 1)
         mask[members[np.argsort(keys[members], kind="stable")[:take]]] = True
     return mask
-
-
-def _write_experts(paths: list[Path], labels: np.ndarray, validation: np.ndarray, writer: ExpertShardWriter,
-                   experts: int, progress: bool) -> list[dict]:
-    """Pass 2: write every document into its expert's train or val shards; return per-expert sizes."""
-    sizes = [{split: {"documents": 0, "bytes": 0} for split in ("train", "val")} for _ in range(experts)]
-    written = 0
-    documents = tqdm(_iter_documents(paths), total=len(labels), desc="shard: write", unit="doc", disable=not progress)
-    for position, document in enumerate(documents):
-        if position >= len(labels):
-            raise DataError("training shards changed between the two passes")
-        expert, is_val = int(labels[position]), bool(validation[position])
-        writer.write(expert, document, validation=is_val)
-        entry = sizes[expert]["val" if is_val else "train"]
-        entry["documents"] += 1
-        entry["bytes"] += len(document.text)
-        written += 1
-    if written != len(labels):
-        raise DataError("training shards changed between the two passes")
-    return sizes
-
-
-def _min_max(sizes: list[dict]) -> dict:
-    documents = [s["train"]["documents"] + s["val"]["documents"] for s in sizes]
-    volume = [s["train"]["bytes"] + s["val"]["bytes"] for s in sizes]
-    return {"min_documents": min(documents), "max_documents": max(documents),
-            "min_bytes": min(volume), "max_bytes": max(volume)}
-
-
-def _cluster_report(index: DocumentIndex, labels: np.ndarray, centroids: np.ndarray, experts: int) -> dict:
-    """Expert × source contingency, purity, and how often the router's top-1 agrees with the shard."""
-    table = np.zeros((experts, len(index.source_names)), dtype=np.int64)
-    np.add.at(table, (labels, index.sources), 1)
-    # ‖x‖² is the same for every centroid, so the nearest centroid minimises ‖c‖² − 2·x·c: [n, N].
-    distances = (centroids ** 2).sum(1)[None] - 2 * index.embeddings @ centroids.T
-    return {
-        "contingency": [{name: int(table[e, s]) for s, name in enumerate(index.source_names)} for e in range(experts)],
-        "purity": round(float(table.max(axis=1).sum() / len(labels)), 4),
-        "router_agreement": round(float((distances.argmin(axis=1) == labels).mean()), 4),
-    }
 
 
 def _read_fingerprint(folder: Path) -> str | None:

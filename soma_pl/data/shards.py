@@ -11,14 +11,13 @@ A tar cut short can still parse as a shorter valid archive, so a shard is only t
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import tarfile
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
-
-import webdataset as wds
 
 from soma_pl.data.documents import Document
 from soma_pl.errors import DataError
@@ -55,30 +54,59 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
 class ShardWriter:
     """Write documents into `<folder>/<prefix>-NNNNNN.tar`, starting a new shard past `max_bytes`.
 
-    Wraps `webdataset.ShardWriter`; `close()` returns the records of every shard written.
+    Each sample is laid out as `webdataset.TarWriter` lays it out (`<key>.json`, `<key>.txt`, mode
+    0444, owner `bigdata`) with a fixed member time, so the same documents give byte-identical
+    shards; the archive is written with the standard library's `tarfile` in the ustar format (no
+    per-member pax header, and no torch import on the `prepare` path). `close()` returns the
+    records of every shard written.
     """
 
     def __init__(self, folder: Path, prefix: str, max_bytes: int, max_documents: int = 100_000):
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self.prefix = prefix
-        self._writer = wds.ShardWriter(
-            str(folder / f"{prefix}-%06d.tar"), maxsize=max_bytes, maxcount=max_documents, verbose=0,
-            mtime=0.0,  # fixed member times: the same documents give byte-identical shards
-        )
+        self.max_bytes, self.max_documents = max_bytes, max_documents
+        self._tar: tarfile.TarFile | None = None
+        self._file = None
+        self._index = -1
+        self._bytes = self._documents = 0
         self._counts: dict[str, int] = {}
         self._next_key = 0
 
+    def _next_shard(self) -> None:
+        self._close_shard()
+        self._index += 1
+        name = f"{self.prefix}-{self._index:06d}.tar"
+        self._file = open(self.folder / name, "wb", buffering=1 << 20)  # noqa: SIM115 (closed in _close_shard)
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+        self._bytes = self._documents = 0
+        self._counts[name] = 0
+
+    def _close_shard(self) -> None:
+        if self._tar is not None:
+            tar, handle, self._tar, self._file = self._tar, self._file, None, None
+            try:
+                tar.close()
+            finally:
+                handle.close()
+
     def write(self, document: Document) -> None:
-        meta = {"doc_id": document.doc_id, "source": document.source, "title": document.title}
+        if self._tar is None or self._documents >= self.max_documents or self._bytes >= self.max_bytes:
+            self._next_shard()
+        meta = json.dumps({"doc_id": document.doc_id, "source": document.source, "title": document.title})
         key = f"{self._next_key:09d}"
-        self._writer.write({"__key__": key, "txt": document.text, "json": json.dumps(meta).encode()})
+        for extension, payload in (("json", meta.encode()), ("txt", document.text)):
+            member = tarfile.TarInfo(f"{key}.{extension}")
+            member.size, member.mtime, member.mode = len(payload), 0, 0o444
+            member.uname = member.gname = "bigdata"
+            self._tar.addfile(member, io.BytesIO(payload))
+            self._bytes += len(payload)
         self._next_key += 1
-        name = Path(self._writer.fname).name
-        self._counts[name] = self._counts.get(name, 0) + 1
+        self._documents += 1
+        self._counts[f"{self.prefix}-{self._index:06d}.tar"] += 1
 
     def close(self) -> list[ShardRecord]:
-        self._writer.close()
+        self._close_shard()
         records = []
         for name, count in sorted(self._counts.items()):
             path = self.folder / name
@@ -113,6 +141,8 @@ def iter_shard_documents(path: Path) -> Iterator[Document]:
     Raises:
         DataError: the tar cannot be parsed or a sample lacks its `.txt` or `.json` member.
     """
+    import webdataset as wds  # imports torch: only where shards are read
+
     try:
         for sample in wds.tariterators.tarfile_samples([{"url": str(path)}], handler=wds.reraise_exception):
             if "txt" not in sample or "json" not in sample:

@@ -127,6 +127,38 @@ def test_sharding_is_deterministic_and_an_identical_rerun_is_a_no_op(dataset, se
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary folder is left"
 
 
+def _placement(folder: Path) -> dict[str, tuple[int, str]]:
+    """document id -> (expert, split), read back from the shards."""
+    return {d.doc_id: (expert, split) for expert, e in enumerate(_expert_documents(folder))
+            for split in ("train", "val") for d in e[split]}
+
+
+@pytest.mark.parametrize("sample", [10_000, 50])
+def test_one_and_two_tasks_give_the_same_experts_splits_and_router(tmp_path, sample):
+    """Any task count places every document in the same expert and split and fits the same router,
+    with the whole corpus in the k-means sample and with a sample of 50 of the 120 documents (the
+    others going to their nearest fitted centroid); only the tar files differ."""
+    folder = tmp_path / "corpus"
+    write_jsonl_corpus(folder, {name: 40 for name in VOCABULARIES}, min_words=150, max_words=300,
+                       vocabularies=VOCABULARIES)
+    dataset = PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(folder)]), output_dir=str(tmp_path / "data"),
+                            val_documents=3, val_windows=4, test_windows=3, shard_max_bytes=60_000)
+    prepare(dataset, progress=False)
+    assert len(read_manifest(tmp_path / "data")["train"]["shards"]) >= 4
+    built = {}
+    for tasks in (1, 2):
+        config = _config(dataset, tmp_path / f"experts-{tasks}", kmeans_sample=sample, val_fraction=0.1)
+        config.executor.tasks = tasks
+        built[tasks] = shard(config, progress=False)
+    one, two = (read_shard_manifest(built[t]) for t in (1, 2))
+    assert (one["tasks"], two["tasks"]) == (1, 2) and one["kmeans_sample"] == min(sample, one["documents"])
+    assert _placement(built[1]) == _placement(built[2])
+    assert one["contingency"] == two["contingency"] and one["purity"] == two["purity"] > 0.9
+    assert [len({s for e, s in _placement(built[1]).values() if e == x} - {"train"}) for x in range(3)] == [1, 1, 1]
+    centroids = [Router.load(built[t] / ROUTER_FILE).centroids for t in (1, 2)]
+    assert torch.allclose(centroids[0], centroids[1], atol=1e-6)
+
+
 def test_datamodule_reads_the_expert_shards(dataset, semantic):
     module = ByteDataModule(dataset, experts_dir=str(semantic), batch_size=4, shuffle_buffer=8)
     module.setup("fit")

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from soma_pl.cli import main
-from soma_pl.data.experts import ExpertShardWriter
 from soma_pl.data.shards import ShardWriter
 from soma_pl.errors import ConfigError
 from soma_pl.lit.soma import SOMAModule
@@ -284,7 +283,7 @@ def test_a_read_only_or_full_disk_is_one_line_and_leaves_nothing(capsys, request
         args, writer, setting = prepare_args(request.getfixturevalue("corpus"), output), ShardWriter, "dataset"
     else:
         corpus, data, _, _ = request.getfixturevalue("sharded")
-        args, writer, setting = shard_args(data, output), ExpertShardWriter, "shard"
+        args, writer, setting = shard_args(data, output), ShardWriter, "shard"
     if failure == "read-only":
         _read_only(monkeypatch)
         message = f"read-only file system (Errno 30): choose another {setting}.output_dir on a writable disk"

@@ -1,0 +1,359 @@
+"""The four datatrove stages of `shard` (see `soma_pl.data.sharding` for the folder they build).
+
+```
+embed   (N tasks)  each task: the first 256 bytes of each document of its prepared training shards,
+                   encoded -> embed/<rank>.f32 (raw float32 rows) and embed/<rank>.npz (per document:
+                   source, seeded sample, deal and validation keys; the sum of its encodings)
+fit     (1 task)   the k-means sample: the `kmeans_sample` documents of smallest sample key over all
+                   tasks; the hashed encoder's centre; k-means and rebalancing on the sample (or the
+                   random deal); the sample's experts and validation choice    -> fit/*.npz
+write   (N tasks)  each task: every document's expert (the sample's choice, else its nearest fitted
+                   centroid) and split, written into its own shards of that expert
+                   (expert-NNN/{train,val}-<rank>-NNNNNN.tar); per expert, sums of encodings and
+                   counts per source                                          -> write/<rank>.json
+finish  (1 task)   router.pt (centroids: each expert's mean encoding over all its documents),
+                   experts.json (sha256 of every shard); the finished folder renamed into place
+```
+
+A task's memory is bounded by its batch of encodings and the fitting task's by the sample, whatever
+the corpus size. Which documents are sampled, and the sample's order, depend only on seeded hashes
+of document ids, so any task count gives the same experts and splits; only the grouping of documents
+into tar files depends on it. When the whole corpus fits in the sample, every document's expert is
+the k-means (and rebalancing) choice and every expert's validation split its `val_fraction` smallest
+validation keys (at least one, never all); a document outside the sample goes to its nearest fitted
+centroid and to validation when its validation key falls below `val_fraction` of the hash range.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from datatrove.data import DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+
+from soma_pl.data.heldout import seeded_hash
+from soma_pl.data.pipeline import from_pipeline, to_pipeline
+from soma_pl.data.prepare_steps import link_or_copy, peak_rss_mib
+from soma_pl.data.shards import ShardWriter, iter_shard_documents
+from soma_pl.errors import DataError
+from soma_pl.io import atomic_folder, close_quietly, write_json_atomic
+from soma_pl.models.router import EncoderKind, Router, prefix_batch
+
+if TYPE_CHECKING:
+    from soma_pl.data.sharding import ShardConfig
+
+KEY_RANGE = 2**64
+
+
+class PreparedShardsReader(PipelineStep):
+    """The prepared dataset's training shards, dealt to tasks as datatrove deals files: task r
+    reads shards r, r + tasks, ..., in order (the same order in every pass)."""
+
+    name = "soma_pl prepared shards"
+    type = "📖 - READER"
+
+    def __init__(self, paths: list[Path]):
+        super().__init__()
+        self.paths = [str(p) for p in paths]
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        for index, path in enumerate(self.paths):
+            if index % world_size == rank:
+                for number, document in enumerate(iter_shard_documents(Path(path))):
+                    self.stat_update("documents")
+                    shared = to_pipeline(document)
+                    shared.metadata["place"] = (index, number)  # corpus order: shard file, then position
+                    yield shared
+
+
+class _Stage(PipelineStep):
+    type = "🔪 - SOMA_PL"
+
+    def __init__(self, config: ShardConfig, stage: Path):
+        super().__init__()
+        self.config = config
+        self.stage = Path(stage)
+
+
+def _centred(raw: np.ndarray, center: np.ndarray) -> np.ndarray:
+    """Encodings as the centred encoder gives them (`HashedNgramEncoder.encode`): unit(raw - center)."""
+    if not center.any():
+        return np.asarray(raw, dtype=np.float32)
+    rows = torch.from_numpy(np.array(raw, dtype=np.float32)) - torch.from_numpy(center)  # a copy: memmaps are read-only
+    return (rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-12)).numpy()  # router._unit
+
+
+class EmbedDocuments(_Stage):
+    """Per task: encode each document's first 256 bytes; keep its keys, not its text."""
+
+    name = "embed"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from soma_pl.data.sharding import make_encoder
+
+        config, begun = self.config, time.perf_counter()
+        encoder = make_encoder(config)
+        folder = self.stage / "embed"
+        folder.mkdir(parents=True, exist_ok=True)
+        names: dict[str, int] = {}
+        sources, sample, deal, val, places, batch = [], [], [], [], [], []
+        total = None
+        raw = folder / f"{rank:05d}.f32"
+        with open(raw, "wb") as rows:
+            def flush() -> None:
+                nonlocal total
+                if batch:
+                    encoded = encoder.encode(prefix_batch(batch, config.device)).cpu().numpy().astype(np.float32)
+                    rows.write(encoded.tobytes())
+                    total = encoded.astype(np.float64).sum(0) + (0 if total is None else total)
+                    batch.clear()
+
+            for shared in data or ():
+                document = from_pipeline(shared)
+                places.append(shared.metadata["place"])
+                batch.append(document.text)
+                sources.append(names.setdefault(document.source, len(names)))
+                sample.append(seeded_hash(config.seed, "sample", document.doc_id))
+                deal.append(seeded_hash(config.seed, "deal", document.doc_id))
+                val.append(seeded_hash(config.seed, "val", document.doc_id))
+                if len(batch) == config.embed_batch_size:
+                    flush()
+            flush()
+        dim = int(encoder.output_dim)
+        save_npz(folder / f"{rank:05d}.npz", sources=np.array(sources, dtype=np.int32),
+                 sample=np.array(sample, dtype=np.uint64), deal=np.array(deal, dtype=np.uint64),
+                 val=np.array(val, dtype=np.uint64), places=np.array(places, dtype=np.int64).reshape(-1, 2),
+                 sum=np.zeros(dim) if total is None else total)
+        write_json_atomic(folder / f"{rank:05d}.json", {"documents": len(sources), "dim": dim, "sources": list(names),
+                                                         "peak_rss_mib": peak_rss_mib(),
+                                                         "seconds": round(time.perf_counter() - begun, 3)})
+        return
+        yield
+
+
+def load_embeddings(stage: Path, rank: int) -> np.ndarray:
+    """A task's raw encodings, `[n, dim]` float32, memory-mapped."""
+    meta = json.loads((stage / "embed" / f"{rank:05d}.json").read_text())
+    if meta["documents"] == 0:
+        return np.zeros((0, meta["dim"]), dtype=np.float32)
+    return np.memmap(stage / "embed" / f"{rank:05d}.f32", dtype=np.float32, mode="r",
+                     shape=(meta["documents"], meta["dim"]))
+
+
+class FitExperts(_Stage):
+    """One task: the sample, the centre, k-means (or the random deal) and the sample's splits."""
+
+    name = "fit experts"
+
+    def __init__(self, config: ShardConfig, stage: Path, tasks: int):
+        super().__init__(config, stage)
+        self.tasks = tasks
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from soma_pl.data.sharding import (Sharding, assign_labels, expert_centroids, validation_mask)
+
+        config, begun = self.config, time.perf_counter()
+        keys = [dict(np.load(self.stage / "embed" / f"{task:05d}.npz")) for task in range(self.tasks)]
+        documents = sum(len(k["sample"]) for k in keys)
+        if documents < 2 * config.num_experts:
+            raise DataError(f"{config.prepared}: {documents} training documents cannot fill {config.num_experts} "
+                            "experts (each needs one training and one validation document)")
+        # The sample: the smallest sample keys over all tasks (each task's own smallest first).
+        size = min(config.kmeans_sample, documents)
+        picks = []
+        for task, k in enumerate(keys):
+            local = np.argpartition(k["sample"], size - 1)[:size] if len(k["sample"]) > size else np.arange(len(k["sample"]))
+            picks.append(np.stack([k["sample"][local], np.full(len(local), task, dtype=np.uint64),
+                                   local.astype(np.uint64)], axis=1))
+        picks = np.concatenate(picks)
+        picks = picks[np.lexsort((picks[:, 2], picks[:, 1], picks[:, 0]))][:size]  # by key (ties: task, position)
+        tasks, positions = picks[:, 1].astype(np.int64), picks[:, 2].astype(np.int64)
+        # k-means sees the sample in corpus order (shard file, then position): any task count, and
+        # a corpus inside the sample is clustered exactly as one pass over it would be.
+        places = np.stack([keys[t]["places"][p] for t, p in zip(tasks, positions)]) if size else np.zeros((0, 2))
+        order = np.lexsort((places[:, 1], places[:, 0]))
+        tasks, positions = tasks[order], positions[order]
+        center = np.zeros(keys[0]["sum"].shape, dtype=np.float32)
+        if EncoderKind(config.embedder) is EncoderKind.hashed and config.hashed_center:
+            center = (sum(k["sum"] for k in keys) / documents).astype(np.float32)
+        raw = np.zeros((size, len(center)), dtype=np.float32)
+        for task in range(self.tasks):
+            mine = tasks == task
+            raw[mine] = load_embeddings(self.stage, task)[positions[mine]]
+        embeddings = _centred(raw, center)
+        deal = np.array([keys[t]["deal"][p] for t, p in zip(tasks, positions)], dtype=np.uint64)
+        val = np.array([keys[t]["val"][p] for t, p in zip(tasks, positions)], dtype=np.uint64)
+        labels, moved = assign_labels(config, embeddings, deal)
+        centroids = expert_centroids(embeddings, labels, config.num_experts)
+        validation = validation_mask(labels, val, config.num_experts, config.val_fraction)
+        folder = self.stage / "fit"
+        for task in range(self.tasks):
+            mine = tasks == task
+            save_npz(folder / f"{task:05d}.npz", positions=positions[mine], labels=labels[mine],
+                     validation=validation[mine])
+        save_npz(folder / "fit.npz", center=center, centroids=centroids)
+        write_json_atomic(folder / "fit.json", {
+            "documents": documents, "sample": size, "rebalanced_documents": moved,
+            "random": Sharding(config.sharding) is Sharding.random, "peak_rss_mib": peak_rss_mib(),
+            "seconds": round(time.perf_counter() - begun, 3)})
+        return
+        yield
+
+
+class WriteExperts(_Stage):
+    """Per task: each document's expert and split, written into the task's own expert shards."""
+
+    name = "write experts"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        config, begun = self.config, time.perf_counter()
+        experts = config.num_experts
+        fit = dict(np.load(self.stage / "fit" / "fit.npz"))
+        fitted = json.loads((self.stage / "fit" / "fit.json").read_text())
+        chosen = dict(np.load(self.stage / "fit" / f"{rank:05d}.npz"))
+        keys = dict(np.load(self.stage / "embed" / f"{rank:05d}.npz"))
+        raw = load_embeddings(self.stage, rank)
+        labels, embeddings = self._labels(raw, fit, keys["deal"], fitted["random"], chosen)
+        validation = keys["val"] < np.uint64(int(config.val_fraction * KEY_RANGE))
+        validation[chosen["positions"]] = chosen["validation"]
+        names = json.loads((self.stage / "embed" / f"{rank:05d}.json").read_text())["sources"]
+        writers = [{split: ShardWriter(self.stage / f"expert-{e:03d}", f"{split}-{rank:05d}", config.shard_max_bytes)
+                    for split in ("train", "val")} for e in range(experts)]
+        sizes = [{split: {"documents": 0, "bytes": 0} for split in ("train", "val")} for _ in range(experts)]
+        contingency = [Counter() for _ in range(experts)]
+        position = 0
+        try:
+            for position, document in enumerate(from_pipeline(d) for d in data or ()):
+                if position >= len(labels):
+                    raise DataError("training shards changed between the two passes")
+                expert, split = int(labels[position]), "val" if validation[position] else "train"
+                writers[expert][split].write(document)
+                sizes[expert][split]["documents"] += 1
+                sizes[expert][split]["bytes"] += len(document.text)
+                contingency[expert][names[keys["sources"][position]]] += 1
+            records = [{split: [r.to_json() for r in w.close()] for split, w in pair.items()} for pair in writers]
+        except BaseException:
+            close_quietly(w for pair in writers for w in pair.values())
+            raise
+        if len(labels) and position + 1 != len(labels):
+            raise DataError("training shards changed between the two passes")
+        sums = np.zeros((experts, embeddings.shape[1]))
+        np.add.at(sums, labels, embeddings.astype(np.float64))
+        nearest = _nearest(embeddings, fit["centroids"])
+        write_json_atomic(self.stage / "write" / f"{rank:05d}.json", {
+            "records": records, "sizes": sizes, "contingency": [dict(c) for c in contingency],
+            "sums": sums.tolist(), "counts": np.bincount(labels, minlength=experts).tolist(),
+            "agreeing": int((nearest == labels).sum()), "peak_rss_mib": peak_rss_mib(),
+            "seconds": round(time.perf_counter() - begun, 3)})
+        return
+        yield
+
+    def _labels(self, raw: np.ndarray, fit: dict, deal: np.ndarray, random: bool,
+                chosen: dict) -> tuple[np.ndarray, np.ndarray]:
+        """Every document's expert (the sample's choice, else the nearest fitted centroid or, for
+        random sharding, the deal key modulo N) and its centred encoding."""
+        embeddings = np.concatenate([_centred(raw[i : i + 65536], fit["center"]) for i in range(0, len(raw), 65536)]
+                                    or [np.zeros((0, len(fit["center"])), dtype=np.float32)])
+        if random:
+            labels = (deal % np.uint64(self.config.num_experts)).astype(np.int64)
+        else:
+            labels = _nearest(embeddings, fit["centroids"])
+        labels[chosen["positions"]] = chosen["labels"]
+        return labels, embeddings
+
+
+def _nearest(embeddings: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """Index of the nearest centroid per row (‖x‖² is the same for every centroid)."""
+    if not len(embeddings):
+        return np.zeros(0, dtype=np.int64)
+    return ((centroids ** 2).sum(1)[None] - 2 * embeddings @ centroids.T).argmin(axis=1).astype(np.int64)
+
+
+class FinishShard(_Stage):
+    """One task: the router and experts.json; the finished folder renamed into place."""
+
+    name = "finish sharded folder"
+
+    def __init__(self, config: ShardConfig, stage: Path, tasks: int, fingerprint: str, manifest: dict,
+                 started: float):
+        super().__init__(config, stage)
+        self.tasks, self.fingerprint, self.manifest, self.started = tasks, fingerprint, manifest, started
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from soma_pl.data.experts import EXPERTS_MANIFEST
+        from soma_pl.data.sharding import FORMAT_VERSION, KIND, ROUTER_FILE, _read_fingerprint, make_encoder
+
+        config = self.config
+        output = Path(config.output_dir).expanduser()
+        if _read_fingerprint(output) == self.fingerprint:
+            return  # finished before a kill stopped the task from marking itself complete
+        experts = config.num_experts
+        parts = [json.loads((self.stage / "write" / f"{task:05d}.json").read_text()) for task in range(self.tasks)]
+        fitted = json.loads((self.stage / "fit" / "fit.json").read_text())
+        fit = dict(np.load(self.stage / "fit" / "fit.npz"))
+        counts = np.sum([p["counts"] for p in parts], axis=0)
+        sums = np.sum([p["sums"] for p in parts], axis=0)
+        centroids = (sums / np.maximum(counts, 1)[:, None]).astype(np.float32)
+        encoder = make_encoder(replace(config, device="cpu"))  # saved on the CPU, as the router loads
+        if hasattr(encoder, "center"):
+            encoder.center.copy_(torch.from_numpy(fit["center"]))
+        contingency = [sum((Counter(p["contingency"][e]) for p in parts), Counter()) for e in range(experts)]
+        names = sorted({name for c in contingency for name in c})
+        sizes = [{split: {key: sum(p["sizes"][e][split][key] for p in parts) for key in ("documents", "bytes")}
+                  for split in ("train", "val")} for e in range(experts)]
+        records = [{split: [r for p in parts for r in p["records"][e][split]] for split in ("train", "val")}
+                   for e in range(experts)]
+        documents = int(counts.sum())
+        with atomic_folder(output, KIND, "shard.output_dir", config.inputs(), EXPERTS_MANIFEST) as work:
+            for expert in records:
+                for record in expert["train"] + expert["val"]:
+                    (work / record["path"]).parent.mkdir(parents=True, exist_ok=True)
+                    link_or_copy(self.stage / record["path"], work / record["path"])
+            Router(encoder, torch.from_numpy(centroids), sharding=self.fingerprint).save(work / ROUTER_FILE)
+            volume = [s["train"]["bytes"] + s["val"]["bytes"] for s in sizes]
+            members = [s["train"]["documents"] + s["val"]["documents"] for s in sizes]
+            write_json_atomic(work / EXPERTS_MANIFEST, {
+                "format": FORMAT_VERSION, "fingerprint": self.fingerprint,
+                "dataset_fingerprint": self.manifest["fingerprint"],
+                "config": json.loads(json.dumps(asdict(config), default=str)), "dataset_dir": str(config.prepared),
+                "router": ROUTER_FILE, "documents": documents, "expert_sizes": sizes,
+                "shard_sizes": {"min_documents": min(members), "max_documents": max(members),
+                                "min_bytes": min(volume), "max_bytes": max(volume)},
+                "rebalanced_documents": fitted["rebalanced_documents"], "kmeans_sample": fitted["sample"],
+                "contingency": [{name: int(c[name]) for name in names} for c in contingency],
+                "purity": round(sum(max(c.values(), default=0) for c in contingency) / max(documents, 1), 4),
+                "router_agreement": round(sum(p["agreeing"] for p in parts) / max(documents, 1), 4),
+                "tasks": self.tasks,
+                "peak_rss_mib": {"embed": [self._embed(t)["peak_rss_mib"] for t in range(self.tasks)],
+                                 "fit": fitted["peak_rss_mib"], "write": [p["peak_rss_mib"] for p in parts]},
+                "task_seconds": {"embed": [self._embed(t)["seconds"] for t in range(self.tasks)],
+                                 "fit": fitted["seconds"], "write": [p["seconds"] for p in parts]},
+                "shard_seconds": round(time.time() - self.started, 3),
+                "num_experts": experts,
+                "experts": [{"train": e["train"], "val": e["val"]} for e in records],
+            })
+        return
+        yield
+
+    def _embed(self, task: int) -> dict:
+        return json.loads((self.stage / "embed" / f"{task:05d}.json").read_text())
+
+
+def save_npz(path: Path, **arrays: np.ndarray) -> None:
+    """`np.savez` written atomically (in a folder made on demand)."""
+    import io
+
+    from soma_pl.io import write_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(buffer.getvalue(), path)
+
