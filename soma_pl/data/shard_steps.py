@@ -177,7 +177,7 @@ class FitExperts(_Stage):
         tasks, positions = picks[:, 1].astype(np.int64), picks[:, 2].astype(np.int64)
         # k-means sees the sample in corpus order (shard file, then position): any task count, and
         # a corpus inside the sample is clustered exactly as one pass over it would be.
-        places = np.stack([keys[t]["places"][p] for t, p in zip(tasks, positions)]) if size else np.zeros((0, 2))
+        places = _gather(keys, "places", tasks, positions)
         order = np.lexsort((places[:, 1], places[:, 0]))
         tasks, positions = tasks[order], positions[order]
         center = np.zeros(keys[0]["sum"].shape, dtype=np.float32)
@@ -188,8 +188,7 @@ class FitExperts(_Stage):
             mine = tasks == task
             raw[mine] = load_embeddings(self.stage, task)[positions[mine]]
         embeddings = _centred(raw, center)
-        deal = np.array([keys[t]["deal"][p] for t, p in zip(tasks, positions)], dtype=np.uint64)
-        val = np.array([keys[t]["val"][p] for t, p in zip(tasks, positions)], dtype=np.uint64)
+        deal, val = _gather(keys, "deal", tasks, positions), _gather(keys, "val", tasks, positions)
         labels, moved = assign_labels(config, embeddings, deal)
         centroids = expert_centroids(embeddings, labels, config.num_experts)
         validation = validation_mask(labels, val, config.num_experts, config.val_fraction)
@@ -207,6 +206,16 @@ class FitExperts(_Stage):
         yield
 
 
+def _gather(keys: list[dict], name: str, tasks: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`keys[task][name][position]` for each (task, position) pair, in their order."""
+    first = keys[0][name]
+    out = np.zeros((len(tasks), *first.shape[1:]), dtype=first.dtype)
+    for task, k in enumerate(keys):
+        mine = tasks == task
+        out[mine] = k[name][positions[mine]]
+    return out
+
+
 class WriteExperts(_Stage):
     """Per task: each document's expert and split, written into the task's own expert shards."""
 
@@ -220,7 +229,7 @@ class WriteExperts(_Stage):
         chosen = dict(np.load(self.stage / "fit" / f"{rank:05d}.npz"))
         keys = dict(np.load(self.stage / "embed" / f"{rank:05d}.npz"))
         raw = load_embeddings(self.stage, rank)
-        labels, embeddings = self._labels(raw, fit, keys["deal"], fitted["random"], chosen)
+        labels, sums, agreeing = self._assign(raw, fit, keys["deal"], fitted["random"], chosen)
         validation = keys["val"] < np.uint64(int(config.val_fraction * KEY_RANGE))
         validation[chosen["positions"]] = chosen["validation"]
         names = json.loads((self.stage / "embed" / f"{rank:05d}.json").read_text())["sources"]
@@ -228,9 +237,10 @@ class WriteExperts(_Stage):
                     for split in ("train", "val")} for e in range(experts)]
         sizes = [{split: {"documents": 0, "bytes": 0} for split in ("train", "val")} for _ in range(experts)]
         contingency = [Counter() for _ in range(experts)]
-        position = 0
+        written = 0
         try:
             for position, document in enumerate(from_pipeline(d) for d in data or ()):
+                written += 1
                 if position >= len(labels):
                     raise DataError("training shards changed between the two passes")
                 expert, split = int(labels[position]), "val" if validation[position] else "train"
@@ -242,31 +252,36 @@ class WriteExperts(_Stage):
         except BaseException:
             close_quietly(w for pair in writers for w in pair.values())
             raise
-        if len(labels) and position + 1 != len(labels):
+        if written != len(labels):
             raise DataError("training shards changed between the two passes")
-        sums = np.zeros((experts, embeddings.shape[1]))
-        np.add.at(sums, labels, embeddings.astype(np.float64))
-        nearest = _nearest(embeddings, fit["centroids"])
         write_json_atomic(self.stage / "write" / f"{rank:05d}.json", {
             "records": records, "sizes": sizes, "contingency": [dict(c) for c in contingency],
             "sums": sums.tolist(), "counts": np.bincount(labels, minlength=experts).tolist(),
-            "agreeing": int((nearest == labels).sum()), "peak_rss_mib": peak_rss_mib(),
+            "agreeing": agreeing, "peak_rss_mib": peak_rss_mib(),
             "seconds": round(time.perf_counter() - begun, 3)})
         return
         yield
 
-    def _labels(self, raw: np.ndarray, fit: dict, deal: np.ndarray, random: bool,
-                chosen: dict) -> tuple[np.ndarray, np.ndarray]:
+    def _assign(self, raw: np.ndarray, fit: dict, deal: np.ndarray, random: bool,
+                chosen: dict) -> tuple[np.ndarray, np.ndarray, int]:
         """Every document's expert (the sample's choice, else the nearest fitted centroid or, for
-        random sharding, the deal key modulo N) and its centred encoding."""
-        embeddings = np.concatenate([_centred(raw[i : i + 65536], fit["center"]) for i in range(0, len(raw), 65536)]
-                                    or [np.zeros((0, len(fit["center"])), dtype=np.float32)])
-        if random:
-            labels = (deal % np.uint64(self.config.num_experts)).astype(np.int64)
-        else:
-            labels = _nearest(embeddings, fit["centroids"])
-        labels[chosen["positions"]] = chosen["labels"]
-        return labels, embeddings
+        random sharding, the deal key modulo N); per expert the sum of its centred encodings; how
+        many documents their nearest fitted centroid places in their expert. A block of encodings
+        at a time: memory does not grow with the task's documents."""
+        experts, block = self.config.num_experts, 65536
+        fixed = np.full(len(raw), -1, dtype=np.int64)
+        fixed[chosen["positions"]] = chosen["labels"]
+        labels = np.empty(len(raw), dtype=np.int64)
+        sums, agreeing = np.zeros((experts, len(fit["center"]))), 0
+        for start in range(0, len(raw), block):
+            embeddings = _centred(raw[start : start + block], fit["center"])
+            nearest = _nearest(embeddings, fit["centroids"])
+            mine = (deal[start : start + block] % np.uint64(experts)).astype(np.int64) if random else nearest
+            mine = np.where(fixed[start : start + block] >= 0, fixed[start : start + block], mine)
+            labels[start : start + block] = mine
+            np.add.at(sums, mine, embeddings.astype(np.float64))
+            agreeing += int((nearest == mine).sum())
+        return labels, sums, agreeing
 
 
 def _nearest(embeddings: np.ndarray, centroids: np.ndarray) -> np.ndarray:
