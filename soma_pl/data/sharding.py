@@ -28,7 +28,7 @@ import hashlib
 import json
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from soma_pl.data.experts import EXPERTS_MANIFEST, read_experts_manifest
-from soma_pl.data.pipeline import ExecutorConfig, chain, remove_staging, run_chain, staging_folder
+from soma_pl.data.pipeline import ExecutorConfig, ExecutorKind, chain, remove_staging, run_chain, staging_folder
 from soma_pl.data.prepare import MANIFEST, open_prepared, prepare_recipe, read_manifest
 from soma_pl.data.shards import ShardRecord, Verify, sha256_file, verify_shards
 from soma_pl.errors import ConfigError, DataError
@@ -197,11 +197,17 @@ def _stages(config: ShardConfig, paths: list[Path], stage: Path, fingerprint: st
     from soma_pl.data.shard_steps import EmbedDocuments, FinishShard, FitExperts, PreparedShardsReader, WriteExperts
 
     tasks = max(1, min(config.executor.task_count(), len(paths)))  # whole shards are dealt out
+    # The tasks run torch (the encoder): a worker forked from a process whose OpenMP threads already
+    # ran (a notebook, a test session, a training script) can hang in its first parallel op, so
+    # local workers start from a fresh server process unless the config says otherwise.
+    executor = config.executor
+    if ExecutorKind(executor.kind) is ExecutorKind.local:
+        executor = replace(executor, options={"start_method": "forkserver", **executor.options})
     pipelines = [("embed", [PreparedShardsReader(paths), EmbedDocuments(config, stage)], tasks),
                  ("fit", [FitExperts(config, stage, tasks)], 1),
                  ("write", [PreparedShardsReader(paths), WriteExperts(config, stage)], tasks),
                  ("finish", [FinishShard(config, stage, tasks, fingerprint, manifest, started)], 1)]
-    return chain(config.executor, pipelines, stage, "shard")
+    return chain(executor, pipelines, stage, "shard")
 
 
 read_shard_manifest = read_experts_manifest  # the name cli.py and the notebooks use

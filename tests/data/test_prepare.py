@@ -163,12 +163,14 @@ def test_killed_prepare_leaves_nothing_that_reads_as_valid(tmp_path):
                "--dataset.corpus.kind", "jsonl", f"--dataset.corpus.paths=[{tmp_path / 'corpus'}]",
                f"--dataset.output_dir={output}", "--dataset.val_documents=4", "--dataset.val_windows=8",
                "--dataset.test_windows=4", "--dataset.shard_max_bytes=100000"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Its own process group, killed whole as a scheduler or Ctrl-C kills a job (a SIGKILL to the
+    # main process alone would leave its datatrove pool workers waiting forever).
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(".prepared.prepare-*/train/*.tar")) and time.monotonic() < deadline:
         assert process.poll() is None, "prepare finished before it could be killed"
         time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
+    os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert not output.exists()
     with pytest.raises(DataError, match="not a prepared dataset"):
