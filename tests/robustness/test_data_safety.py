@@ -283,7 +283,9 @@ def test_a_read_only_or_full_disk_is_one_line_and_leaves_nothing(capsys, request
         args, writer, setting = prepare_args(request.getfixturevalue("corpus"), output), ShardWriter, "dataset"
     else:
         corpus, data, _, _ = request.getfixturevalue("sharded")
-        args, writer, setting = shard_args(data, output), ShardWriter, "shard"
+        # One task runs in this process, so the patched writer below is the one the task uses
+        # (several tasks would start from a forkserver, a fresh process without the patch).
+        args, writer, setting = shard_args(data, output, "--shard.executor.tasks=1"), ShardWriter, "shard"
     if failure == "read-only":
         _read_only(monkeypatch)
         message = f"read-only file system (Errno 30): choose another {setting}.output_dir on a writable disk"
