@@ -143,8 +143,7 @@ class PlanHeldOut(_Stage):
         candidate_set.save(self.stage / "candidates.npz")
         # The screen's gram index, built once here rather than by every screening task.
         screen = OverlapScreen([w.tobytes() for w in candidate_set.windows], config.shingle_bytes)
-        save_array(self.stage / "screen_index.npy", screen.index_keys())
-        save_array(self.stage / "screen_filter.npy", screen.filter_bits())
+        save_npz(self.stage / "screen_index.npz", keys=screen.index_keys(), filter=screen.filter_bits())
         write_json_atomic(self.stage / "plan.json", {
             "held_ids": sorted(held_ids), "expert_val_fallback": expert_val.fallback,
             "short": dict(sorted(short.items())), "documents": sum(p["documents"] for p in parts),
@@ -167,9 +166,9 @@ class WriteShards(_Stage):
         expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, 0)
         expert_val.fallback = plan["expert_val_fallback"]
         candidates = EvalSet.load(self.stage / "candidates.npz")
-        screen = OverlapScreen([w.tobytes() for w in candidates.windows], config.shingle_bytes,
-                               index=np.load(self.stage / "screen_index.npy"),
-                               filter_bits=np.load(self.stage / "screen_filter.npy"))
+        with np.load(self.stage / "screen_index.npz") as index:
+            screen = OverlapScreen([w.tobytes() for w in candidates.windows], config.shingle_bytes,
+                                   index=index["keys"], filter_bits=index["filter"])
         writers = {"train": ShardWriter(self.stage / "train", f"train-{rank:05d}", config.shard_max_bytes),
                    "expert_val": ShardWriter(self.stage / "expert_val", f"val-{rank:05d}", config.shard_max_bytes)}
         counts = {split: Counter() for split in ("documents", "bytes", "val_documents", "val_bytes")}
@@ -352,8 +351,9 @@ def load_documents(path: Path) -> list[Document]:
             for a, b, source, doc_id, title in zip(starts, ends, meta["sources"], meta["ids"], meta["titles"])]
 
 
-def save_array(path: Path, array: np.ndarray) -> None:
-    """`np.save` written atomically."""
+def save_npz(path: Path, **arrays: np.ndarray) -> None:
+    """`np.savez` written atomically (in a folder made on demand)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
-    np.save(buffer, array)
+    np.savez(buffer, **arrays)
     write_atomic(buffer.getvalue(), path)

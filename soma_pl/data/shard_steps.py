@@ -40,7 +40,7 @@ from datatrove.pipeline.base import PipelineStep
 
 from soma_pl.data.heldout import seeded_hash
 from soma_pl.data.pipeline import from_pipeline, to_pipeline
-from soma_pl.data.prepare_steps import link_or_copy, peak_rss_mib
+from soma_pl.data.prepare_steps import link_or_copy, peak_rss_mib, save_npz
 from soma_pl.data.shards import ShardWriter, iter_shard_documents
 from soma_pl.errors import DataError
 from soma_pl.io import atomic_folder, close_quietly, write_json_atomic
@@ -359,16 +359,3 @@ class FinishShard(_Stage):
 
     def _embed(self, task: int) -> dict:
         return json.loads((self.stage / "embed" / f"{task:05d}.json").read_text())
-
-
-def save_npz(path: Path, **arrays: np.ndarray) -> None:
-    """`np.savez` written atomically (in a folder made on demand)."""
-    import io
-
-    from soma_pl.io import write_atomic
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    write_atomic(buffer.getvalue(), path)
-
