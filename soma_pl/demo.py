@@ -32,13 +32,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from tqdm import tqdm
 
 from soma_pl.errors import SomaError
 from soma_pl.io import write_atomic, write_json_atomic
 
 SELECTION = "sweeps/demo/table7_pair.yaml"
+
+
+DEMO_LAYERS = ("configs/trainer/cpu.yaml", "configs/datamodule/demo.yaml")
+"""The trainer base and data layer under both sides' method configs."""
 
 
 @dataclass
@@ -48,14 +51,15 @@ class DemoSide:
     Attributes:
         name: folder and key of this side in the outputs.
         label: its name in the table and the figure.
-        config: its fit config.
+        config: its fit config's layers, passed in order as repeated `--config` (trainer base, data
+            layer, method layer).
         lr: its learning rate (`model.init_args.optimizer.init_args.lr`): the Table 6 selection's.
         overrides: extra arguments for this side's fit, validate and test.
     """
 
     name: str = "spsa"
     label: str = "SPSA, N = 1"
-    config: str = "configs/demo/spsa.yaml"
+    config: list[str] = field(default_factory=lambda: [*DEMO_LAYERS, "configs/demo/spsa.yaml"])
     lr: float = 0.025
     overrides: list[str] = field(default_factory=list)
 
@@ -65,7 +69,7 @@ def _spsa() -> DemoSide:
 
 
 def _soma() -> DemoSide:
-    return DemoSide(name="soma", label="SOMA, N = 2", config="configs/demo/soma_n2.yaml", lr=0.025)
+    return DemoSide(name="soma", label="SOMA, N = 2", config=[*DEMO_LAYERS, "configs/demo/soma_n2.yaml"], lr=0.025)
 
 
 @dataclass
@@ -100,15 +104,6 @@ class DemoConfig:
     spsa: DemoSide = field(default_factory=_spsa)
     soma: DemoSide = field(default_factory=_soma)
     overrides: list[str] = field(default_factory=list)
-
-
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="The main job: monolithic SPSA against SOMA at equal compute, "
-                                        "then a side-by-side table and a figure of both loss curves.")
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML with a `demo:` section")
-    parser.add_argument("--demo", type=DemoConfig, default=DemoConfig())
-    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar")
-    return parser
 
 
 def thread_count(configured: int | None) -> int:
@@ -160,7 +155,9 @@ def _data_fingerprints(demo: DemoConfig, side: DemoSide) -> list[str]:
     reused only on the data it was trained on."""
     import yaml
 
-    data = (yaml.safe_load(Path(side.config).read_text()) or {}).get("data", {}).get("init_args", {})
+    data = {}
+    for layer in side.config:  # a later layer's keys win, as in the CLI
+        data.update(((yaml.safe_load(Path(layer).read_text()) or {}).get("data") or {}).get("init_args") or {})
     for argument in [*demo.overrides, *side.overrides]:  # the last override of a folder wins
         key, _, value = argument.partition("=")
         if key in ("--data.init_args.prepared", "--data.init_args.experts_dir"):
@@ -175,7 +172,8 @@ def _data_fingerprints(demo: DemoConfig, side: DemoSide) -> list[str]:
 
 def _side_args(demo: DemoConfig, side: DemoSide) -> list[str]:
     """Arguments shared by the side's fit, validate and test."""
-    return ["--config", side.config, f"--model.init_args.optimizer.init_args.lr={side.lr}",
+    layers = [arg for layer in side.config for arg in ("--config", layer)]
+    return [*layers, f"--model.init_args.optimizer.init_args.lr={side.lr}",
             "--trainer.enable_progress_bar=false", "--wandb.group=main_job", *demo.overrides, *side.overrides]
 
 
@@ -291,7 +289,8 @@ def table(results: dict[str, SideResult]) -> str:
         "learning rate (Table 6 selection)": lambda r: f"{r.lr:g}",
         "updates": lambda r: f"{r.updates:,}",
         "token-forwards": lambda r: f"{r.token_forwards:,}",
-        "multiply-adds (token-forwards × parameters per expert)": lambda r: f"{r.token_forwards * r.parameters // r.experts:.3e}",
+        "multiply-adds (token-forwards × parameters per expert)":
+            lambda r: f"{r.token_forwards * r.parameters // r.experts:.3e}",
         "update time, U·Σₑ t̄ₑ (s)": lambda r: f"{r.aggregate_device_seconds:.0f}",
         "fit wall time (s)": lambda r: f"{r.fit_wall_seconds:.0f}",
         "ensemble-validation loss [95%]": lambda r: _interval(r.val),
@@ -312,14 +311,15 @@ def draw(results: dict[str, SideResult], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     axes_of = {"updates": ("step", 1, "updates"),
-               "multiply-adds": ("multiply_adds", 1e12, "multiply-adds ≈ token-forwards × parameters per expert (10¹²)"),
+               "multiply-adds": ("multiply_adds", 1e12,
+                                 "multiply-adds ≈ token-forwards × parameters per expert (10¹²)"),
                "update time": ("device_seconds", 60, "update time U·Σₑ t̄ₑ (minutes)")}
     figure, axes = plt.subplots(1, len(axes_of), figsize=(13, 3.8), sharey=True)
     for result in results.values():
         losses = [p["val_loss"] for p in result.curve]
-        for axis, (key, scale, _) in zip(axes, axes_of.values()):
+        for axis, (key, scale, _) in zip(axes, axes_of.values(), strict=False):
             axis.plot([p[key] / scale for p in result.curve], losses, marker="o", ms=3, label=result.label)
-    for axis, (_, _, label) in zip(axes, axes_of.values()):
+    for axis, (_, _, label) in zip(axes, axes_of.values(), strict=False):
         axis.set_xlabel(label)
         axis.grid(alpha=0.3)
         axis.legend()
@@ -352,9 +352,15 @@ def _print_summary(report: dict, text: str, out: Path) -> None:
           f"table: {out / 'main_job.json'}\nfigure: {out / 'main_job.png'}")
 
 
-def run(args: Namespace) -> dict:
-    """Prepare, shard, run both sides, then print and save the table and the figure."""
-    demo: DemoConfig = args.demo
+def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
+    """The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.
+
+    Prepares, shards, runs both sides, then prints and saves the table and the figure.
+
+    Args:
+        demo: what runs, for how long, and where (the `demo:` section of a YAML file).
+        progress: show a progress bar.
+    """
     sides = {side.name: side for side in (demo.spsa, demo.soma)}
     threads = thread_count(demo.threads)
     out = Path(demo.output_dir)
@@ -364,7 +370,7 @@ def run(args: Namespace) -> dict:
           f"--demo.threads or OMP_NUM_THREADS), {len(sides) if demo.parallel else 1} process(es) at a time on "
           f"{machine['cores']} core(s), load average {machine['load_average'][0]:.2f}", flush=True)
     started = time.monotonic()
-    with tqdm(total=2 + 4 * len(sides), desc="main job steps", unit="step", disable=not args.progress) as bar:
+    with tqdm(total=2 + 4 * len(sides), desc="main job steps", unit="step", disable=not progress) as bar:
         steps = Steps(threads, bar)
         # Always asked (each is a quick no-op when its output is up to date), so the two fits never
         # start on a missing dataset and race to build it.

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -32,6 +33,14 @@ def write_json_atomic(path: str | Path, payload: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic((json.dumps(payload, indent=2) + "\n").encode(), path)
+    return path
+
+
+def emit_json(result: dict, out: str | Path) -> Path:
+    """A command's JSON result: written atomically to `out`, printed on stdout, the path on stderr."""
+    path = write_json_atomic(Path(out), result)
+    print(json.dumps(result, indent=2))
+    print(f"wrote {path}", file=sys.stderr)
     return path
 
 

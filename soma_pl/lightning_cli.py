@@ -172,11 +172,23 @@ class SomaCLI(LightningCLI):
             parser.set_defaults(weights_only=True)
         return parser
 
+    def parse_arguments(self, parser, args) -> None:
+        """Parse `args`, always a list here: `soma_pl.cli.main` hands on the command line after the
+        subcommand has picked this CLI, and a caller in Python (a test) its own list.
+        LightningCLI's own version warns whenever `args` is given while `sys.argv` holds
+        arguments, which is every run from the command line."""
+        self.config = parser.parse_args(args)
+
     def before_instantiate_classes(self) -> None:
-        """A `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset."""
+        """Checkpoints go to `<default_root_dir>/checkpoints` unless `checkpoint.dirpath` says otherwise
+        (one folder per run, across resumed sessions, where `--ckpt_path` finds `last.ckpt`); a
+        `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset."""
         trainer = self._get(self.config, "trainer")
-        loggers = trainer.get("logger")
         root = trainer.get("default_root_dir") or RUNS_DIR
+        checkpoint = self._get(self.config, "checkpoint", default=None)
+        if checkpoint is not None and checkpoint.get("dirpath") is None:
+            checkpoint["dirpath"] = str(Path(root) / "checkpoints")
+        loggers = trainer.get("logger")
         for logger in loggers if isinstance(loggers, list) else [loggers]:
             if is_wandb_logger(logger):
                 fill_wandb_logger(logger, self._get(self.config, "wandb"), root, self.subcommand)
@@ -251,7 +263,8 @@ def disk_error(error: OSError, argv: Sequence[str]) -> DataError:
     written, and the setting that moves the run elsewhere."""
     target = error.filename or next((arg.split("=", 1)[1] for arg in argv
                                      if arg.startswith("--trainer.default_root_dir=")), "the run folder")
-    return DataError(f"cannot write {target}: {error.strerror or error} (Errno {error.errno}): {DISK_ERRORS[error.errno]}")
+    return DataError(f"cannot write {target}: {error.strerror or error} (Errno {error.errno}): "
+                     f"{DISK_ERRORS[error.errno]}")
 
 
 def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
@@ -290,4 +303,10 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
 
 
 def run_lightning(argv: Sequence[str]) -> None:
+    if any(arg in ("-h", "--help") or arg.endswith(".help") or arg.startswith("--print_config") for arg in argv):
+        # The argument groups' field docstrings (`--model.init_args.spsa.eps`) as help: parsing them is
+        # slow for LightningCLI's class trees, so only when help is asked for.
+        from jsonargparse import set_parsing_settings
+
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
     make_cli(argv)

@@ -1,14 +1,81 @@
-"""The tool subcommands through the real entry point."""
+"""The entry point: its command table, `--help` at every level, bad input, and a `fit` run."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+from soma_pl.cli import COMMANDS, command_parser
+from tests.data.corpora import write_jsonl_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+LIGHTNING = ("fit", "validate", "test", "predict")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "soma_pl.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "soma_pl.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_help_lists_every_command_with_its_description():
+    result = run("--help")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for name, command in COMMANDS.items():
+        assert any(line.strip().startswith(f"{name} ") and line.endswith(f" {command.description}")
+                   for line in lines), name
+    assert set(LIGHTNING) <= set(COMMANDS) and all(COMMANDS[name].module is None for name in LIGHTNING)
+
+
+def test_no_command_lists_them_on_stderr_and_exits_2():
+    result = run()
+    assert result.returncode == 2 and result.stdout == ""
+    assert all(command.description in result.stderr for command in COMMANDS.values())
+
+
+def test_a_group_lists_its_subcommands():
+    result = run("bench", "--help")
+    assert result.returncode == 0, result.stderr
+    bench = [name for name in COMMANDS if name.startswith("bench ")]
+    assert len(bench) == 6 and all(f"{name}  " in result.stdout for name in bench)
+    assert "analyze" not in result.stdout
+    assert run("bench").returncode == 2
+
+
+@pytest.mark.parametrize("name", [name for name, command in COMMANDS.items() if command.module is not None])
+def test_each_description_is_the_first_line_of_its_function_docstring(name):
+    command = COMMANDS[name]
+    assert inspect.getdoc(command.load()).splitlines()[0] == command.description
+    assert command_parser(name).description == command.description  # the signature makes a parser
+
+
+def test_a_subcommand_help_shows_each_option_docstring():
+    result = run("bench", "zo", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "experts of the SOMA record; 0 skips it." in text  # a parameter's `Args:` entry
+    assert "--n_pert N_PERT Directions per update." in text  # a field of the flattened settings
+
+
+def test_sweep_help_names_its_report_subcommand():
+    text = " ".join(run("sweep", "--help").stdout.split())
+    assert "most trials this worker runs" in text and f"`sweep report`: {COMMANDS['sweep report'].description}" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["frobnicate"], "soma_pl: error: unknown command 'frobnicate'"),
+    (["bench", "nothing"], "soma_pl: error: unknown command 'bench nothing'"),
+    (["analyze", "params", "--nope", "1"], "soma_pl: error: analyze params: "),
+    (["bench", "zo", "--n_pert", "many"], "soma_pl: error: bench zo: "),
+])
+def test_bad_input_is_one_line_and_exit_status_2(args, message):
+    result = run(*args)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith(message), result.stderr
 
 
 def test_analyze_params_writes_table2(tmp_path):
@@ -22,7 +89,12 @@ def test_analyze_params_writes_table2(tmp_path):
     assert all(row["head_params_per_expert"] == 8_192 for row in rows.values())
 
 
-def test_unknown_command_and_subcommand_exit_nonzero():
-    assert run("frobnicate").returncode == 2
-    result = run("bench", "nothing")
-    assert result.returncode != 0 and "bench" in result.stderr
+def test_fit_prints_no_warning_about_its_arguments_or_wandb(tmp_path):
+    write_jsonl_corpus(tmp_path / "corpus", {"alpha": 20, "beta": 20}, min_words=150, max_words=400)
+    result = run("fit", "--config", "tests/lit/tiny_spsa.yaml", "--trainer.max_steps=2",
+                 f"--data.init_args.dataset.corpus.paths=[{tmp_path / 'corpus'}]",
+                 f"--data.init_args.dataset.output_dir={tmp_path / 'data'}",
+                 f"--trainer.default_root_dir={tmp_path / 'run'}")  # checkpoints: <root>/checkpoints
+    assert result.returncode == 0, result.stderr
+    assert "args parameter" not in result.stderr and "anonymous" not in result.stderr
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()

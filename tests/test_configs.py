@@ -7,36 +7,75 @@ from pathlib import Path
 import pytest
 import yaml
 
-from soma_pl.cli import _prepare_parser, _shard_parser
+from soma_pl.cli import command_parser
 from soma_pl.data.datamodule import ByteDataModule
 from soma_pl.lightning_cli import make_cli
 from soma_pl.lit.base import ByteLMModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
-EXPECTED = 20
+EXPECTED = 24
 # configs/{quickstart,spsa,bptt,seed,soma_quickstart,soma_n2,soma_n8,soma_n256,eggroll,ddpp} (10),
-# data/{demo,fineweb_edu} (2), shard/{demo_n2,demo_n3,fineweb_n8} (3), demo/{spsa,soma_n2,bptt_n2,eggroll,ddpp} (5)
+# data/{demo,fineweb_edu} (2), shard/{demo_n2,demo_n3,fineweb_n8} (3), demo/{spsa,soma_n2,bptt_n2,eggroll,ddpp} (5),
+# the layers under them: trainer/{cpu,gpu} (2), datamodule/{demo,fineweb_edu} (2)
+CPU = ("configs/trainer/cpu.yaml", "configs/datamodule/demo.yaml")
+GPU = ("configs/trainer/gpu.yaml", "configs/datamodule/fineweb_edu.yaml")
+ON_CPU = {"quickstart", "seed", "soma_quickstart"}
+"""Method layers composed over the CPU base and the demo corpus (besides configs/demo/*)."""
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _bases(path: Path) -> tuple[str, ...]:
+    """The trainer base and data layer a method layer is composed over (its comment's command)."""
+    return CPU if path.parent.name == "demo" or path.stem in ON_CPU else GPU
+
+
+LAYERS = {ROOT / layer for layer in CPU + GPU}
+METHODS = [path for path in CONFIGS if "model" in (yaml.safe_load(path.read_text()) or {})]
 
 
 def test_found_every_config():
-    assert len(CONFIGS) == EXPECTED, [str(c.relative_to(ROOT)) for c in CONFIGS]
+    assert len(CONFIGS) == EXPECTED, [_name(c) for c in CONFIGS]
+    assert len(METHODS) == 15 and LAYERS < set(CONFIGS)
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_config_parses(path, monkeypatch):
+@pytest.mark.parametrize("path", [c for c in CONFIGS if c not in METHODS and c not in LAYERS], ids=_name)
+def test_command_config_parses(path):
     content = yaml.safe_load(path.read_text())
-    if "shard" in content:
-        parser = _shard_parser()
-        config = parser.instantiate(parser.parse_args(["--config", str(path)]))
-        assert config.shard.output_dir and config.shard.num_experts >= 1
-        return
-    if "dataset" in content:
-        parser = _prepare_parser()
-        config = parser.instantiate(parser.parse_args(["--config", str(path)]))
-        assert config.dataset.output_dir
-        return
+    command, section = ("shard", "shard") if "shard" in content else ("prepare", "dataset")
+    parser = command_parser(command)
+    config = parser.instantiate(parser.parse_args(["--config", str(path)]))
+    assert getattr(config, section).output_dir
+
+
+@pytest.mark.parametrize("path", METHODS, ids=_name)
+def test_method_layer_composes_over_its_bases(path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cli = make_cli(["--config", str(path)], run=False)
+    bases = _bases(path)
+    layers = [arg for layer in (*bases, _name(path)) for arg in ("--config", str(ROOT / layer))]
+    cli = make_cli(layers, run=False)
     assert isinstance(cli.model, ByteLMModule) and isinstance(cli.datamodule, ByteDataModule)
     assert cli.trainer.max_steps > 0
+    root = cli.config["trainer"]["default_root_dir"]
+    assert root.startswith("runs/") and cli.config["checkpoint"]["dirpath"] == f"{root}/checkpoints"
+    prepared = yaml.safe_load((ROOT / bases[1]).read_text())["data"]["init_args"]["prepared"]
+    assert cli.datamodule.prepared == prepared
+    # Comments give the command that runs the layer, and it names the same bases.
+    assert f"--config {bases[0]} --config {bases[1]}" in " ".join(path.read_text().replace("\\\n", " ").split())
+
+
+@pytest.mark.parametrize("path", METHODS, ids=_name)
+def test_no_block_is_copied_from_a_base(path):
+    """A method layer sets only what differs from its trainer base and data layer; no checkpoint folder
+    (it defaults to `<default_root_dir>/checkpoints`)."""
+    content = yaml.safe_load(path.read_text())
+    trainer, data = (yaml.safe_load((ROOT / layer).read_text()) for layer in _bases(path))
+    assert "checkpoint" not in content and "seed_everything" not in content
+    assert "class_path" not in (content.get("data") or {})
+    repeated = {k: v for k, v in content["trainer"].items() if trainer["trainer"].get(k, object()) == v}
+    data_args = (content.get("data") or {}).get("init_args") or {}
+    repeated |= {k: v for k, v in data_args.items() if data["data"]["init_args"].get(k, object()) == v}
+    assert repeated == {}

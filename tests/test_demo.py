@@ -18,8 +18,10 @@ from tests.data.corpora import write_jsonl_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-TINY_MODEL = ["--model.init_args.width=8", "--model.init_args.num_layers=1", "--model.init_args.embed_dim=8",
-              "--model.init_args.n_pert=2", "--model.init_args.micro_batch=2", "--model.init_args.train_context=16",
+TINY_MODEL = ["--model.init_args.shape.width=8", "--model.init_args.shape.num_layers=1",
+              "--model.init_args.shape.embed_dim=8",
+              "--model.init_args.spsa.n_pert=2", "--model.init_args.spsa.micro_batch=2",
+              "--model.init_args.train_context=16",
               "--data.init_args.batch_size=2", "--data.init_args.eval_batch_size=4",
               "--trainer.enable_model_summary=false"]
 
@@ -124,7 +126,8 @@ def test_a_finished_run_is_reused_only_on_the_data_it_was_trained_on(tmp_path):
     for folder, name, value in (("data", "manifest.json", "a" * 64), ("experts", "experts.json", "b" * 64)):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / name).write_text(json.dumps({"fingerprint": value}))
-    side = DemoSide(config=str(ROOT / "configs" / "demo" / "soma_n2.yaml"),
+    side = DemoSide(config=[str(ROOT / "configs" / "datamodule" / "demo.yaml"),
+                            str(ROOT / "configs" / "demo" / "soma_n2.yaml")],
                     overrides=[f"--data.init_args.experts_dir={tmp_path / 'experts'}"])
     demo = DemoConfig(overrides=[f"--data.init_args.prepared={tmp_path / 'data'}"])
     assert _data_fingerprints(demo, side) == ["a" * 64, "b" * 64]

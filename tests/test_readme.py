@@ -7,7 +7,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from soma_pl.cli import LIGHTNING_COMMANDS, TOOLS
+import pytest
+
+from soma_pl.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -32,17 +34,33 @@ def test_the_two_commands_install_then_run_the_main_job_and_the_tests():
     assert install.startswith("pip install ") and install.endswith(" -e .")
     command = run.split()
     assert command[:3] == ["python", "-m", "soma_pl.cli"]
-    assert command[3] in TOOLS or command[3] in LIGHTNING_COMMANDS
+    assert command[3] in COMMANDS
     assert tests.startswith("pip install ") and tests.endswith("-e '.[dev]' && python -m pytest -q")
 
 
 def test_ci_runs_the_readme_test_command_and_then_the_slow_checks():
     printed = subprocess.run([str(ROOT / ".ci" / "run"), "--print"], capture_output=True, text=True, check=True)
-    assert printed.stdout.splitlines() == [_two_commands()[1], "python -m pytest -q -m 'slow and not cuda'"]
+    assert printed.stdout.splitlines() == [_two_commands()[1], "ruff check .",
+                                           "python -m pytest -q -m 'slow and not cuda'"]
     assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()
     tests = " ".join(README.split("## Tests", 1)[1].split())
     assert "`python -m pytest -q -m 'slow and not cuda'`" in tests
-    assert "CI (`.ci/run`) runs the default command and then this one" in tests
+    assert "CI (`.ci/run`) runs the default command and then this one, with `ruff check .`" in tests
+
+
+def test_the_lint_configuration_is_the_one_ci_and_pre_commit_run():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    import yaml
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    lint = project["tool"]["ruff"]
+    assert lint["line-length"] == 120 and set(lint["lint"]["select"]) == {"E", "F", "W", "B", "I", "UP"}
+    pinned = [d for d in project["project"]["optional-dependencies"]["dev"] if d.startswith("ruff==")]
+    hooks = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())["repos"][0]["hooks"]
+    assert len(pinned) == 1 and hooks[0]["entry"].startswith("ruff check")
+    assert (ROOT / "LICENSE").read_text().split()[:3] == ["Apache", "License", "Version"]
+    assert project["project"]["license"] == {"text": "Apache-2.0"}
 
 
 def test_links_and_the_figure_resolve():

@@ -120,7 +120,7 @@ def test_each_logger_path_logs_the_whole_config_once(logger, corpus_dir, tmp_pat
     init_args = run.config["model"]["init_args"]
     assert not logged & set(init_args), f"flat module arguments beside the nested config: {logged & set(init_args)}"
     assert init_args["optimizer"]["class_path"] == "torch.optim.SGD"
-    assert init_args["optimizer"]["init_args"]["lr"] == 0.1 and init_args["width"] == 8
+    assert init_args["optimizer"]["init_args"]["lr"] == 0.1 and init_args["shape"]["width"] == 8
     assert run.config["seed_everything"] == 0 and run.config["trainer"]["max_steps"] == 4
     assert run.config["data"]["init_args"]["batch_size"] == 4
     assert run.config["wandb"]["group"] == "study-b"

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from jsonargparse import ArgumentParser, Namespace
 from torch import Tensor
 from tqdm import tqdm
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.analysis.loading import ensemble_val_windows, load_experts
 from soma_pl.errors import ConfigError
-from soma_pl.models.experts import StackedExperts
+from soma_pl.io import emit_json
+from soma_pl.models.stacked import StackedExperts
 
 PAIR_CHUNK_ELEMENTS = 1 << 24
 """Most (pair, token) log-probabilities mixed at once."""
@@ -148,39 +148,36 @@ def summarise(stats: PairStatistics, baseline: DifficultyBaseline, bins: int) ->
     correlation = residual_correlations(stats, baseline)
     points = [{"experts": [int(a), int(b)], "correlation": float(c), "gain": float(g),
                "losses": [float(losses[a]), float(losses[b])], "pair_loss": float(p)}
-              for a, b, c, g, p in zip(i, j, correlation, gain, pair_loss)]
+              for a, b, c, g, p in zip(i, j, correlation, gain, pair_loss, strict=False)]
     spread = torch.corrcoef(torch.stack((correlation, gain)))[0, 1] if len(points) > 1 else torch.tensor(float("nan"))
     return {"difficulty_baseline": DifficultyBaseline(baseline).value, "tokens": stats.tokens,
             "experts": losses.numel(), "expert_losses": losses.tolist(), "pairs": points,
             "bins": bin_pairs(correlation, gain, bins), "gain_correlation_pearson": float(spread)}
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="Fig. 17: pairwise error correlation against the gain of averaging.")
-    parser.add_argument("--checkpoint", type=str, required=True, help="a checkpoint of N >= 3 stacked experts")
-    parser.add_argument("--data", type=str, default="data/demo", help="prepared dataset folder (ensemble_val.npz)")
-    parser.add_argument("--baseline", type=DifficultyBaseline, default=DifficultyBaseline.all_experts,
-                        help="per-token mean removed as shared difficulty")
-    parser.add_argument("--bins", type=int, default=10, help="equal-count correlation bins")
-    parser.add_argument("--max_windows", type=int | None, default=None, help="use only the first windows")
-    parser.add_argument("--batch_size", type=int, default=16, help="windows per forward")
-    parser.add_argument("--out", type=str, default="error_correlation.json")
-    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar on stderr")
-    return parser
+def main(checkpoint: str, data: str = "data/demo", baseline: DifficultyBaseline = DifficultyBaseline.all_experts,
+         bins: int = 10, max_windows: int | None = None, batch_size: int = 16, out: str = "error_correlation.json",
+         progress: bool = True) -> None:
+    """Fig. 17: pairwise error correlation against the gain of averaging.
 
-
-def run(args: Namespace) -> None:
-    from soma_pl.cli import _emit
-
-    if args.bins < 1:
+    Args:
+        checkpoint: a checkpoint of N >= 3 stacked experts.
+        data: prepared dataset folder (its ensemble_val.npz is scored).
+        baseline: the per-token mean removed as shared difficulty.
+        bins: equal-count correlation bins.
+        max_windows: use only the first windows; None: all of them.
+        batch_size: windows per forward.
+        out: where to write the JSON.
+        progress: show a progress bar on stderr.
+    """
+    if bins < 1:
         raise ConfigError("analyze error-correlation: --bins must be >= 1")
-    loaded = load_experts(args.checkpoint)
+    loaded = load_experts(checkpoint)
     if loaded.model.num_experts < 3:
         raise ConfigError(f"checkpoint {loaded.path} has {loaded.model.num_experts} experts; removing shared token "
                           "difficulty needs at least 3")
-    evalset = ensemble_val_windows(args.data, args.max_windows)
-    stats = accumulate(loaded.model, torch.from_numpy(evalset.windows.copy()), args.batch_size,
-                       progress=args.progress)
+    evalset = ensemble_val_windows(data, max_windows)
+    stats = accumulate(loaded.model, torch.from_numpy(evalset.windows.copy()), batch_size, progress=progress)
     result = {"analysis": "error_correlation", "figure": "Fig. 17", "checkpoint": loaded.path,
-              "data": f"{args.data}/ensemble_val.npz", **summarise(stats, args.baseline, args.bins)}
-    _emit(result, args.out)
+              "data": f"{data}/ensemble_val.npz", **summarise(stats, baseline, bins)}
+    emit_json(result, out)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from soma_pl.estimators.directions import DirectionKind, directions
 from soma_pl.estimators.spsa import LossFn, SPSAConfig, group_sums, spsa_estimate
-from soma_pl.models.experts import StackedExperts
+from soma_pl.models.stacked import StackedExperts
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def exact_gradient(loss_fn: LossFn, params: Mapping[str, Tensor], tokens: Tensor
     leaves = {name: param.detach().clone().requires_grad_(True) for name, param in params.items()}
     with torch.enable_grad():
         grads = torch.autograd.grad(loss_fn(leaves, tokens).sum(), list(leaves.values()))
-    return flatten(dict(zip(leaves, grads)))
+    return flatten(dict(zip(leaves, grads, strict=False)))
 
 
 DIRECTION_CHUNK_ELEMENTS = 1 << 24

@@ -14,8 +14,8 @@ from soma_pl import WINDOW_BYTES
 from soma_pl.data.evalsets import EvalSet
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.models.checkpoints import load_checkpoint
-from soma_pl.models.experts import HeadMode, StackedExperts
 from soma_pl.models.router import Router
+from soma_pl.models.stacked import HeadMode, StackedExperts
 
 ENSEMBLE_VAL_FILE = "ensemble_val.npz"
 """The prepared dataset's ensemble-validation windows (see `soma_pl.data.prepare`)."""
@@ -47,7 +47,7 @@ def load_experts(path: str | Path, dtype: torch.dtype = torch.float32) -> Loaded
     if "w_ih" not in state or "head" not in state:
         raise ConfigError(f"checkpoint {path}: no stacked-expert model (need model.w_ih and model.head)")
     w_ih = state["w_ih"]
-    head = HeadMode.SHARED if state["head"].dim() == 2 else HeadMode.PER_EXPERT
+    head = HeadMode.shared if state["head"].dim() == 2 else HeadMode.per_expert
     model = StackedExperts(int(w_ih.shape[0]), int(w_ih.shape[-1]), int(state["head"].shape[-1]),
                            int(w_ih.shape[1]), head)
     try:

@@ -13,15 +13,15 @@ every window), ``routed_top1_share`` (how often each expert is ranked first), ``
 from __future__ import annotations
 
 import torch
-from jsonargparse import ArgumentParser, Namespace
 from tqdm import tqdm
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.analysis.loading import ensemble_val_windows, load_experts, load_router
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.ensemble import EnsembleScores, score_windows
-from soma_pl.models.experts import StackedExperts
+from soma_pl.io import emit_json
 from soma_pl.models.router import Router
+from soma_pl.models.stacked import StackedExperts
 
 
 @torch.no_grad()
@@ -57,26 +57,23 @@ def topk_curve(scores: EnsembleScores, doc_ids) -> dict:
             "windows": windows, "documents": intervals[0].documents}
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="Fig. 16: ensemble-validation loss for every top-k from one pass.")
-    parser.add_argument("--checkpoint", type=str, required=True, help="a SOMA checkpoint (router inside)")
-    parser.add_argument("--data", type=str, default="data/demo", help="prepared dataset folder (ensemble_val.npz)")
-    parser.add_argument("--router", type=str | None, default=None, help="router.pt replacing the checkpoint's")
-    parser.add_argument("--max_windows", type=int | None, default=None, help="score only the first windows")
-    parser.add_argument("--batch_size", type=int, default=16, help="windows per forward")
-    parser.add_argument("--out", type=str, default="topk.json")
-    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar on stderr")
-    return parser
+def main(checkpoint: str, data: str = "data/demo", router: str | None = None, max_windows: int | None = None,
+         batch_size: int = 16, out: str = "topk.json", progress: bool = True) -> None:
+    """Fig. 16: ensemble-validation loss for every top-k from one pass.
 
-
-def run(args: Namespace) -> None:
-    from soma_pl.cli import _emit
-
-    loaded = load_experts(args.checkpoint)
-    router = load_router(loaded, args.router)
-    evalset = ensemble_val_windows(args.data, args.max_windows)
-    scores = score_all(loaded.model, router, torch.from_numpy(evalset.windows.copy()), args.batch_size,
-                       progress=args.progress)
+    Args:
+        checkpoint: a SOMA checkpoint (router inside).
+        data: prepared dataset folder (its ensemble_val.npz is scored).
+        router: a router.pt replacing the checkpoint's.
+        max_windows: score only the first windows; None: all of them.
+        batch_size: windows per forward.
+        out: where to write the JSON.
+        progress: show a progress bar on stderr.
+    """
+    loaded = load_experts(checkpoint)
+    evalset = ensemble_val_windows(data, max_windows)
+    scores = score_all(loaded.model, load_router(loaded, router), torch.from_numpy(evalset.windows.copy()), batch_size,
+                       progress=progress)
     result = {"analysis": "topk", "figure": "Fig. 16", "checkpoint": loaded.path,
-              "data": f"{args.data}/ensemble_val.npz", **topk_curve(scores, evalset.doc_ids)}
-    _emit(result, args.out)
+              "data": f"{data}/ensemble_val.npz", **topk_curve(scores, evalset.doc_ids)}
+    emit_json(result, out)

@@ -18,25 +18,25 @@ the error of separate losses is than that of one joint loss over ``joint_loss_gr
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
 import torch
-from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
 from tqdm import tqdm
 
 from soma_pl.analysis.loading import load_experts, window_pool
 from soma_pl.analysis.variance_panels import (
     Measurement,
     batch_panel,
-    experts_panel,
     expert_tokens,
+    experts_panel,
     n_pert_panel,
 )
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig
-from soma_pl.models.experts import StackedExperts
+from soma_pl.io import emit_json
+from soma_pl.models.stacked import StackedExperts
 
 
 class Panel(str, Enum):
@@ -92,7 +92,7 @@ class VarianceSettings:
     """Batch-and-direction draws per point in the batch panel (the paper: 16)."""
     eps: float = 1e-5
     """ε of the central differences (float64 throughout)."""
-    direction: DirectionKind = DirectionKind.RADEMACHER
+    direction: DirectionKind = DirectionKind.rademacher
     """Direction distribution (the predictions follow it)."""
     max_rows: int | None = 1024
     """Most windows per loss call (bounds memory; see SPSAConfig.max_rows)."""
@@ -207,24 +207,12 @@ def _panels(settings: VarianceSettings, panels: list[Panel], drawn) -> dict:
     return result
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="Relative SPSA gradient error at fixed weights, measured and predicted "
-                                        "(Figs. 10, 11).")
-    # The settings' attribute docstrings become the --help text; reading them is off by default
-    # (slow for big class trees), so it is switched on for this small dataclass only.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    try:
-        parser.add_class_arguments(VarianceSettings, nested_key=None)
-    finally:
-        set_parsing_settings(docstring_parse_attribute_docstrings=False)
-    parser.add_argument("--out", type=str, default="variance.json", help="where to write the JSON")
-    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar on stderr")
-    return parser
+def main(settings: VarianceSettings = VarianceSettings(), out: str = "variance.json", progress: bool = True) -> None:
+    """Figs. 10, 11: relative SPSA gradient error at fixed weights, measured and predicted.
 
-
-def run(args: Namespace) -> None:
-    from soma_pl.cli import _emit
-
-    names = {f.name for f in fields(VarianceSettings)}
-    settings = VarianceSettings(**{name: value for name, value in vars(args).items() if name in names})
-    _emit(variance_analysis(settings, progress=args.progress), args.out)
+    Args:
+        settings: what is measured (its fields are top-level options: `--context 16`).
+        out: where to write the JSON.
+        progress: show a progress bar on stderr.
+    """
+    emit_json(variance_analysis(settings, progress=progress), out)

@@ -30,7 +30,7 @@ from soma_pl.analysis.gradient_error import (
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
 from soma_pl.estimators.theory import batch_noise_relative_error, grouped_relative_error, sampled_batch_variance
-from soma_pl.models.experts import HeadMode, StackedExperts
+from soma_pl.models.stacked import HeadMode, StackedExperts
 
 CENTRAL_DIFFERENCE_DIRECTIONS = 4
 """Directions on which the central differences are compared with autograd's ``zᵀg``."""
@@ -104,7 +104,7 @@ def experts_panel(windows: Tensor, expert_counts: Sequence[int], total_params: i
         width = width_for_total(total_params, count, 32, 4)
         with torch.random.fork_rng():
             torch.manual_seed(measurement.seed + count)
-            model = StackedExperts(count, width, head=HeadMode.SHARED, dtype=torch.float64).requires_grad_(False)
+            model = StackedExperts(count, width, head=HeadMode.shared, dtype=torch.float64).requires_grad_(False)
         tokens = expert_tokens(windows, count, per_expert, context)
         params = _trainable(model)
         reference = exact_gradient(model.loss_per_group, params, tokens)

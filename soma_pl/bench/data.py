@@ -11,6 +11,7 @@ import torch
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.datamodule import ByteDataModule
 from soma_pl.data.prepare import PrepareConfig
+from soma_pl.io import emit_json
 
 
 def bench_data(dataset: PrepareConfig, batch_size: int = 64, batches: int = 200, warmup: int = 10,
@@ -47,3 +48,18 @@ def bench_data(dataset: PrepareConfig, batch_size: int = 64, batches: int = 200,
         "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "results": results,
     }
+
+
+def main(dataset: PrepareConfig = PrepareConfig(), experts_dir: str | None = None, batch_size: int = 64,
+         batches: int = 200, workers: tuple[int, ...] = (0, 2), out: str = "bench_data.json") -> None:
+    """Training-stream throughput from shards (windows/s, MB/s).
+
+    Args:
+        dataset: the prepared dataset (the `dataset:` section of `configs/data/<name>.yaml`).
+        experts_dir: a sharded dataset folder; None: the prepared dataset's own shards.
+        batch_size: windows per batch.
+        batches: timed batches per worker count.
+        workers: DataLoader worker counts to time.
+        out: where to write the JSON.
+    """
+    emit_json(bench_data(dataset, batch_size, batches, workers=tuple(workers), experts_dir=experts_dir), out)

@@ -28,15 +28,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 import torch
-from jsonargparse import ArgumentParser, Namespace
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.bench.memory import PeakMemory, machine, round_robin
 from soma_pl.errors import ConfigError
 from soma_pl.eval.ensemble import score_top_k
-from soma_pl.models.experts import HeadMode, StackedExperts
+from soma_pl.io import emit_json
 from soma_pl.models.router import EncoderKind, HashedNgramEncoder, Router, SeedEncoder
+from soma_pl.models.stacked import HeadMode, StackedExperts
 
 SCORED_TOKENS = WINDOW_BYTES - 1 - ROUTE_BYTES
 """Scored targets per request (768)."""
@@ -65,7 +65,7 @@ class InferenceModel:
 
     @property
     def head(self) -> HeadMode:
-        return HeadMode.SHARED if self.shared_head else HeadMode.PER_EXPERT
+        return HeadMode.shared if self.shared_head else HeadMode.per_expert
 
     @property
     def name(self) -> str:
@@ -181,11 +181,12 @@ def bench_inference(models: Sequence[InferenceModel] = TABLE2_MODELS,
     before = machine()
     runs = round_robin(measure_model, [(config, settings) for config in models], settings.rounds, "bench inference",
                        lambda config: config[0].name)
-    results = [_combine(config, records) for config, records in zip(models, runs)]
+    results = [_combine(config, records) for config, records in zip(models, runs, strict=False)]
     monolithic = next((record for record in results if record["experts"] == 1), None)
     ratios = {}
     if monolithic is not None:
-        ratios = {f"{record['model']} top-{record['top_k']}": round(record["tokens_per_s"] / monolithic["tokens_per_s"], 3)
+        ratios = {f"{record['model']} top-{record['top_k']}":
+                  round(record["tokens_per_s"] / monolithic["tokens_per_s"], 3)
                   for record in results}
     return {"benchmark": "inference", "table": "Table 12", "machine": before, "load_average_after": os.getloadavg(),
             "settings": asdict(settings), "results": results, "throughput_ratio_to_n1": ratios,
@@ -203,23 +204,19 @@ def _combine(config: InferenceModel, records: list[dict]) -> dict:
             **{key: peak[key] for key in ("peak_bytes", "baseline_bytes", "peak_above_baseline_bytes")}}
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="Table 12: warm inference throughput, latency and peak memory, routing included.")
-    parser.add_argument("--models", type=list[InferenceModel], default=list(TABLE2_MODELS),
-                        help="configurations: experts, width, batch_size, shared_head")
-    parser.add_argument("--batch_sizes", type=list[int] | None, default=None,
-                        help="batch size of each configuration, in order (overrides --models)")
-    parser.add_argument("--settings", type=InferenceSettings, default=InferenceSettings())
-    parser.add_argument("--out", type=str, default="bench_inference.json")
-    return parser
+def main(models: tuple[InferenceModel, ...] = TABLE2_MODELS, batch_sizes: tuple[int, ...] | None = None,
+         settings: InferenceSettings = InferenceSettings(), out: str = "bench_inference.json") -> None:
+    """Table 12: warm inference throughput, latency and peak memory, routing included.
 
-
-def run(args: Namespace) -> None:
-    from soma_pl.cli import _emit
-
-    models = list(args.models)
-    if args.batch_sizes is not None:
-        if len(args.batch_sizes) != len(models):
-            raise ConfigError(f"--batch_sizes has {len(args.batch_sizes)} entries for {len(models)} models")
-        models = [replace(model, batch_size=size) for model, size in zip(models, args.batch_sizes)]
-    _emit(bench_inference(models, args.settings), args.out)
+    Args:
+        models: the configurations timed (experts, width, batch_size, shared_head); default: Table 2's.
+        batch_sizes: the batch size of each configuration, in order (overrides `models`' own).
+        settings: what every configuration shares.
+        out: where to write the JSON.
+    """
+    models = list(models)
+    if batch_sizes is not None:
+        if len(batch_sizes) != len(models):
+            raise ConfigError(f"--batch_sizes has {len(batch_sizes)} entries for {len(models)} models")
+        models = [replace(model, batch_size=size) for model, size in zip(models, batch_sizes, strict=False)]
+    emit_json(bench_inference(models, settings), out)

@@ -22,20 +22,20 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
-from jsonargparse import ArgumentParser, Namespace
 from torch import Tensor, nn
 
 from soma_pl import VOCAB_SIZE
 from soma_pl.bench.memory import machine, round_robin
 from soma_pl.bench.zo import median_seconds
 from soma_pl.errors import ConfigError
+from soma_pl.io import emit_json
 from soma_pl.models import recurrence
-from soma_pl.models.experts import StackedExperts
 from soma_pl.models.recurrence import Kernel
+from soma_pl.models.stacked import StackedExperts
 
 KINDS = ("inference", "bptt", "grouped")
 
@@ -108,7 +108,7 @@ class ReferenceStack(nn.Module):
             if model.has_projections:
                 self.in_proj.weight.copy_(model.in_proj[0])
                 self.out_proj.weight.copy_(model.out_proj[0])
-            for norm, gain in zip(self.norms, model.norm_gains[0]):
+            for norm, gain in zip(self.norms, model.norm_gains[0], strict=False):
                 norm.weight.copy_(gain)
             for layer, lstm in enumerate(self.lstms):
                 lstm.weight_ih_l0.copy_(recurrence.torch_gate_order(model.w_ih[0, layer]))
@@ -118,7 +118,7 @@ class ReferenceStack(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits. tokens: ``[b, T]`` → ``[b, T, 256]``."""
         x = self.in_proj(self.embed(tokens.long()))
-        for norm, lstm in zip(self.norms, self.lstms):
+        for norm, lstm in zip(self.norms, self.lstms, strict=False):
             x = x + lstm(norm(x))[0]
         return self.out_proj(self.norms[-1](x)) @ self.embed.weight.t()
 
@@ -154,7 +154,8 @@ def _pair(kind: str, shape: KernelShape, settings: KernelSettings, model: Stacke
             with torch.no_grad():
                 same = {name: param.detach().expand(shape.groups, *param.shape[1:]) for name, param
                         in model.expert_parameters().items()}
-                return (model.forward_with(same, tokens).reshape_as(reference(flat)) - reference(flat)).abs().max().item()
+                return (model.forward_with(same, tokens).reshape_as(reference(flat))
+                        - reference(flat)).abs().max().item()
 
         def ours() -> None:
             with torch.no_grad():
@@ -257,21 +258,17 @@ def _summary(kind: str, shape: KernelShape, settings: KernelSettings, runs: list
             "max_abs_diff": max(run["max_abs_diff"] for run in runs), "threads": runs[0]["threads"]}
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="Our LSTM stack vs torch.nn.LSTM with the same weights: inference, BPTT, "
-                                        "grouped zero-order forward; interleaved fresh processes, ratios in JSON.")
-    parser.add_argument("--shapes", type=list[KernelShape], default=list(DEFAULT_SHAPES),
-                        help="widths and batch shapes: width, batch, groups, group_batch")
-    parser.add_argument("--settings", type=KernelSettings, default=KernelSettings())
-    parser.add_argument("--device", type=str | None, default=None, help="cpu, cuda, ... (overrides --settings.device)")
-    parser.add_argument("--out", type=str, default="bench_kernels.json")
-    return parser
+def main(shapes: tuple[KernelShape, ...] = DEFAULT_SHAPES, settings: KernelSettings = KernelSettings(),
+         device: str | None = None, out: str = "bench_kernels.json") -> None:
+    """Our LSTM stack against torch.nn.LSTM with the same weights: inference, BPTT, grouped.
 
+    Interleaved fresh processes; the ratios are in the JSON.
 
-def run(args: Namespace) -> None:
-    from dataclasses import replace
-
-    from soma_pl.cli import _emit
-
-    settings = args.settings if args.device is None else replace(args.settings, device=args.device)
-    _emit(bench_kernels(list(args.shapes), settings), args.out)
+    Args:
+        shapes: widths and batch shapes (width, batch, groups, group_batch).
+        settings: what every shape shares.
+        device: cpu, cuda, ...; overrides `settings.device`.
+        out: where to write the JSON.
+    """
+    settings = settings if device is None else replace(settings, device=device)
+    emit_json(bench_kernels(list(shapes), settings), out)

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import ArgumentParser, Namespace
 from tqdm import tqdm
 
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
-from soma_pl.models.experts import StackedExperts
+from soma_pl.io import emit_json
+from soma_pl.models.stacked import StackedExperts
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
@@ -222,15 +222,13 @@ def bench_memory(contexts: Sequence[int] = (256, 512, 1024, 2048),
             "curves": curves, "growth": growth}
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="Peak memory of a ZO (SPSA) update and a BPTT update against context length.")
-    parser.add_argument("--contexts", type=list[int], default=[256, 512, 1024, 2048], help="predicted bytes per window")
-    parser.add_argument("--settings", type=MemorySettings, default=MemorySettings())
-    parser.add_argument("--out", type=str, default="bench_memory.json")
-    return parser
+def main(contexts: tuple[int, ...] = (256, 512, 1024, 2048), settings: MemorySettings = MemorySettings(),
+         out: str = "bench_memory.json") -> None:
+    """Peak memory of a ZO (SPSA) update and a BPTT update against context length.
 
-
-def run(args: Namespace) -> None:
-    from soma_pl.cli import _emit
-
-    _emit(bench_memory(tuple(args.contexts), args.settings), args.out)
+    Args:
+        contexts: predicted bytes per window, one measurement of each method each.
+        settings: the model and the update measured.
+        out: where to write the JSON.
+    """
+    emit_json(bench_memory(tuple(contexts), settings), out)

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from jsonargparse import ArgumentParser, Namespace
 from tqdm import tqdm
 
-from soma_pl.io import write_json_atomic
+from soma_pl.errors import ConfigError
+from soma_pl.io import emit_json
 
 COLUMNS = ("text", "id", "dump", "url", "file_path", "language", "language_score", "token_count", "score",
            "int_score")
@@ -114,12 +114,12 @@ def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ..
             for count in tasks:
                 output = root / f"prepared-{count}-{round_}"
                 run = run_prepare(root / "corpus", output, count, extra)
-                run["mb_per_second"] = round(corpus["text_bytes"] / 1e6 / run["seconds"], 2)
+                run["mb_per_second"] = round(corpus["text_bytes"] / 1e6 / run["seconds"], 3)
                 measured[count].append(run)
                 shutil.rmtree(output)
                 bar.update()
     runs = []
-    for count, results in measured.items():
+    for _count, results in measured.items():
         median = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]
         runs.append({**median, "seconds_per_round": [r["seconds"] for r in results],
                      "median_parallel_stage_seconds": float(np.median([r["parallel_stage_seconds"] for r in results]))})
@@ -133,26 +133,21 @@ def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ..
             "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="prepare throughput and peak RSS per task at 1 and N tasks, on a generated "
-                                        "corpus in the FineWeb-Edu parquet schema.")
-    parser.add_argument("--megabytes", type=float, default=100.0, help="text in the generated corpus (MB)")
-    parser.add_argument("--files", type=int, default=8, help="parquet files (datatrove deals files to tasks)")
-    parser.add_argument("--tasks", type=list[int], default=[1, 2], help="task counts to time")
-    parser.add_argument("--workdir", type=str | None, default=None, help="where the scratch corpus goes")
-    parser.add_argument("--prepare_args", type=list[str], default=[],
-                        help="further `prepare` arguments, e.g. ['--dataset.test_windows=64'] for a small corpus")
-    parser.add_argument("--rounds", type=int, default=3, help="times each task count runs, taking turns")
-    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar")
-    parser.add_argument("--out", type=str, default="bench_prepare.json")
-    return parser
+def main(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 2), workdir: str | None = None,
+         prepare_args: tuple[str, ...] = (), rounds: int = 3, progress: bool = True,
+         out: str = "bench_prepare.json") -> None:
+    """`prepare` throughput and peak memory per task at 1 and N tasks, on a generated corpus.
 
-
-def run(args: Namespace) -> None:
-    if args.megabytes <= 0 or args.files < 1 or not args.tasks or min(args.tasks) < 1 or args.rounds < 1:
-        raise SystemExit("bench prepare: --megabytes must be > 0, --files, --rounds and every --tasks >= 1")
-    result = bench_prepare(args.megabytes, args.files, tuple(args.tasks), args.workdir, tuple(args.prepare_args),
-                           args.rounds, args.progress)
-    path = write_json_atomic(Path(args.out), result)
-    print(json.dumps(result, indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+    Args:
+        megabytes: text in the generated corpus (MB), in the FineWeb-Edu parquet schema.
+        files: parquet files (datatrove deals files to tasks).
+        tasks: task counts to time.
+        workdir: where the scratch corpus goes; None: the system's temporary folder.
+        prepare_args: further `prepare` arguments, e.g. `[--dataset.test_windows=64]` for a small corpus.
+        rounds: times each task count runs, taking turns.
+        progress: show a progress bar.
+        out: where to write the JSON.
+    """
+    if megabytes <= 0 or files < 1 or not tasks or min(tasks) < 1 or rounds < 1:
+        raise ConfigError("bench prepare: --megabytes must be > 0, --files, --rounds and every --tasks >= 1")
+    emit_json(bench_prepare(megabytes, files, tuple(tasks), workdir, tuple(prepare_args), rounds, progress), out)

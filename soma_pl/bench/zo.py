@@ -30,8 +30,9 @@ from tqdm import tqdm
 from soma_pl.estimators.directions import DirectionKind, directions
 from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, eggroll_estimate
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
-from soma_pl.models.experts import StackedExperts
+from soma_pl.io import emit_json
 from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
+from soma_pl.models.stacked import StackedExperts
 
 ROW_CANDIDATES: tuple[int | None, ...] = (None, 1024, 512, 256, 128, 64)
 """Chunk sizes (windows per loss call) tried when ``max_rows`` is not given; None = all at once.
@@ -170,10 +171,10 @@ class Updater:
         """Direction k of every expert, split into parameter-shaped ``[E, ...]`` views."""
         shapes = self.model.expert_param_shapes()
         sizes = [shape.numel() for shape in shapes.values()]
-        flat = directions(DirectionKind.RADEMACHER, self.settings.seed, self.step, ids,
+        flat = directions(DirectionKind.rademacher, self.settings.seed, self.step, ids,
                           torch.tensor([k], device=ids.device), sum(sizes))[:, 0]
         parts = flat.split(sizes, dim=1)
-        return {name: part.view(-1, *shape) for (name, shape), part in zip(shapes.items(), parts)}
+        return {name: part.view(-1, *shape) for (name, shape), part in zip(shapes.items(), parts, strict=False)}
 
     def _perturb(self, z: dict[str, Tensor], scale: float) -> None:
         for name, param in self.params.items():
@@ -206,7 +207,7 @@ def choose_rows(run: Callable[[int | None], object], total_rows: int, smallest: 
     if settings.max_rows is not None:
         return settings.max_rows, []
     candidates = [rows for rows in ROW_CANDIDATES if rows is None or smallest <= rows < total_rows]
-    timings = [{"max_rows": rows, "seconds": median_seconds({"run": lambda: run(rows)}, 1, 1)["run"]}
+    timings = [{"max_rows": rows, "seconds": median_seconds({"run": lambda rows=rows: run(rows)}, 1, 1)["run"]}
                for rows in candidates]
     best = min(timings, key=lambda timing: timing["seconds"])
     return best["max_rows"], timings
@@ -331,7 +332,8 @@ def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBe
     records = [(f"zo d_t={width}", lambda width=width: zo_record(width, settings)) for width in widths]
     if soma_experts:
         records.append((f"soma N={soma_experts}", lambda: soma_record(soma_experts, soma_width, settings)))
-    records += [(f"eggroll d_t={width}", lambda width=width: eggroll_record(width, settings)) for width in eggroll_widths]
+    records += [(f"eggroll d_t={width}", lambda width=width: eggroll_record(width, settings))
+                for width in eggroll_widths]
     results = []
     with tqdm(records, desc="bench zo", unit="record") as progress:
         for name, record in progress:
@@ -345,3 +347,18 @@ def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBe
         "settings": asdict(settings),
         "results": results,
     }
+
+
+def main(widths: tuple[int, ...] = (32, 181), settings: ZOBenchSettings = ZOBenchSettings(), soma_experts: int = 8,
+         eggroll_widths: tuple[int, ...] | None = None, out: str = "bench_zo.json") -> None:
+    """Zero-order update throughput: batched SPSA vs inference and a naive loop.
+
+    Args:
+        widths: body widths d_t, one `zo` record each.
+        settings: what each record measures (its fields are top-level options: `--n_pert 64`).
+        soma_experts: experts of the SOMA record; 0 skips it.
+        eggroll_widths: body widths of the EGGROLL records; None: `widths`, [] skips them.
+        out: where to write the JSON.
+    """
+    eggroll_widths = widths if eggroll_widths is None else eggroll_widths
+    emit_json(bench_zo(tuple(widths), settings, soma_experts=soma_experts, eggroll_widths=tuple(eggroll_widths)), out)

@@ -32,9 +32,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from soma_pl.contracts import ReportsUpdates, UpdateRecord
 from soma_pl.errors import ConfigError
 from soma_pl.io import write_json_atomic
-from soma_pl.lit.base import UpdateRecord
 
 SECONDS_PER_HOUR = 3600.0
 TALLY_FIELDS = 4
@@ -94,7 +94,7 @@ class NewRecord:
         self.warned = False
 
     def __call__(self, pl_module: L.LightningModule) -> UpdateRecord | None:
-        record = getattr(pl_module, "last_update", None)
+        record = pl_module.last_update if isinstance(pl_module, ReportsUpdates) else None
         if record is None and not self.warned:
             self.warned = True
             rank_zero_warn(f"{type(pl_module).__name__} sets no `last_update`: compute is not counted")

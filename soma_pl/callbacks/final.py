@@ -19,7 +19,6 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-
 PATH_SEPARATOR, REPLACEMENT = "/", "_"
 
 

@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from soma_pl.callbacks.compute import run_directory
+from soma_pl.contracts import HoldsEvalSets
 from soma_pl.errors import ConfigError
 from soma_pl.io import write_atomic
 
@@ -61,7 +62,8 @@ class WindowLossWriter(BasePredictionWriter):
                            batch_indices: Any) -> None:
         if not self.enabled:
             return
-        rows = window_rows(predictions, getattr(trainer.datamodule, "test_set", None))
+        rows = window_rows(predictions,
+                           trainer.datamodule.test_set if isinstance(trainer.datamodule, HoldsEvalSets) else None)
         path = self.output_path(trainer)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(encode(rows, path.suffix), path)
@@ -77,7 +79,7 @@ def window_rows(predictions: list[dict[str, torch.Tensor]], evalset: Any = None)
     rows = []
     for batch in predictions:
         losses = batch["loss"].detach().float().cpu().T  # [b, E]
-        for index, window_losses in zip(batch["index"].tolist(), losses.tolist()):
+        for index, window_losses in zip(batch["index"].tolist(), losses.tolist(), strict=False):
             row = {"window": int(index)}
             if evalset is not None:
                 row.update(document=str(evalset.doc_ids[index]), source=str(evalset.sources[index]),

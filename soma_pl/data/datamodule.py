@@ -21,11 +21,13 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from soma_pl import WINDOW_BYTES
+from soma_pl.contracts import SplitsRanks
 from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.experts import check_sharded_from, expert_shards, read_experts_manifest
+from soma_pl.data.expert_sets import check_sharded_from, expert_shards, read_experts_manifest
 from soma_pl.data.prepare import PrepareConfig, open_prepared, prepare, prepare_recipe, read_manifest
-from soma_pl.data.shards import ShardRecord, Verify, verify_shards
-from soma_pl.data.stream import RankSplit, WindowStream, fixed_windows, rank_share
+from soma_pl.data.stream import WindowStream, fixed_windows
+from soma_pl.data.tar_shards import ShardRecord, Verify, verify_shards
+from soma_pl.distributed import RankSplit, rank_share
 from soma_pl.errors import ConfigError, DataError
 
 
@@ -168,7 +170,8 @@ class ByteDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None or trainer.world_size == 1:
             return RankSplit.documents, 0, 1
-        split = RankSplit(getattr(trainer.lightning_module, "rank_split", RankSplit.documents))
+        module = trainer.lightning_module
+        split = RankSplit(module.rank_split) if isinstance(module, SplitsRanks) else RankSplit.documents
         return split, trainer.global_rank, trainer.world_size
 
     def expert_share(self) -> range:
@@ -259,7 +262,7 @@ class ExpertWindowsDataset(torch.utils.data.Dataset):
         for expert, rows in enumerate(windows):
             padded[expert, : len(rows)] = rows
             valid[expert, : len(rows)] = True
-        self.batches = list(zip(padded.split(batch_size, dim=1), valid.split(batch_size, dim=1)))
+        self.batches = list(zip(padded.split(batch_size, dim=1), valid.split(batch_size, dim=1), strict=False))
 
     def __len__(self) -> int:
         return len(self.batches)

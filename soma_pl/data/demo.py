@@ -25,9 +25,9 @@ import tempfile
 import warnings
 import xml.etree.ElementTree as ET
 import zipfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from soma_pl.data.documents import Document
 from soma_pl.errors import ConfigError

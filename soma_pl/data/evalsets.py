@@ -39,7 +39,7 @@ class EvalSet:
         return len(self.windows)
 
     @classmethod
-    def from_picks(cls, documents: list[Document], picks: list[tuple[int, int]]) -> "EvalSet":
+    def from_picks(cls, documents: list[Document], picks: list[tuple[int, int]]) -> EvalSet:
         """Cut `(document index, offset)` windows out of `documents`."""
         rows = [np.frombuffer(documents[i].text[o : o + WINDOW_BYTES], dtype=np.uint8) for i, o in picks]
         windows = np.stack(rows) if rows else np.empty((0, WINDOW_BYTES), dtype=np.uint8)
@@ -56,7 +56,7 @@ class EvalSet:
         os.replace(temporary, path)
 
     @classmethod
-    def load(cls, path: Path) -> "EvalSet":
+    def load(cls, path: Path) -> EvalSet:
         """Raises DataError naming the file when it is missing or corrupt."""
         try:
             with np.load(path, allow_pickle=False) as arrays:

@@ -19,6 +19,7 @@ from soma_pl import WINDOW_BYTES
 from soma_pl.data.documents import Document
 from soma_pl.errors import DataError
 
+
 def document_rank(seed: int, doc_id: str) -> int:
     """A seeded 64-bit hash of a document id: the held-out order."""
     digest = hashlib.blake2b(f"{seed}\x00{doc_id}".encode(), digest_size=8).digest()
@@ -117,7 +118,8 @@ def gram_hashes(grams: np.ndarray) -> np.ndarray:
     return hashes
 
 
-def hashes_at(data: np.ndarray, starts: np.ndarray | None, width: int, rows: tuple[int, int] | None = None) -> np.ndarray:
+def hashes_at(data: np.ndarray, starts: np.ndarray | None, width: int,
+              rows: tuple[int, int] | None = None) -> np.ndarray:
     """`gram_hashes` of the `width`-byte strings of `data` (uint8, 1-D) starting at `starts`,
     without copying them out: each 8-byte lane is one unaligned little-endian load, the last one
     masked to its bytes, which is what `gram_hashes` reads from a zero-padded row.
@@ -130,7 +132,8 @@ def hashes_at(data: np.ndarray, starts: np.ndarray | None, width: int, rows: tup
     if rows is not None:
         count, length = rows[0], rows[1]
         shape, strides = (count, length - width + 1), (length, 1)
-        lane_words = [np.lib.stride_tricks.as_strided(words[8 * lane:], shape, strides) for lane in range(-(-width // 8))]
+        lane_words = [np.lib.stride_tricks.as_strided(words[8 * lane:], shape, strides)
+                      for lane in range(-(-width // 8))]
     else:
         lane_words = [words[starts + 8 * lane] for lane in range(-(-width // 8))]
     hashes = _MIX[0]
@@ -228,7 +231,8 @@ class OverlapScreen:
         positions = np.repeat(starts, counts) + self.gram * (np.arange(counts.sum()) - first)
         queries = hashes_at(np.frombuffer(text, dtype=np.uint8), positions, self.gram)
         slot = queries >> np.uint64(64 - self._bits)
-        maybe = ((self.filter_bits()[slot >> np.uint64(3)] >> (7 - (slot & np.uint64(7))).astype(np.uint8)) & 1).astype(bool)
+        maybe = ((self.filter_bits()[slot >> np.uint64(3)] >> (7 - (slot & np.uint64(7))).astype(np.uint8))
+                 & 1).astype(bool)
         positions, queries = positions[maybe], queries[maybe]
         source = np.repeat(np.arange(len(documents)), counts)[maybe]  # each query's document
         # The keys of a hash lie in [its top bits, then zeros; its top bits, then ones].
@@ -248,7 +252,7 @@ class OverlapScreen:
         offsets = keys & np.uint64((1 << self._offset_bits) - 1)
         keep = ~self.contaminated[owners]
         for owner, offset, position, doc in zip(owners[keep].tolist(), offsets[keep].tolist(),
-                                                where[keep].tolist(), document[keep].tolist()):
+                                                where[keep].tolist(), document[keep].tolist(), strict=False):
             if not self.contaminated[owner]:
                 self.contaminated[owner] = self._extends(text, int(starts[doc]), int(starts[doc] + lengths[doc]),
                                                          position, self.windows[owner], offset)

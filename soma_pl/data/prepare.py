@@ -38,8 +38,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.pipeline import (ExecutorConfig, chain, corpus_reader, remove_staging, run_chain, staging_folder,
-                                   write_paths_file)
+from soma_pl.data.pipeline import (
+    ExecutorConfig,
+    chain,
+    corpus_reader,
+    remove_staging,
+    run_chain,
+    staging_folder,
+    write_paths_file,
+)
 from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_fingerprint
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import check_output

@@ -38,11 +38,10 @@ from datatrove.pipeline.base import PipelineStep
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.documents import Document
 from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.heldout import (ExpertValChoice, HeldOutSelector, OverlapScreen, document_rank,
-                                  validation_windows)
+from soma_pl.data.heldout import ExpertValChoice, HeldOutSelector, OverlapScreen, document_rank, validation_windows
 from soma_pl.data.pipeline import read_documents
 from soma_pl.data.readers import corpus_change, corpus_changed, corpus_fingerprint
-from soma_pl.data.shards import ShardRecord, ShardWriter
+from soma_pl.data.tar_shards import ShardRecord, ShardWriter
 from soma_pl.errors import DataError
 from soma_pl.io import atomic_folder, close_quietly, write_atomic, write_json_atomic
 
@@ -118,7 +117,8 @@ class PlanHeldOut(_Stage):
         full: dict[str, Document] = {}
         for part in parts:
             windows = self.stage / "select" / part["candidates"]
-            held.extend(zip(load_documents(windows), json.loads(windows.with_suffix(".json").read_text())["offsets"]))
+            held.extend(zip(load_documents(windows), json.loads(windows.with_suffix(".json").read_text())["offsets"],
+                            strict=False))
             full.update((d.doc_id, d) for d in load_documents(self.stage / "select" / part["validation"]))
         held.sort(key=lambda pair: (document_rank(config.seed, pair[0].doc_id), pair[0].doc_id))
         held = held[: self.held_count()]
@@ -240,7 +240,8 @@ class FinishPrepare(_Stage):
         config = self.config
         plan = json.loads((self.stage / "plan.json").read_text())
         parts = [json.loads((self.stage / "write" / f"{task:05d}.json").read_text()) for task in range(self.tasks)]
-        shards = {split: [ShardRecord(**r) for p in parts for r in p["records"][split]] for split in ("train", "expert_val")}
+        shards = {split: [ShardRecord(**r) for p in parts for r in p["records"][split]]
+                  for split in ("train", "expert_val")}
         if not shards["train"]:
             raise DataError(f"no training documents left in {describe(config)}")
         for record in shards["train"] + shards["expert_val"]:
@@ -265,7 +266,8 @@ class FinishPrepare(_Stage):
             "seed": config.seed,
             "window_bytes": WINDOW_BYTES,
             "train": {"documents": sum(totals["documents"].values()), "bytes": sum(totals["bytes"].values()),
-                      "sources": {s: {"documents": totals["documents"][s], "bytes": totals["bytes"][s]} for s in sources},
+                      "sources": {s: {"documents": totals["documents"][s], "bytes": totals["bytes"][s]}
+                                  for s in sources},
                       "shards": [s.to_json() for s in shards["train"]]},
             "expert_val": {"documents": sum(totals["val_documents"].values()),
                            "bytes": sum(totals["val_bytes"].values()), "fraction": config.expert_val_fraction,
@@ -273,7 +275,8 @@ class FinishPrepare(_Stage):
             "skipped_short_documents": plan["short"],
             "ensemble_val": {"file": "ensemble_val.npz", "documents": len(set(val.doc_ids.tolist())),
                              "windows": len(val), "wanted": config.val_windows},
-            "test": {"file": "test.npz", "documents": len(chosen), "windows": len(chosen), "wanted": config.test_windows,
+            "test": {"file": "test.npz", "documents": len(chosen), "windows": len(chosen),
+                     "wanted": config.test_windows,
                      "window_position": "one window per document at a seeded uniform offset",
                      "screening": f"excluded candidates sharing any {config.shingle_bytes}-byte substring with a "
                                   "training document (exact: hashed lookups verified on the bytes)",
@@ -348,7 +351,8 @@ def load_documents(path: Path) -> list[Document]:
     if (ends[-1] if ends else 0) != len(text):
         raise DataError(f"{path.with_suffix('.bin')} does not hold the documents {path.with_suffix('.json')} lists")
     return [Document(text[a:b], source, doc_id, title)
-            for a, b, source, doc_id, title in zip(starts, ends, meta["sources"], meta["ids"], meta["titles"])]
+            for a, b, source, doc_id, title in zip(starts, ends, meta["sources"], meta["ids"], meta["titles"],
+                                                   strict=False)]
 
 
 def save_npz(path: Path, **arrays: np.ndarray) -> None:

@@ -109,10 +109,12 @@ def iter_parquet(
                 scores = batch.column("int_score").to_pylist() if use_score else None
                 ids = batch.column(id_field).to_pylist() if id_field else None
                 for i, text in enumerate(texts):
-                    keep = text is not None and (scores is None or (scores[i] is not None and scores[i] >= min_int_score))
+                    keep = text is not None and (scores is None
+                                                 or (scores[i] is not None and scores[i] >= min_int_score))
                     if keep:
                         doc_id = str(ids[i]) if ids is not None else f"{path.name}:{row + i}"
-                        yield Document(text if isinstance(text, bytes) else str(text).encode("utf-8"), str(path), doc_id)
+                        yield Document(text if isinstance(text, bytes) else str(text).encode("utf-8"), str(path),
+                                       doc_id)
                 row += len(texts)
         except (pa.ArrowException, OSError) as error:
             raise DataError(f"corrupt parquet file {path}: {_first_line(error)}") from error

@@ -41,7 +41,7 @@ from datatrove.pipeline.base import PipelineStep
 from soma_pl.data.heldout import seeded_hash
 from soma_pl.data.pipeline import from_pipeline, to_pipeline
 from soma_pl.data.prepare_steps import link_or_copy, peak_rss_mib, save_npz
-from soma_pl.data.shards import ShardWriter, iter_shard_documents
+from soma_pl.data.tar_shards import ShardWriter, iter_shard_documents
 from soma_pl.errors import DataError
 from soma_pl.io import atomic_folder, close_quietly, write_json_atomic
 from soma_pl.models.router import EncoderKind, Router, prefix_batch
@@ -157,7 +157,7 @@ class FitExperts(_Stage):
         self.tasks = tasks
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from soma_pl.data.sharding import (Sharding, assign_labels, expert_centroids, validation_mask)
+        from soma_pl.data.sharding import Sharding, assign_labels, expert_centroids, validation_mask
 
         config, begun = self.config, time.perf_counter()
         keys = [dict(np.load(self.stage / "embed" / f"{task:05d}.npz")) for task in range(self.tasks)]
@@ -169,7 +169,8 @@ class FitExperts(_Stage):
         size = min(config.kmeans_sample, documents)
         picks = []
         for task, k in enumerate(keys):
-            local = np.argpartition(k["sample"], size - 1)[:size] if len(k["sample"]) > size else np.arange(len(k["sample"]))
+            local = (np.argpartition(k["sample"], size - 1)[:size] if len(k["sample"]) > size
+                     else np.arange(len(k["sample"])))
             picks.append(np.stack([k["sample"][local], np.full(len(local), task, dtype=np.uint64),
                                    local.astype(np.uint64)], axis=1))
         picks = np.concatenate(picks)
@@ -302,7 +303,7 @@ class FinishShard(_Stage):
         self.tasks, self.fingerprint, self.manifest, self.started = tasks, fingerprint, manifest, started
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from soma_pl.data.experts import EXPERTS_MANIFEST
+        from soma_pl.data.expert_sets import EXPERTS_MANIFEST
         from soma_pl.data.sharding import FORMAT_VERSION, KIND, ROUTER_FILE, _read_fingerprint, make_encoder
 
         config = self.config

@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from soma_pl.data.experts import EXPERTS_MANIFEST, read_experts_manifest
+from soma_pl.data.expert_sets import EXPERTS_MANIFEST, read_experts_manifest
 from soma_pl.data.pipeline import ExecutorConfig, ExecutorKind, chain, remove_staging, run_chain, staging_folder
 from soma_pl.data.prepare import MANIFEST, open_prepared, prepare_recipe, read_manifest
-from soma_pl.data.shards import ShardRecord, Verify, sha256_file, verify_shards
+from soma_pl.data.tar_shards import ShardRecord, Verify, sha256_file, verify_shards
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import check_output
 from soma_pl.models.router import EncoderKind, HashedNgramEncoder, SeedEncoder
@@ -119,7 +119,8 @@ class ShardConfig:
         checks = [
             (self.num_experts >= 1, f"shard.num_experts={self.num_experts} must be >= 1"),
             (0 <= self.val_fraction < 1, f"shard.val_fraction={self.val_fraction} must be in [0, 1)"),
-            (0 <= self.min_expert_fraction <= 1, f"shard.min_expert_fraction={self.min_expert_fraction} must be in [0, 1]"),
+            (0 <= self.min_expert_fraction <= 1,
+             f"shard.min_expert_fraction={self.min_expert_fraction} must be in [0, 1]"),
             (min(self.kmeans_batch_size, self.kmeans_n_init, self.embed_batch_size) >= 1,
              "shard.kmeans_batch_size, kmeans_n_init and embed_batch_size must be >= 1"),
             (self.kmeans_sample >= 2 * self.num_experts,
@@ -139,7 +140,8 @@ class ShardConfig:
         seed = [self.seed_checkpoint] if EncoderKind(self.embedder) is EncoderKind.seed else []
         corpus = []
         if (Path(self.prepared).expanduser() / MANIFEST).is_file():
-            corpus = read_manifest(Path(self.prepared).expanduser()).get("config", {}).get("corpus", {}).get("paths", [])
+            corpus = (read_manifest(Path(self.prepared).expanduser())
+                      .get("config", {}).get("corpus", {}).get("paths", []))
         return [self.prepared, *corpus, *seed]
 
     def fingerprint(self, manifest: dict) -> str:

@@ -16,7 +16,6 @@ each exactly the stream a single process would read for that expert.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -24,28 +23,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.shards import iter_shard_documents
+from soma_pl.data.tar_shards import iter_shard_documents
 from soma_pl.errors import DataError
-
-
-class RankSplit(str, Enum):
-    """How the training stream is divided between DDP ranks (the module in training decides)."""
-
-    documents = "documents"
-    """Data parallel: each rank reads a disjoint part of every expert's documents (BPTT under DDP)."""
-    replicated = "replicated"
-    """Every rank reads the same global stream; each evaluates its own share of it (DDPP). The
-    batches do not depend on the number of ranks: a run on W ranks sees a 1-process run's data."""
-    experts = "experts"
-    """Rank r reads only its contiguous share of the experts (expert-parallel SOMA)."""
-
-
-def rank_share(count: int, rank: int, world_size: int) -> range:
-    """Rank `rank`'s contiguous share of `count` items (experts, direction indices).
-
-    Shares differ in size by at most one and cover `0 .. count-1` in rank order.
-    """
-    return range(rank * count // world_size, (rank + 1) * count // world_size)
 
 
 def consumer_slice(shards: Sequence[Path], consumer: int, consumers: int) -> tuple[list[Path], int, int]:
@@ -87,7 +66,7 @@ def fixed_windows(shards: Sequence[Path], count: int | None = None) -> torch.Ten
     take = lengths if count is None else _spread(lengths, count)
     rows: list[np.ndarray] = []
     documents = (d for shard in shards for d in iter_shard_documents(shard))
-    for document, k in zip(documents, take):
+    for document, k in zip(documents, take, strict=False):
         data = np.frombuffer(document.text, dtype=np.uint8)
         rows.extend(data[i * WINDOW_BYTES : (i + 1) * WINDOW_BYTES] for i in range(k))
     return torch.from_numpy(np.stack(rows))

@@ -32,11 +32,11 @@ transform see the same values on every device (tails are cut near 5.8 sigma, pro
 
 
 class DirectionKind(str, Enum):
-    """Distribution of the entries of a perturbation direction ``z``."""
+    """Distribution of the entries of a perturbation direction ``z`` (member names are what configs write)."""
 
-    RADEMACHER = "rademacher"
+    rademacher = "rademacher"
     """Independent ±1 entries; ``E‖z‖² = d`` with no spread, the lowest-variance choice."""
-    GAUSSIAN = "gaussian"
+    gaussian = "gaussian"
     """Independent standard normal entries (Box-Muller on two hashed uniforms)."""
 
 
@@ -155,9 +155,9 @@ def directions_from_keys(
     Returns:
         z: ``[E, K, numel]`` on ``keys.device``.
     """
-    if kind == DirectionKind.RADEMACHER:
+    if kind == DirectionKind.rademacher:
         return _rademacher(keys, offset, numel, dtype)
-    if kind == DirectionKind.GAUSSIAN:
+    if kind == DirectionKind.gaussian:
         return _gaussian(keys, offset, numel, dtype)
     raise ValueError(f"unknown direction kind {kind!r}")
 

@@ -95,6 +95,9 @@ class EGGROLLConfig:
     only, so with a σ-free fitness the learning rate alone sets the step size."""
 
     def __post_init__(self) -> None:
+        # A checkpoint's hyperparameters or a YAML give the enums as their values.
+        object.__setattr__(self, "fitness", FitnessShaping(self.fitness))
+        object.__setattr__(self, "step_convention", StepConvention(self.step_convention))
         even = self.population % 2 == 0 and self.group_size % 2 == 0
         positive = self.sigma > 0 and (self.step_sigma is None or self.step_sigma > 0)
         if not positive or self.rank < 1 or self.group_size < 2 or not even:
@@ -175,7 +178,7 @@ def pair_noise(params: Mapping[str, Tensor], matrices: Collection[str], rank: in
     for name, param in params.items():
         shape, low_rank = param.shape[1:], name in matrices
         count = _coordinates(shape, low_rank, rank)
-        flat = directions_from_keys(DirectionKind.GAUSSIAN, keys, offset, count, param.dtype)
+        flat = directions_from_keys(DirectionKind.gaussian, keys, offset, count, param.dtype)
         offset += count
         if low_rank:
             stacked = flat.view(*keys.shape, *shape[:-2], shape[-2] + shape[-1], rank)

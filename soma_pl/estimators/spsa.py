@@ -44,7 +44,7 @@ class SPSAConfig:
     """n_pert: directions per micro-batch."""
     micro_batch: int = 64
     """Windows per micro-batch; the batch size B must be a multiple of it."""
-    direction: DirectionKind = DirectionKind.RADEMACHER
+    direction: DirectionKind = DirectionKind.rademacher
     """Distribution of the direction entries."""
     loss_grouping: int = 1
     """Experts per joint loss: 1 = one loss per expert (SOMA's FSO); K > 1 = consecutive groups of
@@ -56,6 +56,7 @@ class SPSAConfig:
     last-level cache run faster (d_t = 181: 8 directions per call ≈ 2× faster than 64)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "direction", DirectionKind(self.direction))  # a YAML gives the value
         if not (math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"SPSA eps={self.eps} must be a positive finite number")
         for name in ("n_pert", "micro_batch", "loss_grouping"):

@@ -41,9 +41,9 @@ from soma_pl.estimators.directions import DirectionKind
 
 def _sign(kind: DirectionKind) -> int:
     """−1 for Rademacher (no spread in ‖z‖²), +1 for Gaussian (its fourth moment adds 2‖g‖²)."""
-    if kind == DirectionKind.RADEMACHER:
+    if kind == DirectionKind.rademacher:
         return -1
-    if kind == DirectionKind.GAUSSIAN:
+    if kind == DirectionKind.gaussian:
         return 1
     raise ValueError(f"unknown direction kind {kind!r}")
 

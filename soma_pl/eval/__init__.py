@@ -1,1 +1,8 @@
-"""eval."""
+"""eval: how a model is scored, below every module that scores one (Table 1's protocol).
+
+- `metrics`: nats/byte metrics reduced correctly across processes (`NatsPerByte`, `PerExpertNats`).
+- `ensemble`: route each window on its first 256 bytes, score the next 768, top-k probability averaging.
+- `bootstrap`: document-level bootstrap intervals of a mean loss.
+
+The `evaluate` command (external text, Table 9) lives above the LightningModules, in `soma_pl.evaluate`.
+"""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from soma_pl.models.experts import StackedExperts
+from soma_pl.models.stacked import StackedExperts
 
 
 @dataclass

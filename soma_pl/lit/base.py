@@ -1,4 +1,5 @@
-"""What every byte-LM LightningModule shares: the stacked-expert model, evaluation, checkpoints.
+"""What every byte-LM LightningModule shares: the stacked-expert model, its optimizer and
+learning-rate decay, update logging (`log_update`), evaluation, checkpoints.
 
 Evaluation follows Table 1: windows of 1,025 bytes, the loss scores the targets after the first
 256 input bytes (768 targets), mean cross entropy in nats/byte, reduced correctly under DDP.
@@ -7,7 +8,8 @@ Validation has two parts. The ensemble-validation windows (dataloader 0) are onl
 logged as `val/loss`: they give the scaling curves and the sweep selection, never a training
 decision. Each expert's own expert-validation split, the held-out 1% of its training documents
 (dataloader 1; N = 1 is one expert), is logged as `expert/<e>/val_loss` and handed to
-`after_validation`, where every module decays its learning rate.
+`after_validation`, where every module decays its learning rate: one `ReduceLROnPlateau` on expert
+0's loss, or (`per_expert_decay`: SOMA, BPTT) one multiplier per expert on its own loss.
 
 Numbers are checked where they are given: every constructor refuses a setting that cannot work,
 naming its key. A NaN or infinite training loss or weight (`check_finite`, every step), validation
@@ -16,10 +18,10 @@ loss, or checkpoint weight (written or read) stops the run with one line; no che
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -28,16 +30,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
+from soma_pl.contracts import HoldsEvalSets, UpdateRecord
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.ensemble import EnsembleScores, score_windows
 from soma_pl.eval.metrics import NatsPerByte, PerExpertNats
 from soma_pl.io import write_json_atomic
-from soma_pl.lit.optim import optimizer_factory, optimizer_spec
+from soma_pl.lit.args import KEY, Group, ModelShape, arg_group, plain, require
+from soma_pl.lit.optim import LR_KEY, check_positive_lr, optimizer_factory, optimizer_spec
+from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig, scale_updates
 from soma_pl.models.checkpoints import first_nonfinite
-from soma_pl.models.experts import HeadMode, StackedExperts
-
-LR_KEY = "model.init_args.optimizer.init_args.lr"
+from soma_pl.models.stacked import HeadMode, StackedExperts
 
 SAME_STATE = (frozenset({"SPSAModule", "DDPPModule"}),)
 """Module classes whose training state is the same, so each resumes the others' checkpoints (DDPP is
@@ -46,25 +49,6 @@ SPSA's update with the directions shared out across ranks). Any other class resu
 
 class NonFiniteError(SomaError):
     """A loss or weight became NaN or infinite: the run stops and writes no checkpoint of it."""
-
-
-def require(ok: bool, key: str, value, rule: str) -> None:
-    """Raise `ConfigError("<key>=<value> must be <rule>")` unless `ok`."""
-    if not ok:
-        raise ConfigError(f"{key}={value} must be {rule}")
-
-
-def check_positive_lr(lr: float | Tensor) -> None:
-    """A learning rate must be a positive finite number (0 would also divide ε's schedule by zero)."""
-    lr = float(lr)
-    require(math.isfinite(lr) and lr > 0, LR_KEY, f"{lr:g}", "a positive finite number")
-
-
-def check_plateau(factor: float, patience: int, min_lr: float) -> None:
-    """The learning-rate decay settings every module shares."""
-    require(0 < factor < 1, "model.init_args.plateau_factor", factor, "in (0, 1)")
-    require(patience >= 0, "model.init_args.plateau_patience", patience, ">= 0")
-    require(math.isfinite(min_lr) and min_lr >= 0, "model.init_args.min_lr", min_lr, "a finite number >= 0")
 
 
 def resumes(module: str, written_by: str) -> bool:
@@ -85,60 +69,71 @@ def finite_experts(model: StackedExperts) -> Tensor:
     return finite
 
 
-@dataclass(frozen=True)
-class UpdateRecord:
-    """What one update cost on this process; compute accounting and budgets read it."""
-
-    seconds: float
-    """Wall time of the update (CUDA synchronised before the clock is read)."""
-    token_forwards: int
-    """Token forward passes the update evaluated: ``2 · n_pert · E · B · T`` for SPSA, ``E · B · T``
-    for BPTT (its backward is not counted)."""
-    experts: int
-    """Experts this process updated (all experts of the module, or a rank's slice)."""
-
-
 class ByteLMModule(L.LightningModule):
-    """Base of the SPSA, BPTT (and later SOMA, EGGROLL, DDPP) modules.
+    """Base of every module: the model, its optimizer and learning-rate decay, update logging, evaluation.
 
     Args:
         num_experts: experts in the stacked model (1: monolithic).
-        width: body width d_t (Table 2: 509 for the monolithic 8.33M model).
-        num_layers: LSTM layers.
-        embed_dim: tied head width d_E.
+        shape: the model's width, layers, head width and forward chunking.
         head: per-expert or one shared head.
         train_context: bytes of context per training window (the paper: 1,024); training uses the
             first `train_context + 1` bytes of each window, so CPU runs can train on less.
         score_from: first target position scored in evaluation (the paper: 256).
-        time_chunk: time steps held at once in the forward (bounds activation memory).
+        optimizer: the torch optimizer (a factory from the config, or its `optimizer_spec` dict).
+        plateau: the learning-rate decay on the expert-validation split.
     """
 
-    def __init__(self, num_experts: int = 1, width: int = 509, num_layers: int = 4, embed_dim: int = 32,
-                 head: HeadMode = HeadMode.PER_EXPERT, train_context: int = 1024, score_from: int = ROUTE_BYTES,
-                 time_chunk: int = 64):
+    per_expert_decay = False
+    """Whether each expert's learning rate decays on its own loss (`ExpertPlateau`, scaling each
+    expert's update) instead of one `ReduceLROnPlateau` on expert 0's."""
+
+    def __init__(self, num_experts: int = 1, shape: ModelShape = ModelShape(),
+                 head: HeadMode = HeadMode.per_expert, train_context: int = 1024, score_from: int = ROUTE_BYTES,
+                 optimizer: Callable | dict = torch.optim.SGD, plateau: PlateauConfig = PlateauConfig()):
         super().__init__()
-        for key, value in (("num_experts", num_experts), ("width", width), ("num_layers", num_layers),
-                           ("embed_dim", embed_dim), ("time_chunk", time_chunk)):
-            require(value >= 1, f"model.init_args.{key}", value, ">= 1")
-        require(1 <= train_context < WINDOW_BYTES, "model.init_args.train_context", train_context,
+        require(num_experts >= 1, f"{KEY}.num_experts", num_experts, ">= 1")
+        require(1 <= train_context < WINDOW_BYTES, f"{KEY}.train_context", train_context,
                 f"in [1, {WINDOW_BYTES - 1}]")
         # At least one scored target in a window of WINDOW_BYTES bytes (WINDOW_BYTES - 1 targets).
-        require(0 <= score_from < WINDOW_BYTES - 1, "model.init_args.score_from", score_from,
-                f"in [0, {WINDOW_BYTES - 2}]")
-        self.model = StackedExperts(num_experts, width, embed_dim, num_layers, head, time_chunk)
+        require(0 <= score_from < WINDOW_BYTES - 1, f"{KEY}.score_from", score_from, f"in [0, {WINDOW_BYTES - 2}]")
+        self.keep_hyperparameters(optimizer)
+        self.shape = self.arg_group(ModelShape, shape, "shape")
+        self.plateau_config = self.arg_group(PlateauConfig, plateau, "plateau")
+        self.model = StackedExperts(num_experts, self.shape.width, self.shape.embed_dim, self.shape.num_layers,
+                                    HeadMode(head), self.shape.time_chunk)
+        self.plateau = ExpertPlateau(num_experts, self.plateau_config) if self.per_expert_decay else None
+        """Each expert's learning-rate multiplier (`per_expert_decay`), floored at `plateau.min_lr`."""
         self.train_context = train_context
         self.score_from = score_from
+        self.automatic_optimization = False  # every module steps its optimizer itself, once per batch
         self.val_loss = NatsPerByte()
         self.test_loss = NatsPerByte()
         self.expert_val_loss = PerExpertNats(num_experts)
         self._metrics = {"val": self.val_loss, "test": self.test_loss}
         self._records: dict[str, list] = {}
         self.last_update: UpdateRecord | None = None
-        """The most recent update's cost, set by `training_step`."""
+        """The most recent update's cost, set by `log_update`."""
+
+    def keep_hyperparameters(self, optimizer: Callable | dict) -> None:
+        """Save every constructor's arguments as plain values (argument groups as dicts, enums as
+        their values: a weights-only load reads them) and keep the optimizer (`keep_optimizer`)."""
+        frame = inspect.currentframe().f_back  # this __init__: the hyperparameters of every __init__ above it
+        self.save_hyperparameters(ignore=["optimizer"], frame=frame)
+        for key, value in list(self.hparams.items()):
+            self.hparams[key] = plain(value)
+        self.keep_optimizer(optimizer)
+        self._hparams_initial = copy.deepcopy(self._hparams)
+
+    def arg_group(self, cls: type[Group], value: Group | dict, name: str) -> Group:
+        """The argument group `name` as its dataclass `cls` (from a dict too, see `args.arg_group`),
+        kept whole in the hyperparameters (every field, as plain values)."""
+        group = arg_group(cls, value, name)
+        self.hparams[name] = self._hparams_initial[name] = plain(group)
+        return group
 
     def keep_optimizer(self, optimizer: Callable | dict) -> None:
-        """Keep the optimizer factory, and its description in the hyperparameters (call after
-        `save_hyperparameters(ignore=["optimizer"])`), so `load_from_checkpoint` restores it."""
+        """Keep the optimizer factory, and its description in the hyperparameters, so
+        `load_from_checkpoint` restores it."""
         self.optimizer_factory = optimizer_factory(optimizer)
         spec = optimizer_spec(optimizer)
         if spec is not None:
@@ -153,7 +148,59 @@ class ByteLMModule(L.LightningModule):
             check_positive_lr(group["lr"])
         return optimizer
 
-    def check_finite(self, step: int, losses: Tensor, model: StackedExperts, experts: range) -> None:
+    def configure_optimizers(self):
+        optimizer = self.build_optimizer(self.trainable_parameters().values())
+        if self.plateau is None:
+            for group in optimizer.param_groups:  # the lr a decayed one is compared with (and ε's schedule)
+                group.setdefault("initial_lr", group["lr"])
+            return {"optimizer": optimizer, "lr_scheduler": self.plateau_config.scheduler(optimizer)}
+        self.plateau.floor_at(optimizer.param_groups[0]["lr"])
+        return optimizer
+
+    def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters the optimizer steps: every trained one of `trained_model`."""
+        return {n: p for n, p in self.trained_model.named_parameters() if p.requires_grad}
+
+    @property
+    def experts(self) -> range:
+        """Global indices of the experts this process trains (expert-parallel SOMA: its share)."""
+        return range(self.model.num_experts)
+
+    def current_lr(self) -> float:
+        """The learning rate now (per-expert decay: the optimizer's times the experts' mean multiplier)."""
+        lr = self.optimizers().param_groups[0]["lr"]
+        return lr if self.plateau is None else lr * float(self.plateau.scale.mean())
+
+    def step_optimizer(self) -> None:
+        """Step the optimizer on the `.grad`s just set and clear them; under per-expert decay each
+        expert's update is scaled by its own multiplier."""
+        optimizer = self.optimizers()
+        experts = {} if self.plateau is None else \
+            {n: p for n, p in self.trained_model.expert_parameters().items() if p.requires_grad}
+        before = {name: param.detach().clone() for name, param in experts.items()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if experts:
+            scale_updates(experts, before, self.plateau.scale[self.experts.start : self.experts.stop])
+
+    def log_update(self, losses: Tensor, seconds: float, forwards: int, **extra: float | Tensor) -> None:
+        """Record one update's cost in `last_update` and log it.
+
+        Args:
+            losses: `[E]` this process's experts' training losses (logged per expert when E > 1).
+            seconds: the update's wall time; forwards: the token forwards it evaluated on this process.
+            extra: more values, logged as `train/<name>` (`eps`, `sigma`, ...).
+        """
+        losses = losses.detach()
+        self.last_update = UpdateRecord(seconds, forwards, losses.numel())
+        self.log("train/loss", losses.mean(), prog_bar=True)
+        self.log_dict({"train/lr": self.current_lr(), "train/update_seconds": seconds,
+                       "train/token_forwards_per_s": forwards / max(seconds, 1e-12),
+                       **{f"train/{name}": value for name, value in extra.items()}})
+        if self.model.num_experts > 1:
+            self.log_dict({f"expert/{e}/train_loss": loss for e, loss in zip(self.experts, losses, strict=False)})
+
+    def check_finite(self, step: int, losses: Tensor) -> None:
         """Stop at the first non-finite training loss or weight, naming the step and the expert.
 
         Every step, after the update and outside its timing: one `[2, E]` read to the host. On GPU
@@ -162,13 +209,14 @@ class ByteLMModule(L.LightningModule):
 
         Args:
             step: the update's index (`global_step` before it).
-            losses: `[E]` this step's training losses of `model`'s experts.
-            model: the weights just updated; experts: their global indices.
+            losses: `[E]` this step's training losses of this process's experts (`experts`), whose
+                weights (`trained_model`) were just updated.
         """
+        model = self.trained_model
         finite = torch.stack([torch.isfinite(losses.detach()).reshape(-1).to(model.w_hh.device),
                               finite_experts(model)]).tolist()
-        for what, row in zip(("training loss", "weights after the update"), finite):
-            bad = [experts[i] for i, ok in enumerate(row) if not ok]
+        for what, row in zip(("training loss", "weights after the update"), finite, strict=False):
+            bad = [self.experts[i] for i, ok in enumerate(row) if not ok]
             if bad:
                 raise NonFiniteError(f"non-finite {what} at step {step} (expert {', '.join(map(str, bad))}): "
                                      f"lower the learning rate ({LR_KEY}) or eps/sigma, or resume from the last "
@@ -281,9 +329,11 @@ class ByteLMModule(L.LightningModule):
 
     def _report(self, stage: str, records: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         # all_gather adds a leading rank dimension under DDP; flatten it away.
-        index, by_k, experts = (self.all_gather(torch.cat(parts)) for parts in zip(*records))
-        index, by_k, experts = index.reshape(-1), by_k.reshape(-1, by_k.shape[-1]), experts.reshape(-1, experts.shape[-1])
-        evalset = getattr(self.trainer.datamodule, f"{stage}_set", None) if self.trainer.datamodule else None
+        index, by_k, experts = (self.all_gather(torch.cat(parts)) for parts in zip(*records, strict=False))
+        index, by_k = index.reshape(-1), by_k.reshape(-1, by_k.shape[-1])
+        experts = experts.reshape(-1, experts.shape[-1])
+        data = self.trainer.datamodule
+        evalset = (data.val_set if stage == "val" else data.test_set) if isinstance(data, HoldsEvalSets) else None
         if evalset is None:
             return
         losses = by_k[:, self.eval_k - 1].double().cpu().numpy()
@@ -300,7 +350,13 @@ class ByteLMModule(L.LightningModule):
 
     def after_validation(self, held_out: Tensor) -> None:
         """Learning-rate decay on each expert's expert-validation loss `held_out [E]` (never on
-        the ensemble-validation set)."""
+        the ensemble-validation set); N = 1 is one expert, its held-out 1% training split."""
+        if self.plateau is None:
+            self.lr_schedulers().step(float(held_out.mean()))
+            return
+        self.plateau.step(held_out)
+        if self.model.num_experts > 1:
+            self.log_dict(self.plateau.learning_rates(self.optimizers().param_groups[0]["lr"]))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Record the module class; refuse to write weights that are not finite."""
@@ -336,23 +392,3 @@ def _nonfinite_weight(checkpoint: dict) -> str | None:
     starts infinite and is not a weight)."""
     state = checkpoint.get("state_dict", {})
     return first_nonfinite({name: value for name, value in state.items() if name.startswith("model.")})
-
-
-class UpdateClock:
-    """Wall time of one update, synchronising CUDA first so the clock sees finished work."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.started = 0.0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def start(self) -> None:
-        self._sync()
-        self.started = time.perf_counter()
-
-    def stop(self) -> float:
-        self._sync()
-        return time.perf_counter() - self.started

@@ -23,6 +23,7 @@ are `SPSAModule` exactly.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from enum import Enum
 
 import torch
@@ -30,12 +31,13 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
-from soma_pl.data.stream import RankSplit, rank_share
-from soma_pl.estimators.directions import DirectionKind, directions
+from soma_pl.distributed import RankSplit, rank_share
+from soma_pl.estimators.directions import directions
 from soma_pl.estimators.spsa import SPSAConfig, SPSAResult, assemble_estimate, spsa_differences
-from soma_pl.lit.base import UpdateRecord
+from soma_pl.lit.args import ModelShape
 from soma_pl.lit.parallel import coordinator_bytes, gather_bytes, gather_shares, keep_buffers_local, sum_at_coordinator
-from soma_pl.lit.spsa import EpsSchedule, SPSAModule
+from soma_pl.lit.plateau import PlateauConfig
+from soma_pl.lit.spsa import SPSAArgs, SPSAModule
 
 
 class Exchange(str, Enum):
@@ -103,14 +105,14 @@ def unflatten(flat: Tensor, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Split `[E, d]` into name → `[E, ...]` tensors shaped like `params` (dict order)."""
     sizes = [param[0].numel() for param in params.values()]
     pieces = flat.split(sizes, dim=1)
-    return {name: piece.reshape(param.shape) for (name, param), piece in zip(params.items(), pieces)}
+    return {name: piece.reshape(param.shape) for (name, param), piece in zip(params.items(), pieces, strict=False)}
 
 
 class DDPPModule(SPSAModule):
     """Monolithic SPSA with each step's directions and micro-batches split across DDP ranks.
 
     `data.batch_size` is the global batch B of a step (every rank reads it); `n_pert` and
-    `micro_batch` are as in `SPSAModule`, so the estimator does not depend on the number of ranks.
+    `micro_batch` (`spsa`) are as in `SPSAModule`, so the estimator does not depend on the number of ranks.
 
     Args:
         exchange: `scalars` (each direction's δ, a few floats per step) or `estimates` (each rank's
@@ -121,16 +123,12 @@ class DDPPModule(SPSAModule):
 
     rank_split = RankSplit.replicated
 
-    def __init__(self, width: int = 509, num_layers: int = 4, embed_dim: int = 32, eps: float = 0.0025,
-                 n_pert: int = 64, micro_batch: int = 64, direction: DirectionKind = DirectionKind.RADEMACHER,
-                 max_rows: int | None = None, eps_schedule: EpsSchedule = EpsSchedule.proportional,
-                 optimizer: OptimizerCallable = torch.optim.SGD, plateau_factor: float = 0.5,
-                 plateau_patience: int = 2, min_lr: float = 0.0, seed: int = 0, train_context: int = 1024,
-                 score_from: int = ROUTE_BYTES, time_chunk: int = 64, init_checkpoint: str | None = None, *,
-                 exchange: Exchange = Exchange.scalars):
-        super().__init__(width, num_layers, embed_dim, eps, n_pert, micro_batch, direction, max_rows, eps_schedule,
-                         optimizer, plateau_factor, plateau_patience, min_lr, seed, train_context, score_from,
-                         time_chunk, init_checkpoint=init_checkpoint)
+    def __init__(self, shape: ModelShape = ModelShape(), spsa: SPSAArgs = SPSAArgs(),
+                 exchange: Exchange = Exchange.scalars, optimizer: OptimizerCallable = torch.optim.SGD,
+                 plateau: PlateauConfig = PlateauConfig(), seed: int = 0, train_context: int = 1024,
+                 score_from: int = ROUTE_BYTES, init_checkpoint: str | None = None):
+        super().__init__(shape=shape, spsa=spsa, optimizer=optimizer, plateau=plateau, seed=seed,
+                         train_context=train_context, score_from=score_from, init_checkpoint=init_checkpoint)
         self.exchange = Exchange(exchange)
         self.directions_here = 0
         """Directions this rank evaluated in the last step."""
@@ -152,8 +150,7 @@ class DDPPModule(SPSAModule):
             tokens: `[1, B, T]` the global batch (the same on every rank).
         """
         params = self.trainable_parameters()
-        config = SPSAConfig(eps=eps, n_pert=self.spsa.n_pert, micro_batch=self.spsa.micro_batch,
-                            direction=self.spsa.direction, max_rows=self.spsa.max_rows)
+        config = replace(self.spsa, eps=eps)
         total = tokens.shape[1] // config.micro_batch * config.n_pert
         world = self.trainer.world_size
         share = rank_share(total, self.trainer.global_rank, world)
@@ -180,12 +177,10 @@ class DDPPModule(SPSAModule):
         combined = sum_at_coordinator(self, payload)
         return SPSAResult(unflatten(combined[:, :-1], params), combined[:, -1], delta, delta)
 
-    def log_update(self, losses: Tensor, tokens: Tensor, seconds: float, eps: float) -> None:
-        """Log the step; compute accounting counts only the forwards this rank evaluated."""
+    def token_forwards(self, tokens: Tensor) -> int:
+        """Only the forwards this rank evaluated: its directions' ± pairs on their micro-batches."""
         experts, _, length = tokens.shape
-        forwards = 2 * self.directions_here * experts * self.spsa.micro_batch * (length - 1)
-        self.last_update = UpdateRecord(seconds, forwards, experts)
-        self.log("train/loss", losses.mean(), prog_bar=True)
-        self.log_dict({"train/lr": self.current_lr(), "train/eps": eps, "train/update_seconds": seconds,
-                       "train/token_forwards_per_s": forwards / max(seconds, 1e-12),
-                       "train/exchange_bytes": float(self.exchange_bytes)})
+        return 2 * self.directions_here * experts * self.spsa.micro_batch * (length - 1)
+
+    def update_logs(self, result: SPSAResult) -> dict[str, float]:
+        return {"exchange_bytes": float(self.exchange_bytes)}

@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from collections.abc import Callable
 from typing import Any
 
 from soma_pl.errors import ConfigError
+from soma_pl.lit.args import KEY, require
+
+LR_KEY = f"{KEY}.optimizer.init_args.lr"
+
+
+def check_positive_lr(lr: float) -> None:
+    """A learning rate must be a positive finite number (0 would also divide ε's schedule by zero)."""
+    lr = float(lr)
+    require(math.isfinite(lr) and lr > 0, LR_KEY, f"{lr:g}", "a positive finite number")
 
 
 def optimizer_spec(factory: Callable | dict) -> dict | None:

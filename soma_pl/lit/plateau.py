@@ -1,32 +1,66 @@
-"""Per-expert learning-rate decay on each expert's own held-out split (Table 1).
+"""Learning-rate decay on the experts' own held-out splits (Table 1).
 
-`ExpertPlateau` is `ReduceLROnPlateau` with one learning-rate multiplier per expert, stepped on the
-experts' expert-validation losses; `scale_updates` applies the multipliers to an optimizer step.
+`PlateauConfig` is the decay's settings (`model.init_args.plateau`). A monolithic zero-order module
+decays its one learning rate with torch's `ReduceLROnPlateau` (`PlateauConfig.scheduler`);
+`ExpertPlateau` is the same rule with one learning-rate multiplier per expert, stepped on the
+experts' expert-validation losses, and `scale_updates` applies the multipliers to an optimizer step.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
+
+from soma_pl.lit.args import KEY, require
+
+
+@dataclass(frozen=True)
+class PlateauConfig:
+    """When and how far the learning rate decays (and, under a proportional schedule, ε or σ with it)."""
+
+    factor: float = 0.5
+    """Decay factor when the expert-validation loss plateaus."""
+    patience: int = 2
+    """Validations without improvement before a decay."""
+    min_lr: float = 0.0
+    """Floor of the decayed learning rate."""
+
+    def __post_init__(self) -> None:
+        require(0 < self.factor < 1, f"{KEY}.plateau.factor", self.factor, "in (0, 1)")
+        require(self.patience >= 0, f"{KEY}.plateau.patience", self.patience, ">= 0")
+        require(math.isfinite(self.min_lr) and self.min_lr >= 0, f"{KEY}.plateau.min_lr", self.min_lr,
+                "a finite number >= 0")
+
+    def scheduler(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Lightning's scheduler entry: one `ReduceLROnPlateau`, stepped by hand in `after_validation` on
+        the model's expert-validation loss (manual optimization: no `monitor` key, which Lightning
+        would only warn about)."""
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, mode="min", factor=self.factor, patience=self.patience, min_lr=self.min_lr)
+        return {"scheduler": scheduler}
 
 
 class ExpertPlateau(nn.Module):
     """Per-expert `ReduceLROnPlateau`: a learning-rate scale per expert, decayed on its own loss.
 
     Buffers (saved in checkpoints): `best [E]`, `bad [E]` validations without improvement,
-    `scale [E]` the current learning-rate multiplier, never below `min_scale`.
+    `scale [E]` the current learning-rate multiplier, never below `min_scale` (`min_lr` over the
+    optimizer's learning rate, set by `floor_at`).
     """
 
-    def __init__(self, experts: int, factor: float, patience: int, threshold: float = 1e-4, min_scale: float = 0.0):
+    def __init__(self, experts: int, config: PlateauConfig, threshold: float = 1e-4):
         super().__init__()
-        self.factor, self.patience, self.threshold, self.min_scale = factor, patience, threshold, min_scale
+        self.config, self.threshold, self.min_scale = config, threshold, 0.0
         self.register_buffer("best", torch.full((experts,), float("inf")))
         self.register_buffer("bad", torch.zeros(experts, dtype=torch.long))
         self.register_buffer("scale", torch.ones(experts))
 
-    def floor_at(self, min_lr: float, base_lr: float) -> None:
+    def floor_at(self, base_lr: float) -> None:
         """Never decay an expert's learning rate below `min_lr`, the optimizer's being `base_lr`."""
-        self.min_scale = min_lr / base_lr if base_lr > 0 else 0.0
+        self.min_scale = self.config.min_lr / base_lr if base_lr > 0 else 0.0
 
     def learning_rates(self, base_lr: float) -> dict[str, float]:
         """`expert/<e>/lr` of every expert, for logging."""
@@ -39,8 +73,8 @@ class ExpertPlateau(nn.Module):
         improved = losses < self.best * (1 - self.threshold)
         self.best = torch.where(improved, losses, self.best)
         self.bad = torch.where(improved, torch.zeros_like(self.bad), self.bad + 1)
-        decay = self.bad > self.patience
-        self.scale = torch.where(decay, (self.scale * self.factor).clamp_min(self.min_scale), self.scale)
+        decay = self.bad > self.config.patience
+        self.scale = torch.where(decay, (self.scale * self.config.factor).clamp_min(self.min_scale), self.scale)
         self.bad = torch.where(decay, torch.zeros_like(self.bad), self.bad)
 
 

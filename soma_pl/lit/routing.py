@@ -17,7 +17,7 @@ from pathlib import Path
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
-from soma_pl.data.experts import read_experts_manifest
+from soma_pl.data.expert_sets import read_experts_manifest
 from soma_pl.errors import ConfigError
 from soma_pl.models.router import Router
 
@@ -63,7 +63,8 @@ class RoutedEnsemble:
         if router is None:
             return
         if router.num_experts != self.model.num_experts:
-            raise ConfigError(f"{origin} has {router.num_experts} centroids, the model {self.model.num_experts} experts")
+            raise ConfigError(f"{origin} has {router.num_experts} centroids, "
+                              f"the model {self.model.num_experts} experts")
         experts_dir = getattr(self._trainer.datamodule, "experts_dir", None) if self._trainer else None
         expected = [(self.trained_sharding, "the one this checkpoint's experts were trained on")]
         if experts_dir is not None:

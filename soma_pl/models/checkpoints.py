@@ -9,8 +9,10 @@ other class or function a file names is refused before anything in it runs.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from torch import Tensor
@@ -53,6 +55,13 @@ def _allowed_globals(path: Path, what: str) -> list[type[Enum]]:
     return list(allowed.values())
 
 
+def read_weights_only(source: str | Path | BinaryIO, map_location="cpu", allowed: Sequence[type] = ()):
+    """`torch.load(source, weights_only=True)`, the only way soma_pl reads a torch file (checkpoints,
+    routers): tensors, plain values and the `allowed` classes load; anything else is refused."""
+    with torch.serialization.safe_globals(list(allowed)):
+        return torch.load(source, map_location=map_location, weights_only=True)
+
+
 def load_checkpoint(path: str | Path, what: str = "checkpoint", map_location="cpu") -> dict:
     """A Lightning checkpoint read with `weights_only=True` (see the module doc).
 
@@ -70,8 +79,7 @@ def load_checkpoint(path: str | Path, what: str = "checkpoint", map_location="cp
         raise DataError(f"{what} not found: {path}")
     allowed = _allowed_globals(path, what)
     try:
-        with torch.serialization.safe_globals(allowed):
-            checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+        checkpoint = read_weights_only(path, map_location, allowed)
     except Exception as error:  # torch.load raises many types for a damaged file
         raise DataError(f"unreadable {what} {path} (truncated, corrupt or not a torch checkpoint): "
                         f"{_reason(error)}") from error
@@ -96,13 +104,15 @@ def monolithic_state(path: str | Path) -> tuple[dict[str, Tensor], dict]:
     checkpoint = load_checkpoint(path, "seed checkpoint")
     state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
     hparams = dict(checkpoint.get("hyper_parameters") or {})
+    hparams = {**hparams, **(hparams.get("shape") or {})}  # a module's shape group, or older flat keys
     if "w_ih" not in state or state["w_ih"].shape[0] != 1:
         raise ConfigError(f"seed checkpoint {path}: no monolithic model (need model.w_ih of shape [1, ...])")
     config = {"width": int(state["w_ih"].shape[-1]), "num_layers": int(state["w_ih"].shape[1]),
               "embed_dim": int(state["head"].shape[-1]), "head": "shared" if state["head"].dim() == 2 else "per_expert"}
     for key in ("width", "num_layers", "embed_dim"):
         if key in hparams and int(hparams[key]) != config[key]:
-            raise ConfigError(f"seed checkpoint {path}: hyper_parameters {key}={hparams[key]}, weights say {config[key]}")
+            raise ConfigError(f"seed checkpoint {path}: hyper_parameters {key}={hparams[key]}, "
+                              f"weights say {config[key]}")
     name = first_nonfinite(state)
     if name is not None:
         raise DataError(f"seed checkpoint {path}: 'model.{name}' holds NaN or infinite values (a diverged run): "

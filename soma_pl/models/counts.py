@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from soma_pl.models.experts import HeadMode, StackedExperts
+from soma_pl.models.stacked import HeadMode, StackedExperts
 
 
 @dataclass(frozen=True)
@@ -17,10 +17,10 @@ class EnsembleShape:
 
 
 TABLE2_SHAPES = (
-    EnsembleShape(1, 509, HeadMode.PER_EXPERT),
-    EnsembleShape(2, 361, HeadMode.PER_EXPERT),
-    EnsembleShape(8, 181, HeadMode.PER_EXPERT),
-    EnsembleShape(256, 32, HeadMode.SHARED),
+    EnsembleShape(1, 509, HeadMode.per_expert),
+    EnsembleShape(2, 361, HeadMode.per_expert),
+    EnsembleShape(8, 181, HeadMode.per_expert),
+    EnsembleShape(256, 32, HeadMode.shared),
 )
 """The SPSA sharding comparison of Table 2 (about 8.4M parameters each)."""
 
@@ -37,7 +37,7 @@ def count_parameters(shape: EnsembleShape) -> dict:
     params = dict(model.named_parameters())
     head_total = sum(params[name].numel() for name in heads)
     body_total = sum(p.numel() for name, p in params.items() if name not in heads)
-    shared = shape.head == HeadMode.SHARED
+    shared = shape.head == HeadMode.shared
     return {
         "N": shape.num_experts,
         "d_t": shape.width,

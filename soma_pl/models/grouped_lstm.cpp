@@ -6,7 +6,7 @@
 // activations, the cell and the hidden state in place. Groups are taken in blocks whose recurrent
 // weights fit in the core's cache, so each block's weights stay resident across the chunk's steps.
 //
-// Gate rows are ordered (input, forget, output, cell), as in soma_pl.models.experts. No autograd:
+// Gate rows are ordered (input, forget, output, cell), as in soma_pl.models.stacked. No autograd:
 // the Python caller uses this only when gradients are off (zero-order losses, evaluation).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from soma_pl import VOCAB_SIZE
-from soma_pl.models.experts import StackedExperts, _rms_norm, lstm_cell
+from soma_pl.models.stacked import StackedExperts, _rms_norm, lstm_cell
 
 LOW_RANK_MATRICES = ("head", "in_proj", "out_proj", "w_ih", "w_hh")
 """Parameters whose last two dims are ``(out, in)`` matrices (w_ih, w_hh stack one per layer)."""

@@ -1,4 +1,4 @@
-"""The LSTM layer kernels behind :class:`~soma_pl.models.experts.StackedExperts`.
+"""The LSTM layer kernels behind :class:`~soma_pl.models.stacked.StackedExperts`.
 
 One layer, one time chunk, ``G`` groups of weights (experts × perturbed copies), three kernels:
 
@@ -76,7 +76,8 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor]) -> Kernel
     if chosen is Kernel.library and groups != 1:
         return Kernel.python
     if chosen is Kernel.native:
-        if needs_grad(params) or weights.device.type != "cpu" or weights.dtype != torch.float32 or grouped_extension() is None:
+        if (needs_grad(params) or weights.device.type != "cpu" or weights.dtype != torch.float32
+                or grouped_extension() is None):
             return Kernel.python
     return chosen
 
@@ -91,7 +92,7 @@ def torch_gate_order(weight: Tensor) -> Tensor:
 
 def library_weights(w_ih: Tensor, w_hh: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Per-layer PyTorch-ordered weights of the one group. w_ih, w_hh: ``[1, L, 4d, d]``."""
-    return list(zip(torch_gate_order(w_ih[0]).unbind(0), torch_gate_order(w_hh[0]).unbind(0)))
+    return list(zip(torch_gate_order(w_ih[0]).unbind(0), torch_gate_order(w_hh[0]).unbind(0), strict=False))
 
 
 def library_chunk(x: Tensor, weights: tuple[Tensor, Tensor], state: tuple[Tensor, Tensor]

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.models.checkpoints import monolithic_state
-from soma_pl.models.experts import HeadMode, StackedExperts
+from soma_pl.models.checkpoints import monolithic_state, read_weights_only
+from soma_pl.models.stacked import HeadMode, StackedExperts
 
 ROUTER_FORMAT = 1
 _HASH_PRIME = 2_147_483_647  # 2³¹ − 1: products with coefficients below it stay inside int64
@@ -102,7 +102,7 @@ class HashedNgramEncoder(nn.Module):
         batch = prefix.shape[0]
         rows = torch.arange(batch, device=prefix.device)[:, None] * self.dim
         flat = []
-        for order, (scale, shift) in zip(self.orders, self._coefficients):
+        for order, (scale, shift) in zip(self.orders, self._coefficients, strict=False):
             code = torch.zeros_like(prefix[:, : ROUTE_BYTES - order + 1])
             for offset in range(order):
                 code = (code * _BYTE_BASE + prefix[:, offset : offset + code.shape[1]]) % _HASH_PRIME
@@ -150,14 +150,14 @@ class SeedEncoder(nn.Module):
         return {"width": m.width, "num_layers": m.num_layers, "embed_dim": m.embed_dim, "head": m.head_mode.value}
 
     @classmethod
-    def from_config(cls, config: dict, state: dict[str, Tensor] | None = None) -> "SeedEncoder":
+    def from_config(cls, config: dict, state: dict[str, Tensor] | None = None) -> SeedEncoder:
         model = StackedExperts(1, config["width"], config["embed_dim"], config["num_layers"], HeadMode(config["head"]))
         if state is not None:
             model.load_state_dict(state)
         return cls(model)
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path) -> "SeedEncoder":
+    def from_checkpoint(cls, path: str | Path) -> SeedEncoder:
         """The seed model of a monolithic Lightning checkpoint (`model.*` weights).
 
         Raises:
@@ -175,7 +175,7 @@ class SeedEncoder(nn.Module):
         """`windows: [b, >=256]` uint8 → `[b, d_E]` float32."""
         tokens = _route_prefix(windows).to(self.model.head.device)[None]
         params = self.model.group_parameters({}, 1)
-        total = sum(chunk.sum(dim=2) for chunk in self.model._features(params, tokens))
+        total = sum(chunk.sum(dim=2) for chunk in self.model.features(params, tokens))
         return (total[0] / ROUTE_BYTES).float()
 
 
@@ -249,14 +249,14 @@ class Router(nn.Module):
         return path
 
     @classmethod
-    def load_from(cls, source: str | Path | BinaryIO, name: str, map_location: torch.device | str = "cpu") -> "Router":
+    def load_from(cls, source: str | Path | BinaryIO, name: str, map_location: torch.device | str = "cpu") -> Router:
         """Read a router written by :meth:`save_to`; `name` says where it came from in errors.
 
         Raises:
             DataError: the content is corrupt or not a router.
         """
         try:
-            payload = torch.load(source, weights_only=True, map_location=map_location)
+            payload = read_weights_only(source, map_location)
             if payload.get("format") != ROUTER_FORMAT:
                 raise ValueError(f"format {payload.get('format')!r}, expected {ROUTER_FORMAT}")
             encoder = payload["encoder"]
@@ -266,7 +266,7 @@ class Router(nn.Module):
             raise DataError(f"corrupt router {name}: {_first_line(error)}") from error
 
     @classmethod
-    def load(cls, path: str | Path, map_location: torch.device | str = "cpu") -> "Router":
+    def load(cls, path: str | Path, map_location: torch.device | str = "cpu") -> Router:
         """Read a router file written by :meth:`save`.
 
         Raises:

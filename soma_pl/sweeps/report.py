@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
-from jsonargparse import ArgumentParser, Namespace
 from optuna.trial import TrialState
 
 from soma_pl.errors import ConfigError
@@ -48,18 +47,6 @@ class Record:
     val_loss: float
     test_loss: float | None
     trial: int
-
-
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="Table 6 / Table 7 style tables of a sweep's study (nats/byte).")
-    parser.add_argument("--sweep", type=str | None, default=None, help="the sweep file (names study and storage)")
-    parser.add_argument("--study", type=str | None, default=None, help="study name (instead of --sweep)")
-    parser.add_argument("--storage", type=str | None, default=None, help="Optuna RDB URL or journal file path")
-    parser.add_argument("--out", type=str, default="results/sweep_report.json", help="JSON report path")
-    parser.add_argument("--markdown", type=str | None, default=None, help="also write the markdown here")
-    parser.add_argument("--figures", type=str | None, default=None,
-                        help="also save Optuna's parallel-coordinate and history plots as PNG into this folder")
-    return parser
 
 
 def collect_records(study: optuna.Study, description: dict) -> list[Record]:
@@ -109,7 +96,8 @@ def table6(records: list[Record], description: dict) -> dict:
             cell["test"].append(record.test_loss)
     return {"row_factors": [n for n in [*description["factors"], *description["ranges"]] if n != columns],
             "columns": columns, "column_labels": labels,
-            "rows": [{"setting": dict(row), "cells": {str(label): {"val": stats(cell["val"]), "test": stats(cell["test"]),
+            "rows": [{"setting": dict(row), "cells": {str(label): {"val": stats(cell["val"]),
+                                                                   "test": stats(cell["test"]),
                                                                    "seeds": cell["seeds"]}
                                                       for label, cell in cells.items()}}
                      for row, cells in rows.items()]}
@@ -164,8 +152,8 @@ def build_report(study: optuna.Study, storage: str) -> dict:
         raise ConfigError(f"study '{study.study_name}' was not made by `sweep` (no {SWEEP_ATTR} attribute)")
     records = collect_records(study, description)
     return {"study": study.study_name, "storage": storage, "unit": "nats/byte", "sweep": description,
-            "trials": state_counts(study), "table6": table6(records, description), "table7": table7(records, description),
-            "failed": failures(study)}
+            "trials": state_counts(study), "table6": table6(records, description),
+            "table7": table7(records, description), "failed": failures(study)}
 
 
 def _fmt(value: float | None, digits: int = 4) -> str:
@@ -198,12 +186,14 @@ def markdown(report: dict) -> str:
     base_name = _column_name(t7["columns"], t7["baseline"])
     differences = [f"Difference ({base_name} − {_column_name(t7['columns'], o)})" for o in others]
     lines += ["", f"## {report['study']}: test loss after selection on ensemble validation (Table 7 layout)", "",
-              *_head(["Optimization seed", *(_column_name(t7["columns"], c) for c in t7["column_labels"]), *differences])]
+              *_head(["Optimization seed", *(_column_name(t7["columns"], c) for c in t7["column_labels"]),
+                      *differences])]
     for entry in t7["per_seed"]:
         values = [entry["test"][str(c)] for c in t7["column_labels"]] + [entry["difference"][str(o)] for o in others]
         lines.append("| " + " | ".join([str(entry["seed"]), *map(_fmt, values)]) + " |")
     for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
-        values = [t7["test"][str(c)][key] for c in t7["column_labels"]] + [t7["difference"][str(o)][key] for o in others]
+        values = ([t7["test"][str(c)][key] for c in t7["column_labels"]]
+                  + [t7["difference"][str(o)][key] for o in others])
         lines.append("| " + " | ".join([name, *map(_fmt, values)]) + " |")
     lines += ["", "Trials: " + ", ".join(f"{k} {v}" for k, v in sorted(report["trials"].items()))]
     lines += [f"- trial {f['trial']} {f['failure']}{' (its point is re-run)' if f['rerun'] else ''}: {f['error']}"
@@ -241,28 +231,44 @@ def save_figures(study: optuna.Study, folder: Path) -> list[Path]:
     return paths
 
 
-def run(args: Namespace) -> None:
-    if not args.sweep and not args.study:
+def _report(study: optuna.Study, storage: str) -> tuple[dict, str]:
+    """The report and its markdown text (`main` has a `markdown` option, which hides the function)."""
+    report = build_report(study, storage)
+    return report, markdown(report)
+
+
+def main(sweep: str | None = None, study: str | None = None, storage: str | None = None,
+         out: str = "results/sweep_report.json", markdown: str | None = None, figures: str | None = None) -> None:
+    """Table 6 / Table 7 style tables of a sweep's study (nats/byte).
+
+    Args:
+        sweep: the sweep file (it names the study and the storage).
+        study: the study's name (instead of `sweep`).
+        storage: Optuna RDB URL or journal file path.
+        out: where to write the JSON report.
+        markdown: also write the markdown table here.
+        figures: also save Optuna's parallel-coordinate and history plots as PNG into this folder.
+    """
+    if not sweep and not study:
         raise ConfigError("sweep report needs --sweep FILE or --study NAME (with --storage)")
-    spec = load_sweep(args.sweep) if args.sweep else None
-    storage = args.storage or (spec and (spec.storage or default_storage(spec)))
+    spec = load_sweep(sweep) if sweep else None
+    storage = storage or (spec and (spec.storage or default_storage(spec)))
     if not storage:
         raise ConfigError("sweep report --study needs --storage")
-    name = args.study or spec.name
+    name = study or spec.name
     try:
-        study = optuna.load_study(study_name=name, storage=open_storage(storage))
+        loaded = optuna.load_study(study_name=name, storage=open_storage(storage))
     except KeyError:
         raise ConfigError(f"no study '{name}' in {storage}") from None
-    report = build_report(study, storage)
-    text = markdown(report)
+    report, text = _report(loaded, storage)
     print(text)
-    if args.markdown:
-        path = Path(args.markdown)
+    if markdown:
+        path = Path(markdown)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         temporary.write_text(text)
         os.replace(temporary, path)
-    print(f"wrote {write_json_atomic(Path(args.out), report)}", file=sys.stderr)
-    if args.figures:
-        for path in save_figures(study, Path(args.figures)):
+    print(f"wrote {write_json_atomic(Path(out), report)}", file=sys.stderr)
+    if figures:
+        for path in save_figures(loaded, Path(figures)):
             print(f"wrote {path}", file=sys.stderr)

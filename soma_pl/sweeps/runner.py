@@ -1,4 +1,4 @@
-"""`python -m soma_pl.cli sweep --sweep sweeps/<name>.yaml [--storage URL] [--n-trials K]`: one worker.
+"""`python -m soma_pl.cli sweep --sweep sweeps/<name>.yaml [--storage URL] [--n_trials K]`: one worker.
 
 A worker claims trials of the sweep's shared Optuna study one at a time and runs each as a `fit`
 (then `test`) in a process of its own (`soma_pl.sweeps.trial`), under the sweep's compute budget,
@@ -22,16 +22,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
-from jsonargparse import ArgumentParser, Namespace
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 from tqdm import tqdm
 
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, override_args, trial_overrides
-from soma_pl.sweeps.study import (FailureKind, Heartbeat, best_value, check_storage, claim_waiting, connect,
-                                  default_storage, open_storage, open_study, running_trials, state_counts,
-                                  sync_queue, trial_id)
+from soma_pl.sweeps.study import (
+    FailureKind,
+    Heartbeat,
+    best_value,
+    check_storage,
+    claim_waiting,
+    connect,
+    default_storage,
+    open_storage,
+    open_study,
+    running_trials,
+    state_counts,
+    sync_queue,
+    trial_id,
+)
 from soma_pl.sweeps.trial import TrialReporter
 
 
@@ -52,25 +63,12 @@ class FitOutcome:
         return lines[-1] if lines else f"exit status {self.returncode}"
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="Run (or join) a sweep's Optuna study: one trial at a time.")
-    parser.add_argument("--sweep", type=str, required=True, help="a sweep file, e.g. sweeps/demo/table6_lr_eps.yaml")
-    parser.add_argument("--storage", type=str | None, default=None,
-                        help="Optuna RDB URL or journal file path (default: sqlite:///<output_dir>/optuna.db)")
-    parser.add_argument("--n-trials", "--n_trials", dest="n_trials", type=int | None, default=None,
-                        help="most trials this worker runs (default: until the study is done)")
-    parser.add_argument("--retry-failed", "--retry_failed", dest="retry_failed", type=bool, default=False,
-                        help="re-run grid points whose trials failed by their own error")
-    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar on stderr")
-    return parser
-
-
 def fit_command(spec: SweepSpec, trial: optuna.Trial, params: dict, seed: int, run_dir: Path,
                 storage: str, report: bool) -> list[str]:
     """The trial process's command line: base config, overrides, seed, budget, logging, reporter."""
     config, overrides = trial_overrides(spec, params)
     overrides.update({"seed_everything": seed, "model.init_args.seed": seed,
-                      "trainer.default_root_dir": str(run_dir), "checkpoint.dirpath": str(run_dir / "checkpoints")})
+                      "trainer.default_root_dir": str(run_dir)})  # checkpoints: <run_dir>/checkpoints
     overrides.update({f"budget.{key}": value for key, value in spec.budget.items()})
     if spec.wandb:
         overrides.update({"wandb.group": spec.name, "wandb.name": f"trial-{trial.number}"})
@@ -79,7 +77,8 @@ def fit_command(spec: SweepSpec, trial: optuna.Trial, params: dict, seed: int, r
         "pruner": spec.pruner.kind.value, "n_startup_trials": spec.pruner.n_startup_trials,
         "n_warmup_steps": spec.pruner.n_warmup_steps, "report": report, "runner_pid": os.getpid()}}
     return [sys.executable, "-m", "soma_pl.sweeps.trial", str(run_dir / "trial_result.json"),
-            "--config", config, *override_args(overrides), f"--trainer.callbacks+={json.dumps(reporter)}"]
+            *(arg for layer in config for arg in ("--config", layer)), *override_args(overrides),
+            f"--trainer.callbacks+={json.dumps(reporter)}"]
 
 
 def run_fit(command: list[str], run_dir: Path) -> FitOutcome:
@@ -233,18 +232,28 @@ def work(spec: SweepSpec, storage_url: str, n_trials: int | None = None, retry_f
     return ran
 
 
-def run(args: Namespace) -> None:
-    spec = load_sweep(args.sweep)
-    storage = args.storage or spec.storage or default_storage(spec)
-    setting = "--storage" if args.storage else f"{args.sweep}: storage" if spec.storage else "the default storage"
-    if args.storage or spec.storage:  # the default's folder, the sweep's output_dir, is made by `connect`
-        check_storage(storage, setting)
+def main(sweep: str, storage: str | None = None, n_trials: int | None = None, retry_failed: bool = False,
+         progress: bool = True) -> None:
+    """Run (or join) a sweep's Optuna study, one trial at a time.
+
+    Args:
+        sweep: a sweep file, e.g. sweeps/demo/table6_lr_eps.yaml.
+        storage: Optuna RDB URL or journal file path; None: the sweep's, else sqlite:///<output_dir>/optuna.db.
+        n_trials: most trials this worker runs; None: until the study is done.
+        retry_failed: re-run grid points whose trials failed by their own error.
+        progress: show a progress bar on stderr.
+    """
+    spec = load_sweep(sweep)
+    url = storage or spec.storage or default_storage(spec)
+    setting = "--storage" if storage else f"{sweep}: storage" if spec.storage else "the default storage"
+    if storage or spec.storage:  # the default's folder, the sweep's output_dir, is made by `connect`
+        check_storage(url, setting)
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        ran = work(spec, storage, args.n_trials, args.retry_failed, setting, progress=args.progress)
+        ran = work(spec, url, n_trials, retry_failed, setting, progress=progress)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    study = open_study(spec, open_storage(storage), create=False)
-    print(json.dumps({"study": spec.name, "storage": storage, "this_worker": ran, "study_trials": state_counts(study),
+    study = open_study(spec, open_storage(url), create=False)
+    print(json.dumps({"study": spec.name, "storage": url, "this_worker": ran, "study_trials": state_counts(study),
                       "points": len(spec.grid_points()) if spec.is_grid else spec.trials}, indent=2))

@@ -2,7 +2,8 @@
 
 ```yaml
 study: table6_lr_eps_demo                # Optuna study name (default: the file name)
-config: configs/demo/spsa.yaml           # base fit config (a factor choice may pick another)
+config:                                  # the fit config's layers, passed as repeated --config
+  [configs/trainer/cpu.yaml, configs/datamodule/demo.yaml, configs/demo/spsa.yaml]
 output_dir: runs/sweeps/table6_lr_eps_demo
 seeds: [0, 1]                            # the repeated factor: --seed_everything, --model.init_args.seed
 budget: {token_forwards: 2.0e8}          # -> --budget.token_forwards=... (equal compute per trial)
@@ -10,11 +11,11 @@ overrides: {trainer.max_steps: 40}       # fixed for every trial
 grid:                                    # categorical factors: every combination runs
   lr: {key: model.init_args.optimizer.init_args.lr, values: [0.00125, 0.0025]}
   N:
-    choices:                             # a label -> overrides; `config` swaps the base config
-      1: {config: configs/demo/spsa.yaml}
-      2: {config: configs/demo/soma_n2.yaml}
+    choices:                             # a label -> overrides; `config` swaps the base config's layers
+      1: {config: [configs/trainer/cpu.yaml, configs/datamodule/demo.yaml, configs/demo/spsa.yaml]}
+      2: {config: [configs/trainer/cpu.yaml, configs/datamodule/demo.yaml, configs/demo/soma_n2.yaml]}
 ranges:                                  # continuous factors: sampled by TPE (then `trials` is the count)
-  eps: {key: model.init_args.eps, low: 0.001, high: 0.01, log: true}
+  eps: {key: model.init_args.spsa.eps, low: 0.001, high: 0.01, log: true}
 trials: 20
 pruner: {kind: median, n_startup_trials: 4, n_warmup_steps: 0}
 report: {columns: N, baseline: 1}        # Table 6 columns and the Table 7 difference (baseline - other)
@@ -93,7 +94,8 @@ class SweepSpec:
 
     name: str
     path: Path
-    config: str | None
+    config: tuple[str, ...] | None
+    """The fit config's layers, passed in order as repeated `--config` (trainer, data, method)."""
     output_dir: Path
     seeds: tuple[int, ...]
     factors: tuple[Factor, ...]
@@ -123,7 +125,7 @@ class SweepSpec:
     def grid_points(self) -> list[dict[str, Label]]:
         """Every combination of the grid factors' labels, seeds included: `[{factor: label}]`."""
         factors = self.grid_factors()
-        return [dict(zip([f.name for f in factors], labels))
+        return [dict(zip([f.name for f in factors], labels, strict=False))
                 for labels in itertools.product(*(list(f.choices) for f in factors))]
 
     def describe(self) -> dict:
@@ -203,38 +205,53 @@ def load_sweep(path: str | Path) -> SweepSpec:
     if report.columns is not None and report.columns not in [f.name for f in factors]:
         raise ConfigError(f"{path}: report.columns '{report.columns}' is not a grid factor")
     spec = SweepSpec(
-        name=name, path=path, config=raw.get("config"), seeds=tuple(seeds), factors=factors, ranges=ranges,
+        name=name, path=path, config=config_layers(raw.get("config"), path), seeds=tuple(seeds), factors=factors,
+        ranges=ranges,
         output_dir=Path(raw.get("output_dir") or f"runs/sweeps/{name}"),
         overrides=_mapping(raw.get("overrides"), "overrides"), budget=_mapping(raw.get("budget"), "budget"),
         trials=trials, storage=raw.get("storage"),
         pruner=PrunerSpec(**{k: PrunerKind(v) if k == "kind" else v
                              for k, v in _mapping(raw.get("pruner"), "pruner").items()}),
         report=report, wandb=bool(raw.get("wandb", True)),
-        heartbeat_seconds=float(raw.get("heartbeat_seconds", 10.0)), stale_seconds=float(raw.get("stale_seconds", 60.0)))
+        heartbeat_seconds=float(raw.get("heartbeat_seconds", 10.0)),
+        stale_seconds=float(raw.get("stale_seconds", 60.0)))
     _check_configs(spec)
     return spec
 
 
 def _check_configs(spec: SweepSpec) -> None:
     """Every trial must have a base config, and every named config file must exist."""
-    configs = {spec.config} | {o.get(CONFIG) for f in spec.factors for o in f.choices.values()}
-    for config in configs - {None}:
+    configs = [*(spec.config or ())]
+    for factor in spec.factors:
+        for choice in factor.choices.values():
+            configs.extend(config_layers(choice.get(CONFIG), spec.path) or ())
+    for config in configs:
         if not Path(config).is_file():
             raise ConfigError(f"{spec.path}: base config {config} does not exist")
     if spec.config is None and not any(all(CONFIG in o for o in f.choices.values()) for f in spec.factors):
         raise ConfigError(f"{spec.path}: no base `config`, and no grid factor names one for every choice")
 
 
-def trial_overrides(spec: SweepSpec, params: dict[str, Label | float]) -> tuple[str, dict[str, Any]]:
-    """The base config and the `{dotted key: value}` overrides for one trial's `params`
+def config_layers(value: Any, path: Path) -> tuple[str, ...] | None:
+    """A sweep's `config` (one file, or a list of layers passed as repeated `--config`) as a tuple."""
+    if value is None:
+        return None
+    layers = [value] if isinstance(value, str) else value
+    if not isinstance(layers, list) or not layers or not all(isinstance(layer, str) for layer in layers):
+        raise ConfigError(f"{path}: config must be a file or a non-empty list of files, got {value!r}")
+    return tuple(layers)
+
+
+def trial_overrides(spec: SweepSpec, params: dict[str, Label | float]) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The base config's layers and the `{dotted key: value}` overrides for one trial's `params`
     (labels of the grid factors, values of the ranges; the seed is added by the runner)."""
     overrides = dict(spec.overrides)
     for factor in spec.factors:
         overrides.update(factor.choices[params[factor.name]])
     for range_ in spec.ranges:
         overrides[range_.key] = params[range_.name]
-    config = overrides.pop(CONFIG, spec.config)
-    return config, overrides
+    config = overrides.pop(CONFIG, None)
+    return (config_layers(config, spec.path) if config is not None else spec.config), overrides
 
 
 def cli_value(value: Any) -> str:

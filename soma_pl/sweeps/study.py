@@ -55,7 +55,7 @@ class FailureKind(str, Enum):
     """Why a trial is FAIL (user attribute `failure`)."""
 
     error = "error"
-    """The fit failed: kept with its error, not re-run (unless `--retry-failed`)."""
+    """The fit failed: kept with its error, not re-run (unless `--retry_failed`)."""
     interrupted = "interrupted"
     """The worker was stopped (SIGINT/SIGTERM): its point is re-run."""
     stale = "stale"

@@ -11,8 +11,8 @@ import torch
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.evalsets import EvalSet
-from soma_pl.models.experts import StackedExperts
 from soma_pl.models.router import HashedNgramEncoder, Router
+from soma_pl.models.stacked import StackedExperts
 
 TINY = {"width": 6, "embed_dim": 4, "num_layers": 1}
 

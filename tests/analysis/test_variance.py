@@ -24,10 +24,10 @@ from soma_pl.cli import main
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, assemble_estimate, group_sums, spsa_estimate
 from soma_pl.estimators.theory import batch_noise_relative_error, grouped_relative_error, sampled_batch_variance
-from soma_pl.models.experts import HeadMode, StackedExperts
+from soma_pl.models.stacked import HeadMode, StackedExperts
 from tests.analysis.conftest import save_checkpoint, tiny_experts
 
-KINDS = (DirectionKind.RADEMACHER, DirectionKind.GAUSSIAN)
+KINDS = (DirectionKind.rademacher, DirectionKind.gaussian)
 
 
 class DiagonalQuadratic:
@@ -120,7 +120,7 @@ def test_batch_noise_prediction_by_monte_carlo(kind):
     sigma2 = (windows - mean).pow(2).sum(2).mean(0)
     picks = torch.rand(draws, pool, generator=generator).argsort(1)[:, :batch]
     batch_grad = windows[picks].mean(1)  # [R, E, d]
-    if kind is DirectionKind.RADEMACHER:
+    if kind is DirectionKind.rademacher:
         z = torch.randint(0, 2, (draws, n_pert, experts, dim), generator=generator).double() * 2 - 1
     else:
         z = torch.randn(draws, n_pert, experts, dim, generator=generator, dtype=torch.float64)
@@ -159,7 +159,7 @@ def test_ratio_standard_error_of_identical_draws_is_zero_and_means_are_exact():
 
 def test_body_params_and_equal_total_widths():
     for width in (10, 32, 44):
-        model = StackedExperts(1, width, head=HeadMode.SHARED, device="meta")
+        model = StackedExperts(1, width, head=HeadMode.shared, device="meta")
         assert body_params(width) == sum(p.numel() for p in model.expert_parameters().values())
     assert body_params(509) == 8_325_713  # Table 2
     width = width_for_total(100_000, 4)
@@ -188,7 +188,7 @@ def test_cli_writes_every_panel_with_predictions(tmp_path, prepared, capsys):
     assert [c["loss_grouping"] for c in panel["curves"]] == [1, 2]
     dim, norms = panel["params_per_expert"], panel["grad_sq_norms"]
     joint = panel["curves"][1]["points"][1]
-    assert joint["predicted"] == pytest.approx(grouped_relative_error(DirectionKind.RADEMACHER, norms, dim, 2, 4))
+    assert joint["predicted"] == pytest.approx(grouped_relative_error(DirectionKind.rademacher, norms, dim, 2, 4))
     assert result["npert_doubling_at"] == [2, 4] and result["predicted_npert_doubling_ratio"] == 2.0
     assert result["predicted_separate_vs_joint_ratio"] == pytest.approx((2 * dim - 1) / (dim - 1))
     assert result["separate_vs_joint_ratio"] > 0 and panel["central_difference_deviation"] < 1e-4

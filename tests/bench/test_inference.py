@@ -10,7 +10,7 @@ import pytest
 from soma_pl.bench import memory
 from soma_pl.bench.inference import InferenceModel, InferenceSettings, bench_inference
 from soma_pl.cli import main
-from soma_pl.models.experts import HeadMode, StackedExperts
+from soma_pl.models.stacked import HeadMode, StackedExperts
 
 MODELS = (InferenceModel(1, 12, 2), InferenceModel(6, 8, 3, shared_head=True))
 SETTINGS = InferenceSettings(repeats=2, rounds=2, embed_dim=8, num_layers=1, time_chunk=256)
@@ -25,7 +25,7 @@ def test_one_record_per_configuration_with_table12_fields(report):
     assert report["benchmark"] == "inference" and report["settings"]["repeats"] == 2
     assert [record["model"] for record in report["results"]] == ["N=1", "N=6"]
     json.loads(json.dumps(report))
-    for record, config in zip(report["results"], MODELS):
+    for record, config in zip(report["results"], MODELS, strict=False):
         expected = StackedExperts(config.experts, config.width, 8, 1, config.head)
         assert record["parameters"] == sum(p.numel() for p in expected.parameters())
         assert record["head"] == config.head.value and record["batch_size"] == config.batch_size
@@ -71,7 +71,7 @@ def test_cli_overrides_batch_sizes_and_rejects_a_wrong_count(tmp_path, monkeypat
               "--settings.threads", "null", "--out", str(out)]
     main(["bench", "inference", "--models", models, "--batch_sizes", "[2]", *common])
     record = json.loads(out.read_text())["results"][0]
-    assert (record["batch_size"], record["d_t"], record["head"]) == (2, 8, HeadMode.PER_EXPERT.value)
+    assert (record["batch_size"], record["d_t"], record["head"]) == (2, 8, HeadMode.per_expert.value)
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "inference", "--models", models, "--batch_sizes", "[2, 3]", *common])
     assert exit_info.value.code == 2 and "--batch_sizes" in capsys.readouterr().err

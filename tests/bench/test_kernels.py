@@ -10,7 +10,7 @@ import torch
 from soma_pl.bench import memory
 from soma_pl.bench.kernels import KernelSettings, KernelShape, ReferenceStack, bench_kernels
 from soma_pl.cli import main
-from soma_pl.models.experts import StackedExperts
+from soma_pl.models.stacked import StackedExperts
 
 SHAPES = (KernelShape(8, batch=2, groups=3, group_batch=2), KernelShape(12, batch=1, groups=2, group_batch=1))
 SETTINGS = KernelSettings(context=24, grouped_context=10, rounds=2, repeats=1, warmup=0, embed_dim=8, num_layers=2,
@@ -51,7 +51,8 @@ def test_every_pair_is_checked_equal_and_rounds_interleave(report):
         assert result["max_abs_diff"] <= 1e-5, result
         assert result["kernel"] == {"inference": "library", "bptt": "library", "grouped": "native"}[result["kind"]]
         assert len(result["ratio_per_round"]) == 2
-        assert result["ratio"] == pytest.approx(result["ours_tokens_per_s"] / result["nn_lstm_tokens_per_s"], rel=1e-2, abs=1e-3)
+        assert result["ratio"] == pytest.approx(result["ours_tokens_per_s"] / result["nn_lstm_tokens_per_s"],
+                                                rel=1e-2, abs=1e-3)
     grouped = record["results"][2]
     assert grouped["tokens_per_call"] == 3 * 2 * 10 and grouped["groups"] == 3 and grouped["windows"] == 6
     assert record["results"][0]["tokens_per_call"] == 2 * 24

@@ -28,7 +28,8 @@ def test_report_has_a_curve_per_method_over_the_contexts(tmp_path, monkeypatch):
     main(["bench", "memory", "--contexts", "[8, 16]", "--settings.width", "8", "--settings.micro_batch", "2",
           "--settings.embed_dim", "8", "--settings.num_layers", "1", "--settings.threads", "null", "--out", str(out)])
     report = json.loads(out.read_text())
-    assert [(r["method"], r["context"]) for r in report["results"]] == [("zo", 8), ("zo", 16), ("bptt", 8), ("bptt", 16)]
+    assert ([(r["method"], r["context"]) for r in report["results"]]
+            == [("zo", 8), ("zo", 16), ("bptt", 8), ("bptt", 16)])
     for method in ("zo", "bptt"):
         curve = report["curves"][method]
         assert curve["contexts"] == [8, 16] and len(curve["peak_above_baseline_mib"]) == 2

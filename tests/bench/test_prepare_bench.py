@@ -13,7 +13,8 @@ from soma_pl.cli import main
 def test_bench_prepare_reports_throughput_stages_and_memory_per_task(tmp_path, capsys):
     out = tmp_path / "prepare.json"
     main(["bench", "prepare", "--megabytes=1.5", "--files=4", "--tasks=[1, 2]", f"--workdir={tmp_path}",
-          f"--out={out}", "--rounds=2", "--progress=false", "--prepare_args=[--dataset.val_documents=4, --dataset.val_windows=8, "
+          f"--out={out}", "--rounds=2", "--progress=false",
+          "--prepare_args=[--dataset.val_documents=4, --dataset.val_windows=8, "
           "--dataset.test_windows=8, --dataset.shard_max_bytes=200000]"])
     report = json.loads(out.read_text())
     one, two = report["runs"]

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from soma_pl.callbacks.compute import ComputeAccounting, ComputeBudget, NewRecord, Tally, compute_report
+from soma_pl.contracts import UpdateClock, UpdateRecord
 from soma_pl.errors import ConfigError
-from soma_pl.lit.base import UpdateClock, UpdateRecord
 from tests.lit.conftest import fit_args, run_cli
 
 # tiny_spsa.yaml: 2 · n_pert 4 · 1 expert · 4 windows · 24 predicted bytes per update

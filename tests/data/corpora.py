@@ -7,7 +7,6 @@ import random
 import re
 from pathlib import Path
 
-
 WORDS = "river stone maple quartz lantern harbor cedar violet ember meadow falcon copper tundra orchid".split()
 MARKER = re.compile(rb"<([a-z]+):(\d{5})>")
 

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.data.experts import ExpertShardWriter
+from soma_pl.data.expert_sets import ExpertShardWriter
 from soma_pl.data.prepare import read_manifest
 from soma_pl.data.readers import iter_corpus
 from soma_pl.data.stream import WindowStream, consumer_slice, document_windows
@@ -54,7 +54,7 @@ def test_training_windows_are_substrings_of_their_documents(module, jsonl_corpus
 def test_eval_loaders_are_fixed(module):
     first = [w for w, _ in module.val_dataloader()[0]]
     again = [w for w, _ in module.val_dataloader()[0]]
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=False))
     assert sum(len(w) for w in first) == 20 and first[0].shape == (5, WINDOW_BYTES)
     windows, index = next(iter(module.test_dataloader()))
     assert torch.equal(windows, torch.from_numpy(module.test_set.windows[:5])) and index.tolist() == [0, 1, 2, 3, 4]
@@ -64,7 +64,7 @@ def test_monolithic_decay_windows_are_every_window_of_the_held_out_training_spli
     """N = 1 is one expert: validation's second loader holds every window of the prepared
     dataset's expert-validation documents, cut from each document's start, none of them trained on."""
     from soma_pl.data.prepare import read_manifest
-    from soma_pl.data.shards import iter_shard_documents
+    from soma_pl.data.tar_shards import iter_shard_documents
 
     manifest = read_manifest(module.root)
     documents = [d for s in manifest["expert_val"]["shards"] for d in iter_shard_documents(module.root / s["path"])]
@@ -93,8 +93,8 @@ def test_a_capped_split_spreads_its_windows_over_every_document(tmp_path, count)
     """A cap takes windows from every document in turn (documents of 1, 5, 2 and 3 windows), not the
     first document's: checked against a round-robin over the documents' consecutive windows."""
     from soma_pl.data.documents import Document
-    from soma_pl.data.shards import ShardWriter
     from soma_pl.data.stream import fixed_windows
+    from soma_pl.data.tar_shards import ShardWriter
 
     rng = np.random.default_rng(0)
     sizes = [1, 5, 2, 3]
@@ -104,7 +104,8 @@ def test_a_capped_split_spreads_its_windows_over_every_document(tmp_path, count)
         writer.write(Document(text, "test", f"doc-{i}"))
     shards = [tmp_path / r.path.split("/")[-1] for r in writer.close()]
     assert len(shards) > 1
-    windows = {(d, k): texts[d][k * WINDOW_BYTES : (k + 1) * WINDOW_BYTES] for d, n in enumerate(sizes) for k in range(n)}
+    windows = {(d, k): texts[d][k * WINDOW_BYTES : (k + 1) * WINDOW_BYTES]
+               for d, n in enumerate(sizes) for k in range(n)}
     turns = [(d, k) for k in range(max(sizes)) for d, n in enumerate(sizes) if k < n]  # round-robin
     expected = sorted(turns[:count])  # document order, then window order
     got = [bytes(row.numpy()) for row in fixed_windows(shards, count)]
@@ -115,15 +116,15 @@ def test_a_capped_split_spreads_its_windows_over_every_document(tmp_path, count)
 def test_stream_is_deterministic_and_skips_exactly(module):
     stream = module.train_stream()
     reference = batches(stream, 7)
-    assert all(torch.equal(a, b) for a, b in zip(reference, batches(module.train_stream(), 7)))
+    assert all(torch.equal(a, b) for a, b in zip(reference, batches(module.train_stream(), 7), strict=False))
     resumed = batches(module.train_stream(skip_batches=4), 3)
-    assert all(torch.equal(a, b) for a, b in zip(reference[4:], resumed))
+    assert all(torch.equal(a, b) for a, b in zip(reference[4:], resumed, strict=False))
 
 
 def test_skip_with_workers_matches_uninterrupted_stream(module):
     reference = batches(module.train_stream(), 7, workers=2)
     resumed = batches(module.train_stream(skip_batches=3), 4, workers=2)
-    assert all(torch.equal(a, b) for a, b in zip(reference[3:], resumed))
+    assert all(torch.equal(a, b) for a, b in zip(reference[3:], resumed, strict=False))
 
 
 def test_ranks_and_workers_read_disjoint_documents(module):
@@ -147,7 +148,7 @@ def test_document_windows_cover_without_overlap():
     text = rng.integers(0, 256, 20 * 256, dtype=np.uint8).tobytes()
     windows = document_windows(text, rng)
     starts = [text.index(w.tobytes()) for w in windows]
-    assert starts[0] < WINDOW_BYTES and all(b - a == WINDOW_BYTES for a, b in zip(starts, starts[1:]))
+    assert starts[0] < WINDOW_BYTES and all(b - a == WINDOW_BYTES for a, b in zip(starts, starts[1:], strict=False))
     assert len(text) - (starts[-1] + WINDOW_BYTES) < WINDOW_BYTES
     assert document_windows(b"x" * (WINDOW_BYTES - 1), rng) == []
 

@@ -165,7 +165,7 @@ def test_sotu_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         ("sotu/1790_george_washington_n", "1790 George Washington", "sotu"),
         ("sotu/1791_george_washington_n", "1791 George Washington", "sotu"),
     ]
-    assert docs[1].text == "Again — hello.".encode("utf-8")
+    assert docs[1].text == "Again — hello.".encode()
 
 
 # ----------------------------------------------------------------------------- fetching

@@ -17,13 +17,13 @@ import pytest
 import webdataset as wds
 
 from soma_pl import WINDOW_BYTES
+from soma_pl.data.documents import Document
 from soma_pl.data.evalsets import EvalSet
 from soma_pl.data.heldout import OverlapScreen, seeded_hash, validation_windows
-from soma_pl.data.documents import Document
 from soma_pl.data.pipeline import ExecutorConfig
 from soma_pl.data.prepare import prepare, read_manifest
 from soma_pl.data.readers import CorpusConfig, iter_corpus
-from soma_pl.data.shards import ShardRecord, iter_shard_documents, verify_shards
+from soma_pl.data.tar_shards import ShardRecord, iter_shard_documents, verify_shards
 from soma_pl.errors import DataError
 
 from .corpora import write_jsonl_corpus
@@ -57,7 +57,8 @@ def test_prepared_folder_is_consistent(small_config, jsonl_corpus):
     assert len(manifest["train"]["shards"]) >= 3
     by_id = {f"{d.source}:{d.doc_id}": d for d in iter_corpus(small_config.corpus)}
     for evalset in (val, test):
-        for window, doc_id, source, offset in zip(evalset.windows, evalset.doc_ids, evalset.sources, evalset.offsets):
+        for window, doc_id, source, offset in zip(evalset.windows, evalset.doc_ids, evalset.sources, evalset.offsets,
+                                                  strict=False):
             document = by_id[f"{source}:{doc_id}"].text
             assert window.tobytes() == document[offset : offset + WINDOW_BYTES]
 
@@ -134,7 +135,7 @@ def test_identical_rerun_is_a_noop_and_a_change_rebuilds(small_config):
 
 
 def test_failure_mid_write_leaves_nothing_valid(small_config, monkeypatch):
-    from soma_pl.data.shards import ShardWriter
+    from soma_pl.data.tar_shards import ShardWriter
 
     calls = {"n": 0}
     original = ShardWriter.write
@@ -208,7 +209,8 @@ def test_empty_corpus_and_too_small_corpus(tmp_path, small_config):
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["--dataset.corpus.kind", "jsonl", "--dataset.corpus.paths=[/no/such/corpus]"], "corpus path not found: /no/such/corpus"),
+    (["--dataset.corpus.kind", "jsonl", "--dataset.corpus.paths=[/no/such/corpus]"],
+     "corpus path not found: /no/such/corpus"),
     (["--dataset.bogus_key", "1"], "bogus_key"),
 ])
 def test_cli_bad_input_exits_nonzero_with_a_clear_line(tmp_path, arguments, message):

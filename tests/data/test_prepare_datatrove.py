@@ -16,7 +16,7 @@ from soma_pl.data.heldout import OverlapScreen
 from soma_pl.data.pipeline import ExecutorConfig
 from soma_pl.data.prepare import FORMAT_VERSION, PrepareConfig, prepare, read_manifest
 from soma_pl.data.readers import CorpusConfig
-from soma_pl.data.shards import ShardWriter, iter_shard_documents
+from soma_pl.data.tar_shards import ShardWriter, iter_shard_documents
 from soma_pl.errors import ConfigError, DataError
 
 from .corpora import write_jsonl_corpus
@@ -68,7 +68,8 @@ def test_one_and_two_tasks_give_the_same_heldout_sets_and_training_documents(fou
 def test_a_task_that_dies_midway_resumes_to_the_uninterrupted_output(four_file_config, tmp_path, monkeypatch):
     uninterrupted = prepare(replace(four_file_config, output_dir=str(tmp_path / "whole"),
                                     executor=ExecutorConfig(tasks=2, workers=1)), progress=False)
-    config = replace(four_file_config, output_dir=str(tmp_path / "resumed"), executor=ExecutorConfig(tasks=2, workers=1))
+    config = replace(four_file_config, output_dir=str(tmp_path / "resumed"),
+                     executor=ExecutorConfig(tasks=2, workers=1))
     original, calls = ShardWriter.write, {"n": 0}
 
     def dying_write(self, document):
@@ -139,7 +140,7 @@ def test_fit_takes_a_prepared_folder_by_path_alone(four_file_config, tmp_path, m
     monkeypatch.setenv("WANDB_MODE", "offline")
     run = tmp_path / "run"
     main(["fit", "--config", str(tmp_path / "fit.yaml"), f"--trainer.default_root_dir={run}",
-          "--trainer.logger=false", f"--checkpoint.dirpath={run / 'checkpoints'}"])
+          "--trainer.logger=false"])
     assert (run / "checkpoints" / "last.ckpt").is_file()
 
 

@@ -16,12 +16,11 @@ import yaml
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.datamodule import ByteDataModule
 from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.experts import read_expert_shards
+from soma_pl.data.expert_sets import read_expert_shards
 from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
 from soma_pl.data.readers import CorpusConfig
-from soma_pl.data.sharding import (ROUTER_FILE, ShardConfig, rebalance, read_shard_manifest, shard,
-                                   validation_mask)
-from soma_pl.data.shards import ShardRecord, iter_shard_documents
+from soma_pl.data.sharding import ROUTER_FILE, ShardConfig, read_shard_manifest, rebalance, shard, validation_mask
+from soma_pl.data.tar_shards import ShardRecord, iter_shard_documents
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.models.router import Router, prefix_batch
 
@@ -167,10 +166,10 @@ def test_datamodule_reads_the_expert_shards(dataset, semantic):
 
 
 def test_seed_embedder_shards_with_a_seed_checkpoint(dataset, tmp_path):
-    from soma_pl.lit.bptt import BPTTModule
+    from soma_pl.lit import BPTTModule, ModelShape
 
     torch.manual_seed(0)
-    module = BPTTModule(width=8, num_layers=1)
+    module = BPTTModule(shape=ModelShape(width=8, num_layers=1))
     torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, tmp_path / "seed.ckpt")
     folder = shard(_config(dataset, tmp_path / "seeded", embedder="seed", seed_checkpoint=str(tmp_path / "seed.ckpt")),
                    progress=False)

@@ -29,7 +29,7 @@ from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
 IDS = torch.arange(1)
 
 
-def _model(experts: int = 2, width: int = 12, head: HeadMode = HeadMode.PER_EXPERT) -> StackedExperts:
+def _model(experts: int = 2, width: int = 12, head: HeadMode = HeadMode.per_expert) -> StackedExperts:
     torch.manual_seed(0)
     model = StackedExperts(experts, width, embed_dim=8, num_layers=2, head=head, time_chunk=4).double()
     with torch.no_grad():  # away from the init so every weight matters

@@ -19,7 +19,7 @@ from soma_pl.estimators import (
 )
 from soma_pl.models import StackedExperts
 
-RADEMACHER = DirectionKind.RADEMACHER
+rademacher = DirectionKind.rademacher
 
 
 @dataclass
@@ -108,7 +108,7 @@ def test_joint_loss_error_ratio_matches_theory_on_the_same_evaluations():
         separate.append(((result.gradient["theta"] - true) ** 2).sum())
         joint.append(((estimate - true) ** 2).sum())
     measured = torch.stack(joint).mean() / torch.stack(separate).mean()
-    predicted = joint_to_separate_ratio(RADEMACHER, (true**2).sum(1), dim, experts)
+    predicted = joint_to_separate_ratio(rademacher, (true**2).sum(1), dim, experts)
     assert predicted == pytest.approx((experts * dim - 1) / (dim - 1))
     assert measured.item() == pytest.approx(predicted, rel=0.1)
 
@@ -129,7 +129,7 @@ def test_micro_batches_use_fresh_directions():
     config = SPSAConfig(eps=1e-2, n_pert=5, micro_batch=4)
     result = problem.estimate(theta, config, step=4, seed=6, windows=8)
     assert result.projected.shape == (2, 10)
-    z = directions(RADEMACHER, 6, 4, torch.arange(2), torch.arange(10), 8, dtype=torch.float64)
+    z = directions(rademacher, 6, 4, torch.arange(2), torch.arange(10), 8, dtype=torch.float64)
     assert len({tuple(row.tolist()) for row in z[0]}) == 10
     expected = torch.einsum("ek,ekd->ed", result.projected, z) / 10
     torch.testing.assert_close(result.gradient["theta"], expected)
@@ -176,12 +176,12 @@ def test_batch_must_split_into_micro_batches():
 def test_grouped_theory_closed_forms():
     norms, dims = [1.0, 3.0, 0.5, 2.0], [10, 20, 30, 40]
     total = sum(norms)
-    separate = sum((d - 1) * g for d, g in zip(dims, norms)) / (8 * total)
-    assert grouped_relative_error(RADEMACHER, norms, dims, 1, 8) == pytest.approx(separate)
+    separate = sum((d - 1) * g for d, g in zip(dims, norms, strict=False)) / (8 * total)
+    assert grouped_relative_error(rademacher, norms, dims, 1, 8) == pytest.approx(separate)
     pairs = ((10 + 20 + 1) * 4.0 + (30 + 40 + 1) * 2.5) / (8 * total)
-    assert grouped_relative_error(DirectionKind.GAUSSIAN, norms, dims, 2, 8) == pytest.approx(pairs)
-    single = grouped_relative_error(RADEMACHER, [2.0], 50, 1, 7)
-    assert single == pytest.approx(relative_error(RADEMACHER, 50, 7))
+    assert grouped_relative_error(DirectionKind.gaussian, norms, dims, 2, 8) == pytest.approx(pairs)
+    single = grouped_relative_error(rademacher, [2.0], 50, 1, 7)
+    assert single == pytest.approx(relative_error(rademacher, 50, 7))
 
 
 def test_expert_model_estimate_projects_onto_the_autograd_gradient():
@@ -197,5 +197,5 @@ def test_expert_model_estimate_projects_onto_the_autograd_gradient():
     # E[ĝ] = g, so ĝ·g/‖g‖² = 1 ± sqrt(2/n_pert) for Rademacher directions.
     assert (estimate @ exact / (exact @ exact)).item() == pytest.approx(1.0, abs=0.2)
     # Each δ_k equals z_kᵀg up to the O(ε²·‖z‖²) central-difference error (ε‖z‖ ≈ 0.01 here).
-    z = directions(RADEMACHER, 0, 0, torch.tensor([0]), torch.arange(4), exact.numel())
+    z = directions(rademacher, 0, 0, torch.tensor([0]), torch.arange(4), exact.numel())
     torch.testing.assert_close(result.projected[0, :4], z[0].double() @ exact, rtol=1e-3, atol=0)

@@ -8,7 +8,7 @@ import torch
 
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.ensemble import ensemble_probabilities, score_windows
-from soma_pl.models.experts import StackedExperts
+from soma_pl.models.stacked import StackedExperts
 
 SCORE_FROM = 20
 

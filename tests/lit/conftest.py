@@ -23,7 +23,7 @@ def corpus_dir(tmp_path_factory) -> Path:
 def fit_args(corpus: Path, data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     return ["fit", "--config", str(TINY), f"--data.init_args.dataset.corpus.paths=[{corpus}]",
             f"--data.init_args.dataset.output_dir={data_dir}", f"--trainer.default_root_dir={run_dir}",
-            "--trainer.logger=false", f"--checkpoint.dirpath={run_dir / 'checkpoints'}", *extra]
+            "--trainer.logger=false", *extra]  # checkpoints go to <default_root_dir>/checkpoints
 
 
 def run_cli(args: list[str]) -> None:

@@ -9,17 +9,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from soma_pl.data.stream import rank_share
+from soma_pl.distributed import rank_share
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, assemble_estimate, spsa_differences, spsa_estimate
 from soma_pl.lightning_cli import make_cli
-from soma_pl.lit import DDPPModule, SPSAModule, ddpp
+from soma_pl.lit import DDPPModule, ModelShape, SPSAArgs, SPSAModule, ddpp
 from soma_pl.lit.ddpp import Exchange, partial_estimate, step_exchange_bytes, unflatten
 from soma_pl.models import StackedExperts
 
 from .conftest import final_weights, fit_args
 from .multiprocess import fit_on_processes, max_difference
+
+SHAPE = ModelShape(width=8, num_layers=1, embed_dim=8)
 
 
 @pytest.mark.parametrize("world,max_rows", [(1, None), (2, 4), (4, None)])
@@ -32,7 +34,7 @@ def test_shares_of_the_directions_rebuild_the_one_process_estimate_bit_for_bit(w
     reference = spsa_estimate(model.loss_per_group, params, batch, config, step=5, seed=1)
     shares = [spsa_differences(model.loss_per_group, params, batch, config, 5, 1, rank_share(9, rank, world))
               for rank in range(world)]
-    deltas, losses = torch.cat([d for d, _ in shares], 1), torch.cat([l for _, l in shares], 1)
+    deltas, losses = torch.cat([d for d, _ in shares], 1), torch.cat([loss for _, loss in shares], 1)
     gradient = assemble_estimate(params, deltas, config, step=5, seed=1)
     assert torch.equal(deltas, reference.projected)
     assert torch.equal(losses.mean(1), reference.loss)
@@ -44,14 +46,14 @@ def test_plain_spsa_refuses_to_fit_on_several_processes(monkeypatch):
     trainer = SimpleNamespace(world_size=2, global_rank=0, ckpt_path=None, precision="32-true")
     monkeypatch.setattr(SPSAModule, "trainer", property(lambda self: trainer))
     with pytest.raises(ConfigError, match="2 diverging replicas.*soma_pl.lit.DDPPModule"):
-        SPSAModule(width=8, num_layers=1, embed_dim=8).setup("fit")
-    DDPPModule(width=8, num_layers=1, embed_dim=8).check_world_size(2)  # DDPP accepts any number
+        SPSAModule(shape=SHAPE).setup("fit")
+    DDPPModule(shape=SHAPE).check_world_size(2)  # DDPP accepts any number
 
 
 def test_ddpp_on_two_processes_trains_the_weights_of_one_process(corpus_dir, tmp_path):
     # B = 6 windows in micro-batches of 2, n_pert = 3: 9 directions, shared 4 + 5, the split
     # running through the middle micro-batch.
-    settings = ["--data.init_args.batch_size=6", "--model.init_args.n_pert=3", "--trainer.max_steps=6",
+    settings = ["--data.init_args.batch_size=6", "--model.init_args.spsa.n_pert=3", "--trainer.max_steps=6",
                 "--trainer.val_check_interval=3"]
     data = tmp_path / "data"
     reference = make_cli(fit_args(corpus_dir, data, tmp_path / "one", *settings))
@@ -85,8 +87,8 @@ def test_exchange_bytes_per_step_have_the_closed_form(exchange, world, expected)
     assert step_exchange_bytes(exchange.value, directions, PAPER_PARAMETERS, 1, torch.float64, world) == 2 * expected
 
 
-@pytest.mark.parametrize("world,max_rows,kind", [(2, None, DirectionKind.RADEMACHER), (4, 4, DirectionKind.RADEMACHER),
-                                                 (3, None, DirectionKind.GAUSSIAN)])
+@pytest.mark.parametrize("world,max_rows,kind", [(2, None, DirectionKind.rademacher), (4, 4, DirectionKind.rademacher),
+                                                 (3, None, DirectionKind.gaussian)])
 def test_partial_estimates_of_the_shares_add_up_to_the_one_process_estimate(world, max_rows, kind):
     torch.manual_seed(0)
     model = StackedExperts(num_experts=1, width=8, embed_dim=8, num_layers=1, time_chunk=8)
@@ -105,7 +107,7 @@ def test_partial_estimates_of_the_shares_add_up_to_the_one_process_estimate(worl
 
 def _tiny_ddpp(**extra) -> DDPPModule:
     torch.manual_seed(0)
-    return DDPPModule(width=8, num_layers=1, embed_dim=8, eps=1e-2, n_pert=3, micro_batch=2, seed=1, **extra)
+    return DDPPModule(shape=SHAPE, spsa=SPSAArgs(eps=1e-2, n_pert=3, micro_batch=2), seed=1, **extra)
 
 
 def _estimate_on(module: DDPPModule, monkeypatch, rank: int, world: int):
@@ -148,7 +150,7 @@ def test_estimates_exchange_on_two_processes_trains_the_weights_of_scalars_and_o
     # rounding difference (1e-7 relative after one update) is amplified from the second update on,
     # where weights 1e-8 apart round the losses differently and δ = ΔL / 2ε turns one ulp of L into
     # 1e-5 (1e-5 relative after 6 updates). In float64 the runs stay within 1e-13.
-    settings = ["--data.init_args.batch_size=6", "--model.init_args.n_pert=3", "--trainer.max_steps=6",
+    settings = ["--data.init_args.batch_size=6", "--model.init_args.spsa.n_pert=3", "--trainer.max_steps=6",
                 "--trainer.val_check_interval=3", "--trainer.precision=64-true"]
     data = tmp_path / "data"
     make_cli(fit_args(corpus_dir, data, tmp_path / "one", *settings))

@@ -7,20 +7,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from soma_pl.estimators.eggroll import FitnessShaping, StepConvention
 from soma_pl.errors import ConfigError
+from soma_pl.estimators.eggroll import FitnessShaping, StepConvention
 from soma_pl.lightning_cli import make_cli
-from soma_pl.lit import EGGROLLModule
+from soma_pl.lit import EGGROLLArgs, EGGROLLModule, ModelShape
 from soma_pl.lit.spsa import EpsSchedule
 
 from .conftest import final_weights, fit_args, run_cli
 
 # tiny_spsa.yaml's data hold 4 windows per batch: 4 groups of 6 members. lr 0.16 under the reference
 # convention is the step of lr 0.002 under mean_over_sigma (0.002 / (σ²·√N), σ = 0.05, N = 24).
-EGGROLL = ["--model=soma_pl.lit.EGGROLLModule", "--model.init_args.width=8", "--model.init_args.num_layers=1",
-           "--model.init_args.embed_dim=8", "--model.init_args.train_context=24", "--model.init_args.sigma=0.05",
-           "--model.init_args.rank=2", "--model.init_args.population=24", "--model.init_args.group_size=6",
-           "--model.init_args.fitness=group", "--model.init_args.max_members=10", "--model.init_args.seed=3",
+EGGROLL = ["--model=soma_pl.lit.EGGROLLModule", "--model.init_args.shape.width=8",
+           "--model.init_args.shape.num_layers=1",
+           "--model.init_args.shape.embed_dim=8", "--model.init_args.train_context=24",
+           "--model.init_args.eggroll.sigma=0.05",
+           "--model.init_args.eggroll.rank=2", "--model.init_args.eggroll.population=24",
+           "--model.init_args.eggroll.group_size=6",
+           "--model.init_args.eggroll.fitness=group", "--model.init_args.eggroll.max_members=10",
+           "--model.init_args.seed=3",
            "--model.init_args.optimizer=torch.optim.SGD", "--model.init_args.optimizer.lr=0.16"]
 
 
@@ -33,7 +37,7 @@ def test_fit_records_population_forwards_and_moves_the_weights(corpus_dir, tmp_p
     assert record.token_forwards == 24 * 24 and record.experts == 1 and record.seconds > 0
     metrics = cli.trainer.callback_metrics
     assert 0 < metrics["train/loss"].item() < 6 and metrics["train/sigma"].item() == pytest.approx(0.05)
-    assert "population" in module.hparams and "n_pert" not in module.hparams
+    assert "population" in module.hparams["eggroll"] and "spsa" not in module.hparams
     trained = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     assert trained["global_step"] == 4
     for name in module.model.state_dict():  # matrices and norm gains alike
@@ -57,7 +61,7 @@ def test_resume_after_a_crash_reaches_the_same_weights_bitwise(corpus_dir, tmp_p
 def test_batch_size_that_does_not_match_the_groups_is_one_clear_error(corpus_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_cli(fit_args(corpus_dir, tmp_path / "data", tmp_path / "run", *EGGROLL, "--trainer.max_steps=1",
-                         "--model.init_args.group_size=4"))
+                         "--model.init_args.eggroll.group_size=4"))
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "batch_size=6" in message and "4 windows" in message
@@ -81,8 +85,9 @@ HALVING = [(schedule, convention, fitness) for schedule in EpsSchedule for conve
 def test_halving_the_learning_rate_halves_the_step(monkeypatch, schedule, convention, fitness):
     lr, sigma = 0.5, 1e-4
     torch.manual_seed(0)
-    module = EGGROLLModule(width=8, num_layers=1, embed_dim=8, sigma=sigma, rank=2, population=24, group_size=6,
-                           fitness=fitness, step_convention=convention, sigma_schedule=schedule, train_context=24,
+    eggroll = EGGROLLArgs(sigma=sigma, rank=2, population=24, group_size=6, fitness=fitness,
+                          step_convention=convention, sigma_schedule=schedule)
+    module = EGGROLLModule(shape=ModelShape(width=8, num_layers=1, embed_dim=8), eggroll=eggroll, train_context=24,
                            seed=3).double()
     optimizer = torch.optim.SGD(module.trainable_parameters().values(), lr=lr)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
@@ -100,7 +105,7 @@ def test_halving_the_learning_rate_halves_the_step(monkeypatch, schedule, conven
     for value in (1.0, 1.0):  # the second validation does not improve: the plateau halves lr
         plateau.step(value)
     assert optimizer.param_groups[0]["lr"] == lr / 2
-    assert module.current_eps() == (sigma / 2 if schedule is EpsSchedule.proportional else sigma)
+    assert module.current_scale() == (sigma / 2 if schedule is EpsSchedule.proportional else sigma)
     steps.append(one_update())
     # With common noise every member's loss moves by ±σ·⟨g, ε⟩ + O(σ²), and a z-score removes the σ;
     # antithetic pairs cancel the odd cross terms, so the ratio is off 0.5 by O(σ²) only (measured:
@@ -112,6 +117,5 @@ def test_halving_the_learning_rate_halves_the_step(monkeypatch, schedule, conven
 
 @pytest.mark.parametrize("fitness", [f for f in FitnessShaping if f is not FitnessShaping.group_own_std])
 def test_proportional_sigma_is_refused_where_a_decay_would_not_halve_the_step(fitness):
-    with pytest.raises(ConfigError, match="sigma_schedule: proportional"):
-        EGGROLLModule(width=8, num_layers=1, embed_dim=8, population=24, group_size=6, fitness=fitness,
-                      sigma_schedule=EpsSchedule.proportional)
+    with pytest.raises(ConfigError, match="eggroll.sigma_schedule=proportional"):
+        EGGROLLArgs(population=24, group_size=6, fitness=fitness, sigma_schedule=EpsSchedule.proportional)

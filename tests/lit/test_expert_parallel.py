@@ -13,10 +13,12 @@ import torch
 from soma_pl.data.prepare import PrepareConfig, prepare
 from soma_pl.data.readers import CorpusConfig
 from soma_pl.data.sharding import ShardConfig, shard
-from soma_pl.data.stream import WindowStream, rank_share
+from soma_pl.data.stream import WindowStream
+from soma_pl.distributed import rank_share
 from soma_pl.errors import ConfigError
 from soma_pl.lightning_cli import make_cli
 from soma_pl.lit import SOMAModule
+from soma_pl.lit.args import ModelShape
 from soma_pl.lit.parallel import slice_optimizer_state
 
 from .multiprocess import fit_on_processes, max_difference
@@ -44,7 +46,7 @@ def sharded(corpus_dir, tmp_path_factory):
 
 
 def test_a_rank_reads_for_its_experts_what_one_process_reads(sharded):
-    from soma_pl.data.experts import read_expert_shards
+    from soma_pl.data.expert_sets import read_expert_shards
 
     _, experts = sharded
     shard_sets = [[experts / r.path for r in e.train] for e in read_expert_shards(experts)]
@@ -66,7 +68,7 @@ def test_slicing_a_gathered_optimizer_state_keeps_the_ranks_experts():
 def test_soma_needs_an_expert_per_process(monkeypatch):
     trainer = SimpleNamespace(world_size=3, global_rank=0, ckpt_path=None)
     monkeypatch.setattr(SOMAModule, "trainer", property(lambda self: trainer))
-    module = SOMAModule(num_experts=2, width=8, num_layers=1, embed_dim=8, init="random")
+    module = SOMAModule(num_experts=2, shape=ModelShape(width=8, num_layers=1, embed_dim=8), init="random")
     with pytest.raises(ConfigError, match="2 experts on 3 processes"):
         module.check_world_size(3)
 

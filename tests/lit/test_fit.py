@@ -57,7 +57,8 @@ def test_checkpoint_of_another_shape_names_both_shapes(corpus_dir, tmp_path, cap
     run_cli(fit_args(corpus_dir, data, tmp_path / "small", "--trainer.max_steps=4"))
     ckpt = tmp_path / "small" / "checkpoints" / "last.ckpt"
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(fit_args(corpus_dir, data, tmp_path / "wide", "--model.init_args.width=12", f"--ckpt_path={ckpt}"))
+        run_cli(fit_args(corpus_dir, data, tmp_path / "wide", "--model.init_args.shape.width=12",
+                         f"--ckpt_path={ckpt}"))
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "[1, 2, 8]" in message and "[1, 2, 12]" in message and "model.norm_gains" in message
@@ -65,7 +66,8 @@ def test_checkpoint_of_another_shape_names_both_shapes(corpus_dir, tmp_path, cap
 
 @pytest.mark.network
 def test_quickstart_fast_dev_run_on_the_demo_corpus(tmp_path):
-    run_cli(["fit", "--config", "configs/quickstart.yaml", "--trainer.fast_dev_run=2",
+    run_cli(["fit", "--config", "configs/trainer/cpu.yaml", "--config", "configs/datamodule/demo.yaml",
+             "--config", "configs/quickstart.yaml", "--trainer.fast_dev_run=2",
              f"--data.init_args.prepared={tmp_path / 'demo'}", f"--trainer.default_root_dir={tmp_path}"])
     manifest = json.loads((tmp_path / "demo" / "manifest.json").read_text())
     assert set(manifest["train"]["sources"]) == {"wikipedia", "sotu", "python_docs"}
@@ -73,7 +75,8 @@ def test_quickstart_fast_dev_run_on_the_demo_corpus(tmp_path):
 
 def test_bptt_trains_through_the_cli(corpus_dir, tmp_path):
     run_cli(fit_args(corpus_dir, tmp_path / "data", tmp_path / "bptt", "--model=soma_pl.lit.BPTTModule",
-                     "--model.init_args.width=8", "--model.init_args.num_layers=1", "--model.init_args.embed_dim=8",
+                     "--model.init_args.shape.width=8", "--model.init_args.shape.num_layers=1",
+                     "--model.init_args.shape.embed_dim=8",
                      "--model.init_args.train_context=24", "--model.init_args.optimizer=torch.optim.Adam",
                      "--model.init_args.optimizer.lr=0.01", "--trainer.max_steps=8"))
     checkpoint = torch.load(tmp_path / "bptt" / "checkpoints" / "last.ckpt", weights_only=False)

@@ -17,27 +17,31 @@ from soma_pl.data.prepare import PrepareConfig, prepare
 from soma_pl.data.readers import CorpusConfig
 from soma_pl.data.sharding import ShardConfig, shard
 from soma_pl.lightning_cli import make_cli
+from soma_pl.lit.args import ModelShape
 from soma_pl.lit.bptt import BPTTModule
-from soma_pl.lit.plateau import ExpertPlateau
+from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig
 from soma_pl.lit.soma import SOMAModule
 from soma_pl.models.router import HashedNgramEncoder, Router
 
 from .conftest import TINY
 
 TINY_SOMA = Path(__file__).with_name("tiny_soma.yaml")
-SMALL = ["--model.init_args.width=8", "--model.init_args.num_layers=1", "--model.init_args.embed_dim=8",
-         "--model.init_args.train_context=24", "--model.init_args.plateau_patience=0"]
+SMALL = ["--model.init_args.shape.width=8", "--model.init_args.shape.num_layers=1",
+         "--model.init_args.shape.embed_dim=8",
+         "--model.init_args.train_context=24", "--model.init_args.plateau.patience=0"]
 # Many validations, so that held-out plateaus (and so decays) happen during the run.
 SCHEDULE = ["--trainer.max_steps=16", "--trainer.val_check_interval=2"]
 MODULES = {
     "spsa": (TINY, []),
-    "eggroll": (TINY, ["--model=soma_pl.lit.EGGROLLModule", *SMALL, "--model.init_args.sigma=0.05",
-                       "--model.init_args.rank=2", "--model.init_args.population=24", "--model.init_args.group_size=6",
+    "eggroll": (TINY, ["--model=soma_pl.lit.EGGROLLModule", *SMALL, "--model.init_args.eggroll.sigma=0.05",
+                       "--model.init_args.eggroll.rank=2", "--model.init_args.eggroll.population=24",
+                       "--model.init_args.eggroll.group_size=6",
                        "--model.init_args.seed=3", "--model.init_args.optimizer=torch.optim.SGD",
-                       "--model.init_args.step_convention=mean_over_sigma",
+                       "--model.init_args.eggroll.step_convention=mean_over_sigma",
                        "--model.init_args.optimizer.lr=0.02"]),
-    "ddpp": (TINY, ["--model=soma_pl.lit.DDPPModule", *SMALL, "--model.init_args.eps=0.01", "--model.init_args.n_pert=4",
-                    "--model.init_args.micro_batch=2", "--model.init_args.seed=3",
+    "ddpp": (TINY, ["--model=soma_pl.lit.DDPPModule", *SMALL, "--model.init_args.spsa.eps=0.01",
+                    "--model.init_args.spsa.n_pert=4", "--model.init_args.spsa.micro_batch=2",
+                    "--model.init_args.seed=3",
                     "--model.init_args.optimizer=torch.optim.SGD", "--model.init_args.optimizer.lr=0.1"]),
     "bptt": (TINY, ["--model=soma_pl.lit.BPTTModule", *SMALL, "--model.init_args.optimizer=torch.optim.Adam",
                     "--model.init_args.optimizer.lr=0.5"]),  # large enough to stall: decays happen
@@ -105,7 +109,7 @@ def _router(experts: int) -> Router:
 
 
 def test_bptt_and_soma_with_the_same_weights_and_router_score_alike():
-    settings = {"num_experts": 3, "width": 8, "num_layers": 1, "embed_dim": 8, "top_k": 2}
+    settings = {"num_experts": 3, "shape": ModelShape(width=8, num_layers=1, embed_dim=8), "top_k": 2}
     soma = SOMAModule(init="random", **settings)
     bptt = BPTTModule(**settings)
     bptt.model.load_state_dict(soma.model.state_dict())
@@ -119,7 +123,7 @@ def test_bptt_and_soma_with_the_same_weights_and_router_score_alike():
 
 
 def test_bptt_ensemble_trains_each_expert_on_its_own_data_and_loss():
-    module = BPTTModule(num_experts=2, width=8, num_layers=1, embed_dim=8, train_context=24)
+    module = BPTTModule(num_experts=2, shape=ModelShape(width=8, num_layers=1, embed_dim=8), train_context=24)
     module.configure_optimizers()
     batch = torch.randint(0, 256, (2, 3, 25), generator=torch.Generator().manual_seed(0))
     changed = batch.clone()
@@ -142,7 +146,8 @@ def test_bptt_ensemble_validates_like_soma_through_the_cli(datasets, corpus_dir)
     cli = make_cli(["validate", "--config", str(config), f"--data.init_args.dataset.corpus.paths=[{corpus_dir}]",
                     f"--data.init_args.dataset.output_dir={root / 'data'}",
                     f"--data.init_args.experts_dir={root / 'experts'}", f"--trainer.default_root_dir={root / 'bv'}",
-                    "--trainer.logger=false", *extra, f"--ckpt_path={root / 'bptt-n2-fit' / 'checkpoints' / 'last.ckpt'}"])
+                    "--trainer.logger=false",
+                    *extra, f"--ckpt_path={root / 'bptt-n2-fit' / 'checkpoints' / 'last.ckpt'}"])
     report = json.loads(next((root / "bv").rglob("val_scores.json")).read_text())
     assert report["k"] == 2 and len(report["loss_by_k"]) == 2 and len(report["expert_losses"]) == 2
     assert report["loss"] == pytest.approx(report["loss_by_k"][1], rel=1e-5)
@@ -152,7 +157,8 @@ def test_bptt_ensemble_validates_like_soma_through_the_cli(datasets, corpus_dir)
 @pytest.mark.parametrize("module_class", [SOMAModule, BPTTModule])
 def test_min_lr_floors_every_experts_decay(module_class):
     kwargs = {"init": "random"} if module_class is SOMAModule else {}
-    module = module_class(num_experts=2, width=8, num_layers=1, embed_dim=8, plateau_patience=0, min_lr=0.025,
+    module = module_class(num_experts=2, shape=ModelShape(width=8, num_layers=1, embed_dim=8),
+                          plateau=PlateauConfig(patience=0, min_lr=0.025),
                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), **kwargs)
     module.configure_optimizers()
     for _ in range(6):  # never improving: a decay at every validation after the first
@@ -161,14 +167,15 @@ def test_min_lr_floors_every_experts_decay(module_class):
 
 
 def test_expert_plateau_never_goes_below_its_floor():
-    plateau = ExpertPlateau(experts=2, factor=0.5, patience=0, min_scale=0.3)
+    plateau = ExpertPlateau(experts=2, config=PlateauConfig(factor=0.5, patience=0, min_lr=0.3))
+    plateau.floor_at(1.0)
     for _ in range(5):
         plateau.step(torch.tensor([1.0, 1.0]))
     assert plateau.scale.tolist() == pytest.approx([0.3, 0.3])
 
 
 def test_eps_below_float32_precision_warns_once():
-    module = SOMAModule(num_experts=2, width=8, num_layers=1, embed_dim=8, init="random")
+    module = SOMAModule(num_experts=2, shape=ModelShape(width=8, num_layers=1, embed_dim=8), init="random")
     with pytest.warns(UserWarning, match="eps has decayed to 5e-05"):
         module.warn_small_eps(torch.tensor([5e-5, 1e-3]))
     with warnings.catch_warnings():

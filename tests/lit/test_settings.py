@@ -11,8 +11,8 @@ from soma_pl.lit.spsa import SPSAModule
 
 from .conftest import fit_args, run_cli
 
-BPTT = ["--model=soma_pl.lit.BPTTModule", "--model.init_args.width=8", "--model.init_args.num_layers=1",
-        "--model.init_args.embed_dim=8", "--model.init_args.train_context=24",
+BPTT = ["--model=soma_pl.lit.BPTTModule", "--model.init_args.shape.width=8", "--model.init_args.shape.num_layers=1",
+        "--model.init_args.shape.embed_dim=8", "--model.init_args.train_context=24",
         "--model.init_args.optimizer=torch.optim.Adam", "--model.init_args.optimizer.lr=0.01"]
 
 

@@ -7,7 +7,8 @@ import torch
 
 from soma_pl.errors import ConfigError
 from soma_pl.estimators import SPSAConfig, spsa_estimate
-from soma_pl.lit.plateau import ExpertPlateau
+from soma_pl.lit.args import ModelShape
+from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig
 from soma_pl.lit.soma import SOMAModule
 from soma_pl.models import StackedExperts
 
@@ -45,7 +46,7 @@ def test_per_expert_eps_equals_separate_runs():
 
 
 def test_expert_plateau_decays_only_the_expert_that_stalls():
-    plateau = ExpertPlateau(experts=3, factor=0.5, patience=1)
+    plateau = ExpertPlateau(experts=3, config=PlateauConfig(factor=0.5, patience=1))
     for losses in ([3.0, 3.0, 3.0], [2.9, 3.0, 2.0], [2.8, 3.0, 1.9], [2.7, 3.1, 1.8]):
         plateau.step(torch.tensor(losses))
     assert plateau.scale.tolist() == [1.0, 0.5, 1.0]
@@ -61,7 +62,6 @@ from soma_pl.data.readers import CorpusConfig  # noqa: E402
 from soma_pl.data.sharding import ShardConfig, shard  # noqa: E402
 from soma_pl.lightning_cli import make_cli  # noqa: E402
 from soma_pl.models.router import Router  # noqa: E402
-
 
 TINY_SOMA = Path(__file__).with_name("tiny_soma.yaml")
 
@@ -120,13 +120,13 @@ def test_checkpoint_round_trips_with_its_router(trained, sharded, corpus_dir, tm
 def _seed_checkpoint(path: Path, width: int) -> Path:
     from soma_pl.lit.spsa import SPSAModule
 
-    seed = SPSAModule(width=width, num_layers=1, embed_dim=8)
+    seed = SPSAModule(shape=ModelShape(width=width, num_layers=1, embed_dim=8))
     torch.save({"state_dict": seed.state_dict(), "hyper_parameters": dict(seed.hparams)}, path)
     return path
 
 
 def _soma(tmp_path, **kwargs) -> SOMAModule:
-    settings = {"num_experts": 2, "width": 8, "num_layers": 1, "embed_dim": 8, **kwargs}
+    settings = {"num_experts": 2, "shape": ModelShape(width=8, num_layers=1, embed_dim=8), **kwargs}
     return SOMAModule(**settings)
 
 
@@ -160,7 +160,7 @@ def test_frozen_shared_head_is_one_frozen_copy_of_the_seed_head(tmp_path):
 
 
 def test_decoder_only_embeds_with_the_unperturbed_head(tmp_path):
-    from soma_pl.models.experts import EMBED_HEAD
+    from soma_pl.models.stacked import EMBED_HEAD
 
     module = _soma(tmp_path, init="random", head_training="decoder_only")
     tokens = torch.randint(0, 256, (4, 2, 12), dtype=torch.uint8)  # 2 experts x 2 copies

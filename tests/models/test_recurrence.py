@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from soma_pl.models import recurrence
-from soma_pl.models.experts import StackedExperts
 from soma_pl.models.recurrence import Kernel, resolve_kernel
+from soma_pl.models.stacked import StackedExperts
 
 TOLERANCE = 1e-5
 

@@ -7,9 +7,9 @@ import torch
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.lit.bptt import BPTTModule
-from soma_pl.models.experts import StackedExperts
+from soma_pl.lit import BPTTModule, ModelShape
 from soma_pl.models.router import HashedNgramEncoder, Router, SeedEncoder, prefix_batch
+from soma_pl.models.stacked import StackedExperts
 
 
 def _windows(batch: int, seed: int = 0, length: int = WINDOW_BYTES) -> torch.Tensor:
@@ -40,7 +40,7 @@ def _router(kind: str, experts: int = 5) -> Router:
 def _save_lightning_checkpoint(path, width: int = 16, num_layers: int = 2, num_experts: int = 1) -> BPTTModule:
     """What Lightning writes for a monolithic module: `model.*` weights and the init hyper-parameters."""
     torch.manual_seed(1)
-    module = BPTTModule(width=width, num_layers=num_layers, num_experts=num_experts)
+    module = BPTTModule(shape=ModelShape(width=width, num_layers=num_layers), num_experts=num_experts)
     torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
     return module
 
@@ -150,7 +150,7 @@ def test_seed_encoder_from_a_lightning_checkpoint(tmp_path):
     assert encoder.config() == {"width": 16, "num_layers": 2, "embed_dim": 32, "head": "per_expert"}
     assert not any(p.requires_grad for p in encoder.parameters())
     windows = _windows(3)
-    expected = torch.cat(list(module.model._features(module.model.group_parameters({}, 1), windows[None, :, :256])), 2)
+    expected = torch.cat(list(module.model.features(module.model.group_parameters({}, 1), windows[None, :, :256])), 2)
     assert torch.allclose(encoder.encode(windows), expected[0].mean(1), atol=1e-6)
 
 

@@ -40,7 +40,7 @@ def _write_runs(results: Path) -> None:
     layouts = {"spsa_n1": (1, "compute.json", runs / "spsa_n1" / "version_0"),
                "soma_n2": (2, "column", runs / "soma_n2"),
                "soma_n8": (8, "update_seconds", runs / "soma_n8" / "version_1")}
-    for name, (experts, accounting, folder) in layouts.items():
+    for _name, (experts, accounting, folder) in layouts.items():
         folder.mkdir(parents=True)
         columns = ["epoch", "step", "train/loss", "train/update_seconds", "val/loss"]
         columns += [f"expert/{e}/val_loss" for e in range(experts if experts > 1 else 0)]
@@ -49,7 +49,8 @@ def _write_runs(results: Path) -> None:
         for step in range(2, 41, 2):
             seconds = 0.5 * experts ** 0.5
             rows.append({"epoch": 0, "step": step, "train/loss": 5 - step / 20, "train/update_seconds": seconds,
-                         **({"compute/aggregate_device_hours": step * seconds / 3600} if accounting == "column" else {})})
+                         **({"compute/aggregate_device_hours": step * seconds / 3600}
+                            if accounting == "column" else {})})
             if step % 10 == 0:
                 rows.append({"epoch": 0, "step": step, "val/loss": 5.5 - np.log1p(step) * (0.3 + 0.05 * experts),
                              **{f"expert/{e}/val_loss": 3.0 for e in range(experts if experts > 1 else 0)}})
@@ -61,7 +62,7 @@ def _write_runs(results: Path) -> None:
         if accounting == "compute.json":
             (folder / "compute.json").write_text(json.dumps({"updates": 40, "aggregate_device_hours": 40 * 0.5 / 3600}))
         if accounting == "update_seconds":
-            (folder / "hparams.yaml").write_text(f"num_experts: {experts}\nn_pert: 64\nmicro_batch: 64\n")
+            (folder / "hparams.yaml").write_text(f"num_experts: {experts}\nspsa:\n  n_pert: 64\n  micro_batch: 64\n")
 
 
 def _write_bench(results: Path, monkeypatch) -> None:
@@ -112,11 +113,12 @@ def _write_routing(results: Path) -> None:
     """A 3-expert SOMA checkpoint with its router, six validation windows, then `analyze topk` and
     `analyze error-correlation` on them."""
     from soma_pl.data.evalsets import EvalSet
-    from soma_pl.lit.soma import SOMAModule
+    from soma_pl.lit import ModelShape, SOMAModule
     from soma_pl.models.router import HashedNgramEncoder, Router
 
     torch.manual_seed(0)
-    module = SOMAModule(num_experts=3, width=8, num_layers=1, embed_dim=8, init="random", top_k=2, time_chunk=256)
+    shape = ModelShape(width=8, num_layers=1, embed_dim=8, time_chunk=256)
+    module = SOMAModule(num_experts=3, shape=shape, init="random", top_k=2)
     module.router = Router(HashedNgramEncoder(dim=16), torch.randn(3, 16))
     checkpoint = {"state_dict": module.state_dict(),
                   "hyper_parameters": {**dict(module.hparams), "_class_path": "soma_pl.lit.SOMAModule"}}

@@ -118,7 +118,7 @@ def test_a_checkpoint_write_cut_short_is_one_line_and_leaves_no_partial_file(dat
     run, scratch = tmp_path / "run", tmp_path / "scratch"
     scratch.mkdir()
     # width 96: a ~0.7 MB checkpoint, cut at 256 kB; the prepared data are written already.
-    args = fit_args(corpus, data, run, "--model.init_args.width=96", "--model.init_args.embed_dim=32",
+    args = fit_args(corpus, data, run, "--model.init_args.shape.width=96", "--model.init_args.shape.embed_dim=32",
                     "--trainer.max_steps=4")
     result = _limited_fit(args, 256 * 1024, scratch)
     err = _stderr_lines(result.stderr)
@@ -231,7 +231,7 @@ def _wait_for_write(folder: Path, writes: int, deadline: float) -> bool:
 def kill_round(corpus: Path, data: Path, run: Path, rng: random.Random, width: int) -> dict:
     """Start a fit, SIGKILL it a random 0-10 ms after its 2nd-6th checkpoint write began (even:
     `last.ckpt`), then load every `*.ckpt` left and resume once with `--ckpt_path last`."""
-    args = fit_args(corpus, data, run, f"--model.init_args.width={width}", "--model.init_args.embed_dim=32",
+    args = fit_args(corpus, data, run, f"--model.init_args.shape.width={width}", "--model.init_args.shape.embed_dim=32",
                     "--trainer.max_steps=1000", "--trainer.val_check_interval=2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([sys.executable, "-m", "soma_pl.cli", *args], cwd=ROOT, env=env,
@@ -255,7 +255,8 @@ def kill_round(corpus: Path, data: Path, run: Path, rng: random.Random, width: i
             unloadable.append(str(error))
     temporaries = _temporaries(folder)
     last_step = load_checkpoint(folder / "last.ckpt")["global_step"] if (folder / "last.ckpt").is_file() else 0
-    resume_args = fit_args(corpus, data, run, f"--model.init_args.width={width}", "--model.init_args.embed_dim=32",
+    resume_args = fit_args(corpus, data, run, f"--model.init_args.shape.width={width}",
+                                               "--model.init_args.shape.embed_dim=32",
                            f"--trainer.max_steps={last_step + 2}", "--trainer.val_check_interval=2",
                            "--ckpt_path=last")
     resumed = subprocess.run([sys.executable, "-m", "soma_pl.cli", *resume_args], cwd=ROOT, env=env,

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from soma_pl.cli import main
-from soma_pl.data.shards import ShardWriter
+from soma_pl.data.tar_shards import ShardWriter
 from soma_pl.errors import ConfigError
+from soma_pl.lit.args import ModelShape
 from soma_pl.lit.soma import SOMAModule
 from soma_pl.models.router import HashedNgramEncoder, Router
 from tests.data.corpora import write_jsonl_corpus
@@ -214,7 +215,7 @@ def test_a_router_of_another_sharding_is_refused(capsys, sharded, tmp_path):
 
 def test_evaluate_refuses_a_router_of_another_sharding_than_the_checkpoints(capsys, tmp_path):
     torch.manual_seed(0)
-    module = SOMAModule(num_experts=2, init="random", width=8, num_layers=1, embed_dim=8)
+    module = SOMAModule(num_experts=2, init="random", shape=ModelShape(width=8, num_layers=1, embed_dim=8))
     encoder, centroids = HashedNgramEncoder(dim=16), torch.randn(2, 16)
     module.router = Router(encoder, centroids, sharding="a" * 64)
     checkpoint = {"state_dict": module.state_dict(),

@@ -15,7 +15,8 @@ from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args
 from tests.robustness.cli import error_line
 
-SMALL = ["--model.init_args.width=8", "--model.init_args.num_layers=1", "--model.init_args.embed_dim=8",
+SMALL = ["--model.init_args.shape.width=8", "--model.init_args.shape.num_layers=1",
+         "--model.init_args.shape.embed_dim=8",
          "--model.init_args.train_context=24"]
 
 
@@ -51,7 +52,8 @@ def test_resuming_the_end_state_continues_bitwise(runs, tmp_path):
     _fit(runs, str(resumed), "--trainer.max_steps=7")
     assert _load(resumed / "checkpoints" / "last.ckpt")["global_step"] == 7  # resumed from the end state
     _fit(runs, str(resumed), "--trainer.max_steps=11", "--ckpt_path=last")
-    straight, continued = _load(tmp_path / "eleven" / "checkpoints" / "last.ckpt"), _load(resumed / "checkpoints" / "last.ckpt")
+    straight, continued = (_load(tmp_path / "eleven" / "checkpoints" / "last.ckpt"),
+                           _load(resumed / "checkpoints" / "last.ckpt"))
     assert straight["global_step"] == continued["global_step"] == 11
     assert straight["state_dict"].keys() == continued["state_dict"].keys()
     for name, tensor in straight["state_dict"].items():
@@ -74,8 +76,8 @@ def test_resume_with_another_module_class_is_one_line(runs, tmp_path, capsys):
 def test_ddpp_resumes_an_spsa_checkpoint(runs, tmp_path):
     """The same training state (DDPP is SPSA with its directions shared across ranks): allowed."""
     ckpt = runs / "seven" / "checkpoints" / "last.ckpt"
-    _fit(runs, str(tmp_path / "ddpp"), "--model=soma_pl.lit.DDPPModule", *SMALL, "--model.init_args.n_pert=4",
-         "--model.init_args.micro_batch=2", f"--ckpt_path={ckpt}", "--trainer.max_steps=8")
+    _fit(runs, str(tmp_path / "ddpp"), "--model=soma_pl.lit.DDPPModule", *SMALL, "--model.init_args.spsa.n_pert=4",
+         "--model.init_args.spsa.micro_batch=2", f"--ckpt_path={ckpt}", "--trainer.max_steps=8")
     assert _load(tmp_path / "ddpp" / "checkpoints" / "last.ckpt")["global_step"] == 8
 
 

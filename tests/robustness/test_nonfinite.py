@@ -14,12 +14,13 @@ from soma_pl.cli import main
 from soma_pl.errors import DataError
 from soma_pl.lit import BPTTModule, SOMAModule
 from soma_pl.lit.base import NonFiniteError
+from soma_pl.lit.parallel import ExpertShare
 from soma_pl.models.checkpoints import monolithic_state
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args
 from tests.robustness.cli import error_line
 
-SMALL = {"width": 8, "num_layers": 1, "embed_dim": 8}
+SMALL = {"shape": {"width": 8, "num_layers": 1, "embed_dim": 8}}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,8 @@ def _poisoned(root: Path, tmp_path: Path) -> Path:
 
 def test_a_diverging_run_stops_with_one_line_and_leaves_no_non_finite_checkpoint(root, tmp_path, capsys):
     run = tmp_path / "run"
-    line = error_line(fit_args(root / "corpus", root / "data", run, "--model.init_args.optimizer.init_args.lr=1e38"), capsys)
+    line = error_line(fit_args(root / "corpus", root / "data", run, "--model.init_args.optimizer.init_args.lr=1e38"),
+                      capsys)
     assert re.fullmatch(r"soma_pl: error: non-finite (training loss|weights after the update) at step \d+ "
                         r"\(expert 0\): lower the learning rate \(model\.init_args\.optimizer\.init_args\.lr\).*", line)
     assert not (run / "summary.json").exists()
@@ -52,16 +54,17 @@ def test_a_diverging_run_stops_with_one_line_and_leaves_no_non_finite_checkpoint
         assert all(torch.isfinite(t).all() for name, t in state.items() if name.startswith("model.")), path
 
 
-def test_the_step_check_names_the_expert_of_a_non_finite_loss_or_weight():
+def test_the_step_check_names_the_expert_of_a_non_finite_loss_or_weight(monkeypatch):
     module = SOMAModule(num_experts=3, **SMALL, init="random", top_k=2)
     finite = torch.tensor([5.0, 5.0, 5.0])
-    module.check_finite(4, finite, module.model, range(3))  # all finite: nothing happens
+    module.check_finite(4, finite)  # all finite: nothing happens
     with pytest.raises(NonFiniteError, match=r"non-finite training loss at step 4 \(expert 2\)"):
-        module.check_finite(4, torch.tensor([5.0, 5.0, float("nan")]), module.model, range(3))
+        module.check_finite(4, torch.tensor([5.0, 5.0, float("nan")]))
     with torch.no_grad():
         module.model.w_hh[1, 0, 0, 0] = float("inf")
+    monkeypatch.setattr(module.parallel, "share", ExpertShare(range(10, 13), module.model))  # global indices
     with pytest.raises(NonFiniteError, match=r"non-finite weights after the update at step 9 \(expert 11\)"):
-        module.check_finite(9, finite, module.model, range(10, 13))  # an expert-parallel share: global indices
+        module.check_finite(9, finite)
 
 
 def test_a_non_finite_validation_loss_stops_the_run(monkeypatch):
@@ -89,8 +92,9 @@ def test_a_non_finite_seed_checkpoint_is_refused(root, tmp_path, capsys):
     path = _poisoned(root, tmp_path)
     with pytest.raises(DataError, match="'model.w_hh' holds NaN or infinite values"):
         monolithic_state(path)
-    line = error_line(fit_args(root / "corpus", root / "data", tmp_path / "warm", f"--model.init_args.init_checkpoint={path}"),
-                 capsys)
+    line = error_line(fit_args(root / "corpus", root / "data", tmp_path / "warm",
+                               f"--model.init_args.init_checkpoint={path}"),
+                      capsys)
     assert line == (f"soma_pl: error: seed checkpoint {path}: 'model.w_hh' holds NaN or infinite values "
                     "(a diverged run): start from a finite checkpoint")
     assert not list((tmp_path / "warm").rglob("*.ckpt"))

@@ -18,8 +18,8 @@ from tests.lit.conftest import fit_args
 from tests.robustness.cli import error_line
 
 SOMA = Path(__file__).parents[1] / "lit" / "tiny_soma.yaml"
-BPTT = ["--model=soma_pl.lit.BPTTModule", "--model.init_args.width=8", "--model.init_args.num_layers=1",
-        "--model.init_args.embed_dim=8", "--model.init_args.train_context=24"]
+BPTT = ["--model=soma_pl.lit.BPTTModule", "--model.init_args.shape.width=8", "--model.init_args.shape.num_layers=1",
+        "--model.init_args.shape.embed_dim=8", "--model.init_args.train_context=24"]
 LR = "--model.init_args.optimizer.init_args.lr"
 
 
@@ -35,20 +35,20 @@ def corpus(tmp_path_factory) -> Path:
     ([f"{LR}=0"], "model.init_args.optimizer.init_args.lr=0 must be a positive finite number"),
     ([f"{LR}=-0.1"], "model.init_args.optimizer.init_args.lr=-0.1 must be a positive finite number"),
     ([f"{LR}=1e400"], "model.init_args.optimizer.init_args.lr=inf must be a positive finite number"),
-    (["--model.init_args.eps=0"], "model.init_args.eps=0.0 must be a positive finite number"),
-    (["--model.init_args.n_pert=0"], "model.init_args.n_pert=0 must be >= 1"),
-    (["--model.init_args.micro_batch=0"], "model.init_args.micro_batch=0 must be >= 1"),
-    (["--model.init_args.max_rows=0"], "model.init_args.max_rows=0 must be >= 1 (or null)"),
-    (["--model.init_args.width=0"], "model.init_args.width=0 must be >= 1"),
-    (["--model.init_args.num_layers=0"], "model.init_args.num_layers=0 must be >= 1"),
-    (["--model.init_args.embed_dim=-1"], "model.init_args.embed_dim=-1 must be >= 1"),
-    (["--model.init_args.time_chunk=0"], "model.init_args.time_chunk=0 must be >= 1"),
+    (["--model.init_args.spsa.eps=0"], "model.init_args.spsa.eps=0.0 must be a positive finite number"),
+    (["--model.init_args.spsa.n_pert=0"], "model.init_args.spsa.n_pert=0 must be >= 1"),
+    (["--model.init_args.spsa.micro_batch=0"], "model.init_args.spsa.micro_batch=0 must be >= 1"),
+    (["--model.init_args.spsa.max_rows=0"], "model.init_args.spsa.max_rows=0 must be >= 1 (or null)"),
+    (["--model.init_args.shape.width=0"], "model.init_args.shape.width=0 must be >= 1"),
+    (["--model.init_args.shape.num_layers=0"], "model.init_args.shape.num_layers=0 must be >= 1"),
+    (["--model.init_args.shape.embed_dim=-1"], "model.init_args.shape.embed_dim=-1 must be >= 1"),
+    (["--model.init_args.shape.time_chunk=0"], "model.init_args.shape.time_chunk=0 must be >= 1"),
     (["--model.init_args.train_context=0"], "model.init_args.train_context=0 must be in [1, 1024]"),
     (["--model.init_args.score_from=1024"], "model.init_args.score_from=1024 must be in [0, 1023]"),
-    (["--model.init_args.plateau_factor=1.5"], "model.init_args.plateau_factor=1.5 must be in (0, 1)"),
-    (["--model.init_args.plateau_patience=-1"], "model.init_args.plateau_patience=-1 must be >= 0"),
-    (["--model.init_args.min_lr=-1"], "model.init_args.min_lr=-1.0 must be a finite number >= 0"),
-    ([*BPTT, "--model.init_args.plateau_factor=0"], "model.init_args.plateau_factor=0.0 must be in (0, 1)"),
+    (["--model.init_args.plateau.factor=1.5"], "model.init_args.plateau.factor=1.5 must be in (0, 1)"),
+    (["--model.init_args.plateau.patience=-1"], "model.init_args.plateau.patience=-1 must be >= 0"),
+    (["--model.init_args.plateau.min_lr=-1"], "model.init_args.plateau.min_lr=-1.0 must be a finite number >= 0"),
+    ([*BPTT, "--model.init_args.plateau.factor=0"], "model.init_args.plateau.factor=0.0 must be in (0, 1)"),
     ([*BPTT, "--model.init_args.optimizer=torch.optim.Adam", f"{LR}=0"],
      "model.init_args.optimizer.init_args.lr=0 must be a positive finite number"),
     (["--data.init_args.batch_size=0"], "data.init_args.batch_size=0 must be >= 1"),
@@ -82,18 +82,18 @@ def test_soma_numbers(corpus, tmp_path, capsys, extra, message):
 
 def test_batch_size_must_split_into_micro_batches_before_the_first_step(corpus, tmp_path, capsys):
     line = error_line(fit_args(corpus, tmp_path / "data", tmp_path / "run", "--data.init_args.batch_size=5"), capsys)
-    assert line == "soma_pl: error: data.init_args.batch_size=5 is not a multiple of model.init_args.micro_batch=2"
+    assert line == "soma_pl: error: data.init_args.batch_size=5 is not a multiple of model.init_args.spsa.micro_batch=2"
     assert not list((tmp_path / "run").rglob("*.ckpt"))
 
 
 def test_constructors_refuse_bad_numbers():
-    small = {"width": 8, "num_layers": 1, "embed_dim": 8}
-    with pytest.raises(ConfigError, match="model.init_args.eps=-1"):
-        SPSAModule(**small, eps=-1.0)
+    small = {"shape": {"width": 8, "num_layers": 1, "embed_dim": 8}}
+    with pytest.raises(ConfigError, match="model.init_args.spsa.eps=-1"):
+        SPSAModule(**small, spsa={"eps": -1.0})
     with pytest.raises(ConfigError, match="model.init_args.score_from=-1"):
         SPSAModule(**small, score_from=-1)
-    with pytest.raises(ConfigError, match="model.init_args.min_lr=nan"):
-        BPTTModule(**small, min_lr=float("nan"))
+    with pytest.raises(ConfigError, match="model.init_args.plateau.min_lr=nan"):
+        BPTTModule(**small, plateau={"min_lr": float("nan")})
     with pytest.raises(ConfigError, match="top_k=0"):
         SOMAModule(num_experts=2, **small, init="random", top_k=0)
     with pytest.raises(ConfigError, match="lr=0"):

@@ -22,7 +22,7 @@ from soma_pl.models.router import HashedNgramEncoder, Router
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args
 
-TINY = {"width": 8, "num_layers": 1, "embed_dim": 8}
+TINY = {"shape": {"width": 8, "num_layers": 1, "embed_dim": 8}}
 
 
 class Planted:
@@ -84,7 +84,8 @@ def _entry_point(name: str, checkpoint: Path, prepared: PrepareConfig, tmp_path:
         text.write_text("river stone " * 400)
         return ["evaluate", "--checkpoint", str(checkpoint), "--text", str(text), "--out", str(tmp_path / "e.json")]
     if name == "analyze topk":
-        return ["analyze", "topk", "--checkpoint", str(checkpoint), "--data", str(data), "--out", str(tmp_path / "t.json")]
+        return ["analyze", "topk", "--checkpoint", str(checkpoint), "--data", str(data),
+                "--out", str(tmp_path / "t.json")]
     if name == "analyze variance":
         return ["analyze", "variance", "--panels", "[n_pert]", "--checkpoint", str(checkpoint), "--data", str(data),
                 "--context", "4", "--batch", "1", "--experts", "1", "--loss_groupings", "[1]", "--n_pert", "[2]",

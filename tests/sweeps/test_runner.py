@@ -144,7 +144,8 @@ def test_a_point_enqueued_twice_is_claimed_once(tmp_path):
 def test_range_sweep_asks_tpe_for_trials_over_every_seed(tmp_path, fake_trials):
     storage = STORAGES["journal"](tmp_path)
     spec = spec_of(write_sweep(tmp_path, grid={}, report={}, trials=3,
-                               ranges={"eps": {"key": "model.init_args.eps", "low": 0.001, "high": 0.01, "log": True}}))
+                               ranges={"eps": {"key": "model.init_args.spsa.eps", "low": 0.001, "high": 0.01,
+                                               "log": True}}))
     assert runner.work(spec, storage) == {"COMPLETE": 3}
     assert runner.work(spec, storage) == {}
     for trial in _study(spec, storage).trials:

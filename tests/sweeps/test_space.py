@@ -14,7 +14,8 @@ from .conftest import write_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = sorted((ROOT / "sweeps").rglob("*.yaml"))
-EXPECTED = 11  # sweeps/{table6_lr_eps,fig7_experts,fig7_npert,fig7_batch,table11_alloc}, their demo/ twins, demo/table7_pair
+# sweeps/{table6_lr_eps,fig7_experts,fig7_npert,fig7_batch,table11_alloc}, their demo/ twins, demo/table7_pair
+EXPECTED = 11
 
 
 DEMO_ONLY = {"demo/table7_pair.yaml"}
@@ -35,7 +36,8 @@ def test_sweep_loads(path, monkeypatch):
     assert spec.is_grid and spec.grid_points()
     for point in spec.grid_points()[:3]:
         config, overrides = trial_overrides(spec, point)
-        assert (ROOT / config).is_file() and "config" not in overrides
+        assert all((ROOT / layer).is_file() for layer in config) and "config" not in overrides
+        assert [Path(layer).parent.name for layer in config[:2]] == ["trainer", "datamodule"]
 
 
 def test_table6_grids_match_the_paper(monkeypatch):

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from jsonargparse import ArgumentParser, Namespace
 from torch import Tensor
 from tqdm import tqdm
 
@@ -37,6 +36,7 @@ from soma_pl.data.readers import CorpusKind, corpus_files, iter_text
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.ensemble import score_top_k
+from soma_pl.io import emit_json
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.models.checkpoints import load_checkpoint
 from soma_pl.models.router import Router
@@ -82,7 +82,7 @@ def split_documents(document: Document, split: DocumentSplit) -> list[Document]:
     if split is DocumentSplit.file:
         return [Document(document.text, document.source, document.source)]
     starts = sorted({0, *(match.start() for match in WIKITEXT_TITLE.finditer(document.text))})
-    bounds = zip(starts, [*starts[1:], len(document.text)])
+    bounds = zip(starts, [*starts[1:], len(document.text)], strict=False)
     return [Document(document.text[a:b], document.source, f"{document.source}#{a}") for a, b in bounds if b > a]
 
 
@@ -254,7 +254,7 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
     interval = document_bootstrap(losses, data.doc_ids, resamples=resamples)
     if interval.documents < 2:
         warnings.warn(f"{text}: all windows come from one document, so the document-bootstrap interval has "
-                      "zero width; pass a folder of files or --documents wikitext")
+                      "zero width; pass a folder of files or --documents wikitext", stacklevel=2)
     return {
         "evaluation": "external", "checkpoint": str(checkpoint), "module": type(module).__name__,
         "experts": experts, "k": k, "text": str(text), "document_split": DocumentSplit(documents).value,
@@ -268,28 +268,25 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
     }
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="Frozen next-byte loss (nats/byte) of a checkpoint on a text file or folder.")
-    parser.add_argument("--checkpoint", type=str, required=True, help="a Lightning checkpoint (.ckpt)")
-    parser.add_argument("--text", type=str, required=True, help="a text file, or a folder of *.txt/*.md/*.text")
-    parser.add_argument("--config", type=str | None, default=None,
-                        help="fit YAML naming the module (default: the checkpoint's own hyperparameters)")
-    parser.add_argument("--router", type=str | None, default=None, help="router.pt for a SOMA checkpoint")
-    parser.add_argument("--documents", type=DocumentSplit, default=DocumentSplit.file,
-                        help="bootstrap unit: each file, or each WikiText article")
-    parser.add_argument("--top_k", type=int | None, default=None, help="experts averaged (default: the module's)")
-    parser.add_argument("--batch_size", type=int, default=32, help="windows per forward")
-    parser.add_argument("--max_windows", type=int | None, default=None, help="score only the first windows")
-    parser.add_argument("--resamples", type=int, default=1000, help="document-bootstrap resamples")
-    parser.add_argument("--device", type=str, default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--out", type=str, default="evaluate.json")
-    parser.add_argument("--progress", type=bool, default=True, help="show a progress bar on stderr")
-    return parser
+def main(checkpoint: str, text: str, config: str | None = None, router: str | None = None,
+         documents: DocumentSplit = DocumentSplit.file, top_k: int | None = None, batch_size: int = 32,
+         max_windows: int | None = None, resamples: int = 1000, device: str = "cpu", out: str = "evaluate.json",
+         progress: bool = True) -> None:
+    """Frozen next-byte loss (nats/byte) of a checkpoint on a text file or folder.
 
-
-def run(args: Namespace) -> None:
-    from soma_pl.cli import _emit
-
-    result = evaluate(args.checkpoint, args.text, args.config, args.router, args.documents, args.top_k,
-                      args.batch_size, args.max_windows, args.resamples, args.device, args.progress)
-    _emit(result, args.out)
+    Args:
+        checkpoint: a Lightning checkpoint (.ckpt).
+        text: a text file, or a folder of *.txt/*.md/*.text.
+        config: the fit YAML naming the module; None: the checkpoint's own hyperparameters.
+        router: router.pt for a SOMA checkpoint.
+        documents: the bootstrap unit: each file, or each WikiText article.
+        top_k: experts averaged; None: the module's own.
+        batch_size: windows per forward.
+        max_windows: score only the first windows; None: all of them.
+        resamples: document-bootstrap resamples.
+        device: cpu, cuda, cuda:1, ...
+        out: where to write the JSON.
+        progress: show a progress bar on stderr.
+    """
+    emit_json(evaluate(checkpoint, text, config, router, documents, top_k, batch_size, max_windows, resamples, device,
+                       progress), out)

@@ -13,13 +13,13 @@ import yaml
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.cli import main
 from soma_pl.eval.ensemble import score_top_k, score_windows
-from soma_pl.eval.external import DocumentSplit, read_windows
+from soma_pl.evaluate import DocumentSplit, read_windows
 from soma_pl.lit.soma import SOMAModule
 from soma_pl.lit.spsa import SPSAModule
-from soma_pl.models.experts import HeadMode, StackedExperts
 from soma_pl.models.router import HashedNgramEncoder, Router
+from soma_pl.models.stacked import HeadMode, StackedExperts
 
-TINY = {"width": 8, "num_layers": 1, "embed_dim": 8, "time_chunk": 256}
+TINY = {"shape": {"width": 8, "num_layers": 1, "embed_dim": 8, "time_chunk": 256}}
 
 
 def _text(seed: int, size: int) -> bytes:
@@ -87,7 +87,7 @@ def test_wikitext_articles_are_bootstrap_documents(tmp_path):
 
 def test_routed_top_k_equals_score_windows_for_every_k():
     torch.manual_seed(1)
-    model = StackedExperts(16, 8, 8, 1, HeadMode.SHARED, time_chunk=7)
+    model = StackedExperts(16, 8, 8, 1, HeadMode.shared, time_chunk=7)
     with torch.no_grad():
         model.head.mul_(30)
     windows = torch.randint(0, 256, (6, 41), dtype=torch.uint8)
@@ -149,7 +149,7 @@ def test_config_names_the_module_when_the_checkpoint_does_not(corpus, tmp_path, 
     expected = module.window_losses(torch.from_numpy(read_windows(corpus).windows))[0].double().mean()
     assert report["loss"] == pytest.approx(float(expected), rel=1e-5)
     config.write_text(yaml.safe_dump({"model": {"class_path": "soma_pl.lit.SPSAModule",
-                                                "init_args": {**TINY, "width": 12}}}))
+                                                "init_args": {"shape": {**TINY["shape"], "width": 12}}}}))
     with pytest.raises(SystemExit):
         _evaluate(tmp_path, "--checkpoint", str(checkpoint), "--text", str(corpus), "--config", str(config))
     assert "shape" in capsys.readouterr().err

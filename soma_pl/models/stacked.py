@@ -36,11 +36,11 @@ rescales the residual stream, so the body still sees unit-scale inputs."""
 
 
 class HeadMode(str, Enum):
-    """How the tied byte embedding / output head is held."""
+    """How the tied byte embedding / output head is held (member names are what configs write)."""
 
-    PER_EXPERT = "per_expert"
+    per_expert = "per_expert"
     """Each expert owns a trainable head: ``head`` is ``[E, 256, d_E]`` (Table 2, N ≤ 8)."""
-    SHARED = "shared"
+    shared = "shared"
     """One head for all experts: ``head`` is ``[256, d_E]`` (N = 256; the trainer freezes it)."""
 
 
@@ -188,7 +188,7 @@ class StackedExperts(nn.Module):
         width: int,
         embed_dim: int = 32,
         num_layers: int = 4,
-        head: HeadMode = HeadMode.PER_EXPERT,
+        head: HeadMode = HeadMode.per_expert,
         time_chunk: int = 64,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -201,7 +201,7 @@ class StackedExperts(nn.Module):
         self.num_layers, self.head_mode, self.time_chunk = num_layers, HeadMode(head), time_chunk
         self.kernel = Kernel(kernel)
         make = {"device": device, "dtype": dtype}
-        experts = () if self.head_mode == HeadMode.SHARED else (num_experts,)
+        experts = () if self.head_mode == HeadMode.shared else (num_experts,)
         self.head = nn.Parameter(torch.empty(*experts, VOCAB_SIZE, embed_dim, **make))
         self.has_projections = width != embed_dim
         if self.has_projections:
@@ -236,7 +236,7 @@ class StackedExperts(nn.Module):
 
     def is_shared(self, name: str) -> bool:
         """Whether parameter ``name`` has no expert dimension (the shared head)."""
-        return name == "head" and self.head_mode == HeadMode.SHARED
+        return name == "head" and self.head_mode == HeadMode.shared
 
     def expert_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters with a leading expert dimension, ``[E, ...]``, in flat-vector order."""
@@ -291,7 +291,7 @@ class StackedExperts(nn.Module):
             full[EMBED_HEAD] = params[EMBED_HEAD]
         return full
 
-    def _features(self, params: Mapping[str, Tensor], tokens: Tensor) -> Iterator[Tensor]:
+    def features(self, params: Mapping[str, Tensor], tokens: Tensor) -> Iterator[Tensor]:
         """Final features per span of time steps (:meth:`_Layers.span`). tokens: ``[G, b, T]`` →
         yields ``[G, b, Tc, d_E]``."""
         groups, batch, steps = tokens.shape
@@ -325,7 +325,7 @@ class StackedExperts(nn.Module):
         """
         full = self.group_parameters(params, tokens.shape[0])
         head_t = _head_t(full["head"])
-        chunks = [_logits(head_t, y) for y in self._features(full, tokens)]
+        chunks = [_logits(head_t, y) for y in self.features(full, tokens)]
         return torch.cat(chunks, dim=2)
 
     def target_log_probs(
@@ -347,7 +347,7 @@ class StackedExperts(nn.Module):
         full = self.group_parameters(params, groups)
         head_t = _head_t(full["head"])
         start = 0
-        for features in self._features(full, tokens[..., :-1]):
+        for features in self.features(full, tokens[..., :-1]):
             stop = start + features.shape[2]
             first = max(score_from, start)
             if first < stop:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from soma_pl.data.documents import Document
-from soma_pl.data.shards import ShardRecord, ShardWriter
+from soma_pl.data.tar_shards import ShardRecord, ShardWriter
 from soma_pl.errors import DataError
 from soma_pl.io import close_quietly, write_json_atomic
 
@@ -113,5 +113,5 @@ def check_sharded_from(folder: str | Path, payload: dict, dataset_dir: str | Pat
                         f"from (an older soma_pl): run shard again on {dataset_dir}")
     if recorded != dataset_fingerprint:
         raise DataError(f"experts_dir={folder} was sharded from another prepared dataset than {dataset_dir} "
-                        f"(dataset fingerprint {recorded[:12]}, now {str(dataset_fingerprint)[:12]}), so its shards may "
-                        f"hold that dataset's validation and test documents: run shard again on {dataset_dir}")
+                        f"(dataset fingerprint {recorded[:12]}, now {str(dataset_fingerprint)[:12]}), so its shards "
+                        f"may hold that dataset's validation and test documents: run shard again on {dataset_dir}")

@@ -43,7 +43,7 @@ def test_table2_counts_exact():
 
 
 def test_parameter_names_split_head_and_body():
-    shared = StackedExperts(4, 32, head=HeadMode.SHARED, device="meta")
+    shared = StackedExperts(4, 32, head=HeadMode.shared, device="meta")
     assert shared.head_parameter_names() == ("head",)
     assert set(shared.body_parameter_names()) == {"norm_gains", "w_ih", "w_hh"}
     assert "head" not in shared.expert_parameters()
@@ -63,7 +63,7 @@ def _single_expert(model: StackedExperts, expert: int) -> StackedExperts:
     return alone
 
 
-@pytest.mark.parametrize("width,head", [(12, HeadMode.PER_EXPERT), (32, HeadMode.SHARED)])
+@pytest.mark.parametrize("width,head", [(12, HeadMode.per_expert), (32, HeadMode.shared)])
 def test_batched_forward_matches_each_expert_alone(width, head):
     model = _model(3, width, head=head, time_chunk=5)
     tokens = _tokens(3, 2, 13)
@@ -154,5 +154,5 @@ def test_autograd_matches_central_differences_float64():
 
 
 def test_meta_device_allocates_nothing():
-    model = StackedExperts(256, 32, head=HeadMode.SHARED, device="meta")
+    model = StackedExperts(256, 32, head=HeadMode.shared, device="meta")
     assert all(p.is_meta for p in model.parameters())

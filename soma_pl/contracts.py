@@ -1,0 +1,88 @@
+"""What the layers hand each other: an update's cost, and the typed faces of the Lightning objects.
+
+The data module, the LightningModules and the callbacks meet only through the Trainer. Each reads
+from the others just what a Protocol here names, checked with `isinstance`, so no layer imports one
+above it and a missing attribute is a type, not a silent `getattr` default.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from soma_pl.data.evalsets import EvalSet
+    from soma_pl.distributed import RankSplit
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """What one update cost on this process; compute accounting and budgets read it."""
+
+    seconds: float
+    """Wall time of the update (CUDA synchronised before the clock is read)."""
+    token_forwards: int
+    """Token forward passes the update evaluated: ``2 · n_pert · E · B · T`` for SPSA, ``E · B · T``
+    for BPTT (its backward is not counted)."""
+    experts: int
+    """Experts this process updated (all experts of the module, or a rank's slice)."""
+
+
+class UpdateClock:
+    """Wall time of one update, synchronising CUDA first so the clock sees finished work."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.started = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self.started = time.perf_counter()
+
+    def stop(self) -> float:
+        self._sync()
+        return time.perf_counter() - self.started
+
+
+@runtime_checkable
+class ReportsUpdates(Protocol):
+    """A module whose `training_step` records what its update cost (read by compute accounting)."""
+
+    last_update: UpdateRecord | None
+
+
+@runtime_checkable
+class SplitsRanks(Protocol):
+    """A module that tells the data module how ranks share the training stream."""
+
+    @property
+    def rank_split(self) -> RankSplit: ...
+
+
+@runtime_checkable
+class HoldsEvalSets(Protocol):
+    """A data module with the evaluation windows' documents (for bootstrap intervals and reports)."""
+
+    val_set: EvalSet | None
+    test_set: EvalSet | None
+
+
+@runtime_checkable
+class BatchesWindows(Protocol):
+    """A data module whose training batches hold `batch_size` windows per expert."""
+
+    batch_size: int
+
+
+@runtime_checkable
+class ReadsExpertShards(Protocol):
+    """A data module reading a sharded dataset (`experts.json`, `router.pt`), or none (`None`)."""
+
+    experts_dir: str | None
