@@ -45,7 +45,8 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "fit": Command("Train a model from a config (LightningCLI: `fit --config configs/<name>.yaml`)."),
+    "fit": Command("Train a model from composed configs (LightningCLI: `fit --config <trainer> --config <data> "
+                   "--config <method>`)."),
     "validate": Command("Validation loss of a configured model or a checkpoint (LightningCLI)."),
     "test": Command("Test loss of a configured model or a checkpoint (LightningCLI)."),
     "predict": Command("Each test window's losses from a checkpoint, written to files (LightningCLI)."),

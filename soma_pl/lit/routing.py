@@ -17,6 +17,7 @@ from pathlib import Path
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
+from soma_pl.contracts import ReadsExpertShards
 from soma_pl.data.expert_sets import read_experts_manifest
 from soma_pl.errors import ConfigError
 from soma_pl.models.router import Router
@@ -65,7 +66,7 @@ class RoutedEnsemble:
         if router.num_experts != self.model.num_experts:
             raise ConfigError(f"{origin} has {router.num_experts} centroids, "
                               f"the model {self.model.num_experts} experts")
-        experts_dir = getattr(self._trainer.datamodule, "experts_dir", None) if self._trainer else None
+        experts_dir = self._experts_dir()
         expected = [(self.trained_sharding, "the one this checkpoint's experts were trained on")]
         if experts_dir is not None:
             expected.append((read_experts_manifest(Path(experts_dir).expanduser()).get("fingerprint"),
@@ -76,8 +77,13 @@ class RoutedEnsemble:
                                   f"({sharding[:12]}), so it would route windows to the wrong experts: use the "
                                   "router.pt and experts of one sharding")
 
+    def _experts_dir(self) -> str | None:
+        """The sharded dataset the trainer's data module reads (None: none, or no trainer yet)."""
+        data = self._trainer.datamodule if self._trainer is not None else None
+        return data.experts_dir if isinstance(data, ReadsExpertShards) else None
+
     def _default_router_path(self) -> str:
-        experts_dir = getattr(self.trainer.datamodule, "experts_dir", None) if self._trainer else None
+        experts_dir = self._experts_dir()
         if experts_dir is None:
             raise ConfigError(f"{type(self).__name__} of {self.model.num_experts} experts needs a router: set "
                               f"model.init_args.router_path or data.init_args.experts_dir")
