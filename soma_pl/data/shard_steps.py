@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
+from tqdm import tqdm
 
 from soma_pl.data.heldout import seeded_hash
 from soma_pl.data.pipeline import from_pipeline, to_pipeline
@@ -54,23 +55,32 @@ KEY_RANGE = 2**64
 
 class PreparedShardsReader(PipelineStep):
     """The prepared dataset's training shards, dealt to tasks as datatrove deals files: task r
-    reads shards r, r + tasks, ..., in order (the same order in every pass)."""
+    reads shards r, r + tasks, ..., in order (the same order in every pass).
+
+    Args:
+        progress: show a bar per task on stderr over its shard files, named `<stage> task <r>`
+            (as `prepare`'s readers show theirs).
+    """
 
     name = "soma_pl prepared shards"
     type = "📖 - READER"
 
-    def __init__(self, paths: list[Path]):
+    def __init__(self, paths: list[Path], progress: bool = False, stage: str = "read"):
         super().__init__()
         self.paths = [str(p) for p in paths]
+        self.progress, self.stage_name = progress, stage
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        for index, path in enumerate(self.paths):
-            if index % world_size == rank:
+        mine = [(index, path) for index, path in enumerate(self.paths) if index % world_size == rank]
+        with tqdm(total=len(mine), desc=f"shard {self.stage_name} task {rank}", unit="file",
+                  disable=not self.progress) as bar:
+            for index, path in mine:
                 for number, document in enumerate(iter_shard_documents(Path(path))):
                     self.stat_update("documents")
                     shared = to_pipeline(document)
                     shared.metadata["place"] = (index, number)  # corpus order: shard file, then position
                     yield shared
+                bar.update()
 
 
 class _Stage(PipelineStep):

@@ -185,7 +185,7 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
         warnings.warn(f"{output}: sharded with another config or dataset; rebuilding", stacklevel=2)
     paths = verify_shards(root, [ShardRecord(**r) for r in manifest["train"]["shards"]], Verify.sha256)
     stage = staging_folder(output, "shard", fingerprint)
-    stages = _stages(config, paths, stage, fingerprint, manifest, started)
+    stages = _stages(config, paths, stage, fingerprint, manifest, started, progress)
     if not run_chain(stages, config.executor, stage, output, "shard", "shard.output_dir",
                      lambda: _read_fingerprint(output) == fingerprint):
         return output
@@ -194,7 +194,7 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
 
 
 def _stages(config: ShardConfig, paths: list[Path], stage: Path, fingerprint: str, manifest: dict,
-            started: float) -> list[tuple[str, object]]:
+            started: float, progress: bool = False) -> list[tuple[str, object]]:
     """The four executors, each depending on the one before: `(name, executor)`."""
     from soma_pl.data.shard_steps import EmbedDocuments, FinishShard, FitExperts, PreparedShardsReader, WriteExperts
 
@@ -205,9 +205,9 @@ def _stages(config: ShardConfig, paths: list[Path], stage: Path, fingerprint: st
     executor = config.executor
     if ExecutorKind(executor.kind) is ExecutorKind.local:
         executor = replace(executor, options={"start_method": "forkserver", **executor.options})
-    pipelines = [("embed", [PreparedShardsReader(paths), EmbedDocuments(config, stage)], tasks),
+    pipelines = [("embed", [PreparedShardsReader(paths, progress, "embed"), EmbedDocuments(config, stage)], tasks),
                  ("fit", [FitExperts(config, stage, tasks)], 1),
-                 ("write", [PreparedShardsReader(paths), WriteExperts(config, stage)], tasks),
+                 ("write", [PreparedShardsReader(paths, progress, "write"), WriteExperts(config, stage)], tasks),
                  ("finish", [FinishShard(config, stage, tasks, fingerprint, manifest, started)], 1)]
     return chain(executor, pipelines, stage, "shard")
 

@@ -234,3 +234,22 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     result = _run_cli("--shard.embedder", "seed", "--shard.output_dir", str(tmp_path / "out"), "--progress", "false")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "seed_checkpoint" in result.stderr
+
+
+def test_shard_reader_shows_each_tasks_progress_over_its_files(dataset, capsys):
+    from soma_pl.data.shard_steps import PreparedShardsReader
+
+    root = Path(dataset.output_dir)
+    paths = [root / ShardRecord(**r).path for r in read_manifest(root)["train"]["shards"]]
+    task_files = [paths[rank::2] for rank in range(2)]
+    assert all(task_files), "the corpus must give each task a shard file"
+    for rank in range(2):
+        reader = PreparedShardsReader(paths, progress=True, stage="embed")
+        documents = list(reader.run(rank=rank, world_size=2))
+        expected = [d.doc_id for path in task_files[rank] for d in iter_shard_documents(path)]
+        assert [d.id for d in documents] == expected  # the bar changes nothing that is read
+        err = capsys.readouterr().err
+        done = len(task_files[rank])
+        assert f"shard embed task {rank}" in err and f"{done}/{done}" in err
+    quiet = PreparedShardsReader(paths, stage="embed")
+    assert len(list(quiet.run(rank=0, world_size=2))) > 0 and capsys.readouterr().err == ""
