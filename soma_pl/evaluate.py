@@ -39,6 +39,7 @@ from soma_pl.eval.ensemble import score_top_k
 from soma_pl.io import emit_json
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.models.checkpoints import load_checkpoint
+from soma_pl.models.devices import resolve_device
 from soma_pl.models.router import Router
 
 WIKITEXT_TITLE = re.compile(rb"^ ?= [^=\n][^\n]*[^=\n] = ?\r?$", re.MULTILINE)
@@ -240,6 +241,7 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
              max_windows: int | None = None, resamples: int = 1000, device: str = "cpu",
              progress: bool = False) -> dict:
     """Evaluate a checkpoint on a text file or folder; returns the JSON report (see module doc)."""
+    target = resolve_device(device, "--device")
     module = load_module(checkpoint, config, router)
     experts = module.model.num_experts
     k = module.eval_k if top_k is None else top_k
@@ -250,7 +252,7 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
         raise ConfigError(f"batch_size={batch_size} and resamples={resamples} must be >= 1")
     data = read_windows(text, documents, max_windows)
     started = time.perf_counter()
-    losses = window_losses(module, data.windows, k, batch_size, torch.device(device), progress)
+    losses = window_losses(module, data.windows, k, batch_size, target, progress)
     interval = document_bootstrap(losses, data.doc_ids, resamples=resamples)
     if interval.documents < 2:
         warnings.warn(f"{text}: all windows come from one document, so the document-bootstrap interval has "

@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -49,13 +49,15 @@ def temporary_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
-def write_atomic(data: bytes | memoryview, path: Path) -> None:
-    """Write `data` to `path` by a synced temporary file in the same folder and a rename; on any
-    failure the temporary file is removed and `path` is untouched."""
+def write_atomic(data: bytes | memoryview | Sequence[bytes | memoryview], path: Path) -> None:
+    """Write `data` (or its chunks, one after another) to `path` by a synced temporary file in the
+    same folder and a rename; on any failure the temporary file is removed and `path` is untouched."""
     temporary = temporary_path(path)
+    chunks = (data,) if isinstance(data, bytes | bytearray | memoryview) else data
     try:
         with open(temporary, "wb") as file:
-            file.write(data)
+            for chunk in chunks:
+                file.write(chunk)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)

@@ -41,7 +41,7 @@ def test_a_group_lists_its_subcommands():
     result = run("bench", "--help")
     assert result.returncode == 0, result.stderr
     bench = [name for name in COMMANDS if name.startswith("bench ")]
-    assert len(bench) == 6 and all(f"{name}  " in result.stdout for name in bench)
+    assert len(bench) == 7 and all(f"{name}  " in result.stdout for name in bench)
     assert "analyze" not in result.stdout
     assert run("bench").returncode == 2
 
@@ -71,6 +71,10 @@ def test_sweep_help_names_its_report_subcommand():
     (["bench", "nothing"], "soma_pl: error: unknown command 'bench nothing'"),
     (["analyze", "params", "--nope", "1"], "soma_pl: error: analyze params: "),
     (["bench", "zo", "--n_pert", "many"], "soma_pl: error: bench zo: "),
+    (["bench", "zo", "--device", "cdua"], "soma_pl: error: --device=cdua is not a torch device"),
+    (["bench", "kernels", "--device", "cuda:99"], "soma_pl: error: --device=cuda:99: "),
+    (["evaluate", "--checkpoint", "x", "--text", "y", "--device", "cuda:99"], "soma_pl: error: --device=cuda:99: "),
+    (["shard", "--shard.prepared", "x", "--shard.device", "cuda:99"], "soma_pl: error: shard.device=cuda:99: "),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(args, message):
     result = run(*args)

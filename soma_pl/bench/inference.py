@@ -35,6 +35,7 @@ from soma_pl.bench.memory import PeakMemory, machine, round_robin
 from soma_pl.errors import ConfigError
 from soma_pl.eval.ensemble import score_top_k
 from soma_pl.io import emit_json
+from soma_pl.models.devices import resolve_device
 from soma_pl.models.router import EncoderKind, HashedNgramEncoder, Router, SeedEncoder
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
@@ -219,4 +220,5 @@ def main(models: tuple[InferenceModel, ...] = TABLE2_MODELS, batch_sizes: tuple[
         if len(batch_sizes) != len(models):
             raise ConfigError(f"--batch_sizes has {len(batch_sizes)} entries for {len(models)} models")
         models = [replace(model, batch_size=size) for model, size in zip(models, batch_sizes, strict=False)]
+    resolve_device(settings.device, "--settings.device")
     emit_json(bench_inference(models, settings), out)

@@ -34,6 +34,7 @@ from soma_pl.bench.zo import median_seconds
 from soma_pl.errors import ConfigError
 from soma_pl.io import emit_json
 from soma_pl.models import recurrence
+from soma_pl.models.devices import resolve_device
 from soma_pl.models.recurrence import Kernel
 from soma_pl.models.stacked import StackedExperts
 
@@ -271,4 +272,5 @@ def main(shapes: tuple[KernelShape, ...] = DEFAULT_SHAPES, settings: KernelSetti
         out: where to write the JSON.
     """
     settings = settings if device is None else replace(settings, device=device)
+    resolve_device(settings.device, "--device" if device is not None else "--settings.device")
     emit_json(bench_kernels(list(shapes), settings), out)

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
 from soma_pl.io import emit_json
+from soma_pl.models.devices import resolve_device
 from soma_pl.models.stacked import StackedExperts
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -231,4 +232,5 @@ def main(contexts: tuple[int, ...] = (256, 512, 1024, 2048), settings: MemorySet
         settings: the model and the update measured.
         out: where to write the JSON.
     """
+    resolve_device(settings.device, "--settings.device")
     emit_json(bench_memory(tuple(contexts), settings), out)

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,6 @@ from tqdm import tqdm
 
 from soma_pl.errors import ConfigError
 from soma_pl.io import emit_json
-
-COLUMNS = ("text", "id", "dump", "url", "file_path", "language", "language_score", "token_count", "score",
-           "int_score")
 
 
 def write_fineweb_corpus(folder: Path, total_bytes: int, files: int, seed: int = 0) -> dict:
@@ -67,21 +65,33 @@ def write_fineweb_corpus(folder: Path, total_bytes: int, files: int, seed: int =
             "parquet_bytes": sum(f.stat().st_size for f in folder.glob("*.parquet"))}
 
 
-def run_prepare(corpus: Path, output: Path, tasks: int, extra: tuple[str, ...] = ()) -> dict:
-    """One whole `prepare` command at `tasks` tasks (`extra`: further arguments): wall seconds and
-    the manifest's figures."""
-    command = [sys.executable, "-m", "soma_pl.cli", "prepare", "--progress", "false",
-               "--config", str(Path(__file__).resolve().parents[2] / "configs" / "data" / "fineweb_edu.yaml"),
-               f"--dataset.corpus.paths=[{corpus}]", f"--dataset.output_dir={output}",
-               f"--dataset.executor.tasks={tasks}", *extra]
+ROOT = Path(__file__).resolve().parents[2]
+"""The project root (its `configs/`)."""
+
+
+def timed(command: list[str], failure: str) -> float:
+    """Run `command` to its end; its wall seconds. A failure ends the bench with `failure` and the
+    command's last line of error output."""
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if result.returncode != 0:
         lines = result.stderr.strip().splitlines() or ["(no output)"]
-        raise SystemExit(f"bench prepare: prepare failed at {tasks} tasks: {lines[-1]}")
+        raise SystemExit(f"{failure}: {lines[-1]}")
+    return round(seconds, 3)
+
+
+def run_prepare(corpus: Path, output: Path, tasks: int, extra: tuple[str, ...] = (),
+                bench: str = "bench prepare") -> dict:
+    """One whole `prepare` command at `tasks` tasks (`extra`: further arguments): wall seconds and
+    the manifest's figures (`bench` names the bench in a failure's line)."""
+    command = [sys.executable, "-m", "soma_pl.cli", "prepare", "--progress", "false",
+               "--config", str(ROOT / "configs" / "data" / "fineweb_edu.yaml"),
+               f"--dataset.corpus.paths=[{corpus}]", f"--dataset.output_dir={output}",
+               f"--dataset.executor.tasks={tasks}", *extra]
+    seconds = timed(command, f"{bench}: prepare failed at {tasks} tasks")
     manifest = json.loads((output / "manifest.json").read_text())
-    return {"tasks": tasks, "seconds": round(seconds, 3), "in_process_seconds": manifest["prepare_seconds"],
+    return {"tasks": tasks, "seconds": seconds, "in_process_seconds": manifest["prepare_seconds"],
             "peak_rss_mib_per_task": manifest["peak_rss_mib"], "task_seconds": manifest["task_seconds"],
             "parallel_stage_seconds": round(max(manifest["task_seconds"]["select"])
                                             + max(manifest["task_seconds"]["write"]), 3),
@@ -89,37 +99,29 @@ def run_prepare(corpus: Path, output: Path, tasks: int, extra: tuple[str, ...] =
             "test_excluded": manifest["test"]["excluded"], "shards": len(manifest["train"]["shards"])}
 
 
-def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 2),
-                  workdir: str | None = None, extra: tuple[str, ...] = (), rounds: int = 3,
-                  progress: bool = True) -> dict:
-    """Generate the corpus, then time `prepare` at each task count, `rounds` times, the task counts
-    taking turns (1, 2, 1, 2, ...) so that a change of load on the machine touches both; a fresh
-    output folder each time.
+def time_task_counts(tasks: tuple[int, ...], rounds: int, measure: Callable[[int, int], dict], text_bytes: int,
+                     desc: str, progress: bool = True) -> dict:
+    """Time `measure(count, round)` (one whole command at `count` tasks, returning its `seconds` and
+    `parallel_stage_seconds`) `rounds` times per task count, the counts taking turns (1, 2, 1, 2,
+    ...) so that a change of load on the machine touches both.
 
     Returns:
-        `corpus` (files, documents, text and parquet bytes), `runs` (per task count, the round of
-        median time: seconds, MB/s of text, peak RSS per task in MiB, each task's own seconds per
-        stage, ...; `seconds_per_round` all of them), the whole command's speedup over 1 task, and
-        that of its parallel stages alone (the slowest select task plus the slowest write task;
-        start-up, the planning task and the merge run once whatever the task count), both from
-        medians, and the load average before and after.
+        `runs` (per task count, the round of median time with `mb_per_second` of `text_bytes`,
+        `seconds_per_round` and `median_parallel_stage_seconds`), the whole command's speed-up over
+        1 task and that of its parallel stages alone, both from medians, and the load average
+        before and after.
     """
     load_before = os.getloadavg()
     measured: dict[int, list[dict]] = {count: [] for count in tasks}
-    with tempfile.TemporaryDirectory(dir=workdir) as scratch, \
-            tqdm(total=rounds * len(tasks), desc="bench prepare", unit="run", disable=not progress) as bar:
-        root = Path(scratch)
-        corpus = write_fineweb_corpus(root / "corpus", int(megabytes * 1e6), files)
+    with tqdm(total=rounds * len(tasks), desc=desc, unit="run", disable=not progress) as bar:
         for round_ in range(rounds):
             for count in tasks:
-                output = root / f"prepared-{count}-{round_}"
-                run = run_prepare(root / "corpus", output, count, extra)
-                run["mb_per_second"] = round(corpus["text_bytes"] / 1e6 / run["seconds"], 3)
+                run = measure(count, round_)
+                run["mb_per_second"] = round(text_bytes / 1e6 / run["seconds"], 3)
                 measured[count].append(run)
-                shutil.rmtree(output)
                 bar.update()
     runs = []
-    for _count, results in measured.items():
+    for results in measured.values():
         median = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]
         runs.append({**median, "seconds_per_round": [r["seconds"] for r in results],
                      "median_parallel_stage_seconds": float(np.median([r["parallel_stage_seconds"] for r in results]))})
@@ -127,10 +129,36 @@ def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ..
     speedup = {str(r["tasks"]): round(base["seconds"] / r["seconds"], 2) for r in runs} if base else {}
     stages = ({str(r["tasks"]): round(base["median_parallel_stage_seconds"] / r["median_parallel_stage_seconds"], 2)
                for r in runs} if base else {})
-    return {"bench": "prepare", "corpus": corpus, "rounds": rounds, "runs": runs, "speedup_over_1_task": speedup,
-            "parallel_stages_speedup_over_1_task": stages, "load_average_before": [round(x, 2) for x in load_before],
+    return {"runs": runs, "speedup_over_1_task": speedup, "parallel_stages_speedup_over_1_task": stages,
+            "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "cpu_count": os.cpu_count(), "python": platform.python_version()}
+
+
+def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 2),
+                  workdir: str | None = None, extra: tuple[str, ...] = (), rounds: int = 3,
+                  progress: bool = True) -> dict:
+    """Generate the corpus, then time `prepare` at each task count (`time_task_counts`), a fresh
+    output folder each time.
+
+    Returns:
+        `corpus` (files, documents, text and parquet bytes) and `time_task_counts`'s figures: per
+        task count seconds, MB/s of text, peak RSS per task in MiB, each task's own seconds per
+        stage, ...; the parallel stages are the slowest select task plus the slowest write task
+        (start-up, the planning task and the merge run once whatever the task count).
+    """
+    with tempfile.TemporaryDirectory(dir=workdir) as scratch:
+        root = Path(scratch)
+        corpus = write_fineweb_corpus(root / "corpus", int(megabytes * 1e6), files)
+
+        def measure(count: int, round_: int) -> dict:
+            output = root / f"prepared-{count}-{round_}"
+            run = run_prepare(root / "corpus", output, count, extra)
+            shutil.rmtree(output)
+            return run
+
+        timing = time_task_counts(tasks, rounds, measure, corpus["text_bytes"], "bench prepare", progress)
+    return {"bench": "prepare", "corpus": corpus, "rounds": rounds, **timing}
 
 
 def main(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 2), workdir: str | None = None,

@@ -31,6 +31,7 @@ from soma_pl.estimators.directions import DirectionKind, directions
 from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, eggroll_estimate
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
 from soma_pl.io import emit_json
+from soma_pl.models.devices import resolve_device
 from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
 from soma_pl.models.stacked import StackedExperts
 
@@ -361,4 +362,5 @@ def main(widths: tuple[int, ...] = (32, 181), settings: ZOBenchSettings = ZOBenc
         out: where to write the JSON.
     """
     eggroll_widths = widths if eggroll_widths is None else eggroll_widths
+    resolve_device(settings.device, "--device")
     emit_json(bench_zo(tuple(widths), settings, soma_experts=soma_experts, eggroll_widths=tuple(eggroll_widths)), out)

@@ -1,16 +1,14 @@
-"""The `prepare` and `shard` commands: build a dataset folder, then print a JSON summary of it."""
+"""The `prepare` command: build a prepared dataset folder, then print a JSON summary of it.
+
+It imports no torch (nor `shard`, which does): a `prepare` process and its forked tasks start in
+about half a second. `shard`'s command is `soma_pl.data.sharding.shard_dataset`.
+"""
 
 from __future__ import annotations
 
 import json
 
-from soma_pl.data import sharding
 from soma_pl.data.prepare import MANIFEST, PrepareConfig, prepare, read_manifest
-from soma_pl.data.sharding import ShardConfig, read_shard_manifest
-
-SHARD_SUMMARY = ("num_experts", "documents", "kmeans_sample", "shard_sizes", "rebalanced_documents", "contingency",
-                 "purity", "router_agreement", "tasks", "shard_seconds")
-"""`experts.json` entries that `shard` prints as they are."""
 
 
 def prepare_dataset(dataset: PrepareConfig = PrepareConfig(), progress: bool = True) -> None:
@@ -37,21 +35,4 @@ def prepare_dataset(dataset: PrepareConfig = PrepareConfig(), progress: bool = T
         "tasks": manifest["tasks"],
         "prepare_seconds": manifest["prepare_seconds"],
     }
-    print(json.dumps(summary, indent=2))
-
-
-def shard_dataset(shard: ShardConfig = ShardConfig(), progress: bool = True) -> None:
-    """Split a prepared dataset into N expert shard sets and fit the router.
-
-    Args:
-        shard: what to split, how and where (the `shard:` section of `configs/shard/<name>.yaml`).
-        progress: show progress bars.
-    """
-    output = sharding.shard(shard, progress=progress)  # `shard`, the argument, hides the function
-    manifest = read_shard_manifest(output)
-    summary = {"output_dir": str(output), "router": str(output / manifest["router"]),
-               "embedder": manifest["config"]["embedder"], "sharding": manifest["config"]["sharding"],
-               **{key: manifest[key] for key in SHARD_SUMMARY},
-               "train_documents": [e["train"]["documents"] for e in manifest["expert_sizes"]],
-               "val_documents": [e["val"]["documents"] for e in manifest["expert_sizes"]]}
     print(json.dumps(summary, indent=2))

@@ -143,7 +143,8 @@ class PlanHeldOut(_Stage):
         candidate_set.save(self.stage / "candidates.npz")
         # The screen's gram index, built once here rather than by every screening task.
         screen = OverlapScreen([w.tobytes() for w in candidate_set.windows], config.shingle_bytes)
-        save_npz(self.stage / "screen_index.npz", keys=screen.index_keys(), filter=screen.filter_bits())
+        save_npy(self.stage / "screen_keys.npy", screen.index_keys())
+        save_npy(self.stage / "screen_filter.npy", screen.filter_bits())
         write_json_atomic(self.stage / "plan.json", {
             "held_ids": sorted(held_ids), "expert_val_fallback": expert_val.fallback,
             "short": dict(sorted(short.items())), "documents": sum(p["documents"] for p in parts),
@@ -166,9 +167,10 @@ class WriteShards(_Stage):
         expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, 0)
         expert_val.fallback = plan["expert_val_fallback"]
         candidates = EvalSet.load(self.stage / "candidates.npz")
-        with np.load(self.stage / "screen_index.npz") as index:
-            screen = OverlapScreen([w.tobytes() for w in candidates.windows], config.shingle_bytes,
-                                   index=index["keys"], filter_bits=index["filter"])
+        # Mapped, not read: the 40 MB of keys come from the page cache, shared by the tasks.
+        screen = OverlapScreen([w.tobytes() for w in candidates.windows], config.shingle_bytes,
+                               index=np.load(self.stage / "screen_keys.npy", mmap_mode="r"),
+                               filter_bits=np.load(self.stage / "screen_filter.npy", mmap_mode="r"))
         writers = {"train": ShardWriter(self.stage / "train", f"train-{rank:05d}", config.shard_max_bytes),
                    "expert_val": ShardWriter(self.stage / "expert_val", f"val-{rank:05d}", config.shard_max_bytes)}
         counts = {split: Counter() for split in ("documents", "bytes", "val_documents", "val_bytes")}
@@ -353,6 +355,14 @@ def load_documents(path: Path) -> list[Document]:
     return [Document(text[a:b], source, doc_id, title)
             for a, b, source, doc_id, title in zip(starts, ends, meta["sources"], meta["ids"], meta["titles"],
                                                    strict=False)]
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """`np.save` written atomically, the array's memory written as it is (no copy into a buffer)."""
+    array = np.ascontiguousarray(array)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    write_atomic([header.getvalue(), memoryview(array).cast("B")], path)
 
 
 def save_npz(path: Path, **arrays: np.ndarray) -> None:

@@ -86,10 +86,17 @@ class PreparedShardsReader(PipelineStep):
 class _Stage(PipelineStep):
     type = "🔪 - SOMA_PL"
 
-    def __init__(self, config: ShardConfig, stage: Path):
+    def __init__(self, config: ShardConfig, stage: Path, threads: int | None = None):
+        """`threads`: torch threads of each task (None: torch's default); tasks that share a
+        machine's cores split them instead of each starting one thread per core."""
         super().__init__()
         self.config = config
         self.stage = Path(stage)
+        self.threads = threads
+
+    def share_cores(self) -> None:
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
 
 
 def _centred(raw: np.ndarray, center: np.ndarray) -> np.ndarray:
@@ -109,6 +116,7 @@ class EmbedDocuments(_Stage):
         from soma_pl.data.sharding import make_encoder
 
         config, begun = self.config, time.perf_counter()
+        self.share_cores()
         encoder = make_encoder(config)
         folder = self.stage / "embed"
         folder.mkdir(parents=True, exist_ok=True)
@@ -234,6 +242,7 @@ class WriteExperts(_Stage):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         config, begun = self.config, time.perf_counter()
+        self.share_cores()
         experts = config.num_experts
         fit = dict(np.load(self.stage / "fit" / "fit.npz"))
         fitted = json.loads((self.stage / "fit" / "fit.json").read_text())

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from soma_pl.data.prepare import MANIFEST, open_prepared, prepare_recipe, read_m
 from soma_pl.data.tar_shards import ShardRecord, Verify, sha256_file, verify_shards
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import check_output
+from soma_pl.models.devices import resolve_device
 from soma_pl.models.router import EncoderKind, HashedNgramEncoder, SeedEncoder
 
 ROUTER_FILE = "router.pt"
@@ -133,6 +135,7 @@ class ShardConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        resolve_device(self.device, "shard.device")
         self.executor.validate("shard")
 
     def inputs(self) -> list[str]:
@@ -199,15 +202,17 @@ def _stages(config: ShardConfig, paths: list[Path], stage: Path, fingerprint: st
     from soma_pl.data.shard_steps import EmbedDocuments, FinishShard, FitExperts, PreparedShardsReader, WriteExperts
 
     tasks = max(1, min(config.executor.task_count(), len(paths)))  # whole shards are dealt out
-    # The tasks run torch (the encoder): a worker forked from a process whose OpenMP threads already
-    # ran (a notebook, a test session, a training script) can hang in its first parallel op, so
-    # local workers start from a fresh server process unless the config says otherwise.
+    # The tasks run torch (the encoder), so local workers start from a fresh server process
+    # (`default_start_method`: this process has imported torch) unless the config says otherwise.
     executor = config.executor
-    if ExecutorKind(executor.kind) is ExecutorKind.local:
-        executor = replace(executor, options={"start_method": "forkserver", **executor.options})
-    pipelines = [("embed", [PreparedShardsReader(paths, progress, "embed"), EmbedDocuments(config, stage)], tasks),
+    threads = None
+    if ExecutorKind(executor.kind) is ExecutorKind.local:  # the tasks running at once share this machine's cores
+        threads = max(1, (os.cpu_count() or 1) // min(tasks, executor.workers or tasks))
+    pipelines = [("embed", [PreparedShardsReader(paths, progress, "embed"), EmbedDocuments(config, stage, threads)],
+                  tasks),
                  ("fit", [FitExperts(config, stage, tasks)], 1),
-                 ("write", [PreparedShardsReader(paths, progress, "write"), WriteExperts(config, stage)], tasks),
+                 ("write", [PreparedShardsReader(paths, progress, "write"), WriteExperts(config, stage, threads)],
+                  tasks),
                  ("finish", [FinishShard(config, stage, tasks, fingerprint, manifest, started)], 1)]
     return chain(executor, pipelines, stage, "shard")
 
@@ -292,3 +297,28 @@ def _read_fingerprint(folder: Path) -> str | None:
         return read_shard_manifest(folder).get("fingerprint")
     except DataError:
         return None
+
+
+SHARD_SUMMARY = ("num_experts", "documents", "kmeans_sample", "shard_sizes", "rebalanced_documents", "contingency",
+                 "purity", "router_agreement", "tasks", "shard_seconds")
+"""`experts.json` entries that `shard` prints as they are."""
+
+
+def shard_dataset(shard: ShardConfig = ShardConfig(), progress: bool = True) -> None:
+    """Split a prepared dataset into N expert shard sets and fit the router.
+
+    Args:
+        shard: what to split, how and where (the `shard:` section of `configs/shard/<name>.yaml`).
+        progress: show progress bars.
+    """
+    output = _shard(shard, progress=progress)
+    manifest = read_shard_manifest(output)
+    summary = {"output_dir": str(output), "router": str(output / manifest["router"]),
+               "embedder": manifest["config"]["embedder"], "sharding": manifest["config"]["sharding"],
+               **{key: manifest[key] for key in SHARD_SUMMARY},
+               "train_documents": [e["train"]["documents"] for e in manifest["expert_sizes"]],
+               "val_documents": [e["val"]["documents"] for e in manifest["expert_sizes"]]}
+    print(json.dumps(summary, indent=2))
+
+
+_shard = shard  # `shard_dataset`'s argument `shard` hides the function

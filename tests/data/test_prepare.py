@@ -180,6 +180,57 @@ def test_killed_prepare_leaves_nothing_that_reads_as_valid(tmp_path):
     assert read_manifest(output)["train"]["documents"] > 0, "the rerun resumes and finishes"
 
 
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the kernel's parent-death signal")
+def test_killing_only_the_main_process_leaves_no_worker_behind(tmp_path):
+    # Two files: two tasks in a forked pool, beside datatrove's manager process. A SIGKILL to the
+    # main process alone (an OOM killer, `kill -9 <pid>`) used to leave both waiting forever.
+    write_jsonl_corpus(tmp_path / "corpus", {"alpha": 1500, "beta": 1500}, min_words=200, max_words=600)
+    output = tmp_path / "prepared"
+    command = [sys.executable, "-m", "soma_pl.cli", "prepare", "--progress", "false",
+               "--dataset.corpus.kind", "jsonl", f"--dataset.corpus.paths=[{tmp_path / 'corpus'}]",
+               f"--dataset.output_dir={output}", "--dataset.val_documents=4", "--dataset.val_windows=8",
+               "--dataset.test_windows=4", "--dataset.shard_max_bytes=100000", "--dataset.executor.tasks=2"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline, children = time.monotonic() + 60, set()
+    while len(children) < 3 and time.monotonic() < deadline:  # the manager and the two pool workers
+        assert process.poll() is None, "prepare finished before its workers could be seen"
+        children = _children(process.pid)
+        time.sleep(0.005)
+    assert len(children) >= 3, f"expected a manager and two workers, saw {sorted(children)}"
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 10
+    while any(map(_alive, children)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = sorted(pid for pid in children if _alive(pid))
+    for pid in left:  # do not leak them into the rest of the session
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} of prepare's {len(children)} processes outlived it"
+    assert subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+    assert read_manifest(output)["train"]["documents"] > 0, "the rerun resumes and finishes"
+
+
 def test_truncated_shard_is_never_read_as_valid(small_config):
     folder = prepare(small_config, progress=False)
     records = [ShardRecord(**s) for s in read_manifest(folder)["train"]["shards"]]

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import subprocess
+import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +17,7 @@ import yaml
 from soma_pl.cli import main
 from soma_pl.data.evalsets import EvalSet
 from soma_pl.data.heldout import OverlapScreen
-from soma_pl.data.pipeline import ExecutorConfig
+from soma_pl.data.pipeline import ExecutorConfig, default_start_method, make_executor
 from soma_pl.data.prepare import FORMAT_VERSION, PrepareConfig, prepare, read_manifest
 from soma_pl.data.readers import CorpusConfig
 from soma_pl.data.tar_shards import ShardWriter, iter_shard_documents
@@ -162,3 +166,37 @@ def test_a_dataset_block_beside_a_prepared_folder_is_refused_not_ignored(tmp_pat
     with pytest.raises(ConfigError, match=r"data.init_args.dataset is set but data.init_args.prepared="):
         ByteDataModule(dataset=PrepareConfig(output_dir=str(tmp_path / "elsewhere")), prepared=str(tmp_path / "x"))
     ByteDataModule(prepared=str(tmp_path / "x"))  # the default dataset block is not "set"
+
+
+def test_the_prepare_command_imports_no_torch():
+    # Its forked tasks start with what the main process imported: torch would cost every run 1.5 s.
+    probe = ("import sys\nfrom soma_pl.cli import main\ntry:\n    main(['prepare', '--help'])\nexcept SystemExit:\n"
+             "    pass\nprint('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert "--dataset.corpus.paths" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+class _Thread:
+    def __init__(self, name: str):
+        self.name = name
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork on this platform")
+def test_local_workers_fork_only_from_a_plain_process(monkeypatch, tmp_path):
+    main_thread = threading.main_thread()
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(threading, "enumerate", lambda: [main_thread])
+    assert default_start_method() == "fork"
+    monkeypatch.setattr(threading, "enumerate", lambda: [main_thread, _Thread("fsspecIO")])
+    assert default_start_method() == "fork", "fsspec resets its IO thread in a forked child"
+    monkeypatch.setattr(threading, "enumerate", lambda: [main_thread, _Thread("wandb-monitor")])
+    assert default_start_method() == "forkserver"
+    monkeypatch.setattr(threading, "enumerate", lambda: [main_thread])
+    monkeypatch.setitem(sys.modules, "torch", object())
+    assert default_start_method() == "forkserver", "torch's thread pools may hold locks"
+    executor = make_executor(ExecutorConfig(tasks=2), [], 2, tmp_path / "logs", "probe")
+    assert executor.start_method == "forkserver"
+    executor = make_executor(ExecutorConfig(tasks=2, options={"start_method": "spawn"}), [], 2,
+                             tmp_path / "logs", "probe")
+    assert executor.start_method == "spawn", "the config's choice wins"
