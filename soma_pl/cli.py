@@ -11,6 +11,7 @@ Bad input ends with one line `soma_pl: error: ...` on stderr and exit status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import sys
@@ -126,6 +127,12 @@ def command_parser(name: str) -> ArgumentParser:
             parser.add_class_arguments(typing.get_type_hints(function)[command.flatten], nested_key=None)
     finally:
         set_parsing_settings(docstring_parse_attribute_docstrings=False)
+    # A default that is a sequence of dataclasses (`bench kernels --shapes`) is given as the
+    # namespaces it parses to: jsonargparse cannot print the instances (`--print_config`).
+    for key, parameter in inspect.signature(function).parameters.items():
+        default = parameter.default
+        if isinstance(default, tuple | list) and default and all(dataclasses.is_dataclass(d) for d in default):
+            parser.set_defaults({key: [Namespace(**dataclasses.asdict(d)) for d in default]})
     return parser
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import inspect
 import json
 import subprocess
@@ -9,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from soma_pl.cli import COMMANDS, command_parser
+from soma_pl.cli import COMMANDS, command_parser, main
 from tests.data.corpora import write_jsonl_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,3 +105,17 @@ def test_fit_prints_no_warning_about_its_arguments_or_wandb(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "args parameter" not in result.stderr and "anonymous" not in result.stderr
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize("name, key, default", [("bench kernels", "shapes", "soma_pl.bench.kernels.DEFAULT_SHAPES"),
+                                                ("bench inference", "models", "soma_pl.bench.inference.TABLE2_MODELS")])
+def test_a_default_list_of_dataclasses_prints_and_parses_back(name, key, default, capsys):
+    module, attribute = default.rsplit(".", 1)
+    expected = tuple(getattr(importlib.import_module(module), attribute))
+    with pytest.raises(SystemExit):
+        main([*name.split(), "--print_config"])
+    printed = capsys.readouterr()
+    assert "Unable to serialize" not in printed.out + printed.err
+    assert yaml.safe_load(printed.out)[key] == [dataclasses.asdict(d) for d in expected]
+    parser = command_parser(name)
+    assert tuple(parser.instantiate(parser.parse_args([]))[key]) == expected

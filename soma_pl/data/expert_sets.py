@@ -29,12 +29,15 @@ class ExpertShards:
 
 
 class ExpertShardWriter:
-    """Write each expert's training and expert-validation documents into its own shards."""
+    """Write each expert's training and expert-validation documents into its own shards
+    (`expert-NNN/{train,val}[-<task>]-NNNNNN.tar`: one series per task when tasks write side by side)."""
 
-    def __init__(self, folder: Path, num_experts: int, shard_max_bytes: int):
+    def __init__(self, folder: Path, num_experts: int, shard_max_bytes: int, task: int | None = None):
         self.folder = Path(folder)
+        suffix = "" if task is None else f"-{task:05d}"
         self._writers = [
-            {split: ShardWriter(self.folder / f"expert-{e:03d}", split, shard_max_bytes) for split in ("train", "val")}
+            {split: ShardWriter(self.folder / f"expert-{e:03d}", f"{split}{suffix}", shard_max_bytes)
+             for split in ("train", "val")}
             for e in range(num_experts)
         ]
 
@@ -45,17 +48,20 @@ class ExpertShardWriter:
         """Close every shard after a failure, ignoring errors (the folder is discarded)."""
         close_quietly(writer for writers in self._writers for writer in writers.values())
 
-    def close(self, extra: dict | None = None) -> list[ExpertShards]:
-        """Close every shard and write `experts.json` (with `extra` fields); return the records."""
-        experts = [ExpertShards(w["train"].close(), w["val"].close()) for w in self._writers]
-        payload = {
-            **(extra or {}),
-            "num_experts": len(experts),
-            "experts": [{"train": [r.to_json() for r in e.train], "val": [r.to_json() for r in e.val]}
-                        for e in experts],
-        }
-        write_json_atomic(self.folder / EXPERTS_MANIFEST, payload)
-        return experts
+    def close(self) -> list[ExpertShards]:
+        """Close every shard; each expert's records."""
+        return [ExpertShards(w["train"].close(), w["val"].close()) for w in self._writers]
+
+
+def experts_json(experts: list[ExpertShards]) -> list[dict]:
+    """The `experts` entry of `experts.json`: each expert's shard records."""
+    return [{"train": [r.to_json() for r in e.train], "val": [r.to_json() for r in e.val]} for e in experts]
+
+
+def write_experts_manifest(folder: Path, experts: list[ExpertShards], extra: dict | None = None) -> None:
+    """Write `experts.json` (last: it makes the folder a sharded dataset) with `extra` fields."""
+    write_json_atomic(Path(folder) / EXPERTS_MANIFEST,
+                      {**(extra or {}), "num_experts": len(experts), "experts": experts_json(experts)})
 
 
 def read_experts_manifest(folder: str | Path) -> dict:

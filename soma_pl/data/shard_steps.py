@@ -39,12 +39,13 @@ from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 from tqdm import tqdm
 
+from soma_pl.data.expert_sets import ExpertShardWriter, experts_json
 from soma_pl.data.heldout import seeded_hash
 from soma_pl.data.pipeline import from_pipeline, to_pipeline
 from soma_pl.data.prepare_steps import link_or_copy, peak_rss_mib, save_npz
-from soma_pl.data.tar_shards import ShardWriter, iter_shard_documents
+from soma_pl.data.tar_shards import iter_shard_documents
 from soma_pl.errors import DataError
-from soma_pl.io import atomic_folder, close_quietly, write_json_atomic
+from soma_pl.io import atomic_folder, write_json_atomic
 from soma_pl.models.router import EncoderKind, Router, prefix_batch
 
 if TYPE_CHECKING:
@@ -253,8 +254,7 @@ class WriteExperts(_Stage):
         validation = keys["val"] < np.uint64(int(config.val_fraction * KEY_RANGE))
         validation[chosen["positions"]] = chosen["validation"]
         names = json.loads((self.stage / "embed" / f"{rank:05d}.json").read_text())["sources"]
-        writers = [{split: ShardWriter(self.stage / f"expert-{e:03d}", f"{split}-{rank:05d}", config.shard_max_bytes)
-                    for split in ("train", "val")} for e in range(experts)]
+        writer = ExpertShardWriter(self.stage, experts, config.shard_max_bytes, task=rank)
         sizes = [{split: {"documents": 0, "bytes": 0} for split in ("train", "val")} for _ in range(experts)]
         contingency = [Counter() for _ in range(experts)]
         written = 0
@@ -264,13 +264,13 @@ class WriteExperts(_Stage):
                 if position >= len(labels):
                     raise DataError("training shards changed between the two passes")
                 expert, split = int(labels[position]), "val" if validation[position] else "train"
-                writers[expert][split].write(document)
+                writer.write(expert, document, validation=bool(validation[position]))
                 sizes[expert][split]["documents"] += 1
                 sizes[expert][split]["bytes"] += len(document.text)
                 contingency[expert][names[keys["sources"][position]]] += 1
-            records = [{split: [r.to_json() for r in w.close()] for split, w in pair.items()} for pair in writers]
+            records = experts_json(writer.close())
         except BaseException:
-            close_quietly(w for pair in writers for w in pair.values())
+            writer.abandon()
             raise
         if written != len(labels):
             raise DataError("training shards changed between the two passes")

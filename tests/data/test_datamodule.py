@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.data.expert_sets import ExpertShardWriter
+from soma_pl.data.expert_sets import ExpertShardWriter, write_experts_manifest
 from soma_pl.data.prepare import read_manifest
 from soma_pl.data.readers import iter_corpus
 from soma_pl.data.stream import WindowStream, consumer_slice, document_windows
@@ -158,7 +158,8 @@ def test_expert_blocks_come_only_from_their_own_shards(tmp_path, small_config, m
     for document in iter_corpus(small_config.corpus):
         if len(document.text) >= WINDOW_BYTES:
             writer.write(0 if b"<alpha:" in document.text else 1, document)
-    writer.close({"dataset_fingerprint": read_manifest(module.root)["fingerprint"]})  # cut from this dataset
+    write_experts_manifest(tmp_path / "experts", writer.close(),
+                           {"dataset_fingerprint": read_manifest(module.root)["fingerprint"]})  # cut from this dataset
     dm = ByteDataModule(small_config, experts_dir=str(tmp_path / "experts"), batch_size=6, shuffle_buffer=16)
     dm.setup("fit")
     assert dm.num_experts == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -253,3 +254,21 @@ def test_shard_reader_shows_each_tasks_progress_over_its_files(dataset, capsys):
         assert f"shard embed task {rank}" in err and f"{done}/{done}" in err
     quiet = PreparedShardsReader(paths, stage="embed")
     assert len(list(quiet.run(rank=0, world_size=2))) > 0 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("tasks, workers", [(1, None), (2, None), (4, None), (4, 1)])
+def test_local_tasks_split_the_cores_between_them(tmp_path, tasks, workers):
+    from soma_pl.data.pipeline import ExecutorConfig
+    from soma_pl.data.shard_steps import EmbedDocuments, WriteExperts
+    from soma_pl.data.sharding import _stages
+
+    config = ShardConfig(executor=ExecutorConfig(tasks=tasks, workers=workers))
+    paths = [tmp_path / f"train-{i}.tar" for i in range(tasks)]
+    stages = dict(_stages(config, paths, tmp_path / "stage", "0" * 64, {}, 0.0))
+    at_once = min(tasks, workers or tasks)
+    for name, kind in (("embed", EmbedDocuments), ("write", WriteExperts)):
+        step = stages[name].pipeline[-1]
+        assert isinstance(step, kind) and step.threads == max(1, (os.cpu_count() or 1) // at_once)
+    slurm = ShardConfig(executor=ExecutorConfig(kind="slurm", tasks=2, options={"partition": "cpu", "time": "1:00:00"}))
+    embed = dict(_stages(slurm, paths[:1] * 2, tmp_path / "stage", "0" * 64, {}, 0.0))["embed"]
+    assert embed.pipeline[-1].threads is None, "a Slurm task has its own cores"
