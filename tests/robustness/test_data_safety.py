@@ -280,12 +280,15 @@ def _full_disk(monkeypatch, cls, after: int) -> None:
 def test_a_read_only_or_full_disk_is_one_line_and_leaves_nothing(capsys, request, tmp_path, monkeypatch, command,
                                                                 failure):
     output = tmp_path / "out" / command
+    # The patched writer below must be the one the tasks use: prepare's tasks are forked from this
+    # process (from one that has imported torch they would start from a fork server, fresh
+    # processes without the patch), and shard's one task runs in this process.
     if command == "prepare":
-        args, writer, setting = prepare_args(request.getfixturevalue("corpus"), output), ShardWriter, "dataset"
+        corpus = request.getfixturevalue("corpus")
+        args = prepare_args(corpus, output, "--dataset.executor.options={start_method: fork}")
+        writer, setting = ShardWriter, "dataset"
     else:
         corpus, data, _, _ = request.getfixturevalue("sharded")
-        # One task runs in this process, so the patched writer below is the one the task uses
-        # (several tasks would start from a forkserver, a fresh process without the patch).
         args, writer, setting = shard_args(data, output, "--shard.executor.tasks=1"), ShardWriter, "shard"
     if failure == "read-only":
         _read_only(monkeypatch)
