@@ -263,8 +263,9 @@ class WriteExperts(_Stage):
                 written += 1
                 if position >= len(labels):
                     raise DataError("training shards changed between the two passes")
-                expert, split = int(labels[position]), "val" if validation[position] else "train"
-                writer.write(expert, document, validation=bool(validation[position]))
+                expert, held = int(labels[position]), bool(validation[position])
+                split = "val" if held else "train"
+                writer.write(expert, document, validation=held)
                 sizes[expert][split]["documents"] += 1
                 sizes[expert][split]["bytes"] += len(document.text)
                 contingency[expert][names[keys["sources"][position]]] += 1
