@@ -6,7 +6,8 @@ docstring whose first line is the command's description and whose `Args:` sectio
 text. `COMMANDS` maps each command to its function, imported only when the command runs, so
 `python -m soma_pl.cli --help` lists every command without importing torch.
 
-Bad input ends with one line `soma_pl: error: ...` on stderr and exit status 2.
+Bad input ends with one line `soma_pl: error: ...` on stderr and exit status 2; Ctrl-C with
+`soma_pl: interrupted` and exit status 130.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import inspect
 import sys
 import typing
 import warnings
+from argparse import ArgumentError
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
 
+from soma_pl.config_files import parse_error_line, read_layers
 from soma_pl.errors import ConfigError, SomaError
+from soma_pl.io import check_output_file
 
 PROG = "python -m soma_pl.cli"
 
@@ -150,14 +154,25 @@ def _arguments(name: str, config: Namespace) -> dict:
 def run_command(name: str, argv: Sequence[str]) -> object:
     """Parse `argv` for the function command `name` and call its function."""
     parser = command_parser(name)
+    if "config" not in inspect.signature(COMMANDS[name].load()).parameters:
+        read_layers(argv)  # a `--config` file that is not a YAML mapping: one line naming it
     try:
         config = parser.instantiate(parser.parse_args(list(argv)))
     except SomaError:
         raise
     except Exception as error:  # jsonargparse's ArgumentError (often several lines), or a bad value
-        message = " ".join(str(error).split())
-        raise ConfigError(f"{name}: {message} (`{PROG} {name} --help` lists the options)") from None
-    return COMMANDS[name].load()(**_arguments(name, config))
+        raise option_error(name, error, argv) from None
+    arguments = _arguments(name, config)
+    if isinstance(arguments.get("out"), str):  # a result it could not write is refused before the work
+        check_output_file(arguments["out"])
+    return COMMANDS[name].load()(**arguments)
+
+
+def option_error(name: str, error: Exception, argv: Sequence[str]) -> ConfigError:
+    """A parser's error as one line naming the key (or the `--config` file setting it), then where
+    `--help` is."""
+    message = " ".join(parse_error_line(str(error), argv).split())
+    return ConfigError(f"{name}: {message} (`{PROG} {name} --help` lists the options)")
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -172,7 +187,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if name is not None and COMMANDS[name].module is None:
             from soma_pl.lightning_cli import run_lightning
 
-            run_lightning(argv)
+            try:
+                run_lightning(argv)
+            except ArgumentError as error:  # LightningCLI's parser, asked not to print its usage and exit
+                raise option_error(name, error, rest) from None
         elif name is not None:
             run_command(name, rest)
         elif not argv or argv[0] in ("-h", "--help"):
@@ -189,6 +207,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SomaError as error:
         print(f"soma_pl: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's choice, not a failure to explain: one line and the shell's status for SIGINT.
+        print("soma_pl: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

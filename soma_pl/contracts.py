@@ -86,3 +86,10 @@ class ReadsExpertShards(Protocol):
     """A data module reading a sharded dataset (`experts.json`, `router.pt`), or none (`None`)."""
 
     experts_dir: str | None
+
+
+@runtime_checkable
+class RecordsData(Protocol):
+    """A data module that knows the fingerprints of the data it read (checked against checkpoints)."""
+
+    def data_in_use(self) -> dict[str, tuple[str | None, str]]: ...

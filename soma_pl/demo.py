@@ -12,7 +12,8 @@ chose for it. Every step is an ordinary `python -m soma_pl.cli` command in a chi
 The two sides run side by side, one intra-op thread each unless `--demo.threads` or
 `OMP_NUM_THREADS` says otherwise: on a CPU shared with other jobs, more threads per process mostly
 spin in OpenMP waits. A finished step is reused when the command runs again with the same settings
-(its record is `<step>.json`); an interrupted fit resumes from its last checkpoint. The command
+(its record is `<step>.json`); an interrupted fit resumes from its last checkpoint. The children
+die with the demo, and Ctrl-C stops them (`soma_pl.demo_steps`). The command
 prints a side-by-side table and writes `main_job.json` (the same figures), `main_job.md` and
 `main_job.png` (ensemble-validation loss against updates, multiply-adds and update time) into
 `--demo.output_dir`.
@@ -25,8 +26,6 @@ import hashlib
 import io
 import json
 import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -34,7 +33,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from soma_pl.errors import SomaError
+from soma_pl.demo_steps import Steps
+from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_atomic, write_json_atomic
 
 SELECTION = "sweeps/demo/table7_pair.yaml"
@@ -112,38 +112,6 @@ def thread_count(configured: int | None) -> int:
         return configured
     value = os.environ.get("OMP_NUM_THREADS", "")
     return int(value) if value.isdigit() and int(value) > 0 else 1
-
-
-class Steps:
-    """Runs `python -m soma_pl.cli` commands as child processes, each recorded in `<folder>/<name>.json`
-    together with its arguments; a recorded command with the same arguments is not run again."""
-
-    def __init__(self, threads: int, bar: tqdm):
-        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        self.bar = bar
-        self.reused = 0
-
-    def run(self, folder: Path, name: str, args: list[str], reuse: bool = True) -> dict:
-        """Run `args` unless `reuse` and `<folder>/<name>.json` records the same arguments."""
-        record = folder / f"{name}.json"
-        previous = json.loads(record.read_text()) if reuse and record.is_file() else None
-        if previous is not None and previous.get("args") == args:
-            self.reused += 1
-            self.bar.update()
-            return previous
-        folder.mkdir(parents=True, exist_ok=True)
-        log = folder / f"{name}.log"
-        started = time.monotonic()
-        with log.open("w") as out:
-            code = subprocess.call([sys.executable, "-m", "soma_pl.cli", *args], stdout=out,
-                                   stderr=subprocess.STDOUT, env=self.env)
-        if code != 0:
-            tail = log.read_text().strip().splitlines()[-3:]
-            raise SomaError(f"`{' '.join(args[:1])}` failed ({log}): " + " | ".join(tail))
-        result = {"args": args, "seconds": round(time.monotonic() - started, 1)}
-        write_json_atomic(record, result)
-        self.bar.update()
-        return result
 
 
 def _settings_key(args: list[str], data: list[str]) -> str:
@@ -256,9 +224,9 @@ def run_side(demo: DemoConfig, side: DemoSide, steps: Steps) -> SideResult:
     steps.run(folder, "init_validate", ["validate", *shared, f"--trainer.default_root_dir={folder / 'init'}"])
     checkpoints = folder / "checkpoints"
     fit = ["fit", *fit_args, f"--trainer.default_root_dir={folder / 'fit'}", f"--checkpoint.dirpath={checkpoints}"]
-    if (checkpoints / "last.ckpt").is_file() and not (folder / "fit.json").is_file():
-        fit.append("--ckpt_path=last")  # an interrupted fit resumes where it stopped
-    fit_record = steps.run(folder, "fit", fit)
+    # An interrupted fit resumes where it stopped (a fit refuses to start over on its checkpoints).
+    resume = ["--ckpt_path=last"] if any(checkpoints.glob("*.ckpt")) else []
+    fit_record = steps.run(folder, "fit", fit, resume=resume)
     summary = _fit_summary(folder / "fit")
     last = ["--ckpt_path", summary["last_checkpoint"]]
     steps.run(folder, "validate", ["validate", *shared, *last, f"--trainer.default_root_dir={folder / 'val'}"])
@@ -361,6 +329,9 @@ def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
         demo: what runs, for how long, and where (the `demo:` section of a YAML file).
         progress: show a progress bar.
     """
+    if demo.threads is not None and demo.threads < 1:
+        raise ConfigError(f"--demo.threads={demo.threads}: give the intra-op threads per child process (1 or more), "
+                          "or leave it unset for OMP_NUM_THREADS (else 1)")
     sides = {side.name: side for side in (demo.spsa, demo.soma)}
     threads = thread_count(demo.threads)
     out = Path(demo.output_dir)
@@ -378,7 +349,11 @@ def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
         steps.run(out, "shard", ["shard", *demo.shard_args, "--progress=false"], reuse=False)
         with ThreadPoolExecutor(len(sides) if demo.parallel else 1) as pool:
             futures = {name: pool.submit(run_side, demo, side, steps) for name, side in sides.items()}
-            results = {name: future.result() for name, future in futures.items()}
+            try:
+                results = {name: future.result() for name, future in futures.items()}
+            except KeyboardInterrupt:  # the pool waits for its threads, and they for their children
+                steps.stop()
+                raise
     report = {"table": {name: asdict(result) for name, result in results.items()},
               "difference_spsa_minus_soma": {stage: getattr(results[demo.spsa.name], stage)["loss"]
                                              - getattr(results[demo.soma.name], stage)["loss"]

@@ -35,6 +35,7 @@ from soma_pl.data.documents import Document
 from soma_pl.data.readers import CorpusKind, corpus_files, iter_text
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.eval.checks import check_counts, check_finite
 from soma_pl.eval.ensemble import score_top_k
 from soma_pl.io import emit_json
 from soma_pl.lit.base import ByteLMModule
@@ -211,7 +212,7 @@ def _attach_router(module: ByteLMModule, router: str | Path | None) -> None:
     path = router or (module.router_path if module.router is None else None)
     if path is not None:
         module.router = Router.load(path)
-        module.check_router("the router given" if router else f"router {path}")
+        module.check_router(f"--router {router}" if router else f"router {path}")
 
 
 def routed_experts(module: ByteLMModule, windows: Tensor, k: int) -> Tensor:
@@ -241,6 +242,7 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
              max_windows: int | None = None, resamples: int = 1000, device: str = "cpu",
              progress: bool = False) -> dict:
     """Evaluate a checkpoint on a text file or folder; returns the JSON report (see module doc)."""
+    check_counts("evaluate", batch_size=batch_size, resamples=resamples, max_windows=max_windows)
     target = resolve_device(device, "--device")
     module = load_module(checkpoint, config, router)
     experts = module.model.num_experts
@@ -248,11 +250,10 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
     largest = experts if getattr(module, "routed", False) else 1  # only a routed module averages experts
     if not 1 <= k <= largest:
         raise ConfigError(f"top_k={k}: this {type(module).__name__} averages 1..{largest} experts")
-    if batch_size < 1 or resamples < 1:
-        raise ConfigError(f"batch_size={batch_size} and resamples={resamples} must be >= 1")
     data = read_windows(text, documents, max_windows)
     started = time.perf_counter()
     losses = window_losses(module, data.windows, k, batch_size, target, progress)
+    check_finite("the window losses", losses, f"checkpoint {checkpoint}")
     interval = document_bootstrap(losses, data.doc_ids, resamples=resamples)
     if interval.documents < 2:
         warnings.warn(f"{text}: all windows come from one document, so the document-bootstrap interval has "

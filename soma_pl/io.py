@@ -2,9 +2,9 @@
 
 A file is written under a temporary name beside its target, then renamed. A folder is built under a
 temporary name beside its target and swapped in; a marker file inside it (`.soma_pl-output.json`:
-its kind, who wrote it and what it holds) proves that soma_pl wrote it. Only such a folder is ever
-replaced: never one that is, holds or lies inside an input, nor one that holds files soma_pl did not
-write.
+its kind, who wrote it and every file it holds, sub-folders included) proves that soma_pl wrote it.
+Only such a folder is ever replaced: never one without the marker (whatever else it holds), one
+that is, holds or lies inside an input, nor one that holds a file the marker does not list.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -114,8 +115,7 @@ def read_marker(folder: Path) -> dict | None:
     return marker if isinstance(marker, dict) and marker.get("tool") == "soma_pl" else None
 
 
-def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | Path] = (),
-                 manifest: str | None = None) -> None:
+def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | Path] = ()) -> None:
     """Refuse an output folder that a build of `kind` may not replace.
 
     Args:
@@ -124,12 +124,11 @@ def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | P
         setting: the option naming `output`, for the message (`dataset.output_dir`).
         inputs: files and folders the build reads; `output` may not be, hold or lie inside one
             (after resolving symlinks).
-        manifest: a file that proves a folder written before markers existed (it must be JSON with
-            a `fingerprint`).
 
     Raises:
-        ConfigError: `output` is, holds or lies inside an input; or it exists, is not empty and
-            soma_pl did not write it as a `kind`; or it holds files soma_pl did not write.
+        ConfigError: `output` is, holds or lies inside an input, or lies under a regular file; or it
+            exists, is not empty and its marker does not prove that soma_pl wrote it as a `kind`
+            with every file it holds now.
     """
     output = Path(output).expanduser()
     target = output.resolve()
@@ -142,23 +141,50 @@ def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | P
             raise ConfigError(f"{setting}={output} {relation} the input {item} ({harm}): choose an output folder "
                               "apart from the inputs")
     if not (output.exists() or output.is_symlink()):
+        blocker = next((parent for parent in output.absolute().parents if parent.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise ConfigError(f"{setting}={output}: {blocker} is a file, not a folder: choose another path")
         return
     if not output.is_dir():
         raise ConfigError(f"{setting}={output} is a file, not a folder soma_pl wrote: choose another path")
     marker = read_marker(output)
     if marker is None:
-        if any(output.iterdir()) and not (manifest and _has_fingerprint(output / manifest)):
+        if any(output.iterdir()):
             raise ConfigError(f"{setting}={output} exists and soma_pl did not write it (no {OUTPUT_MARKER}): "
                               "choose a new folder, or empty or remove this one yourself")
-        return  # empty (nothing to lose), or written before markers existed
+        return  # empty: nothing to lose
     if marker.get("kind") != kind:
         raise ConfigError(f"{setting}={output} holds a {marker.get('kind')}, not a {kind}: choose another folder")
-    written = marker.get("entries")
-    foreign = sorted(set(os.listdir(output)) - set(written or []) - {OUTPUT_MARKER})
-    if written is not None and foreign:
+    written = marker.get("files")
+    if not isinstance(written, list):  # an unfinished build's, or an older soma_pl's (top-level names only)
+        raise ConfigError(f"{setting}={output}: its {OUTPUT_MARKER} does not list the files soma_pl wrote there "
+                          "(an older soma_pl), so files of yours in its sub-folders would be lost: move out "
+                          "anything of yours and remove the folder, or choose another folder")
+    try:
+        foreign = sorted(set(folder_files(output)) - set(written))
+    except OSError as error:
+        raise ConfigError(f"{setting}={output}: cannot list {error.filename} ({error.strerror}), so it may hold files "
+                          "of yours: choose another folder") from error
+    if foreign:
         listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ConfigError(f"{setting}={output} holds files soma_pl did not write ({listed}): move them out "
                           "or choose another folder")
+
+
+def folder_files(folder: Path) -> list[str]:
+    """Every file (and link) under `folder`, sub-folders included, as a relative POSIX path; the
+    marker left out."""
+    files, pending = [], [""]
+    while pending:
+        prefix = pending.pop()
+        with os.scandir(Path(folder) / prefix) as entries:
+            for entry in entries:
+                name = prefix + entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(name + "/")
+                elif name != OUTPUT_MARKER:
+                    files.append(name)
+    return sorted(files)
 
 
 def remove_leftovers(output: Path) -> list[Path]:
@@ -188,8 +214,7 @@ def remove_leftovers(output: Path) -> list[Path]:
 
 
 @contextmanager
-def atomic_folder(output: Path, kind: str, setting: str, inputs: Iterable[str | Path] = (),
-                  manifest: str | None = None) -> Iterator[Path]:
+def atomic_folder(output: Path, kind: str, setting: str, inputs: Iterable[str | Path] = ()) -> Iterator[Path]:
     """Build a folder under a temporary name beside `output`; when the block ends without error,
     the new folder replaces `output` by renames, so no reader ever sees a half-written folder.
 
@@ -203,17 +228,17 @@ def atomic_folder(output: Path, kind: str, setting: str, inputs: Iterable[str | 
     """
     output = Path(output).expanduser()
     inputs = list(inputs)
-    check_output(output, kind, setting, inputs, manifest)
+    check_output(output, kind, setting, inputs)
     work = output.parent / f".{output.name}.tmp-{os.getpid()}"
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         remove_leftovers(output)
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
-        _write_marker(work, kind, entries=None)
+        _write_marker(work, kind, files=None)
         yield work
-        _write_marker(work, kind, entries=sorted(set(os.listdir(work)) - {OUTPUT_MARKER}))
-        check_output(output, kind, setting, inputs, manifest)  # a long build: look again before replacing
+        _write_marker(work, kind, files=folder_files(work))
+        check_output(output, kind, setting, inputs)  # a long build: look again before replacing
         _swap(work, output)
     except OSError as error:
         translated = write_error(error, [work, output], f"{setting}={output}", f"choose another {setting}")
@@ -224,9 +249,9 @@ def atomic_folder(output: Path, kind: str, setting: str, inputs: Iterable[str | 
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _write_marker(folder: Path, kind: str, entries: list[str] | None) -> None:
+def _write_marker(folder: Path, kind: str, files: list[str] | None) -> None:
     write_json_atomic(folder / OUTPUT_MARKER, {
-        "tool": "soma_pl", "kind": kind, "entries": entries, "host": socket.gethostname(), "pid": os.getpid(),
+        "tool": "soma_pl", "kind": kind, "files": files, "host": socket.gethostname(), "pid": os.getpid(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
 
@@ -255,6 +280,24 @@ def _remove(path: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+def die_with_parent(parent: int) -> Callable[[], None] | None:
+    """What a child process calls first to be SIGKILLed by the kernel when its parent dies (Linux
+    `PR_SET_PDEATHSIG`; None elsewhere). It ends the child at once if `parent` died before the
+    request was made. A killed command then leaves no worker or child running on its folders."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up in the parent: the child only calls it
+
+    def request() -> None:
+        prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return request
+
+
 def process_alive(pid: int) -> bool:
     """Whether process `pid` of this machine exists (a zombie or another user's counts)."""
     try:
@@ -266,9 +309,21 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def _has_fingerprint(path: Path) -> bool:
-    try:
-        payload = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(payload, dict) and "fingerprint" in payload
+def check_output_file(path: str | Path, setting: str = "--out") -> None:
+    """Refuse, before any work, a file a command could not write when it ends: a folder, a path
+    under a regular file, or one on a read-only disk or in a folder you may not write.
+
+    Raises:
+        ConfigError: naming `setting` and what to do.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"{setting}={path} is a folder: give a file name (such as {path / 'result.json'})")
+    folder = next(parent for parent in path.absolute().parents if parent.exists())  # the root always exists
+    if not folder.is_dir():
+        raise ConfigError(f"{setting}={path}: {folder} is a file, not a folder: choose another path")
+    refused = (errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY
+               else errno.EACCES if not os.access(folder, os.W_OK | os.X_OK) else None)
+    if refused is not None:
+        error = OSError(refused, os.strerror(refused), str(folder))
+        raise write_error(error, [path], f"{setting}={path}", f"choose another {setting}")

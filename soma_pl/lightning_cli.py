@@ -13,6 +13,11 @@ whichever W&B logger the run has: the default one or `--trainer.logger WandbLogg
 section groups and names the run (sweeps set `--wandb.group=<study> --wandb.name=trial-<n>`); for a
 `WandbLogger` named in the config it fills the settings that logger leaves unset.
 `predict` writes each window's losses (`--predictions.*`, `soma_pl.callbacks.predictions`).
+
+Before any work: `--config` files are read as plain YAML and a base layer after the method layer
+warns (`soma_pl.config_files`); trainer settings, run folders and the checkpoint folder are checked
+(`soma_pl.trainer_checks`: one run per checkpoint folder, `--ckpt_path last` is its newest
+checkpoint); a bad option raises jsonargparse's error, which `soma_pl.cli` prints as one line.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 
 import yaml
 from jsonargparse import Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -38,9 +44,11 @@ from soma_pl.callbacks.compute import ComputeAccounting, ComputeBudget
 from soma_pl.callbacks.final import EndStateCheckpoint
 from soma_pl.callbacks.predictions import WindowLossWriter
 from soma_pl.callbacks.summary import RunSummary
+from soma_pl.config_files import read_layers, warn_on_layer_order
 from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.errors import DataError, SomaError
+from soma_pl.errors import ConfigError, DataError, SomaError
 from soma_pl.lit.base import ByteLMModule
+from soma_pl.trainer_checks import check_folder, check_trainer, refuse_earlier_run, resume_point
 
 RUNS_DIR = "runs"
 
@@ -157,8 +165,10 @@ class SomaCLI(LightningCLI):
         # Checkpoints are written when a validation ends, after the learning-rate decay it drives:
         # the state a resumed run needs to continue exactly as an uninterrupted one; `last.ckpt`
         # also when training ends, so it holds the last updates.
+        # A folder holds one run (`soma_pl.trainer_checks`), so a name written again is the same
+        # step's state: it replaces the file instead of adding a numbered copy (`-v1`) beside it.
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 1,
-                             "checkpoint.save_on_train_epoch_end": False})
+                             "checkpoint.save_on_train_epoch_end": False, "checkpoint.enable_version_counter": False})
         parser.add_lightning_class_args(ComputeAccounting, "compute")
         parser.add_lightning_class_args(ComputeBudget, "budget")
         parser.add_lightning_class_args(RunSummary, "summary")
@@ -181,17 +191,37 @@ class SomaCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """Checkpoints go to `<default_root_dir>/checkpoints` unless `checkpoint.dirpath` says otherwise
-        (one folder per run, across resumed sessions, where `--ckpt_path` finds `last.ckpt`); a
-        `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset."""
+        (one folder per run, across resumed sessions, where `--ckpt_path` finds `last.ckpt`); trainer
+        settings and folders that cannot work are refused; a `WandbLogger` named in the config takes
+        the `wandb:` section's settings it leaves unset."""
         trainer = self._get(self.config, "trainer")
         root = trainer.get("default_root_dir") or RUNS_DIR
         checkpoint = self._get(self.config, "checkpoint", default=None)
         if checkpoint is not None and checkpoint.get("dirpath") is None:
             checkpoint["dirpath"] = str(Path(root) / "checkpoints")
+        check_trainer(trainer)
+        check_folder(root, "trainer.default_root_dir")
+        if checkpoint is not None:
+            check_folder(checkpoint["dirpath"], "checkpoint.dirpath")
+            self._resolve_ckpt_path(Path(checkpoint["dirpath"]), trainer)
         loggers = trainer.get("logger")
         for logger in loggers if isinstance(loggers, list) else [loggers]:
             if is_wandb_logger(logger):
                 fill_wandb_logger(logger, self._get(self.config, "wandb"), root, self.subcommand)
+
+    def _resolve_ckpt_path(self, folder: Path, trainer: Namespace) -> None:
+        """`--ckpt_path last` names the run's newest checkpoint; a new `fit` needs a folder without
+        another run's checkpoints (`soma_pl.trainer_checks`)."""
+        subcommand = self.config.get("subcommand")
+        section = self.config[subcommand] if subcommand else None
+        if section is None:
+            return
+        if section.get("ckpt_path") == "last":
+            newest = resume_point(folder)
+            if newest is not None:
+                section["ckpt_path"] = str(newest)
+        elif section.get("ckpt_path") is None and subcommand == "fit" and not trainer.get("fast_dev_run"):
+            refuse_earlier_run(folder)
 
     def instantiate_trainer(self, **kwargs):
         """Replace Lightning's default logger (`logger: true`) by the CSV + offline W&B pair, and
@@ -209,7 +239,10 @@ class SomaCLI(LightningCLI):
             plugins = list(plugins) if isinstance(plugins, list) else [plugins]
             if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
                 kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
-        return super().instantiate_trainer(**kwargs)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except MisconfigurationException as error:  # a trainer setting Lightning refuses, named in its message
+            raise ConfigError(f"trainer settings: {' '.join(str(error).split())}") from None
 
     def _parse_ckpt_path(self) -> None:
         """Keep the model the config describes when `--ckpt_path` is given.
@@ -274,6 +307,7 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
     # ZO modules step their plateau decay themselves (manual optimisation) and keep the metric it
     # follows beside the scheduler for readers; Lightning warns that it will not use that key.
     warnings.filterwarnings("ignore", message=r"The lr scheduler dict contains the key\(s\) \['monitor'\]")
+    warn_on_layer_order(read_layers(argv))
     try:
         cli = SomaCLI(
             model_class=ByteLMModule,
@@ -286,6 +320,8 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
             # The optimizer is a model argument (`--model.init_args.optimizer`), with the module's
             # own learning-rate decay; LightningCLI's `--optimizer` would replace both.
             auto_configure_optimizers=False,
+            # A bad option raises (`soma_pl.cli` makes it one line) instead of printing the usage.
+            parser_kwargs={"exit_on_error": False},
             args=list(argv),
             run=run,
         )

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from soma_pl import ROUTE_BYTES
 from soma_pl.analysis.loading import ensemble_val_windows, load_experts
 from soma_pl.errors import ConfigError
+from soma_pl.eval.checks import check_counts, check_finite
 from soma_pl.io import emit_json
 from soma_pl.models.stacked import StackedExperts
 
@@ -170,14 +171,14 @@ def main(checkpoint: str, data: str = "data/demo", baseline: DifficultyBaseline 
         out: where to write the JSON.
         progress: show a progress bar on stderr.
     """
-    if bins < 1:
-        raise ConfigError("analyze error-correlation: --bins must be >= 1")
+    check_counts("analyze error-correlation", bins=bins, max_windows=max_windows, batch_size=batch_size)
     loaded = load_experts(checkpoint)
     if loaded.model.num_experts < 3:
         raise ConfigError(f"checkpoint {loaded.path} has {loaded.model.num_experts} experts; removing shared token "
                           "difficulty needs at least 3")
-    evalset = ensemble_val_windows(data, max_windows)
+    evalset = ensemble_val_windows(data, max_windows, loaded)
     stats = accumulate(loaded.model, torch.from_numpy(evalset.windows.copy()), batch_size, progress=progress)
+    check_finite("the expert losses", stats.loss_sums, f"checkpoint {loaded.path}")
     result = {"analysis": "error_correlation", "figure": "Fig. 17", "checkpoint": loaded.path,
               "data": f"{data}/ensemble_val.npz", **summarise(stats, baseline, bins)}
     emit_json(result, out)

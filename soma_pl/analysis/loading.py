@@ -1,9 +1,13 @@
-"""What the analyses read: stacked experts (and a router) from a checkpoint, evaluation windows."""
+"""What the analyses read: stacked experts (and a router) from a checkpoint, evaluation windows.
+
+A router or prepared dataset given beside a checkpoint must be the one its experts were trained on
+(`check_same_data`, as `evaluate --router` and `--ckpt_path` check).
+"""
 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +16,9 @@ from torch import Tensor
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.evalsets import EvalSet
+from soma_pl.data.prepare import existing_fingerprint
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.models.checkpoints import load_checkpoint
+from soma_pl.models.checkpoints import check_same_data, load_checkpoint, trained_on
 from soma_pl.models.router import Router
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
@@ -28,6 +33,13 @@ class LoadedExperts:
     model: StackedExperts
     router: Router | None
     path: str
+    trained_on: dict[str, str | None] = field(default_factory=dict)
+    """The fingerprints of the data the experts were trained on (`dataset`, `experts`)."""
+
+    @property
+    def sharding(self) -> str | None:
+        """The sharding the experts were trained on: their own router's, or the recorded one."""
+        return (self.router.sharding if self.router is not None else None) or self.trained_on.get("experts")
 
 
 def load_experts(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedExperts:
@@ -57,23 +69,34 @@ def load_experts(path: str | Path, dtype: torch.dtype = torch.float32) -> Loaded
     router = None
     if "router" in checkpoint:
         router = Router.load_from(io.BytesIO(checkpoint["router"]), f"in checkpoint {path}")
-    return LoadedExperts(model.to(dtype).requires_grad_(False), router, str(path))
+    return LoadedExperts(model.to(dtype).requires_grad_(False), router, str(path), trained_on(checkpoint))
 
 
 def load_router(loaded: LoadedExperts, router_path: str | None) -> Router:
-    """The router to rank experts with: `router_path` if given, else the checkpoint's own."""
+    """The router to rank experts with: `router_path` if given (of the sharding the experts were
+    trained on), else the checkpoint's own."""
     router = Router.load(router_path) if router_path else loaded.router
     if router is None:
         raise ConfigError(f"checkpoint {loaded.path} holds no router: pass --router <experts_dir>/router.pt")
+    if router_path:
+        trained = f"the one the experts of checkpoint {loaded.path} were trained on"
+        check_same_data(f"router {router_path} comes from", {"experts": router.sharding},
+                        {"experts": (loaded.sharding, trained)})
     if router.num_experts != loaded.model.num_experts:
         raise ConfigError(f"router has {router.num_experts} centroids, checkpoint {loaded.path} has "
                           f"{loaded.model.num_experts} experts")
     return router
 
 
-def ensemble_val_windows(data_dir: str | Path, limit: int | None = None) -> EvalSet:
-    """The ensemble-validation set of a prepared dataset folder, optionally its first `limit` windows."""
-    evalset = EvalSet.load(Path(data_dir).expanduser() / ENSEMBLE_VAL_FILE)
+def ensemble_val_windows(data_dir: str | Path, limit: int | None = None,
+                         weights: LoadedExperts | None = None) -> EvalSet:
+    """The ensemble-validation set of a prepared dataset folder, optionally its first `limit` windows;
+    refused when `weights` were trained on another prepared dataset (their held-out windows differ)."""
+    folder = Path(data_dir).expanduser()
+    if weights is not None:
+        check_same_data(f"checkpoint {weights.path} was trained on", weights.trained_on,
+                        {"dataset": (existing_fingerprint(folder), f"--data {data_dir}")})
+    evalset = EvalSet.load(folder / ENSEMBLE_VAL_FILE)
     if len(evalset) == 0:
         raise DataError(f"{Path(data_dir) / ENSEMBLE_VAL_FILE} holds no windows")
     if limit is not None:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from soma_pl import ROUTE_BYTES
 from soma_pl.analysis.loading import ensemble_val_windows, load_experts, load_router
 from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.eval.checks import check_counts, check_finite
 from soma_pl.eval.ensemble import EnsembleScores, score_windows
 from soma_pl.io import emit_json
 from soma_pl.models.router import Router
@@ -63,17 +64,19 @@ def main(checkpoint: str, data: str = "data/demo", router: str | None = None, ma
 
     Args:
         checkpoint: a SOMA checkpoint (router inside).
-        data: prepared dataset folder (its ensemble_val.npz is scored).
-        router: a router.pt replacing the checkpoint's.
+        data: prepared dataset folder (its ensemble_val.npz is scored): the one the checkpoint was trained on.
+        router: a router.pt replacing the checkpoint's, of the sharding the checkpoint was trained on.
         max_windows: score only the first windows; None: all of them.
         batch_size: windows per forward.
         out: where to write the JSON.
         progress: show a progress bar on stderr.
     """
+    check_counts("analyze topk", max_windows=max_windows, batch_size=batch_size)
     loaded = load_experts(checkpoint)
-    evalset = ensemble_val_windows(data, max_windows)
-    scores = score_all(loaded.model, load_router(loaded, router), torch.from_numpy(evalset.windows.copy()), batch_size,
-                       progress=progress)
+    ranker = load_router(loaded, router)
+    evalset = ensemble_val_windows(data, max_windows, loaded)
+    scores = score_all(loaded.model, ranker, torch.from_numpy(evalset.windows.copy()), batch_size, progress=progress)
+    check_finite("the top-k losses", scores.loss_by_k, f"checkpoint {loaded.path}")
     result = {"analysis": "topk", "figure": "Fig. 16", "checkpoint": loaded.path,
               "data": f"{data}/ensemble_val.npz", **topk_curve(scores, evalset.doc_ids)}
     emit_json(result, out)

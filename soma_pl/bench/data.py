@@ -1,16 +1,26 @@
-"""`bench data`: training-stream throughput from prepared shards, in windows/s and MB/s."""
+"""`bench data`: training-stream throughput from prepared shards, in windows/s and MB/s.
+
+A prepared dataset already at `dataset.output_dir` is read as it is, never rebuilt: a user pointing
+the bench at a dataset wants that dataset's reading speed, and a rebuild would replace data that
+runs and checkpoints may depend on (settings that differ from the folder's get a warning). Only a
+folder that does not exist yet is prepared first.
+"""
 
 from __future__ import annotations
 
 import itertools
 import platform
 import time
+import warnings
+from contextlib import suppress
+from pathlib import Path
 
 import torch
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.data.prepare import PrepareConfig
+from soma_pl.data.prepare import MANIFEST, PrepareConfig, existing_fingerprint
+from soma_pl.errors import SomaError
 from soma_pl.io import emit_json
 
 
@@ -20,9 +30,9 @@ def bench_data(dataset: PrepareConfig, batch_size: int = 64, batches: int = 200,
 
     Returns a dict with one record per worker count under `results`.
     """
-    results = []
+    results, source = [], data_source(dataset)
     for num_workers in workers:
-        module = ByteDataModule(dataset, experts_dir=experts_dir, batch_size=batch_size, num_workers=num_workers)
+        module = ByteDataModule(**source, experts_dir=experts_dir, batch_size=batch_size, num_workers=num_workers)
         module.prepare_data()
         module.setup("fit")
         loader = module.train_dataloader()
@@ -48,6 +58,19 @@ def bench_data(dataset: PrepareConfig, batch_size: int = 64, batches: int = 200,
         "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "results": results,
     }
+
+
+def data_source(dataset: PrepareConfig) -> dict:
+    """`ByteDataModule` arguments: the prepared dataset at `dataset.output_dir` read as it is, or
+    (none there yet) `dataset` to prepare."""
+    folder = Path(dataset.output_dir).expanduser()
+    if not (folder / MANIFEST).exists():
+        return {"dataset": dataset}
+    with suppress(SomaError):  # an unreadable corpus only means no comparison: the folder is read as it is
+        if existing_fingerprint(folder) != dataset.fingerprint():
+            warnings.warn(f"dataset.output_dir={folder} was prepared with other settings or another corpus than "
+                          "given: benchmarked as it is (a bench never rebuilds a dataset)", stacklevel=3)
+    return {"prepared": str(folder), "auto_prepare": False}
 
 
 def main(dataset: PrepareConfig = PrepareConfig(), experts_dir: str | None = None, batch_size: int = 64,

@@ -27,9 +27,11 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind, directions
 from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, eggroll_estimate
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
+from soma_pl.eval.checks import check_counts
 from soma_pl.io import emit_json
 from soma_pl.models.devices import resolve_device
 from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
@@ -73,6 +75,16 @@ class ZOBenchSettings:
     """r of the EGGROLL record's perturbations."""
     device: str = "cpu"
     """Where the models and windows live (``cuda`` for the GPU check of the SOMA record)."""
+
+    def __post_init__(self) -> None:
+        check_counts("bench zo", n_pert=self.n_pert, micro_batch=self.micro_batch, context=self.context,
+                     repeats=self.repeats, max_rows=self.max_rows, naive_directions=self.naive_directions,
+                     embed_dim=self.embed_dim, num_layers=self.num_layers, eggroll_rank=self.eggroll_rank)
+        if self.warmup < 0:
+            raise ConfigError(f"bench zo: --warmup={self.warmup} must be >= 0")
+        for name in ("eps", "lr"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"bench zo: --{name}={getattr(self, name)} must be > 0")
 
 
 def _synchronize() -> None:
@@ -362,5 +374,10 @@ def main(widths: tuple[int, ...] = (32, 181), settings: ZOBenchSettings = ZOBenc
         out: where to write the JSON.
     """
     eggroll_widths = widths if eggroll_widths is None else eggroll_widths
+    for name, values in (("widths", widths), ("eggroll_widths", eggroll_widths)):
+        if any(value < 1 for value in values):
+            raise ConfigError(f"bench zo: --{name}={list(values)}: every width must be >= 1")
+    if soma_experts < 0:
+        raise ConfigError(f"bench zo: --soma_experts={soma_experts} must be >= 0 (0 skips the SOMA record)")
     resolve_device(settings.device, "--device")
     emit_json(bench_zo(tuple(widths), settings, soma_experts=soma_experts, eggroll_widths=tuple(eggroll_widths)), out)

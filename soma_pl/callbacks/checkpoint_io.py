@@ -6,6 +6,8 @@ during it leaves a truncated file under the checkpoint's name. `AtomicCheckpoint
 bytes to a hidden temporary file in the checkpoint's own folder, syncs them to disk and renames the
 file into place: a reader sees the old checkpoint or the new one, never part of one. A failed write
 removes its temporary file; one left by a killed process is removed by the next save in that folder.
+Reading a checkpoint with pickle (`--weights_only false`, for a file soma_pl did not write) stays
+possible, with a warning naming the file: such a file can run any code.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import errno
 import io
 import re
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +84,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise write_error(error, path) from error
 
     def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: bool | None = None) -> dict[str, Any]:
+        if weights_only is False:  # the user's explicit opt-in (`--weights_only false`): kept, and said aloud
+            # Attributed to this file: Lightning prints warnings from its own files as `path:line: ...`.
+            warnings.warn(f"--weights_only false: loading {path} with pickle, which runs any code the file holds; "
+                          "use it only for a checkpoint you trust", stacklevel=1)
         if weights_only is False or not _is_local(path):
             return super().load_checkpoint(path, map_location=map_location,
                                            weights_only=weights_only if weights_only is not None else True)

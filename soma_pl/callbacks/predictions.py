@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from soma_pl.callbacks.compute import run_directory
 from soma_pl.contracts import HoldsEvalSets
 from soma_pl.errors import ConfigError
+from soma_pl.eval.checks import check_finite
 from soma_pl.io import write_atomic
 
 FORMATS = (".parquet", ".jsonl")
@@ -64,6 +65,8 @@ class WindowLossWriter(BasePredictionWriter):
             return
         rows = window_rows(predictions,
                            trainer.datamodule.test_set if isinstance(trainer.datamodule, HoldsEvalSets) else None)
+        check_finite("the window losses", [row["expert_losses"] for row in rows],
+                     f"checkpoint {trainer.ckpt_path}" if trainer.ckpt_path else "the configured model")
         path = self.output_path(trainer)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(encode(rows, path.suffix), path)

@@ -29,6 +29,7 @@ from soma_pl.data.stream import WindowStream, fixed_windows
 from soma_pl.data.tar_shards import ShardRecord, Verify, verify_shards
 from soma_pl.distributed import RankSplit, rank_share
 from soma_pl.errors import ConfigError, DataError
+from soma_pl.models.checkpoints import check_same_data
 
 
 class ByteDataModule(L.LightningDataModule):
@@ -149,13 +150,12 @@ class ByteDataModule(L.LightningDataModule):
         Raises:
             DataError: a fingerprint recorded in the checkpoint differs from the data in use.
         """
-        for key, recorded in state.get("fingerprints", {}).items():
-            current = self.fingerprints.get(key)
-            if recorded and current and recorded != current:
-                kind, folder = ("prepared dataset", self.root) if key == "dataset" else ("sharding", self.experts_dir)
-                raise DataError(f"the checkpoint was trained on another {kind} (fingerprint {recorded[:12]}) than "
-                                f"{folder} (fingerprint {current[:12]}): another corpus or preparation; point the "
-                                "command at the data it was trained on")
+        check_same_data("the checkpoint was trained on", state.get("fingerprints", {}), self.data_in_use())
+
+    def data_in_use(self) -> dict[str, tuple[str | None, str]]:
+        """What `setup` read, as `check_same_data` compares it: kind → (fingerprint, folder)."""
+        folders = {"dataset": str(self.root), "experts": str(self.experts_dir)}
+        return {kind: (fingerprint, folders[kind]) for kind, fingerprint in self.fingerprints.items()}
 
     @property
     def num_experts(self) -> int:

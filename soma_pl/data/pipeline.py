@@ -1,4 +1,4 @@
-"""datatrove plumbing shared by `prepare` and `shard`: executors, corpus readers, staging folders.
+"""datatrove plumbing shared by `prepare` and `shard`: executors, corpus readers, task processes.
 
 `prepare` and `shard` are datatrove pipelines. Each stage is a list of `PipelineStep`s run by an
 executor chosen in the config (`ExecutorConfig.kind`): `local` (`LocalPipelineExecutor`: tasks x
@@ -7,16 +7,14 @@ stage, chained by dependencies) or `ray` (`RayPipelineExecutor`). A task reads i
 corpus files (datatrove deals them out: file i goes to task i mod tasks) and writes only files named
 by its rank; datatrove writes a completion marker per finished task, so a killed run started again
 skips the finished tasks and redoes the others. All of it happens in a staging folder beside the
-output, named after the build's fingerprint; the output appears only when the last stage renames
-the finished folder into place.
+output (`soma_pl.data.staging`); the output appears only when the last stage renames the finished
+folder into place.
 """
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
-import shutil
 import sys
 import threading
 from collections.abc import Iterator
@@ -33,10 +31,8 @@ from datatrove.pipeline.readers.base import BaseDiskReader
 
 from soma_pl.data.documents import Document
 from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_changed, corpus_files, iter_file
-from soma_pl.errors import ConfigError, DataError, SomaError
-from soma_pl.io import write_error, write_json_atomic
-
-STAGING_MARKER = ".soma_pl-staging.json"
+from soma_pl.errors import ConfigError
+from soma_pl.io import die_with_parent
 
 
 class ExecutorKind(str, Enum):
@@ -80,6 +76,10 @@ class ExecutorConfig:
         if ExecutorKind(self.kind) is ExecutorKind.slurm and not {"partition", "time"} <= set(self.options):
             raise ConfigError(f"{section}.executor.kind=slurm needs executor.options.partition and "
                               f"executor.options.time")
+        method, methods = self.options.get("start_method"), multiprocessing.get_all_start_methods()
+        if ExecutorKind(self.kind) is ExecutorKind.local and method is not None and method not in methods:
+            raise ConfigError(f"{section}.executor.options.start_method={method} is not a start method of this "
+                              f"machine: choose one of {', '.join(methods)} (or leave it unset)")
 
 
 def make_executor(config: ExecutorConfig, pipeline: list[PipelineStep], tasks: int, logging_dir: Path,
@@ -145,42 +145,6 @@ def chain(config: ExecutorConfig, pipelines: list[tuple[str, list[PipelineStep],
     return executors
 
 
-def run_chain(stages: list[tuple[str, object]], config: ExecutorConfig, stage: Path, output: Path, purpose: str,
-              setting: str, finished) -> bool:
-    """Run a chain of stages; True when the output is finished here (a Slurm or Ray run may still
-    be going: False, run the command again once it is done).
-
-    Raises:
-        SomaError: one line when the disk refused a write (nothing is kept), or a task failed (its
-            finished siblings stay in the staging folder, so running the command again resumes).
-    """
-    try:
-        run_stages(stages[-1][1])
-    except (OSError, SomaError) as error:
-        refused = refused_write(error, [stage, output], f"{setting}={output}", setting)
-        if refused is None:
-            raise  # the finished tasks stay in the staging folder: running the command again resumes
-        remove_staging(output, purpose)  # the disk refused a write: keep nothing, as the line says
-        raise refused from error
-    if ExecutorKind(config.kind) is not ExecutorKind.local and not finished():
-        return False
-    for name, executor in stages:
-        check_stage(stage / "logs" / name, executor.world_size, f"{purpose} {name}")
-    return True
-
-
-def refused_write(error: BaseException, targets: list[Path], what: str, setting: str) -> SomaError | None:
-    """The one line for `error` when it is the disk refusing a write under `targets` (raised by a
-    stage as an OSError, or already translated by `atomic_folder`), else None."""
-    cause = error if isinstance(error, OSError) else error.__cause__
-    if not isinstance(cause, OSError):
-        return None
-    translated = write_error(cause, targets, what, f"choose another {setting}")
-    if translated is None or isinstance(error, OSError):
-        return translated
-    return error
-
-
 def run_stages(last) -> None:
     """Run a chain of stage executors: `last` launches the ones it depends on first. The processes
     they fork (datatrove's manager and pool workers) die with this one (`_die_with_parent`)."""
@@ -209,14 +173,9 @@ def _die_with_parent() -> None:
     """In a child forked while stages run: SIGKILL when the parent dies (Linux `PR_SET_PDEATHSIG`).
     datatrove's manager process serves forever and its pool workers wait on a pipe the parent
     never closes, so without this a SIGKILL to the main process alone left them running."""
-    if not _CHILDREN_DIE_WITH_PARENT or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != _FORKED_BY:  # the parent died before the request was made
-        os._exit(1)
+    request = die_with_parent(_FORKED_BY) if _CHILDREN_DIE_WITH_PARENT else None
+    if request is not None:
+        request()
 
 
 os.register_at_fork(before=_note_parent, after_in_child=_die_with_parent)
@@ -264,11 +223,6 @@ def _close_task_logger(logfile) -> None:
 # so local, forked, spawned and Slurm tasks all log the same way.
 datatrove_executor_base.add_task_logger = _task_logger
 datatrove_executor_base.close_task_logger = _close_task_logger
-
-
-def incomplete_tasks(logging_dir: Path, tasks: int) -> list[int]:
-    """The tasks of a stage without datatrove's completion marker."""
-    return [rank for rank in range(tasks) if not (logging_dir / "completions" / f"{rank:05d}").is_file()]
 
 
 def to_pipeline(document: Document) -> PipelineDocument:
@@ -355,38 +309,3 @@ def write_paths_file(corpus: CorpusConfig, path: Path) -> None:
 def read_documents(data: DocumentsPipeline) -> Iterator[Document]:
     for document in data or ():
         yield from_pipeline(document)
-
-
-def staging_folder(output: Path, purpose: str, fingerprint: str) -> Path:
-    """The staging folder of a build: beside `output`, named after its fingerprint, so a rerun of
-    the same build finds its finished tasks and a changed build starts afresh."""
-    folder = output.parent / f".{output.name}.{purpose}-{fingerprint[:16]}"
-    folder.mkdir(parents=True, exist_ok=True)
-    marker = folder / STAGING_MARKER
-    if not marker.is_file():
-        write_json_atomic(marker, {"tool": "soma_pl", "kind": f"{purpose} staging", "output": str(output),
-                                   "fingerprint": fingerprint})
-    return folder
-
-
-def remove_staging(output: Path, purpose: str) -> None:
-    """Remove every staging folder of `purpose` beside `output` that soma_pl wrote."""
-    for folder in output.parent.glob(f".{output.name}.{purpose}-*"):
-        if _is_staging(folder):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _is_staging(folder: Path) -> bool:
-    try:
-        marker = json.loads((folder / STAGING_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and marker.get("tool") == "soma_pl"
-
-
-def check_stage(logging_dir: Path, tasks: int, stage: str) -> None:
-    """Raise when a finished local stage left tasks without completion markers."""
-    missing = incomplete_tasks(logging_dir, tasks)
-    if missing:
-        raise DataError(f"{stage}: tasks {missing[:5]} did not finish (see {logging_dir / 'logs'}): run the command "
-                        "again to resume")

@@ -18,9 +18,11 @@ any order or partition of the corpus; only the grouping of documents into shard 
 the task count. The overlap screen is exact (any shared 50-byte substring excludes a test
 candidate) and runs in every task over that task's documents.
 
-Everything is built in a staging folder beside the output, named after the build's fingerprint;
-datatrove's completion markers there let a killed run resume where it stopped. The finished folder
-is renamed into place with its manifest, so nothing half-written ever reads as a prepared dataset.
+Everything is built in a staging folder beside the output, named after the build's fingerprint and
+task count; datatrove's completion markers there let a killed run resume where it stopped (at
+another task count a run starts afresh: each task's share of the corpus differs). The finished
+folder is renamed into place with its manifest, so nothing half-written ever reads as a prepared
+dataset.
 The manifest records a hash of the config and of the corpus's identity: an identical re-run is a
 no-op, a changed one rebuilds. The last stage checks that the corpus files are still those (paths,
 sizes, mtimes) seen at the start. Only a folder soma_pl wrote as a prepared dataset is replaced
@@ -38,16 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.pipeline import (
-    ExecutorConfig,
-    chain,
-    corpus_reader,
-    remove_staging,
-    run_chain,
-    staging_folder,
-    write_paths_file,
-)
+from soma_pl.data.pipeline import ExecutorConfig, chain, corpus_reader, write_paths_file
 from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_fingerprint
+from soma_pl.data.staging import remove_staging, run_build
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import check_output
 
@@ -140,13 +135,15 @@ def prepare(config: PrepareConfig, progress: bool = True) -> Path:
     if existing_fingerprint(output) == fingerprint:
         remove_staging(output, "prepare")
         return output
-    check_output(output, KIND, "dataset.output_dir", corpus_inputs(config.corpus), MANIFEST)
+    check_output(output, KIND, "dataset.output_dir", corpus_inputs(config.corpus))
     if (output / MANIFEST).is_file():
         warnings.warn(f"{output}: prepared with another config or corpus; rebuilding", stacklevel=2)
-    stage = staging_folder(output, "prepare", fingerprint)
-    write_paths_file(config.corpus, stage / "files.txt")
-    stages = _stages(config, stage, fingerprint, corpus, started, progress)
-    if not run_chain(stages, config.executor, stage, output, "prepare", "dataset.output_dir",
+
+    def make_stages(stage: Path) -> list[tuple[str, object]]:
+        write_paths_file(config.corpus, stage / "files.txt")
+        return _stages(config, stage, fingerprint, corpus, started, progress)
+
+    if not run_build(config.executor, output, "prepare", "dataset.output_dir", fingerprint, make_stages,
                      lambda: existing_fingerprint(output) == fingerprint):
         return output
     from soma_pl.data.prepare_steps import warn_about
@@ -174,10 +171,11 @@ def _stages(config: PrepareConfig, stage: Path, fingerprint: str, corpus: dict, 
 
 
 def existing_fingerprint(output: Path) -> str | None:
-    """The fingerprint of the prepared folder at `output`, or None."""
+    """The fingerprint of the prepared folder at `output`, or None (none there, or its manifest is
+    unusable: a rebuild replaces it)."""
     try:
-        return json.loads((output / MANIFEST).read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
+        return read_manifest(output).get("fingerprint")
+    except DataError:
         return None
 
 
@@ -190,15 +188,44 @@ def read_manifest(folder: Path) -> dict:
     """The manifest of a prepared folder.
 
     Raises:
-        DataError: the folder or its manifest is missing or unreadable.
+        DataError: the folder or its manifest is missing, unreadable, or lacks an entry that readers
+            of a prepared dataset use.
     """
     path = Path(folder) / MANIFEST
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except FileNotFoundError as error:
         raise DataError(f"not a prepared dataset (no {MANIFEST}): {folder}") from error
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, ValueError) as error:
         raise DataError(f"unreadable manifest {path}: {error}") from error
+    problem = manifest_problem(manifest)
+    if problem:
+        raise DataError(f"unreadable manifest {path}: {problem}; run prepare again")
+    return manifest
+
+
+SHARD_FIELDS = {"path", "sha256", "bytes", "documents"}
+"""What a shard record of the manifest holds (`ShardRecord`)."""
+
+
+def manifest_problem(manifest) -> str | None:
+    """What makes `manifest` unusable as a prepared dataset's, or None. `expert_val` may be
+    missing (an older format, refused with its own line where it is needed)."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    for key in ("train", "expert_val", "ensemble_val", "test"):
+        entry = manifest.get(key)
+        if entry is None and key == "expert_val":
+            continue
+        if not isinstance(entry, dict):
+            return f"no `{key}` entry"
+        if key in ("train", "expert_val"):
+            shards = entry.get("shards")
+            if not (isinstance(shards, list) and all(isinstance(r, dict) and set(r) == SHARD_FIELDS for r in shards)):
+                return f"no list of shard records under `{key}`"
+        elif not isinstance(entry.get("file"), str):
+            return f"no file named under `{key}`"
+    return None
 
 
 def corpus_inputs(corpus: CorpusConfig) -> list[str]:
@@ -241,6 +268,8 @@ def open_prepared(folder: str | Path, setting: str) -> dict:
     try:
         manifest = read_manifest(Path(folder).expanduser())
     except DataError as error:
+        if not isinstance(error.__cause__, FileNotFoundError):
+            raise DataError(f"{setting}={folder}: {error}") from error
         raise DataError(f"{setting}={folder}: {error}; build it first (python -m soma_pl.cli prepare "
                         "--config configs/data/<name>.yaml)") from error
     if manifest.get("format") != FORMAT_VERSION or "fingerprint" not in manifest:

@@ -221,7 +221,7 @@ class FinishPrepare(_Stage):
         if existing_fingerprint(output) == self.fingerprint:
             return  # finished before a kill stopped the task from marking itself complete
         self._check_corpus()
-        with atomic_folder(output, KIND, "dataset.output_dir", corpus_inputs(self.config.corpus), MANIFEST) as work:
+        with atomic_folder(output, KIND, "dataset.output_dir", corpus_inputs(self.config.corpus)) as work:
             manifest = self._merge(work)
             manifest["fingerprint"] = self.fingerprint
             write_json_atomic(work / MANIFEST, manifest)

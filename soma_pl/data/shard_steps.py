@@ -347,7 +347,7 @@ class FinishShard(_Stage):
         records = [{split: [r for p in parts for r in p["records"][e][split]] for split in ("train", "val")}
                    for e in range(experts)]
         documents = int(counts.sum())
-        with atomic_folder(output, KIND, "shard.output_dir", config.inputs(), EXPERTS_MANIFEST) as work:
+        with atomic_folder(output, KIND, "shard.output_dir", config.inputs()) as work:
             for expert in records:
                 for record in expert["train"] + expert["val"]:
                     (work / record["path"]).parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ import json
 import os
 import time
 import warnings
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -37,8 +38,9 @@ import numpy as np
 import torch
 
 from soma_pl.data.expert_sets import EXPERTS_MANIFEST, read_experts_manifest
-from soma_pl.data.pipeline import ExecutorConfig, ExecutorKind, chain, remove_staging, run_chain, staging_folder
+from soma_pl.data.pipeline import ExecutorConfig, ExecutorKind, chain
 from soma_pl.data.prepare import MANIFEST, open_prepared, prepare_recipe, read_manifest
+from soma_pl.data.staging import remove_staging, run_build
 from soma_pl.data.tar_shards import ShardRecord, Verify, sha256_file, verify_shards
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import check_output
@@ -125,6 +127,7 @@ class ShardConfig:
              f"shard.min_expert_fraction={self.min_expert_fraction} must be in [0, 1]"),
             (min(self.kmeans_batch_size, self.kmeans_n_init, self.embed_batch_size) >= 1,
              "shard.kmeans_batch_size, kmeans_n_init and embed_batch_size must be >= 1"),
+            (self.shard_max_bytes >= 1, f"shard.shard_max_bytes={self.shard_max_bytes} must be >= 1"),
             (self.kmeans_sample >= 2 * self.num_experts,
              f"shard.kmeans_sample={self.kmeans_sample} must be >= 2 x num_experts"),
             (EncoderKind(self.embedder) is not EncoderKind.seed or bool(self.seed_checkpoint),
@@ -143,8 +146,8 @@ class ShardConfig:
         seed = [self.seed_checkpoint] if EncoderKind(self.embedder) is EncoderKind.seed else []
         corpus = []
         if (Path(self.prepared).expanduser() / MANIFEST).is_file():
-            corpus = (read_manifest(Path(self.prepared).expanduser())
-                      .get("config", {}).get("corpus", {}).get("paths", []))
+            with suppress(DataError, KeyError, TypeError):  # unreadable: refused where the dataset is opened
+                corpus = list(read_manifest(Path(self.prepared).expanduser())["config"]["corpus"]["paths"])
         return [self.prepared, *corpus, *seed]
 
     def fingerprint(self, manifest: dict) -> str:
@@ -175,7 +178,7 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     config.validate()
     started = time.time()
     output = Path(config.output_dir).expanduser()
-    check_output(output, KIND, "shard.output_dir", config.inputs(), EXPERTS_MANIFEST)  # before hours of work
+    check_output(output, KIND, "shard.output_dir", config.inputs())  # before hours of work
     root = Path(config.prepared).expanduser()
     if config.recipe is not None:
         prepare_recipe(config.recipe, root, progress=progress)
@@ -187,9 +190,8 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
             return output
         warnings.warn(f"{output}: sharded with another config or dataset; rebuilding", stacklevel=2)
     paths = verify_shards(root, [ShardRecord(**r) for r in manifest["train"]["shards"]], Verify.sha256)
-    stage = staging_folder(output, "shard", fingerprint)
-    stages = _stages(config, paths, stage, fingerprint, manifest, started, progress)
-    if not run_chain(stages, config.executor, stage, output, "shard", "shard.output_dir",
+    if not run_build(config.executor, output, "shard", "shard.output_dir", fingerprint,
+                     lambda stage: _stages(config, paths, stage, fingerprint, manifest, started, progress),
                      lambda: _read_fingerprint(output) == fingerprint):
         return output
     remove_staging(output, "shard")

@@ -33,6 +33,7 @@ from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.contracts import HoldsEvalSets, UpdateRecord
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.eval.checks import check_finite
 from soma_pl.eval.ensemble import EnsembleScores, score_windows
 from soma_pl.eval.metrics import NatsPerByte, PerExpertNats
 from soma_pl.io import write_json_atomic
@@ -321,6 +322,9 @@ class ByteLMModule(L.LightningModule):
         metric = self._metrics[stage]
         value = metric.compute()
         metric.reset()
+        if self.trainer.state.fn != TrainerFn.FITTING:  # `fit` stops on its own check, naming the step
+            path = self.trainer.ckpt_path
+            check_finite(f"{stage}/loss", value, f"checkpoint {path}" if path else "the configured model")
         self.log(f"{stage}/loss", value, prog_bar=stage == "val")
         records = self._records.pop(stage, [])
         if records and self.trainer.state.fn != TrainerFn.FITTING:

@@ -20,6 +20,7 @@ from soma_pl import ROUTE_BYTES
 from soma_pl.contracts import ReadsExpertShards
 from soma_pl.data.expert_sets import read_experts_manifest
 from soma_pl.errors import ConfigError
+from soma_pl.models.checkpoints import check_same_data
 from soma_pl.models.router import Router
 
 
@@ -58,7 +59,8 @@ class RoutedEnsemble:
             origin: where the router came from, for the message.
 
         Raises:
-            ConfigError: another number of centroids than experts, or another sharding.
+            ConfigError: another number of centroids than experts.
+            DataError: another sharding (`check_same_data`).
         """
         router = self.router
         if router is None:
@@ -72,10 +74,7 @@ class RoutedEnsemble:
             expected.append((read_experts_manifest(Path(experts_dir).expanduser()).get("fingerprint"),
                              f"data.init_args.experts_dir={experts_dir}"))
         for sharding, where in expected:
-            if router.sharding and sharding and router.sharding != sharding:
-                raise ConfigError(f"{origin} comes from another sharding ({router.sharding[:12]}) than {where} "
-                                  f"({sharding[:12]}), so it would route windows to the wrong experts: use the "
-                                  "router.pt and experts of one sharding")
+            check_same_data(f"{origin} comes from", {"experts": router.sharding}, {"experts": (sharding, where)})
 
     def _experts_dir(self) -> str | None:
         """The sharded dataset the trainer's data module reads (None: none, or no trainer yet)."""

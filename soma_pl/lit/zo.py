@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
-from soma_pl.contracts import BatchesWindows, UpdateClock
+from soma_pl.contracts import BatchesWindows, RecordsData, UpdateClock
 from soma_pl.errors import ConfigError
 from soma_pl.lit.args import ModelShape
 from soma_pl.lit.base import ByteLMModule
@@ -122,7 +122,7 @@ class ZOModule(ByteLMModule):
             self.check_batch_size(data.batch_size)  # before the first step, not at it
         # A fresh fit starts from the seed; a resumed one gets its weights from the checkpoint.
         if stage == "fit" and self.init_checkpoint and self.trainer.ckpt_path is None:
-            self._warm_start(self.init_checkpoint)
+            self._warm_start(self.init_checkpoint, data.data_in_use() if isinstance(data, RecordsData) else None)
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse to fit on several processes: each would train its own replica and they would diverge."""
@@ -131,9 +131,11 @@ class ZOModule(ByteLMModule):
                           f"multi-process SPSA (or trainer.devices=1, num_nodes=1)")
 
     @torch.no_grad()
-    def _warm_start(self, path: str) -> None:
-        """Copy the seed model into every expert (and into the shared head, unless it is random)."""
-        state, _ = monolithic_state(path)
+    def _warm_start(self, path: str, data: dict[str, tuple[str | None, str]] | None = None) -> None:
+        """Copy the seed model into every expert (and into the shared head, unless it is random).
+        A seed trained on other data than `data` (the data module's `data_in_use`) is refused, as
+        `--ckpt_path` refuses such a checkpoint."""
+        state, _ = monolithic_state(path, data)
         for name, param in self.model.named_parameters():
             if name == "head" and self.keep_head:
                 continue

@@ -4,12 +4,16 @@ and routers).
 Every checkpoint is read with `torch.load(weights_only=True)`: tensors, plain values and the `str`
 enums of soma_pl modules (which a module built in Python keeps in its hyperparameters) load; any
 other class or function a file names is refused before anything in it runs.
+
+Weights remember the data they came from: a checkpoint records the fingerprints of its prepared
+dataset and sharding (its data module's state), a router the sharding that fitted it.
+:func:`check_same_data` is the one check every command makes before it uses weights with data.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import BinaryIO
@@ -88,20 +92,27 @@ def load_checkpoint(path: str | Path, what: str = "checkpoint", map_location="cp
     return checkpoint
 
 
-def monolithic_state(path: str | Path) -> tuple[dict[str, Tensor], dict]:
+def monolithic_state(path: str | Path, data: Mapping[str, tuple[str | None, str]] | None = None,
+                     ) -> tuple[dict[str, Tensor], dict]:
     """The `StackedExperts` weights (`model.` prefix removed) of a monolithic (E = 1) checkpoint.
+
+    Args:
+        path: the checkpoint.
+        data: the data the weights will be trained on, as for :func:`check_same_data`; None: not checked.
 
     Returns:
         `(state, config)`: the weights, and `width`, `num_layers`, `embed_dim`, `head`
         ("per_expert" or "shared") read off their shapes.
 
     Raises:
-        DataError: the file is missing or unreadable, or its weights hold NaN or infinite values.
+        DataError: the file is missing or unreadable, its weights hold NaN or infinite values, or
+            it was trained on another prepared dataset than `data`.
         ConfigError: it holds no monolithic stacked-expert model, or its hyperparameters disagree
             with its weights.
     """
     path = Path(path).expanduser()
     checkpoint = load_checkpoint(path, "seed checkpoint")
+    check_same_data(f"seed checkpoint {path} was trained on", trained_on(checkpoint), data or {})
     state = {k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     hparams = {**hparams, **(hparams.get("shape") or {})}  # a module's shape group, or older flat keys
@@ -127,3 +138,47 @@ def first_nonfinite(state: dict[str, Tensor]) -> str | None:
         if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
             return name
     return None
+
+
+DATA_KINDS = {
+    "dataset": ("prepared dataset", "another corpus or preparation holds out other documents: use the "
+                "prepared dataset the weights were trained on"),
+    "experts": ("sharding", "its windows would go to the wrong experts: use the router.pt, experts and "
+                "checkpoint of one sharding"),
+}
+"""The fingerprints weights record (`manifest.json`'s and `experts.json`'s `fingerprint`): what each
+identifies, and what to do when they differ."""
+
+
+def trained_on(checkpoint: Mapping) -> dict[str, str | None]:
+    """The fingerprints of the data a Lightning checkpoint was trained on (`dataset`, `experts`),
+    from its data module's saved state (Lightning stores it under the class name); empty when the
+    checkpoint records none."""
+    for value in checkpoint.values():
+        if isinstance(value, Mapping) and isinstance(value.get("fingerprints"), Mapping):
+            return dict(value["fingerprints"])
+    return {}
+
+
+def check_same_data(source: str, recorded: Mapping[str, str | None],
+                    data: Mapping[str, tuple[str | None, str]]) -> None:
+    """Refuse weights that came from other data than the data they are used with: a model scored on
+    windows its training held out otherwise reads as better than it is, and a router of another
+    sharding sends windows to the wrong experts, each without any error. A fingerprint missing on
+    either side (older files, a folder without a manifest) is not compared.
+
+    Args:
+        source: the weights and how they came from the data, for the message
+            (`the checkpoint was trained on`, `router r.pt comes from`).
+        recorded: kind (a key of :data:`DATA_KINDS`) → the fingerprint recorded with the weights.
+        data: kind → `(fingerprint, where)` of the data in use; `where` names its folder or setting.
+
+    Raises:
+        DataError: a recorded fingerprint differs from the one in use.
+    """
+    for kind, fingerprint in recorded.items():
+        current, where = data.get(kind, (None, ""))
+        if fingerprint and current and fingerprint != current:
+            name, remedy = DATA_KINDS[kind]
+            raise DataError(f"{source} another {name} (fingerprint {fingerprint[:12]}) than {where} "
+                            f"(fingerprint {current[:12]}): {remedy}")

@@ -27,12 +27,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
+from optuna.exceptions import StorageInternalError
 from optuna.trial import TrialState
+from sqlalchemy.exc import SQLAlchemyError
 
 from soma_pl.errors import ConfigError
 from soma_pl.io import write_json_atomic
 from soma_pl.sweeps.space import Label, load_sweep
-from soma_pl.sweeps.study import RETRYABLE, SWEEP_ATTR, FailureKind, default_storage, open_storage, state_counts
+from soma_pl.sweeps.study import (
+    RETRYABLE,
+    SWEEP_ATTR,
+    FailureKind,
+    database_error,
+    default_storage,
+    open_storage,
+    state_counts,
+)
 
 ALL = "all"
 """The one column of a sweep without `report.columns`."""
@@ -260,6 +270,8 @@ def main(sweep: str | None = None, study: str | None = None, storage: str | None
         loaded = optuna.load_study(study_name=name, storage=open_storage(storage))
     except KeyError:
         raise ConfigError(f"no study '{name}' in {storage}") from None
+    except (SQLAlchemyError, StorageInternalError) as error:
+        raise database_error(storage, "--storage", error) from None
     report, text = _report(loaded, storage)
     print(text)
     if markdown:

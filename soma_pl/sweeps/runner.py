@@ -27,6 +27,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 from tqdm import tqdm
 
+from soma_pl.errors import ConfigError
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, override_args, trial_overrides
 from soma_pl.sweeps.study import (
     FailureKind,
@@ -243,6 +244,9 @@ def main(sweep: str, storage: str | None = None, n_trials: int | None = None, re
         retry_failed: re-run grid points whose trials failed by their own error.
         progress: show a progress bar on stderr.
     """
+    if n_trials is not None and n_trials < 1:
+        raise ConfigError(f"--n_trials={n_trials}: give how many trials this worker may run (1 or more), or leave it "
+                          "unset to run until the study is done")
     spec = load_sweep(sweep)
     url = storage or spec.storage or default_storage(spec)
     setting = "--storage" if storage else f"{sweep}: storage" if spec.storage else "the default storage"

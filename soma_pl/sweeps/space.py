@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from soma_pl.config_files import read_yaml
 from soma_pl.errors import ConfigError
 
 Label = int | float | str | bool
@@ -180,16 +180,28 @@ KNOWN_KEYS = {"study", "config", "output_dir", "seeds", "grid", "ranges", "overr
               "storage", "pruner", "report", "wandb", "heartbeat_seconds", "stale_seconds"}
 
 
+STUDY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+"""A study name: it names files in the output folder (`.<name>.queue.lock`), so it is a name, not a path."""
+
+
+def study_name(value: Any, path: Path) -> str:
+    name = str(value)
+    if not STUDY_NAME.fullmatch(name):
+        raise ConfigError(f"{path}: study {name!r} is not a name: use letters, digits, `_`, `-` and `.` (not first), "
+                          "no `/` or `..`; the study's files go to output_dir")
+    return name
+
+
 def load_sweep(path: str | Path) -> SweepSpec:
     """Read and validate a sweep file; bad input is one `ConfigError` line naming the key."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"sweep file {path} does not exist")
-    raw = _mapping(yaml.safe_load(path.read_text()), str(path))
+    raw = _mapping(read_yaml(path, f"sweep file {path}"), str(path))
     unknown = set(raw) - KNOWN_KEYS
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
-    name = str(raw.get("study") or path.stem)
+    name = study_name(raw.get("study") or path.stem, path)
     factors = tuple(_factor(n, f, f"{path}: grid.{n}") for n, f in _mapping(raw.get("grid"), "grid").items())
     ranges = tuple(_range(n, r, f"{path}: ranges.{n}") for n, r in _mapping(raw.get("ranges"), "ranges").items())
     seeds = raw.get("seeds", [0])

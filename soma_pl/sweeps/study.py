@@ -165,12 +165,17 @@ def connect(spec: SweepSpec, url: str, attempts: int = 3, setting: str = "storag
                 return open_study(spec, storage), storage
         except (SQLAlchemyError, StorageInternalError) as error:
             if attempt == attempts - 1:
-                shown = make_url(url).render_as_string(hide_password=True) if "://" in url else url
-                reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-                raise ConfigError(f"{setting} {shown}: cannot open the database ({reason}): check the URL, "
-                                  "that the server runs and that the user may create tables") from error
+                raise database_error(url, setting, error) from error
             time.sleep(1.0 + attempt)
     raise AssertionError("unreachable")
+
+
+def database_error(url: str, setting: str, error: Exception) -> ConfigError:
+    """One line for a storage that would not open (a file that is no database, a server that is down)."""
+    shown = make_url(url).render_as_string(hide_password=True) if "://" in url else url
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return ConfigError(f"{setting} {shown}: cannot open the database ({reason}): check the URL, that the server "
+                       "runs and that the user may create tables")
 
 
 def trial_id(storage: BaseStorage, study: optuna.Study, number: int) -> int:

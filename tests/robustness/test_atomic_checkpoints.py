@@ -35,6 +35,7 @@ from soma_pl.errors import DataError
 from soma_pl.models.checkpoints import load_checkpoint
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args
+from tests.robustness.cli import tiny_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,12 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> tuple[Path, Path]:
     """`(corpus, prepared data)`, prepared as tests/lit/tiny_spsa.yaml prepares it (so `fit` reuses it)."""
-    folder = tmp_path_factory.mktemp("atomic")
-    corpus, data = folder / "corpus", folder / "data"
-    write_jsonl_corpus(corpus, {"alpha": 40, "beta": 40}, min_words=150, max_words=600)
-    prepare(PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(corpus)]), output_dir=str(data),
-                          val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000), progress=False)
-    return corpus, data
+    return tiny_dataset(tmp_path_factory.mktemp("atomic"))
 
 
 def _temporaries(folder: Path) -> list[str]:

@@ -23,31 +23,11 @@ from soma_pl.lit.args import ModelShape
 from soma_pl.lit.soma import SOMAModule
 from soma_pl.models.router import HashedNgramEncoder, Router
 from tests.data.corpora import write_jsonl_corpus
+from tests.robustness.cli import cli, one_error
 
 TINY_SOMA = Path(__file__).parents[1] / "lit" / "tiny_soma.yaml"
 SMALL = {"val_documents": 2, "val_windows": 4, "test_windows": 4, "shard_max_bytes": 40000}
 """The prepare settings of tests/lit/tiny_soma.yaml, so its runs reuse the datasets made here."""
-
-
-def cli(capsys, *args: str) -> tuple[int, list[str]]:
-    """Run the CLI in-process: its exit code and its `soma_pl: error:` lines."""
-    capsys.readouterr()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return code, [line for line in err.splitlines() if line.startswith("soma_pl: error:")]
-
-
-def one_error(result: tuple[int, list[str]], *fragments: str) -> str:
-    code, errors = result
-    assert code == 2 and len(errors) == 1, result
-    for fragment in fragments:
-        assert fragment in errors[0], (fragment, errors[0])
-    return errors[0]
 
 
 def prepare_args(corpus: Path, output: Path, *extra: str) -> list[str]:
@@ -126,7 +106,8 @@ def test_a_folder_soma_pl_wrote_is_replaced_unless_it_holds_foreign_files(capsys
     assert json.loads((output / ".soma_pl-output.json").read_text())["kind"] == "prepared dataset"
 
 
-def test_check_output_accepts_empty_and_pre_marker_folders_only(tmp_path):
+def test_check_output_accepts_empty_folders_only_without_the_marker(tmp_path):
+    """Only the marker proves ownership: a manifest, even one with a fingerprint, does not."""
     from soma_pl.io import check_output
 
     empty, legacy, other = tmp_path / "empty", tmp_path / "legacy", tmp_path / "other"
@@ -134,10 +115,10 @@ def test_check_output_accepts_empty_and_pre_marker_folders_only(tmp_path):
         folder.mkdir()
     (legacy / "manifest.json").write_text(json.dumps({"fingerprint": "abc", "format": 3}))
     (other / "manifest.json").write_text(json.dumps({"name": "a web app"}))
-    check_output(empty, "prepared dataset", "dataset.output_dir", manifest="manifest.json")
-    check_output(legacy, "prepared dataset", "dataset.output_dir", manifest="manifest.json")
-    with pytest.raises(ConfigError, match="soma_pl did not write it"):
-        check_output(other, "prepared dataset", "dataset.output_dir", manifest="manifest.json")
+    check_output(empty, "prepared dataset", "dataset.output_dir")
+    for folder in (legacy, other):
+        with pytest.raises(ConfigError, match="soma_pl did not write it"):
+            check_output(folder, "prepared dataset", "dataset.output_dir")
 
 
 def test_leftovers_of_dead_processes_are_removed_and_live_ones_kept(capsys, corpus, tmp_path):
@@ -229,8 +210,9 @@ def test_evaluate_refuses_a_router_of_another_sharding_than_the_checkpoints(caps
         Router(encoder, centroids, sharding=sharding).save(tmp_path / "router.pt")
         code, errors = cli(capsys, *base, f"--router={tmp_path / 'router.pt'}")
         assert code == expected
-    one_error((code, errors), "the router given comes from another sharding (bbbbbbbbbbbb)",
-              "than the one this checkpoint's experts were trained on (aaaaaaaaaaaa)")
+    one_error((code, errors), f"--router {tmp_path / 'router.pt'} comes from another sharding",
+              "(fingerprint bbbbbbbbbbbb) than the one this checkpoint's experts were trained on",
+              "(fingerprint aaaaaaaaaaaa)")
 
 
 # --- one clear line for every bad input ----------------------------------------------------------------
