@@ -249,6 +249,14 @@ def atomic_folder(output: Path, kind: str, setting: str, inputs: Iterable[str | 
         shutil.rmtree(work, ignore_errors=True)
 
 
+def tag_marker(folder: Path, **fields: str) -> None:
+    """Add `fields` to the marker of a folder soma_pl built (what built it, say): the marker is
+    soma_pl's own file, so its file list is unchanged."""
+    marker = read_marker(folder)
+    if marker is not None:
+        write_json_atomic(Path(folder) / OUTPUT_MARKER, {**marker, **fields})
+
+
 def _write_marker(folder: Path, kind: str, files: list[str] | None) -> None:
     write_json_atomic(folder / OUTPUT_MARKER, {
         "tool": "soma_pl", "kind": kind, "files": files, "host": socket.gethostname(), "pid": os.getpid(),

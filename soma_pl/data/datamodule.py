@@ -107,7 +107,7 @@ class ByteDataModule(L.LightningDataModule):
         if self.prepared is None:
             prepare(self.dataset)
         elif self.recipe is not None:
-            prepare_recipe(self.recipe, self.prepared)
+            prepare_recipe(self.recipe, self.prepared, "data.init_args.prepared")
 
     def setup(self, stage: str | None = None) -> None:
         if self.prepared is None:

@@ -44,7 +44,7 @@ from soma_pl.data.pipeline import ExecutorConfig, chain, corpus_reader, write_pa
 from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_fingerprint
 from soma_pl.data.staging import remove_staging, run_build
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.io import check_output
+from soma_pl.io import check_output, read_marker, tag_marker
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 4
@@ -121,20 +121,28 @@ class PrepareConfig:
         self.executor.validate("dataset")
 
 
-def prepare(config: PrepareConfig, progress: bool = True) -> Path:
+def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str] | None = None) -> Path:
     """Build `config.output_dir` unless an identical build is already there; return its path.
 
     With a Slurm or Ray executor the stages may still be running when this returns (the output
     then has no manifest yet): run it again once they are done.
+
+    Args:
+        recipe: `(recipe file, setting naming the folder)` when a data config builds the folder on
+            first use (:func:`prepare_recipe`): another dataset there is then refused unless that
+            recipe built it, and the folder's marker records the recipe.
     """
     config.validate()
     started = time.time()
     output = Path(config.output_dir).expanduser()
     corpus = corpus_fingerprint(config.corpus)
     fingerprint = config.fingerprint(corpus)
-    if existing_fingerprint(output) == fingerprint:
+    existing = existing_fingerprint(output)
+    if existing == fingerprint:
         remove_staging(output, "prepare")
         return output
+    if recipe is not None and existing is not None:
+        _check_recipe_built(output, existing, fingerprint, *recipe)
     check_output(output, KIND, "dataset.output_dir", corpus_inputs(config.corpus))
     if (output / MANIFEST).is_file():
         warnings.warn(f"{output}: prepared with another config or corpus; rebuilding", stacklevel=2)
@@ -150,7 +158,23 @@ def prepare(config: PrepareConfig, progress: bool = True) -> Path:
 
     warn_about(read_manifest(output))
     remove_staging(output, "prepare")
+    if recipe is not None:
+        tag_marker(output, recipe=_recipe_id(recipe[0]))
     return output
+
+
+def _recipe_id(recipe: str | Path) -> str:
+    return str(Path(recipe).expanduser().resolve())
+
+
+def _check_recipe_built(output: Path, existing: str, fingerprint: str, recipe: str, setting: str) -> None:
+    """Refuse to rebuild, from `recipe`, a prepared dataset that this recipe did not build (one made
+    by `prepare`, or by another recipe): it holds a user's data, which a recipe must never replace."""
+    marker = read_marker(output) or {}
+    if marker.get("recipe") != _recipe_id(recipe):
+        raise ConfigError(f"{setting}={output} holds a prepared dataset (fingerprint {existing[:12]}) that the recipe "
+                          f"{recipe} did not build (it builds {fingerprint[:12]}): to use that dataset as it is, set "
+                          f"the recipe to null; to build the recipe's, choose another {setting}")
 
 
 def _stages(config: PrepareConfig, stage: Path, fingerprint: str, corpus: dict, started: float,
@@ -254,12 +278,13 @@ def load_prepare_config(recipe: str | Path) -> PrepareConfig:
         raise ConfigError(f"{path}: {str(error).strip().splitlines()[0]}") from error
 
 
-def prepare_recipe(recipe: str | Path, folder: str | Path, progress: bool = True) -> Path:
-    """Build `folder` with the `dataset:` section of the data config `recipe` (a no-op when the
-    folder already holds that build)."""
+def prepare_recipe(recipe: str | Path, folder: str | Path, setting: str, progress: bool = True) -> Path:
+    """Build `folder` (named by the option `setting`) with the `dataset:` section of the data config
+    `recipe`: a no-op when the folder already holds that build, a rebuild when this recipe built
+    what it holds, and a one-line refusal when anything else built it."""
     config = load_prepare_config(recipe)
     config.output_dir = str(folder)
-    return prepare(config, progress=progress)
+    return prepare(config, progress=progress, recipe=(str(recipe), setting))
 
 
 def open_prepared(folder: str | Path, setting: str) -> dict:

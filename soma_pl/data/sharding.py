@@ -181,7 +181,7 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     check_output(output, KIND, "shard.output_dir", config.inputs())  # before hours of work
     root = Path(config.prepared).expanduser()
     if config.recipe is not None:
-        prepare_recipe(config.recipe, root, progress=progress)
+        prepare_recipe(config.recipe, root, "shard.prepared", progress=progress)
     manifest = open_prepared(root, "shard.prepared")
     fingerprint = config.fingerprint(manifest)
     if (output / EXPERTS_MANIFEST).is_file():
