@@ -141,9 +141,7 @@ def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | P
             raise ConfigError(f"{setting}={output} {relation} the input {item} ({harm}): choose an output folder "
                               "apart from the inputs")
     if not (output.exists() or output.is_symlink()):
-        blocker = next((parent for parent in output.absolute().parents if parent.exists()), None)
-        if blocker is not None and not blocker.is_dir():
-            raise ConfigError(f"{setting}={output}: {blocker} is a file, not a folder: choose another path")
+        existing_folder(output, setting)
         return
     if not output.is_dir():
         raise ConfigError(f"{setting}={output} is a file, not a folder soma_pl wrote: choose another path")
@@ -317,6 +315,20 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def existing_parent(path: str | Path) -> Path:
+    """The nearest parent of `path` that exists (the root always does)."""
+    return next(parent for parent in Path(path).absolute().parents if parent.exists())
+
+
+def existing_folder(path: Path, setting: str) -> Path:
+    """The nearest existing parent of `path`, where it would be created; refused when that is a
+    regular file (nothing could be created under it)."""
+    folder = existing_parent(path)
+    if not folder.is_dir():
+        raise ConfigError(f"{setting}={path}: {folder} is a file, not a folder: choose another path")
+    return folder
+
+
 def check_output_file(path: str | Path, setting: str = "--out") -> None:
     """Refuse, before any work, a file a command could not write when it ends: a folder, a path
     under a regular file, or one on a read-only disk or in a folder you may not write.
@@ -327,9 +339,7 @@ def check_output_file(path: str | Path, setting: str = "--out") -> None:
     path = Path(path).expanduser()
     if path.is_dir():
         raise ConfigError(f"{setting}={path} is a folder: give a file name (such as {path / 'result.json'})")
-    folder = next(parent for parent in path.absolute().parents if parent.exists())  # the root always exists
-    if not folder.is_dir():
-        raise ConfigError(f"{setting}={path}: {folder} is a file, not a folder: choose another path")
+    folder = existing_folder(path, setting)
     refused = (errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY
                else errno.EACCES if not os.access(folder, os.W_OK | os.X_OK) else None)
     if refused is not None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from soma_pl.errors import ConfigError
+from soma_pl.io import existing_parent
 
 LAST = "last.ckpt"
 
@@ -49,12 +50,10 @@ def _is_int(value) -> bool:
 def check_folder(path: str | Path, setting: str) -> None:
     """Refuse a run folder that is a file, or lies under one (it could never be created)."""
     path = Path(path).expanduser()
-    for folder in (path, *path.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                where = "is a file" if folder == path else f"lies under the file {folder}"
-                raise ConfigError(f"--{setting}={path} {where}, not a folder: choose a folder for the run's outputs")
-            return
+    folder = path if path.exists() else existing_parent(path)
+    if not folder.is_dir():
+        where = "is a file" if folder == path else f"lies under the file {folder}"
+        raise ConfigError(f"--{setting}={path} {where}, not a folder: choose a folder for the run's outputs")
 
 
 def checkpoints(folder: Path) -> list[Path]:
