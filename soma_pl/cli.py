@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 import sys
 import typing
 import warnings
@@ -44,6 +45,8 @@ class Command:
     flatten: str | None = None
     """A dataclass parameter whose fields are top-level options (`analyze variance --context 4`
     rather than `--settings.context 4`)."""
+    positional: str | None = None
+    """A list parameter given as the words after the command (`runs A B`) rather than as an option."""
 
     def load(self) -> Callable:
         return getattr(importlib.import_module(self.module), self.function)
@@ -81,10 +84,16 @@ COMMANDS: dict[str, Command] = {
                                          "soma_pl.analysis.error_correlation"),
     "evaluate": Command("Frozen next-byte loss (nats/byte) of a checkpoint on a text file or folder.",
                         "soma_pl.evaluate"),
+    "generate": Command("Continue a prompt byte by byte from a checkpoint or an exported folder; prints the "
+                        "continuation.", "soma_pl.generate", flatten="sampling"),
+    "export": Command("Write a checkpoint's weights and settings as model.safetensors and config.json (no Lightning "
+                      "to load).", "soma_pl.export"),
     "sweep": Command("Run (or join) a sweep's Optuna study, one trial at a time.", "soma_pl.sweeps.runner"),
     "sweep report": Command("Table 6 / Table 7 style tables of a sweep's study (nats/byte).", "soma_pl.sweeps.report"),
     "demo": Command("The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.",
                     "soma_pl.demo"),
+    "runs": Command("Several runs side by side: their summaries as one table, their validation curves as one figure.",
+                    "soma_pl.analysis.runs", positional="runs"),
 }
 
 
@@ -110,6 +119,29 @@ def _split(argv: list[str]) -> tuple[str | None, list[str]]:
     return None, argv
 
 
+CLASS_OPTIONS = ("--model", "--data")
+"""LightningCLI options that pick a class, whose settings `--<option>.help CLASS` prints."""
+
+
+def class_help(argv: Sequence[str]) -> list[str]:
+    """`fit --model CLASS --help` (also `--model=CLASS`, `--data CLASS`, `-h`) as `fit --model.help
+    CLASS`: the class's settings, which is what a Lightning user asks for first, where `--help` alone
+    lists the subcommand's options without them. Any other `argv`, and a class given as a file or a
+    YAML mapping, comes back as it is."""
+    argv = list(argv)
+    if not any(arg in ("-h", "--help") for arg in argv):
+        return argv
+    for index, arg in enumerate(argv):
+        option, equals, value = arg.partition("=")
+        if option not in CLASS_OPTIONS or (not equals and index + 1 == len(argv)):
+            continue
+        value, end = (value, index + 1) if equals else (argv[index + 1], index + 2)
+        if re.fullmatch(r"[A-Za-z_][\w.]*", value) and not value.endswith((".yaml", ".yml", ".json")):
+            asked = [*argv[:index], f"{option}.help", value, *argv[end:]]
+            return [arg for arg in asked if arg not in ("-h", "--help")]
+    return argv
+
+
 def command_parser(name: str) -> ArgumentParser:
     """The parser of a function command: the function's parameters (their docstrings as help) and,
     unless the function has a `config` parameter of its own, `--config FILE.yaml`."""
@@ -125,8 +157,10 @@ def command_parser(name: str) -> ArgumentParser:
     # it is slow for LightningCLI's large class trees.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     try:
-        skip = {command.flatten} if command.flatten else None
+        skip = {name for name in (command.flatten, command.positional) if name} or None
         parser.add_function_arguments(function, nested_key=None, skip=skip)
+        if command.positional:
+            parser.add_argument(command.positional, nargs="+", help=_parameter_help(function, command.positional))
         if command.flatten:
             parser.add_class_arguments(typing.get_type_hints(function)[command.flatten], nested_key=None)
     finally:
@@ -138,6 +172,14 @@ def command_parser(name: str) -> ArgumentParser:
         if isinstance(default, tuple | list) and default and all(dataclasses.is_dataclass(d) for d in default):
             parser.set_defaults({key: [Namespace(**dataclasses.asdict(d)) for d in default]})
     return parser
+
+
+def _parameter_help(function: Callable, name: str) -> str:
+    """The `Args:` entry of parameter `name` in `function`'s docstring."""
+    import docstring_parser
+
+    entries = docstring_parser.parse(inspect.getdoc(function) or "").params
+    return next((" ".join(p.description.split()) for p in entries if p.arg_name == name and p.description), name)
 
 
 def _arguments(name: str, config: Namespace) -> dict:
@@ -188,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             from soma_pl.lightning_cli import run_lightning
 
             try:
-                run_lightning(argv)
+                run_lightning(class_help(argv))
             except ArgumentError as error:  # LightningCLI's parser, asked not to print its usage and exit
                 raise option_error(name, error, rest) from None
         elif name is not None:

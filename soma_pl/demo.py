@@ -13,7 +13,9 @@ The two sides run side by side, one intra-op thread each unless `--demo.threads`
 `OMP_NUM_THREADS` says otherwise: on a CPU shared with other jobs, more threads per process mostly
 spin in OpenMP waits. A finished step is reused when the command runs again with the same settings
 (its record is `<step>.json`); an interrupted fit resumes from its last checkpoint. The children
-die with the demo, and Ctrl-C stops them (`soma_pl.demo_steps`). The command
+die with the demo, and Ctrl-C stops them (`soma_pl.demo_steps`). While a fit runs, a bar per side
+counts its updates and shows its latest ensemble-validation loss (the fit's
+`soma_pl.callbacks.progress.ProgressFile` writes them, the demo reads them). The command
 prints a side-by-side table and writes `main_job.json` (the same figures), `main_job.md` and
 `main_job.png` (ensemble-validation loss against updates, multiply-adds and update time) into
 `--demo.output_dir`.
@@ -33,7 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from soma_pl.demo_steps import Steps
+from soma_pl.demo_steps import Follow, Steps
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_atomic, write_json_atomic
 
@@ -216,8 +218,9 @@ def _scores(path: Path) -> dict:
     return {key: scores[key] for key in ("loss", "bootstrap_95", "windows", "documents")}
 
 
-def run_side(demo: DemoConfig, side: DemoSide, steps: Steps) -> SideResult:
-    """Untrained validation, fit, then validation and test of the last checkpoint, as CLI commands."""
+def run_side(demo: DemoConfig, side: DemoSide, steps: Steps, position: int = 1) -> SideResult:
+    """Untrained validation, fit, then validation and test of the last checkpoint, as CLI commands;
+    the fit's updates and latest validation loss show in a bar on line `position` below the main one."""
     shared = _side_args(demo, side)
     fit_args = [*shared, *_fit_length(demo)]
     folder = Path(demo.output_dir) / side.name / f"run-{_settings_key(fit_args, _data_fingerprints(demo, side))}"
@@ -226,7 +229,8 @@ def run_side(demo: DemoConfig, side: DemoSide, steps: Steps) -> SideResult:
     fit = ["fit", *fit_args, f"--trainer.default_root_dir={folder / 'fit'}", f"--checkpoint.dirpath={checkpoints}"]
     # An interrupted fit resumes where it stopped (a fit refuses to start over on its checkpoints).
     resume = ["--ckpt_path=last"] if any(checkpoints.glob("*.ckpt")) else []
-    fit_record = steps.run(folder, "fit", fit, resume=resume)
+    follow = Follow(f"{side.name} fit", demo.updates if demo.token_forwards is None else None, position)
+    fit_record = steps.run(folder, "fit", fit, resume=resume, follow=follow)
     summary = _fit_summary(folder / "fit")
     last = ["--ckpt_path", summary["last_checkpoint"]]
     steps.run(folder, "validate", ["validate", *shared, *last, f"--trainer.default_root_dir={folder / 'val'}"])
@@ -348,7 +352,8 @@ def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
         steps.run(out, "prepare", ["prepare", *demo.prepare_args, "--progress=false"], reuse=False)
         steps.run(out, "shard", ["shard", *demo.shard_args, "--progress=false"], reuse=False)
         with ThreadPoolExecutor(len(sides) if demo.parallel else 1) as pool:
-            futures = {name: pool.submit(run_side, demo, side, steps) for name, side in sides.items()}
+            futures = {name: pool.submit(run_side, demo, side, steps, line)
+                       for line, (name, side) in enumerate(sides.items(), start=1)}
             try:
                 results = {name: future.result() for name, future in futures.items()}
             except KeyboardInterrupt:  # the pool waits for its threads, and they for their children

@@ -14,8 +14,6 @@ class comes from the checkpoint's `_class_path` hyperparameter (written by Light
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import re
 import time
 import warnings
@@ -26,22 +24,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
-from torch import Tensor
 from tqdm import tqdm
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.data.documents import Document
 from soma_pl.data.readers import CorpusKind, corpus_files, iter_text
-from soma_pl.errors import ConfigError, DataError
+from soma_pl.errors import DataError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.checks import check_counts, check_finite
 from soma_pl.eval.ensemble import score_top_k
 from soma_pl.io import emit_json
 from soma_pl.lit.base import ByteLMModule
-from soma_pl.models.checkpoints import load_checkpoint
+from soma_pl.lit.loading import ensemble_size, load_module, routed_experts
 from soma_pl.models.devices import resolve_device
-from soma_pl.models.router import Router
 
 WIKITEXT_TITLE = re.compile(rb"^ ?= [^=\n][^\n]*[^=\n] = ?\r?$", re.MULTILINE)
 """A WikiText top-level heading line (` = Title = `); ` = = Section = = ` lines do not match."""
@@ -124,104 +119,6 @@ def read_windows(path: str | Path, split: DocumentSplit = DocumentSplit.file,
     return ExternalWindows(windows, doc_ids, len(documents), short, len(files), total)
 
 
-def _model_section(config: Path) -> tuple[str, dict]:
-    """`(class_path, init_args)` of a fit YAML's `model:` section (or of a bare class_path YAML)."""
-    if not config.is_file():
-        raise DataError(f"config not found: {config}")
-    try:
-        loaded = yaml.safe_load(config.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"unreadable YAML {config}: {str(error).splitlines()[0]}") from error
-    section = loaded.get("model", loaded) if isinstance(loaded, dict) else None
-    if not isinstance(section, dict) or "class_path" not in section:
-        raise ConfigError(f"{config}: no model.class_path")
-    return section["class_path"], dict(section.get("init_args") or {})
-
-
-def _soma_modules() -> dict[str, type[ByteLMModule]]:
-    """soma_pl's LightningModules under each class path that names them (`soma_pl.lit.SPSAModule`,
-    `soma_pl.lit.spsa.SPSAModule`)."""
-    lit = importlib.import_module("soma_pl.lit")
-    classes = [value for value in vars(lit).values() if isinstance(value, type) and issubclass(value, ByteLMModule)]
-    return {path: cls for cls in classes
-            for path in (f"{lit.__name__}.{cls.__name__}", f"{cls.__module__}.{cls.__qualname__}")}
-
-
-def _module_class(class_path: object, source: Path) -> type[ByteLMModule]:
-    """The soma_pl module `class_path` (read from `source`) names. A checkpoint may be crafted: the
-    path is looked up among soma_pl's own modules, and nothing it names is ever imported."""
-    modules = _soma_modules()
-    if not isinstance(class_path, str) or class_path not in modules:
-        names = ", ".join(sorted({f"soma_pl.lit.{cls.__name__}" for cls in modules.values()}))
-        raise ConfigError(f"{source}: model class {class_path!r} is not one of soma_pl's modules ({names})")
-    return modules[class_path]
-
-
-def load_module(checkpoint: str | Path, config: str | Path | None = None,
-                router: str | Path | None = None) -> ByteLMModule:
-    """The LightningModule of a checkpoint, in eval mode on the CPU.
-
-    Args:
-        checkpoint: a Lightning checkpoint of any soma_pl module.
-        config: a fit YAML naming the module (`model.class_path`, `model.init_args`); None: the
-            checkpoint's own hyperparameters and `_class_path`.
-        router: a `router.pt` replacing (or supplying) a SOMA checkpoint's router.
-    """
-    from lightning.pytorch.cli import instantiate_module
-
-    path = Path(checkpoint).expanduser()
-    payload = load_checkpoint(path)
-    state, hparams = payload["state_dict"], dict(payload.get("hyper_parameters") or {})
-    if config is not None:
-        source = Path(config).expanduser()
-        class_path, init_args = _model_section(source)
-    elif "_class_path" in hparams:
-        source, class_path = path, hparams["_class_path"]
-        # A subclass's hyperparameters also hold what it passed to its parent's __init__ (SOMA's
-        # `head`): keep what this class accepts, as Lightning's own loading does. The optimizer
-        # is left out: evaluation steps none, and building it would import the class it names.
-        accepted = inspect.signature(_module_class(class_path, source).__init__).parameters
-        init_args = {key: value for key, value in hparams.items()
-                     if key in accepted and key not in ("self", "optimizer")}
-    else:
-        raise ConfigError(f"checkpoint {path} does not name its module class: pass --config with the fit YAML")
-    try:
-        module = instantiate_module(_module_class(class_path, source), init_args)
-    except ConfigError:
-        raise
-    except Exception as error:  # jsonargparse reports a bad key as one of several types
-        raise ConfigError(f"cannot build {class_path} from {config or path}: {str(error).splitlines()[0]}") from error
-    module.on_load_checkpoint(payload)
-    try:
-        module.load_state_dict(state)
-    except RuntimeError as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        raise ConfigError(f"checkpoint {path} does not fit {class_path}: {lines[-1]}") from error
-    _attach_router(module, router)
-    return module.eval()
-
-
-def _attach_router(module: ByteLMModule, router: str | Path | None) -> None:
-    """Give an ensemble module the router named on the command line, or its configured `router_path`
-    when the checkpoint carries none (the weights are loaded first: a checkpoint's own router
-    buffers would otherwise overwrite the replacement)."""
-    if not getattr(module, "routed", False):
-        if router is not None:
-            raise ConfigError(f"--router given, but a {type(module).__name__} has no router")
-        return
-    path = router or (module.router_path if module.router is None else None)
-    if path is not None:
-        module.router = Router.load(path)
-        module.check_router(f"--router {router}" if router else f"router {path}")
-
-
-def routed_experts(module: ByteLMModule, windows: Tensor, k: int) -> Tensor:
-    """The k experts each window goes to, best first: ``[b, 1025]`` → ``[b, k]``."""
-    if getattr(module, "routed", False) and module.router is None:
-        raise ConfigError(f"this {type(module).__name__} checkpoint carries no router: pass --router <router.pt>")
-    return module.ranking(windows)[:, :k]
-
-
 @torch.no_grad()
 def window_losses(module: ByteLMModule, windows: np.ndarray, k: int, batch_size: int,
                   device: torch.device, progress: bool = False) -> np.ndarray:
@@ -246,10 +143,7 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
     target = resolve_device(device, "--device")
     module = load_module(checkpoint, config, router)
     experts = module.model.num_experts
-    k = module.eval_k if top_k is None else top_k
-    largest = experts if getattr(module, "routed", False) else 1  # only a routed module averages experts
-    if not 1 <= k <= largest:
-        raise ConfigError(f"top_k={k}: this {type(module).__name__} averages 1..{largest} experts")
+    k = ensemble_size(module, top_k)
     data = read_windows(text, documents, max_windows)
     started = time.perf_counter()
     losses = window_losses(module, data.windows, k, batch_size, target, progress)

@@ -11,7 +11,10 @@ W&B: every run's config is the whole resolved config, once (`model`, `data`, `tr
 `seed_everything`, `checkpoint`, `wandb`, ...; the optimizer under `model.init_args.optimizer`),
 whichever W&B logger the run has: the default one or `--trainer.logger WandbLogger`. The `wandb:`
 section groups and names the run (sweeps set `--wandb.group=<study> --wandb.name=trial-<n>`); for a
-`WandbLogger` named in the config it fills the settings that logger leaves unset.
+`WandbLogger` named in the config it fills the settings that logger leaves unset;
+`--wandb.log_model` logs checkpoints as artifacts. `WANDB_MODE=disabled` leaves the CSV logger
+alone. A `fit` resumed from one of its own checkpoints continues its `version_N` folder and W&B run
+(`soma_pl.callbacks.run_identity`). `validate` prints each metric once.
 `predict` writes each window's losses (`--predictions.*`, `soma_pl.callbacks.predictions`).
 
 Before any work: `--config` files are read as plain YAML and a base layer after the method layer
@@ -31,6 +34,7 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from jsonargparse import Namespace
@@ -41,26 +45,31 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from soma_pl.callbacks.checkpoint_io import AtomicCheckpointIO
 from soma_pl.callbacks.compute import ComputeAccounting, ComputeBudget
+from soma_pl.callbacks.divergence import DivergenceCheck
 from soma_pl.callbacks.final import EndStateCheckpoint
 from soma_pl.callbacks.predictions import WindowLossWriter
+from soma_pl.callbacks.run_identity import ContinuedCSVLogger, RecordRunIdentity, RunIdentity, wandb_disabled
 from soma_pl.callbacks.summary import RunSummary
 from soma_pl.config_files import read_layers, warn_on_layer_order
 from soma_pl.data.datamodule import ByteDataModule
 from soma_pl.errors import ConfigError, DataError, SomaError
 from soma_pl.lit.base import ByteLMModule
+from soma_pl.trainer import Trainer
 from soma_pl.trainer_checks import check_folder, check_trainer, refuse_earlier_run, resume_point
 
 RUNS_DIR = "runs"
 
 
 def trainer_defaults() -> dict:
-    return {"default_root_dir": RUNS_DIR}
+    """Trainer defaults, and the callbacks every run has (not configurable)."""
+    return {"default_root_dir": RUNS_DIR, "callbacks": [RecordRunIdentity()]}
 
 
 @dataclass
 class WandbSettings:
     """Where a run's W&B record goes. W&B runs offline unless the environment sets
-    `WANDB_MODE=online`; offline runs are uploaded later with `wandb sync`."""
+    `WANDB_MODE=online`; offline runs are uploaded later with `wandb sync`. `WANDB_MODE=disabled`:
+    no W&B logger and nothing of W&B written (the CSV logger still logs)."""
 
     project: str = "soma_pl"
     group: str | None = None
@@ -72,32 +81,46 @@ class WandbSettings:
     tags: list[str] = field(default_factory=list)
     notes: str | None = None
     entity: str | None = None
+    log_model: bool | Literal["all"] = False
+    """Checkpoints as W&B artifacts: true, the last and best when `fit` ends; "all", each one as it is saved."""
 
 
 WANDB_SETTINGS = ("project", "name", "group", "job_type", "tags", "notes", "entity")
 """`WandbSettings` fields that are also `WandbLogger` (or `wandb.init`) arguments of the same name."""
 
 
-def default_loggers(root: str, settings: WandbSettings | None = None, job_type: str | None = None) -> list:
-    """A CSV logger (the run directory is its `root/version_N`) and W&B, offline unless
-    `WANDB_MODE=online` is set, writing under the same root. The config is logged by
+def default_loggers(root: str, settings: WandbSettings | None = None, job_type: str | None = None,
+                    resumed: RunIdentity | None = None) -> list:
+    """A CSV logger (the run directory is its `root/version_N`) and W&B in `WANDB_MODE` (`make_cli`
+    makes it offline unless set; none when disabled), writing under the same root. A resumed run
+    (`resumed`) continues its version folder and W&B run. The config is logged by
     `CompleteConfigCallback` when the run starts."""
     settings = settings or WandbSettings()
-    return [
-        CSVLogger(save_dir=root, name=""),
-        WandbLogger(project=settings.project, name=settings.name, save_dir=root, group=settings.group,
-                    job_type=settings.job_type or job_type, tags=list(settings.tags) or None, notes=settings.notes,
-                    entity=settings.entity, offline=os.environ.get("WANDB_MODE", "offline") != "online"),
-    ]
+    resumed = resumed or RunIdentity()
+    csv_logger = (CSVLogger(save_dir=root, name="") if resumed.csv_version is None
+                  else ContinuedCSVLogger(save_dir=root, version=resumed.csv_version))
+    if wandb_disabled():
+        return [csv_logger]
+    # W&B reads its mode from `WANDB_MODE`; Lightning's `offline=True` would refuse `log_model`.
+    return [csv_logger, WandbLogger(
+        project=settings.project, name=settings.name, save_dir=root, group=settings.group,
+        job_type=settings.job_type or job_type, tags=list(settings.tags) or None, notes=settings.notes,
+        entity=settings.entity, id=resumed.wandb_id, log_model=settings.log_model)]
 
 
-def fill_wandb_logger(logger: Namespace, settings: Namespace | None, root: str, job_type: str | None) -> None:
+def fill_wandb_logger(logger: Namespace, settings: Namespace | None, root: str, job_type: str | None,
+                      resumed: RunIdentity | None = None) -> None:
     """Give a configured `WandbLogger` (`--trainer.logger WandbLogger`) the `wandb:` section's
-    settings where its own init args leave them unset, and the run's root as its folder."""
+    settings where its own init args leave them unset, the run's root as its folder, and a resumed
+    run's W&B id."""
     init_args = logger.init_args
     values = {key: settings.get(key) for key in WANDB_SETTINGS} if settings is not None else {}
     values["job_type"] = values.get("job_type") or job_type
     values["tags"] = list(values.get("tags") or []) or None
+    if init_args.get("version") is None:
+        values["id"] = resumed.wandb_id if resumed is not None else None
+    if settings is not None and settings.get("log_model") and not init_args.get("log_model"):
+        init_args["log_model"] = settings.get("log_model")
     for key, value in values.items():
         if init_args.get(key) is None and value is not None:
             init_args[key] = value
@@ -160,6 +183,9 @@ class SomaCLI(LightningCLI):
     """LightningCLI with the suite's forced callbacks (checkpointing, compute accounting and budget,
     run summary) and the `wandb:` section."""
 
+    resumed: RunIdentity | None = None
+    """The loggers' identity a resumed `fit` continues (`soma_pl.callbacks.run_identity`)."""
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(EndStateCheckpoint, "checkpoint")
         # Checkpoints are written when a validation ends, after the learning-rate decay it drives:
@@ -173,6 +199,7 @@ class SomaCLI(LightningCLI):
         parser.add_lightning_class_args(ComputeBudget, "budget")
         parser.add_lightning_class_args(RunSummary, "summary")
         parser.add_lightning_class_args(WindowLossWriter, "predictions")
+        parser.add_lightning_class_args(DivergenceCheck, "divergence")
         parser.add_class_arguments(WandbSettings, "wandb")
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs):
@@ -192,8 +219,8 @@ class SomaCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Checkpoints go to `<default_root_dir>/checkpoints` unless `checkpoint.dirpath` says otherwise
         (one folder per run, across resumed sessions, where `--ckpt_path` finds `last.ckpt`); trainer
-        settings and folders that cannot work are refused; a `WandbLogger` named in the config takes
-        the `wandb:` section's settings it leaves unset."""
+        settings and folders that cannot work are refused; a resumed `fit` continues its loggers'
+        run; a `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset."""
         trainer = self._get(self.config, "trainer")
         root = trainer.get("default_root_dir") or RUNS_DIR
         checkpoint = self._get(self.config, "checkpoint", default=None)
@@ -204,10 +231,11 @@ class SomaCLI(LightningCLI):
         if checkpoint is not None:
             check_folder(checkpoint["dirpath"], "checkpoint.dirpath")
             self._resolve_ckpt_path(Path(checkpoint["dirpath"]), trainer)
+            self.resumed = self._resumed_run(Path(checkpoint["dirpath"]))
         loggers = trainer.get("logger")
         for logger in loggers if isinstance(loggers, list) else [loggers]:
             if is_wandb_logger(logger):
-                fill_wandb_logger(logger, self._get(self.config, "wandb"), root, self.subcommand)
+                fill_wandb_logger(logger, self._get(self.config, "wandb"), root, self.subcommand, self.resumed)
 
     def _resolve_ckpt_path(self, folder: Path, trainer: Namespace) -> None:
         """`--ckpt_path last` names the run's newest checkpoint; a new `fit` needs a folder without
@@ -223,13 +251,26 @@ class SomaCLI(LightningCLI):
         elif section.get("ckpt_path") is None and subcommand == "fit" and not trainer.get("fast_dev_run"):
             refuse_earlier_run(folder)
 
+    def _resumed_run(self, folder: Path) -> RunIdentity | None:
+        """What a `fit` resuming one of its own run's checkpoints (one in the checkpoint `folder`)
+        continues: the identity that checkpoint records. None for a new run, and for a checkpoint
+        from elsewhere: a run started from another run's checkpoint is a run of its own."""
+        section = self.config.get("fit") if self.config.get("subcommand") == "fit" else None
+        ckpt_path = section.get("ckpt_path") if section is not None else None
+        if ckpt_path is None or section.get("weights_only") is False:  # a pickled file: Lightning reads it
+            return None
+        path = Path(str(ckpt_path)).expanduser()
+        if not path.is_file() or path.resolve().parent != folder.expanduser().resolve():
+            return None
+        return RunIdentity.read(path)
+
     def instantiate_trainer(self, **kwargs):
         """Replace Lightning's default logger (`logger: true`) by the CSV + offline W&B pair, and
         write checkpoints atomically (unless the config names its own CheckpointIO)."""
         config = self._get(self.config_init, "trainer", default={})
         if config.get("logger") in (True, None) and "logger" not in kwargs:
             kwargs["logger"] = default_loggers(config.get("default_root_dir") or RUNS_DIR,
-                                               self._get(self.config_init, "wandb"), self.subcommand)
+                                               self._get(self.config_init, "wandb"), self.subcommand, self.resumed)
         loggers = kwargs.get("logger", config.get("logger"))
         for logger in loggers if isinstance(loggers, list) else [loggers]:
             if isinstance(logger, WandbLogger):
@@ -243,6 +284,16 @@ class SomaCLI(LightningCLI):
             return super().instantiate_trainer(**kwargs)
         except MisconfigurationException as error:  # a trainer setting Lightning refuses, named in its message
             raise ConfigError(f"trainer settings: {' '.join(str(error).split())}") from None
+
+    def validate(self, **kwargs) -> list[dict]:
+        """`trainer.validate`, with each metric printed once. Lightning prints one column per
+        validation loader (here ensemble validation and expert validation) and copies every metric
+        logged when validation ends, which all of this suite's are, into each column."""
+        verbose = kwargs.pop("verbose", True)
+        results = self.trainer.validate(**kwargs, verbose=False)
+        if verbose and self.trainer.is_global_zero:
+            print(metrics_table("Validate", {key: value for result in results for key, value in result.items()}))
+        return results
 
     def _parse_ckpt_path(self) -> None:
         """Keep the model the config describes when `--ckpt_path` is given.
@@ -270,6 +321,15 @@ class SomaCLI(LightningCLI):
             if not isinstance(cause, SomaError):
                 raise
             raise cause from None
+
+
+def metrics_table(stage: str, metrics: dict) -> str:
+    """`metrics` (name → number or one-element tensor) as a two-column text table, by name."""
+    rows = [(name, str(value.item() if hasattr(value, "item") else value)) for name, value in sorted(metrics.items())]
+    width = max([len(f"{stage} metric"), *(len(name) for name, _ in rows)])
+    rule = "─" * (width + 2 + max([5, *(len(value) for _, value in rows)]))
+    lines = [rule, f"{f'{stage} metric':<{width}}  value", rule, *(f"{name:<{width}}  {value}" for name, value in rows)]
+    return "\n".join([*lines, rule])
 
 
 def check_ckpt_path(ckpt_path: str) -> None:
@@ -312,6 +372,7 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
         cli = SomaCLI(
             model_class=ByteLMModule,
             datamodule_class=ByteDataModule,
+            trainer_class=Trainer,  # `limit_val_batches: 1` stays one batch
             subclass_mode_model=True,
             subclass_mode_data=True,
             trainer_defaults=trainer_defaults(),

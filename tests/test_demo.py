@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -47,15 +48,16 @@ def _demo_config(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """One tiny main job: its config, output folder, report and what it printed."""
+    """One tiny main job, its progress bars on: its config, output folder, report, what it printed
+    and what it showed on stderr."""
     tmp_path = tmp_path_factory.mktemp("demo")
     config = _demo_config(tmp_path)
-    printed = io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+    printed, shown = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(shown):
         patch.chdir(ROOT)  # the sides' configs are repository paths
-        main(["demo", "--config", str(config), "--progress=false"])
+        main(["demo", "--config", str(config)])
     out = tmp_path / "main_job"
-    return config, out, json.loads((out / "main_job.json").read_text()), printed.getvalue()
+    return config, out, json.loads((out / "main_job.json").read_text()), printed.getvalue(), shown.getvalue()
 
 
 def _rerun(config: Path, monkeypatch) -> None:
@@ -64,7 +66,7 @@ def _rerun(config: Path, monkeypatch) -> None:
 
 
 def test_demo_writes_the_table_and_the_figure_and_reuses_finished_steps(demo_run, monkeypatch):
-    config, out, report, printed = demo_run
+    config, out, report, printed, _ = demo_run
     spsa, soma = report["table"]["spsa"], report["table"]["soma"]
     assert (spsa["experts"], soma["experts"]) == (1, 2)
     assert spsa["updates"] == soma["updates"] == 4
@@ -91,18 +93,31 @@ def test_demo_writes_the_table_and_the_figure_and_reuses_finished_steps(demo_run
     assert again["table"] == report["table"] and again["reused_steps"] == 8
 
 
+def test_each_fit_shows_its_updates_and_latest_validation_loss(demo_run):
+    """While a side's fit runs, a bar below the main one counts its updates and shows its latest
+    ensemble-validation loss: at the end, the fit's last update of 4 and the loss of its summary."""
+    _, _, report, _, shown = demo_run
+    for side in ("spsa", "soma"):
+        (path,) = (Path(report["table"][side]["run_dir"]) / "fit").glob("version_*/summary.json")
+        summary = json.loads(path.read_text())
+        assert summary["global_step"] == 4
+        loss = f"{summary['metrics']['val/loss']:.4f}"
+        assert re.search(rf"{side} fit: 100%[^\r\n]*\| 4/4 [^\r\n]*val loss {loss}\]", shown), (side, loss, shown)
+    assert "main job steps: 100%" in shown
+
+
 @pytest.mark.slow
 def test_an_interrupted_fit_resumes_to_the_same_scores(demo_run, monkeypatch):
     # A fit stopped after update 2 (its record not written, its last checkpoint the one of update 2)
     # resumes from that checkpoint and reaches the uninterrupted run's weights and scores.
-    config, out, report, _ = demo_run
+    config, out, report, *_ = demo_run
     (record,) = out.glob("spsa/run-*/fit.json")
     record.unlink()
     checkpoints = record.parent / "checkpoints"
     shutil.copyfile(checkpoints / "epoch=0-step=2.ckpt", checkpoints / "last.ckpt")
     _rerun(config, monkeypatch)
     assert json.loads(record.read_text())["resumed"]
-    assert len(list(record.parent.glob("fit/version_*"))) == 2
+    assert len(list(record.parent.glob("fit/version_*"))) == 1  # the resumed fit logs into its run's folder
     resumed = json.loads((out / "main_job.json").read_text())["table"]["spsa"]
     assert resumed["updates"] == 4 and resumed["test"] == report["table"]["spsa"]["test"]
 
@@ -110,7 +125,7 @@ def test_an_interrupted_fit_resumes_to_the_same_scores(demo_run, monkeypatch):
 def test_equal_token_forwards_gives_soma_half_the_updates(demo_run, monkeypatch):
     """`--demo.token_forwards` stops both sides at the same token forwards (a budget, not a step
     count): SOMA N = 2 forwards twice the tokens per update, so it makes half the updates."""
-    config, out, report, _ = demo_run
+    config, out, report, *_ = demo_run
     budget = report["table"]["spsa"]["token_forwards"]  # SPSA's 4 updates
     monkeypatch.chdir(ROOT)
     main(["demo", "--config", str(config), "--progress=false", f"--demo.token_forwards={budget}"])

@@ -1,8 +1,12 @@
 """W&B: a `fit` and a `test` log offline runs, grouped and named by `--wandb.*`, with the whole
-config, per-expert metrics, compute accounting and final losses; read back from the `.wandb` files."""
+config, per-expert metrics, compute accounting and final losses; a resumed `fit` continues its run;
+`--wandb.log_model` logs checkpoints as artifacts; `WANDB_MODE=disabled` writes nothing of W&B.
+Read back from the `.wandb` files."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -11,8 +15,10 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from soma_pl.lightning_cli import make_cli
-from tests.lit.conftest import corpus_dir  # noqa: F401
+from soma_pl.models.checkpoints import load_checkpoint
+from tests.lit.conftest import corpus_dir, fit_args  # noqa: F401
 from tests.lit.test_soma import sharded, soma_args  # noqa: F401
+from tests.robustness.cli import tiny_dataset
 
 BLOCK, HEADER = 32768, 7  # the LevelDB log layout of W&B's transaction log
 FULL, LAST = 1, 4
@@ -43,10 +49,11 @@ def _key(item) -> str:
 
 
 class OfflineRun:
-    """The run record, merged config, every history row's keys and the final summary of one run."""
+    """The run record, merged config, every history row's keys and global steps, the final summary
+    and the artifacts of one run."""
 
     def __init__(self, folder: Path):
-        self.config, self.summary, self.history_keys = {}, {}, set()
+        self.config, self.summary, self.history_keys, self.steps, self.artifacts = {}, {}, set(), set(), []
         for record in read_records(next(folder.glob("*.wandb"))):
             kind = record.WhichOneof("record_type")
             if kind == "run":
@@ -56,6 +63,10 @@ class OfflineRun:
                 self.config.update({_key(i): json.loads(i.value_json) for i in record.config.update})
             elif kind == "history":
                 self.history_keys |= {_key(i) for i in record.history.item}
+                self.steps |= {json.loads(i.value_json) for i in record.history.item
+                               if _key(i) == "trainer/global_step"}
+            elif kind == "artifact":
+                self.artifacts.append(record.artifact)
             elif kind == "summary":
                 self.summary.update({_key(i): json.loads(i.value_json) for i in record.summary.update})
 
@@ -126,3 +137,73 @@ def test_each_logger_path_logs_the_whole_config_once(logger, corpus_dir, tmp_pat
     assert run.config["wandb"]["group"] == "study-b"
     err = capfd.readouterr().err
     assert "anonymous setting" not in err and "contains the key(s) ['monitor']" not in err
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> tuple[Path, Path]:
+    return tiny_dataset(tmp_path_factory.mktemp("tiny"))
+
+
+def _fit(tiny_data, run_dir: Path, *extra: str) -> None:
+    corpus, data = tiny_data
+    make_cli([*fit_args(corpus, data, run_dir), "--trainer.logger=true", *extra])
+
+
+@pytest.mark.parametrize("logger", ["default", "WandbLogger"])
+def test_a_resumed_fit_continues_its_wandb_run(logger, tiny_data, tmp_path, monkeypatch):
+    """Each session of a fit resumed from its own checkpoint (`--ckpt_path last`, or a path) is an
+    offline run with the first session's id, logging from the checkpoint's step on."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    extra = ["--trainer.logger=WandbLogger"] if logger == "WandbLogger" else []
+    _fit(tiny_data, run_dir, "--trainer.max_steps=4", *extra)
+    resume = "last" if logger == "WandbLogger" else str(run_dir / "checkpoints" / "last.ckpt")
+    _fit(tiny_data, run_dir, "--trainer.max_steps=8", f"--ckpt_path={resume}", *extra)
+    folders = sorted((run_dir / "wandb").glob("offline-run-*"), key=lambda folder: folder.name)
+    assert len(folders) == 2, folders
+    first, second = (OfflineRun(folder) for folder in folders)
+    assert first.run.run_id and second.run.run_id == first.run.run_id
+    assert folders[1].name.endswith(f"-{first.run.run_id}")
+    # Rows are logged at the update count before each update, and at the end: 0..4, then 4..8.
+    assert first.steps == set(range(5)) and second.steps == set(range(4, 9))
+    assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["run_identity"]["wandb_id"] == first.run.run_id
+    assert not first.artifacts and not second.artifacts, "no checkpoint artifacts unless --wandb.log_model"
+
+
+def test_wandb_disabled_writes_nothing_of_wandb(tiny_data, tmp_path, monkeypatch):
+    """`WANDB_MODE=disabled`: no `wandb` folder anywhere (run folder or working directory), the CSV
+    log and summary are written as ever, and the checkpoint names no W&B run."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    _fit(tiny_data, run_dir, "--trainer.max_steps=4")
+    assert not [path for path in tmp_path.rglob("*") if "wandb" in path.name], "W&B wrote files"
+    rows = (run_dir / "version_0" / "metrics.csv").read_text().splitlines()
+    assert "val/loss" in rows[0].split(",") and len(rows) > 4
+    assert json.loads((run_dir / "version_0" / "summary.json").read_text())["global_step"] == 4
+    assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["run_identity"] == \
+        {"csv_version": 0, "wandb_id": None}
+
+
+def _md5(path: Path) -> str:
+    """W&B's manifest digest of a file: its MD5, base64."""
+    return base64.b64encode(hashlib.md5(path.read_bytes()).digest()).decode()
+
+
+def test_log_model_puts_the_checkpoints_in_the_offline_run(tiny_data, tmp_path, monkeypatch):
+    """`--wandb.log_model true`: when the fit ends, its last and best checkpoints are `model`
+    artifacts of the offline run, each holding that file's bytes (W&B's MD5 digest of the file)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))  # W&B stages artifact copies here
+    run_dir = tmp_path / "run"
+    _fit(tiny_data, run_dir, "--trainer.max_steps=4", "--wandb.log_model=true")
+    (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    run = OfflineRun(folder)
+    logged = {json.loads(artifact.metadata)["original_filename"]: artifact for artifact in run.artifacts}
+    checkpoints = run_dir / "checkpoints"
+    assert set(logged) == {path.name for path in checkpoints.glob("*.ckpt")} == {"last.ckpt", "epoch=0-step=4.ckpt"}
+    for name, artifact in logged.items():
+        assert (artifact.type, artifact.name, artifact.run_id) == ("model", f"model-{run.run.run_id}", run.run.run_id)
+        (entry,) = artifact.manifest.contents
+        assert entry.path == "model.ckpt" and entry.digest == _md5(checkpoints / name)
+        assert entry.size == (checkpoints / name).stat().st_size

@@ -236,6 +236,12 @@ class ComputeAccounting(L.Callback):
             payload["budget"] = budget.summary() if budget is not None else None
             write_json_atomic(run_directory(trainer) / self.filename, payload)
 
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A resumed session with nothing left to train never starts training: its report is the
+        # restored totals, which `RunSummary` (a later callback) writes into the run's summary.json.
+        if self.report is None and self.tally.updates:
+            self.report = self.current_report(trainer)
+
     def state_dict(self) -> dict:
         tallies = [self.tally] if self._world == 1 else self._snapshot
         return {"tallies": [asdict(t) for t in tallies], "elapsed_seconds": self.elapsed_seconds()}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -31,7 +33,9 @@ def publish_to_wandb(trainer: L.Trainer, figures: dict) -> None:
 
 class RunSummary(L.Callback):
     """Final metrics, update counts, compute accounting and checkpoint paths of a `fit`, as
-    `<run dir>/summary.json`; the same figures go into the W&B run summary.
+    `<run dir>/summary.json`; the same figures go into the W&B run summary. A resumed session
+    writes the run's summary: a metric it did not log again (no validation since it resumed, or
+    nothing left to train) keeps the value the run's summary already holds.
 
     Args:
         filename: name of the summary file inside the run directory.
@@ -50,7 +54,8 @@ class RunSummary(L.Callback):
             "run_dir": str(run_dir),
             "module": type(pl_module).__name__,
             "global_step": trainer.global_step,
-            "metrics": {k: _plain(v) for k, v in sorted(trainer.callback_metrics.items())},
+            "metrics": dict(sorted({**self._earlier_metrics(trainer, run_dir),
+                                    **{k: _plain(v) for k, v in trainer.callback_metrics.items()}}.items())),
             "last_checkpoint": getattr(checkpoint, "last_model_path", None) or None,
             "best_checkpoint": getattr(checkpoint, "best_model_path", None) or None,
             "parameters": sum(p.numel() for p in pl_module.parameters()),
@@ -61,3 +66,13 @@ class RunSummary(L.Callback):
         publish_to_wandb(trainer, {**summary["metrics"], "global_step": summary["global_step"],
                                    "compute_accounting": summary["compute"], "budget": summary["budget"]})
         print(f"run directory: {run_dir}", file=sys.stderr)
+
+    def _earlier_metrics(self, trainer: L.Trainer, run_dir: Path) -> dict:
+        """The metrics of the summary an earlier session of this run wrote (a resumed `fit`), or {}."""
+        path = run_dir / self.filename
+        if trainer.ckpt_path is None or not path.is_file():
+            return {}
+        try:
+            return dict(json.loads(path.read_text()).get("metrics") or {})
+        except (OSError, ValueError, AttributeError):  # unreadable: this session's metrics alone
+            return {}

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,7 +34,7 @@ from datatrove.pipeline.readers.base import BaseDiskReader
 
 from soma_pl.data.documents import Document
 from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_changed, corpus_files, iter_file
-from soma_pl.errors import ConfigError
+from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import die_with_parent
 
 
@@ -50,7 +53,8 @@ class ExecutorConfig:
     Attributes:
         kind: `local` (this machine), `slurm` (job arrays; the command returns once they are
             submitted, run it again when they are done to print the result) or `ray` (a running
-            Ray cluster).
+            Ray cluster). Before submitting, a Slurm or Ray run checks that its cluster answers
+            (`check_cluster`).
         tasks: parallel tasks of the reading stages; the corpus files are dealt out among them, so
             more tasks than files leaves some idle. None: the CPU cores of this machine.
         workers: tasks running at once (local), or concurrent array tasks (slurm). None: all.
@@ -76,6 +80,8 @@ class ExecutorConfig:
         if ExecutorKind(self.kind) is ExecutorKind.slurm and not {"partition", "time"} <= set(self.options):
             raise ConfigError(f"{section}.executor.kind=slurm needs executor.options.partition and "
                               f"executor.options.time")
+        if ExecutorKind(self.kind) is ExecutorKind.ray:
+            import_ray()
         method, methods = self.options.get("start_method"), multiprocessing.get_all_start_methods()
         if ExecutorKind(self.kind) is ExecutorKind.local and method is not None and method not in methods:
             raise ConfigError(f"{section}.executor.options.start_method={method} is not a start method of this "
@@ -147,15 +153,106 @@ def chain(config: ExecutorConfig, pipelines: list[tuple[str, list[PipelineStep],
 
 def run_stages(last) -> None:
     """Run a chain of stage executors: `last` launches the ones it depends on first. The processes
-    they fork (datatrove's manager and pool workers) die with this one (`_die_with_parent`)."""
+    they fork (datatrove's manager and pool workers) die with this one (`_die_with_parent`).
+
+    Raises:
+        SomaError: one line, before anything is submitted, when the cluster of a Slurm or Ray chain
+            cannot take its work (`check_cluster`), or when `sbatch` fails while submitting.
+    """
     global _CHILDREN_DIE_WITH_PARENT
+    check_cluster(last)
     _console_logs()
     _CHILDREN_DIE_WITH_PARENT = True
     try:
         last.run()
+    except subprocess.CalledProcessError as error:  # datatrove's `sbatch` call; its stderr went to the console
+        raise SomaError(f"executor.kind=slurm: `{error.cmd[0]}` failed with exit status {error.returncode} while "
+                        "submitting the stages' jobs (its message is above); jobs it submitted before stay "
+                        "queued") from None
     finally:
         _CHILDREN_DIE_WITH_PARENT = False
         _console_logs()
+
+
+SBATCH_SECONDS = 120
+"""How long `sbatch --test-only` may take to answer (it retries a controller that does not answer)."""
+
+
+def check_cluster(last) -> None:
+    """Before a Slurm or Ray chain submits anything, one line when its cluster cannot take the work:
+    for Slurm, `sbatch` missing from PATH, or failing a dry run of the first stage's job (`sbatch
+    --test-only` with the job's own directives: the controller says whether it could schedule it,
+    and nothing is queued); for Ray, `ray` not installed, or no running cluster to connect to
+    (`RAY_ADDRESS`, else the one `ray start` left on this machine). A chain whose tasks are all
+    done submits nothing and needs no cluster.
+
+    Raises:
+        ConfigError: naming what was tried and what it answered.
+    """
+    from datatrove.executor import RayPipelineExecutor, SlurmPipelineExecutor
+
+    if not isinstance(last, SlurmPipelineExecutor | RayPipelineExecutor):
+        return
+    stages = _stages_of(last)
+    if not any(stage.get_incomplete_ranks() for stage in stages):
+        return
+    if isinstance(last, SlurmPipelineExecutor):
+        _check_sbatch(stages[0])
+    else:
+        _check_ray()
+
+
+def _stages_of(last) -> list:
+    """The executors of a chain, first stage first."""
+    stages = [last]
+    while stages[-1].depends is not None:
+        stages.append(stages[-1].depends)
+    return stages[::-1]
+
+
+def _check_sbatch(first) -> None:
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise ConfigError("executor.kind=slurm: sbatch not found on PATH, so no job can be submitted: run the "
+                          "command where SLURM's client is installed (a login node), or set executor.kind local")
+    with tempfile.NamedTemporaryFile("w", suffix=".slurm") as script:
+        script.write(first.get_launch_file_contents(first.get_sbatch_args(), "true"))
+        script.flush()
+        try:
+            answer = subprocess.run([sbatch, "--test-only", script.name], capture_output=True, text=True,
+                                    timeout=SBATCH_SECONDS)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"executor.kind=slurm: `sbatch --test-only` (a dry run of the first job) gave no "
+                              f"answer in {SBATCH_SECONDS} s: is the SLURM controller up?") from None
+    if answer.returncode != 0:
+        said = next((line.strip() for line in (answer.stderr + answer.stdout).splitlines() if line.strip()),
+                    "no message")
+        raise ConfigError(f"executor.kind=slurm: `sbatch --test-only` (a dry run of the first job) failed with "
+                          f"exit status {answer.returncode}: {said}")
+
+
+def import_ray():
+    """The `ray` module, or one line saying it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("executor.kind=ray: ray is not installed (pip install ray), or set executor.kind "
+                          "local") from None
+    return ray
+
+
+def _check_ray() -> None:
+    ray = import_ray()
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        ray.init(address=address or "auto")  # "auto": a running cluster, never a new local one
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        said = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        where = f"at RAY_ADDRESS={address}" if address else "on this machine"
+        raise ConfigError(f"executor.kind=ray: no Ray cluster to connect to {where} (ray: {said}): start one "
+                          "(`ray start --head`) or set RAY_ADDRESS, or set executor.kind local") from None
 
 
 _CHILDREN_DIE_WITH_PARENT = False

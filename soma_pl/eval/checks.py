@@ -45,3 +45,19 @@ def check_finite(what: str, values: float | np.ndarray | torch.Tensor, source: s
         count = f"are not finite ({int(bad.sum())} of {array.size})" if array.size > 1 else f"is {array.item()}"
         raise DataError(f"{what} of {source} {count}: its weights hold NaN or infinite values or overflow "
                         "(a diverged run): score a finite checkpoint; nothing was written")
+
+
+def largest_weights(model) -> torch.Tensor:
+    """`[E]` float64: each expert's largest weight magnitude, NaN or infinite when a weight is (a
+    shared tensor counts for every expert). `model` is a `StackedExperts`.
+
+    The infinity norm of each expert's rows: one pass over the weights, `[E]` allocated, not a
+    tensor the size of the model.
+    """
+    largest = torch.zeros(model.num_experts, dtype=torch.float64, device=model.w_hh.device)
+    for name, param in model.named_parameters():
+        rows = param.detach().reshape(1 if model.is_shared(name) else model.num_experts, -1)
+        norm = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1).to(torch.float64)
+        # `maximum` propagates NaN, so a NaN weight anywhere makes its expert's entry NaN.
+        largest = torch.maximum(largest, norm)
+    return largest

@@ -63,6 +63,12 @@ def score_windows(model: StackedExperts, ranking: Tensor, windows: Tensor, max_k
     return EnsembleScores(ensemble_nats / targets, expert_nats / targets, ranking)
 
 
+def mixture_log_probs(log_probs: Tensor, dim: int) -> Tensor:
+    """Log-probabilities under the average of the distributions along ``dim`` (each selected
+    expert's): the log of the mean of their probabilities, ``dim`` removed."""
+    return torch.logsumexp(log_probs, dim=dim) - math.log(log_probs.shape[dim])
+
+
 @torch.no_grad()
 def ensemble_probabilities(model: StackedExperts, ranking: Tensor, windows: Tensor, k: int) -> Tensor:
     """The averaged next-byte distribution of each window's top-k experts: ``[b, T, 256]``."""
@@ -133,7 +139,7 @@ def score_top_k(model: StackedExperts, top: Tensor, windows: Tensor, score_from:
     for chunk in model.target_log_probs({}, tokens, score_from):  # [E, rows, Tc]
         pairs = chunk[expert, row].view(batch, k, -1)
         expert_nats = expert_nats - pairs.sum(2)
-        mixture = torch.logsumexp(pairs, dim=1) - math.log(k)
+        mixture = mixture_log_probs(pairs, dim=1)
         ensemble_nats = ensemble_nats - mixture.sum(1)
     targets = windows.shape[1] - 1 - score_from
     return TopKScores(ensemble_nats / targets, expert_nats / targets)

@@ -33,7 +33,7 @@ from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.contracts import HoldsEvalSets, UpdateRecord
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.eval.bootstrap import document_bootstrap
-from soma_pl.eval.checks import check_finite
+from soma_pl.eval.checks import check_finite, largest_weights
 from soma_pl.eval.ensemble import EnsembleScores, score_windows
 from soma_pl.eval.metrics import NatsPerByte, PerExpertNats
 from soma_pl.io import write_json_atomic
@@ -58,16 +58,8 @@ def resumes(module: str, written_by: str) -> bool:
 
 
 def finite_experts(model: StackedExperts) -> Tensor:
-    """`[E]` bool: whether each expert's weights are all finite (a shared tensor counts for every expert).
-
-    A float64 sum per expert is finite exactly when every float32/bf16 entry is (it cannot
-    overflow), and it allocates `[E]`, not a mask the size of the model.
-    """
-    finite = torch.ones(model.num_experts, dtype=torch.bool, device=model.w_hh.device)
-    for name, param in model.named_parameters():
-        rows = param.detach().reshape(1 if model.is_shared(name) else model.num_experts, -1)
-        finite &= torch.isfinite(rows.sum(1, dtype=torch.float64))
-    return finite
+    """`[E]` bool: whether each expert's weights are all finite (a shared tensor counts for every expert)."""
+    return torch.isfinite(largest_weights(model))
 
 
 class ByteLMModule(L.LightningModule):

@@ -179,7 +179,8 @@ class SeedEncoder(nn.Module):
         return (total[0] / ROUTE_BYTES).float()
 
 
-def _encoder_from_saved(kind: str, config: dict, state: dict[str, Tensor]) -> nn.Module:
+def encoder_from_saved(kind: str, config: dict, state: dict[str, Tensor]) -> nn.Module:
+    """An encoder rebuilt from its kind (`EncoderKind` value), `config()` and state dict."""
     seed = EncoderKind(kind) is EncoderKind.seed
     encoder = SeedEncoder.from_config(config) if seed else HashedNgramEncoder(**config)
     encoder.load_state_dict(state)
@@ -260,7 +261,7 @@ class Router(nn.Module):
             if payload.get("format") != ROUTER_FORMAT:
                 raise ValueError(f"format {payload.get('format')!r}, expected {ROUTER_FORMAT}")
             encoder = payload["encoder"]
-            return cls(_encoder_from_saved(encoder["kind"], encoder["config"], encoder["state"]), payload["centroids"],
+            return cls(encoder_from_saved(encoder["kind"], encoder["config"], encoder["state"]), payload["centroids"],
                        payload.get("sharding"))
         except Exception as error:  # a damaged pickle/zip raises many types; all mean the same here
             raise DataError(f"corrupt router {name}: {_first_line(error)}") from error

@@ -105,13 +105,12 @@ def run_fit(command: list[str], run_dir: Path) -> FitOutcome:
 
 def suggest(spec: SweepSpec, trial: optuna.Trial) -> dict:
     """The trial's factor labels (and, for range sweeps, sampled values). A grid trial's were
-    fixed when its point was enqueued; the seed is part of a grid point."""
+    fixed when its point was enqueued. The seed is never suggested: a grid trial's is its user
+    attribute `seed`, and a range trial runs every seed."""
     params = {f.name: trial.suggest_categorical(f.name, list(f.choices)) for f in spec.factors}
     for r in spec.ranges:
         params[r.name] = (trial.suggest_int(r.name, int(r.low), int(r.high), log=r.log) if r.integer
                           else trial.suggest_float(r.name, r.low, r.high, log=r.log))
-    if spec.is_grid:
-        params[SEED] = trial.suggest_categorical(SEED, list(spec.seeds))
     return params
 
 
@@ -125,7 +124,7 @@ def execute(spec: SweepSpec, study: optuna.Study, trial: optuna.Trial, storage: 
     """Run a claimed trial's fit(s) and tell the study; a grid trial is one seed, a range trial
     every seed (its value is their mean; only the first seed's fit reports for pruning)."""
     params = suggest(spec, trial)
-    seeds = [params[SEED]] if spec.is_grid else list(spec.seeds)
+    seeds = [trial.user_attrs[SEED]] if spec.is_grid else list(spec.seeds)
     trial_dir = spec.output_dir / f"trial-{trial.number:04d}"
     trial.set_user_attr("trial_dir", str(trial_dir))
     runs = []

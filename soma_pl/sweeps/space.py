@@ -5,7 +5,8 @@ study: table6_lr_eps_demo                # Optuna study name (default: the file 
 config:                                  # the fit config's layers, passed as repeated --config
   [configs/trainer/cpu.yaml, configs/datamodule/demo.yaml, configs/demo/spsa.yaml]
 output_dir: runs/sweeps/table6_lr_eps_demo
-seeds: [0, 1]                            # the repeated factor: --seed_everything, --model.init_args.seed
+seeds: [0, 1]                            # repetitions, not a searched parameter: every configuration runs
+                                         # once per seed (--seed_everything, --model.init_args.seed)
 budget: {token_forwards: 2.0e8}          # -> --budget.token_forwards=... (equal compute per trial)
 overrides: {trainer.max_steps: 40}       # fixed for every trial
 grid:                                    # categorical factors: every combination runs
@@ -38,10 +39,11 @@ from soma_pl.errors import ConfigError
 Label = int | float | str | bool
 """A categorical choice as Optuna stores it (its name in tables)."""
 SEED = "seed"
-"""Name of the repeated seed factor."""
+"""A grid point's seed: the trial user attribute (never an Optuna parameter) naming its repetition."""
 CONFIG = "config"
 """An override that picks the base fit config instead of setting a key."""
 SEED_KEYS = ("seed_everything", "model.init_args.seed")
+"""The config keys the runner sets to each of the sweep's `seeds`."""
 
 
 class PrunerKind(str, Enum):
@@ -117,16 +119,12 @@ class SweepSpec:
         """Grid sweeps run each (factor combination, seed) once; range sweeps ask TPE for `trials`."""
         return not self.ranges
 
-    def grid_factors(self) -> tuple[Factor, ...]:
-        """The factors a grid trial fixes, the seed factor last."""
-        seed = Factor(SEED, {s: {key: s for key in SEED_KEYS} for s in self.seeds})
-        return (*self.factors, seed)
-
     def grid_points(self) -> list[dict[str, Label]]:
-        """Every combination of the grid factors' labels, seeds included: `[{factor: label}]`."""
-        factors = self.grid_factors()
-        return [dict(zip([f.name for f in factors], labels, strict=False))
-                for labels in itertools.product(*(list(f.choices) for f in factors))]
+        """Every combination of the grid factors' labels, once per seed: `[{factor: label, "seed": seed}]`.
+        The seed tells the repetitions apart; it is not a parameter (`point_params`)."""
+        names = [f.name for f in self.factors]
+        return [{**dict(zip(names, labels, strict=True)), SEED: seed}
+                for labels in itertools.product(*(list(f.choices) for f in self.factors)) for seed in self.seeds]
 
     def describe(self) -> dict:
         """What the report needs, stored with the study so `sweep report` works without the file."""
@@ -138,6 +136,11 @@ class SweepSpec:
 def point_key(point: dict[str, Label]) -> str:
     """A grid point's identity in the study (canonical JSON)."""
     return json.dumps(point, sort_keys=True)
+
+
+def point_params(point: dict[str, Label]) -> dict[str, Label]:
+    """A grid point's Optuna parameters: its factor labels, without the seed."""
+    return {name: label for name, label in point.items() if name != SEED}
 
 
 def _mapping(value: Any, where: str) -> dict:
@@ -208,8 +211,10 @@ def load_sweep(path: str | Path) -> SweepSpec:
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
         raise ConfigError(f"{path}: seeds must be a non-empty list of integers")
     names = [f.name for f in factors] + [r.name for r in ranges]
-    if SEED in names or len(set(names)) != len(names):
-        raise ConfigError(f"{path}: factor names must be unique and not '{SEED}' (seeds: is the seed factor)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{path}: factor names must be unique, got {names}")
+    overrides = _mapping(raw.get("overrides"), "overrides")
+    _refuse_searched_seed(path, factors, ranges, overrides)
     trials = raw.get("trials")
     if ranges and not (isinstance(trials, int) and trials > 0):
         raise ConfigError(f"{path}: a sweep with ranges needs `trials` (how many TPE trials)")
@@ -220,7 +225,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
         name=name, path=path, config=config_layers(raw.get("config"), path), seeds=tuple(seeds), factors=factors,
         ranges=ranges,
         output_dir=Path(raw.get("output_dir") or f"runs/sweeps/{name}"),
-        overrides=_mapping(raw.get("overrides"), "overrides"), budget=_mapping(raw.get("budget"), "budget"),
+        overrides=overrides, budget=_mapping(raw.get("budget"), "budget"),
         trials=trials, storage=raw.get("storage"),
         pruner=PrunerSpec(**{k: PrunerKind(v) if k == "kind" else v
                              for k, v in _mapping(raw.get("pruner"), "pruner").items()}),
@@ -229,6 +234,19 @@ def load_sweep(path: str | Path) -> SweepSpec:
         stale_seconds=float(raw.get("stale_seconds", 60.0)))
     _check_configs(spec)
     return spec
+
+
+def _refuse_searched_seed(path: Path, factors: tuple[Factor, ...], ranges: tuple[Range, ...],
+                          overrides: dict[str, Any]) -> None:
+    """The seed is a repetition (`seeds:`), not a parameter: a grid factor, range or override that
+    names or sets it would reach Optuna's importance analysis, or be overwritten by each seed."""
+    setting = ([f"grid.{f.name}" for f in factors
+                if f.name == SEED or any(key in SEED_KEYS for choice in f.choices.values() for key in choice)]
+               + [f"ranges.{r.name}" for r in ranges if r.name == SEED or r.key in SEED_KEYS]
+               + [f"overrides.{key}" for key in overrides if key in SEED_KEYS])
+    if setting:
+        raise ConfigError(f"{path}: {setting[0]} sets the seed, which is not searched: list the seeds under `seeds:` "
+                          "(every configuration runs once per seed and the report averages over them)")
 
 
 def _check_configs(spec: SweepSpec) -> None:

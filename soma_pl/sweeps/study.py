@@ -1,11 +1,12 @@
 """The shared Optuna study of a sweep: storage, the grid queue, claiming trials, heartbeats.
 
 Grid points are enqueued trials (`study.enqueue_trial`) carrying their point as the user attribute
-`point`. A worker claims a WAITING trial by the storage's atomic WAITING → RUNNING transition, so two
-workers never claim the same trial; a point enqueued twice (two workers starting at once on a server
-database) is run once: the later claim is failed as `duplicate`. A point counts as done when it has a
-COMPLETE or PRUNED trial; one failed by its own error stays failed (with its error) unless the runner
-is asked to retry failures.
+`point`; their parameters are the factor labels, and their seed is the user attribute `seed` (a
+repetition, so Optuna's samplers and importance analysis never see it). A worker claims a WAITING
+trial by the storage's atomic WAITING → RUNNING transition, so two workers never claim the same trial;
+a point enqueued twice (two workers starting at once on a server database) is run once: the later
+claim is failed as `duplicate`. A point counts as done when it has a COMPLETE or PRUNED trial; one
+failed by its own error stays failed (with its error) unless the runner is asked to retry failures.
 
 A claimed trial's worker sends a heartbeat every `heartbeat_seconds`; a RUNNING trial without one for
 `stale_seconds` (its worker was killed) is failed and its point run again:
@@ -25,9 +26,11 @@ study's private storage.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Iterator
 from enum import Enum
@@ -43,12 +46,18 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
 from soma_pl.errors import ConfigError
-from soma_pl.sweeps.space import PrunerKind, PrunerSpec, SweepSpec, point_key
+from soma_pl.io import write_json_atomic
+from soma_pl.sweeps.space import SEED, PrunerKind, PrunerSpec, SweepSpec, point_key, point_params
 
 HEARTBEAT = "soma_pl:heartbeat"
 """Trial system attribute (journal storage): the worker's wall-clock time at its last heartbeat."""
 SWEEP_ATTR = "soma_pl:sweep"
 """Study user attribute: the sweep's description (factors, seeds, report layout)."""
+STUDY_UID_ATTR = "soma_pl:uid"
+"""Study user attribute: a random id set when the study is created, which the output folder's
+`STUDY_MARKER` records, so that trial folders are written by one study only."""
+STUDY_MARKER = ".soma_pl-study.json"
+"""In a sweep's output folder: the study (name, storage, uid) whose trial folders it holds."""
 
 
 class FailureKind(str, Enum):
@@ -149,9 +158,42 @@ def open_study(spec: SweepSpec, storage: BaseStorage, create: bool = True) -> op
     if not create:
         return optuna.load_study(**kwargs)
     study = optuna.create_study(direction="minimize", load_if_exists=True, **kwargs)
+    if any(SEED in trial.params for trial in study.get_trials(deepcopy=False)):
+        raise ConfigError(f"study {spec.name!r} was started by an older soma_pl, whose trials searched the seed as a "
+                          "parameter: finish it with that version, or start this sweep as a new study (another "
+                          "study name, storage or output_dir)")
     if SWEEP_ATTR not in study.user_attrs:
         study.set_user_attr(SWEEP_ATTR, spec.describe())
+    if STUDY_UID_ATTR not in study.user_attrs:
+        study.set_user_attr(STUDY_UID_ATTR, uuid.uuid4().hex)
     return study
+
+
+def shown_storage(url: str) -> str:
+    """The storage URL as errors show it: a database URL without its password."""
+    return make_url(url).render_as_string(hide_password=True) if "://" in url else url
+
+
+def claim_output(spec: SweepSpec, study: optuna.Study, url: str) -> None:
+    """Record in the output folder which study writes its trial folders (`trial-NNNN`), or refuse a
+    study that is not the one recorded: another storage, another study name, or a study created
+    anew in a storage that was deleted would number its trials from 0 and overwrite the first
+    one's `fit.log`, `trial_result.json` and checkpoints. Called under the queue lock."""
+    marker = spec.output_dir / STUDY_MARKER
+    uid = study.user_attrs[STUDY_UID_ATTR]
+    if marker.is_file():
+        try:
+            owner = json.loads(marker.read_text())
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{marker}: unreadable ({error}); it records which study owns the trial folders "
+                              f"of {spec.output_dir}: restore it or give this sweep another output_dir") from error
+        if owner.get("uid") != uid:
+            raise ConfigError(
+                f"output_dir {spec.output_dir} holds the trial folders of study {owner.get('study')!r} in storage "
+                f"{owner.get('storage')}, not of study {spec.name!r} in {shown_storage(url)}: join that study "
+                "with --storage, or give this sweep its own output_dir (trial folders are never shared)")
+        return
+    write_json_atomic(marker, {"study": spec.name, "storage": shown_storage(url), "uid": uid})
 
 
 def connect(spec: SweepSpec, url: str, attempts: int = 3, setting: str = "storage") -> tuple[optuna.Study, BaseStorage]:
@@ -162,7 +204,9 @@ def connect(spec: SweepSpec, url: str, attempts: int = 3, setting: str = "storag
         try:
             with queue_lock(spec):
                 storage = open_storage(url, setting, spec)
-                return open_study(spec, storage), storage
+                study = open_study(spec, storage)
+                claim_output(spec, study, url)
+                return study, storage
         except (SQLAlchemyError, StorageInternalError) as error:
             if attempt == attempts - 1:
                 raise database_error(url, setting, error) from error
@@ -172,7 +216,7 @@ def connect(spec: SweepSpec, url: str, attempts: int = 3, setting: str = "storag
 
 def database_error(url: str, setting: str, error: Exception) -> ConfigError:
     """One line for a storage that would not open (a file that is no database, a server that is down)."""
-    shown = make_url(url).render_as_string(hide_password=True) if "://" in url else url
+    shown = shown_storage(url)
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return ConfigError(f"{setting} {shown}: cannot open the database ({reason}): check the URL, that the server "
                        "runs and that the user may create tables")
@@ -254,7 +298,8 @@ def sync_queue(study: optuna.Study, storage: BaseStorage, spec: SweepSpec, retry
         settled = settled_points(study, retry_failed)
         missing = [p for p in spec.grid_points() if point_key(p) not in settled]
         for point in missing:
-            study.enqueue_trial(point, user_attrs={"point": point_key(point)}, skip_if_exists=False)
+            study.enqueue_trial(point_params(point), user_attrs={"point": point_key(point), SEED: point[SEED]},
+                                skip_if_exists=False)
         return len(missing)
 
 

@@ -1,6 +1,10 @@
 """Every notebook, executed unmodified on tiny results made by the real commands, draws inline and
 saves each of its figures as a PNG into `$SOMA_PL_FIGURES`; committed notebooks are stripped.
 
+Notebooks run as Jupyter and `jupyter-execute` run them: in `notebooks/`, with relative
+`$SOMA_PL_RESULTS` / `$SOMA_PL_FIGURES`, which start at the repository root; afterwards `notebooks/`
+holds exactly what it held before (no figure, no cache, the notebook unmodified).
+
 Each notebook family has a writer that puts its inputs into a fresh `$SOMA_PL_RESULTS` folder:
 the real commands with tiny settings where that is cheap (`bench`, `analyze`, `sweep report`),
 small files in the documented formats otherwise (run folders as the CSV logger writes them).
@@ -10,6 +14,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +29,8 @@ pytest.importorskip("matplotlib")
 
 from soma_pl.cli import main  # noqa: E402
 
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
 FAMILIES = ("scaling", "variance", "routing", "sweeps", "inference")
 FIGURES = {"scaling": {"scaling_curves.png", "scaling_target.png", "scaling_budget_map.png"},
            "inference": {"inference_table12.png", "memory_context.png"},
@@ -90,15 +97,16 @@ def _write_sweep_report(results: Path) -> None:
     study = optuna.create_study(study_name="tiny", storage=storage)
     study.set_user_attr(SWEEP_ATTR, {"factors": ["N", "lr"], "ranges": [], "seeds": [1, 2], "columns": "N",
                                      "baseline": 1, "labels": labels, "sweep_file": "tiny.yaml"})
-    distributions = {k: CategoricalDistribution(v) for k, v in {**labels, "seed": [1, 2]}.items()}
+    distributions = {k: CategoricalDistribution(v) for k, v in labels.items()}
     for seed in (1, 2):
         for n in (1, 2):
             for lr in (0.001, 0.002):
                 val, test = 2.3 - 0.01 * n + lr * seed, 2.25 - 0.02 * n + 0.001 * seed
-                params = {"N": n, "lr": lr, "seed": seed}
+                params = {"N": n, "lr": lr}  # the seed is a user attribute, not a parameter
                 runs = [{"seed": seed, "val_loss": val, "test_loss": test, "global_step": 8, "run_dir": "x"}]
                 study.add_trial(create_trial(params=params, distributions=distributions, value=val,
-                                             user_attrs={"runs": runs, "test_loss": test, "point": json.dumps(params)}))
+                                             user_attrs={"runs": runs, "test_loss": test, "seed": seed,
+                                                         "point": json.dumps({**params, "seed": seed})}))
     main(["sweep", "report", "--study", "tiny", "--storage", storage, "--out", str(results / "sweep_report.json")])
 
 
@@ -156,25 +164,24 @@ def test_every_committed_notebook_has_stripped_outputs():
                 assert cell.outputs == [] and cell.execution_count is None, f"{path.name} cell {index} has outputs"
 
 
-@pytest.mark.parametrize("stem", _stems())
-def test_notebook_executes_headless_on_tiny_results(stem, tmp_path, monkeypatch):
-    path = NOTEBOOKS / f"{stem}.ipynb"
-    if not path.is_file():
-        pytest.skip(f"notebooks/{stem}.ipynb does not exist yet (its family is being written)")
-    assert stem in WRITERS, f"no tiny inputs for notebooks/{stem}.ipynb: add a writer to WRITERS"
-    results, figures = tmp_path / "results", tmp_path / "figures"
-    results.mkdir()
-    figures.mkdir()
-    WRITERS[stem](results, monkeypatch)
-    monkeypatch.setenv("SOMA_PL_RESULTS", str(results))
-    monkeypatch.setenv("SOMA_PL_FIGURES", str(figures))
+def _contents(folder: Path) -> dict[str, bytes | None]:
+    """Every entry under `folder`, hidden ones included: a file's bytes, None for a folder."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def _execute(path: Path, monkeypatch) -> nbformat.NotebookNode:
+    """Run the notebook at `path` in memory as `jupyter-execute` does: its kernel in the notebook's
+    folder, the inline backend; the file itself is only read."""
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's own (inline) backend, as in Jupyter
     notebook = nbformat.read(path, as_version=4)
     cells = len(notebook.cells)
-    client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}}).execute()
     assert len(notebook.cells) == cells
+    return notebook
+
+
+def _check_figures(stem: str, notebook: nbformat.NotebookNode, figures: Path) -> None:
     assert stem in FIGURES, f"notebooks/{stem}.ipynb: list the PNG files it saves in FIGURES"
     written = {p.name for p in figures.glob("*.png")}
     assert written == FIGURES[stem], f"{stem}: wrote {sorted(written)}, expected {sorted(FIGURES[stem])}"
@@ -184,3 +191,42 @@ def test_notebook_executes_headless_on_tiny_results(stem, tmp_path, monkeypatch)
     inline = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
               if "image/png" in output.get("data", {})]
     assert len(inline) >= len(FIGURES[stem]), f"{stem}: {len(inline)} figures shown inline, expected every one"
+
+
+@pytest.mark.parametrize("stem", _stems())
+def test_notebook_executes_headless_on_tiny_results(stem, tmp_path, monkeypatch):
+    """In notebooks/ with folders given relative to the repository root (which, seen from
+    notebooks/, point one level off): reads and draws there, and leaves notebooks/ as it was."""
+    path = NOTEBOOKS / f"{stem}.ipynb"
+    if not path.is_file():
+        pytest.skip(f"notebooks/{stem}.ipynb does not exist yet (its family is being written)")
+    assert stem in WRITERS, f"no tiny inputs for notebooks/{stem}.ipynb: add a writer to WRITERS"
+    results, figures = tmp_path / "results", tmp_path / "figures"  # figures: made by the notebook
+    results.mkdir()
+    WRITERS[stem](results, monkeypatch)
+    monkeypatch.setenv("SOMA_PL_RESULTS", os.path.relpath(results, ROOT))
+    monkeypatch.setenv("SOMA_PL_FIGURES", os.path.relpath(figures, ROOT))
+    before = _contents(NOTEBOOKS)
+    notebook = _execute(path, monkeypatch)
+    _check_figures(stem, notebook, figures)
+    assert _contents(NOTEBOOKS) == before, f"{stem}: notebooks/ changed"
+
+
+def test_default_folders_are_the_repository_roots_results_and_figures(tmp_path, monkeypatch):
+    """Unset variables mean `<repository>/results` and `<repository>/figures`, wherever the kernel
+    runs; a copy of the repository layout keeps the real one's folders out of it."""
+    repository = tmp_path / "repository"
+    (repository / "notebooks").mkdir(parents=True)
+    (repository / "pyproject.toml").write_text("[project]\nname = 'soma_pl'\n")
+    path = repository / "notebooks" / "sweeps.ipynb"
+    shutil.copyfile(NOTEBOOKS / "sweeps.ipynb", path)
+    (repository / "results").mkdir()
+    WRITERS["sweeps"](repository / "results", monkeypatch)
+    monkeypatch.delenv("SOMA_PL_RESULTS", raising=False)
+    monkeypatch.delenv("SOMA_PL_FIGURES", raising=False)
+    before = _contents(repository / "notebooks")
+    notebook = _execute(path, monkeypatch)
+    _check_figures("sweeps", notebook, repository / "figures")
+    assert _contents(repository / "notebooks") == before == {"sweeps.ipynb": (NOTEBOOKS / "sweeps.ipynb").read_bytes()}
+    printed = "".join(output.get("text", "") for output in notebook.cells[1].outputs)
+    assert f"results: {repository / 'results'}" in printed and f"figures: {repository / 'figures'}" in printed

@@ -20,12 +20,14 @@ LABELS = {"N": [1, 2], "lr": [0.00125, 0.0025]}
 
 
 def _add(study, n: int, lr: float, seed: int, val: float, test: float, state=TrialState.COMPLETE) -> None:
-    params = {"N": n, "lr": lr, "seed": seed}
-    distributions = {k: CategoricalDistribution(v) for k, v in {**LABELS, "seed": [1, 2, 3]}.items()}
+    """A grid trial as the runner leaves it: the factors are its parameters, the seed a user attribute."""
+    params = {"N": n, "lr": lr}
+    distributions = {k: CategoricalDistribution(v) for k, v in LABELS.items()}
     runs = [{"seed": seed, "val_loss": val, "test_loss": test, "global_step": 10, "run_dir": "x"}]
     study.add_trial(create_trial(params=params, distributions=distributions, state=state,
                                  value=val if state == TrialState.COMPLETE else None,
-                                 user_attrs={"runs": runs, "test_loss": test, "point": json.dumps(params)}))
+                                 user_attrs={"runs": runs, "test_loss": test, "seed": seed,
+                                             "point": json.dumps({**params, "seed": seed})}))
 
 
 @pytest.fixture()

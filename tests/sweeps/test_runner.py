@@ -44,7 +44,8 @@ def test_grid_runs_every_point_once_and_resumes_without_repeats(kind, seeds, tmp
     assert _by_state(study) == {"COMPLETE": points}
     for trial in study.trials:
         point = json.loads(trial.user_attrs["point"])
-        assert trial.params == point
+        assert trial.params == {k: v for k, v in point.items() if k != "seed"}  # the seed is no parameter
+        assert trial.user_attrs["seed"] == point["seed"]
         assert trial.value == pytest.approx(fake_val_loss(point, point["seed"]))
         assert trial.user_attrs["test_loss"] == pytest.approx(trial.value + 0.05)
 
@@ -55,7 +56,7 @@ def test_failed_trial_is_kept_with_its_error_and_rerun_only_on_request(tmp_path,
         "lr": {"key": "model.init_args.optimizer.init_args.lr", "values": [0.01, 0.5]}}, report={}))
     assert runner.work(spec, storage) == {"COMPLETE": 1, "FAIL": 1}
     failed = _study(spec, storage).get_trials(states=(TrialState.FAIL,))
-    assert len(failed) == 1 and failed[0].params == {"lr": 0.5, "seed": 0}
+    assert len(failed) == 1 and failed[0].params == {"lr": 0.5}
     assert failed[0].user_attrs["failure"] == "error"
     assert failed[0].user_attrs["error"] == "FloatingPointError: loss diverged at step 3 (lr 0.5)"
     assert failed[0].user_attrs["log"].endswith("fit.log")
@@ -168,12 +169,12 @@ def test_trial_command_parses_through_the_real_fit_cli(tmp_path, monkeypatch):
     study = open_study(spec, opened)
     sync_queue(study, opened, spec)
     trial = claim_waiting(study, opened)
-    params = runner.suggest(spec, trial)
-    command = runner.fit_command(spec, trial, params, params["seed"], tmp_path / "trial", storage, report=True)
+    params, seed = runner.suggest(spec, trial), trial.user_attrs["seed"]
+    command = runner.fit_command(spec, trial, params, seed, tmp_path / "trial", storage, report=True)
     assert command[3].endswith("trial_result.json") and command[4:6] == ["--config", str(TINY)]
     monkeypatch.setenv("WANDB_MODE", "disabled")
     cli = make_cli(command[4:], run=False)
-    assert cli.model.seed == params["seed"] and cli.config["seed_everything"] == params["seed"]
+    assert cli.model.seed == seed and cli.config["seed_everything"] == seed
     assert cli.model.model.num_experts == params["N"]
     assert cli.config["budget"]["token_forwards"] == 1000
     assert cli.config["wandb"]["group"] == "unit" and cli.config["wandb"]["name"] == f"trial-{trial.number}"
@@ -213,3 +214,51 @@ def test_progress_bar_counts_trials_and_shows_the_best_value(tmp_path, fake_tria
     best = min(fake_val_loss(p, p["seed"]) for p in spec.grid_points())
     assert "sweep unit" in err and "4/4" in err and f"best={best:.4f}" in err
     assert "running=trial 3" in err
+
+
+@pytest.mark.parametrize("second", ["other_storage", "recreated_storage", "other_study"])
+def test_a_second_study_never_writes_the_first_ones_trial_folders(second, tmp_path, fake_trials, capsys):
+    """A journal sweep and a SQLite sweep of one file (or a study created anew after its database was
+    deleted, or another study name with the same output_dir) would number trials from 0 into the same
+    `trial-NNNN` folders: the second is refused with one line and the first one's files stay."""
+    from tests.robustness.cli import cli, one_error
+
+    sweep = write_sweep(tmp_path, seeds=[0])
+    spec = spec_of(sweep)
+    first = STORAGES["journal"](tmp_path)
+    assert runner.work(spec, first, n_trials=1) == {"COMPLETE": 1}
+    result = spec.output_dir / "trial-0000" / "trial_result.json"
+    kept = result.read_bytes()
+    if second == "other_storage":
+        args = ["--storage", STORAGES["sqlite"](tmp_path)]
+    elif second == "recreated_storage":
+        (tmp_path / "journal.log").unlink()
+        args = ["--storage", first]
+    else:
+        sweep = write_sweep(tmp_path, seeds=[0], study="other")
+        args = ["--storage", STORAGES["sqlite"](tmp_path)]
+    line = one_error(cli(capsys, "sweep", "--sweep", str(sweep), *args, "--progress", "false"),
+                     str(spec.output_dir), "trial folders", "own output_dir")
+    assert "'unit'" in line and "journal.log" in line
+    assert result.read_bytes() == kept
+    assert sorted(p.name for p in spec.output_dir.glob("trial-*")) == ["trial-0000"]
+    if second != "recreated_storage":  # the first study's own workers go on as before
+        assert runner.work(spec_of(write_sweep(tmp_path, seeds=[0])), first, n_trials=1) == {"COMPLETE": 1}
+        assert sorted(p.name for p in spec.output_dir.glob("trial-*")) == ["trial-0000", "trial-0001"]
+
+
+def test_a_study_whose_trials_searched_the_seed_is_refused_with_one_line(tmp_path, capsys):
+    """A study started before seeds became repetitions holds grid trials with `seed` among their
+    parameters (and waiting ones without the `seed` attribute the runner reads): one line, not a KeyError."""
+    import optuna
+
+    from tests.robustness.cli import cli, one_error
+
+    sweep = write_sweep(tmp_path, seeds=[0])
+    storage = STORAGES["journal"](tmp_path)
+    old = optuna.create_study(study_name="unit", storage=open_storage(storage))
+    old.enqueue_trial({"N": 1, "lr": 0.01, "seed": 0}, user_attrs={"point": "{}"})
+    old.ask({"N": optuna.distributions.CategoricalDistribution([1, 2]),
+             "seed": optuna.distributions.CategoricalDistribution([0])})
+    one_error(cli(capsys, "sweep", "--sweep", str(sweep), "--storage", storage, "--progress", "false"),
+              "study 'unit' was started by an older soma_pl", "new study")

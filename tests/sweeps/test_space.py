@@ -56,7 +56,7 @@ def test_values_survive_the_command_line():
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"grid": {"lr": {"values": [1]}}}, "needs `key`"),
-    ({"grid": {"seed": {"key": "k", "values": [1]}}}, "not 'seed'"),
+    ({"grid": {"seed": {"key": "k", "values": [1]}}}, "grid.seed sets the seed"),
     ({"seeds": []}, "seeds must be"),
     ({"ranges": {"eps": {"key": "k", "low": 1, "high": 0.5}}, "trials": 3}, "must be below"),
     ({"ranges": {"eps": {"key": "k", "low": 0.1, "high": 0.5}}}, "needs `trials`"),

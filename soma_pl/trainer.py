@@ -1,0 +1,40 @@
+"""The Trainer LightningCLI builds: Lightning's own, with batch limits that keep their type.
+
+Lightning reads `limit_val_batches: 1` as one batch and `1.0` as every batch. Its signature types
+these settings `float | int`, and jsonargparse tries the union's members in order, so an integer
+from a config file or the command line arrived as the float 1.0: every batch, where the file said
+one. Here they are `BatchCount`, which keeps what was written: `1` stays the integer 1, `1.0` and
+`0.25` stay fractions.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import yaml
+from jsonargparse.typing import register_type
+
+
+class BatchCount(float):
+    """A number of batches (an integer) or a fraction of them (a float), as written."""
+
+
+def _batch_count(value: object) -> int | float:
+    if isinstance(value, str):  # the command line's text; a config file's value is already typed
+        value = yaml.safe_load(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} is neither a number of batches (an integer) nor a fraction (a float)")
+    return value
+
+
+register_type(BatchCount, serializer=lambda value: value, deserializer=_batch_count)
+
+
+class Trainer(L.Trainer):
+    """`lightning.Trainer`; `limit_*_batches` and `overfit_batches` are `BatchCount`s."""
+
+    def __init__(self, *, limit_train_batches: BatchCount | None = None, limit_val_batches: BatchCount | None = None,
+                 limit_test_batches: BatchCount | None = None, limit_predict_batches: BatchCount | None = None,
+                 overfit_batches: BatchCount = 0.0, **kwargs) -> None:
+        super().__init__(limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
+                         limit_test_batches=limit_test_batches, limit_predict_batches=limit_predict_batches,
+                         overfit_batches=overfit_batches, **kwargs)
