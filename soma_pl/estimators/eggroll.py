@@ -51,10 +51,11 @@ class FitnessShaping(str, Enum):
     """How member losses become fitness values (member names are what configs write)."""
 
     population = "population"
-    """z-score over all N members of an expert (the reference's adds 1e-5 to the variance)."""
+    """z-score over all N members of an expert, the std floored instead of the reference's +1e-5."""
     group = "group"
-    """The reference's: subtract each group's mean (removes its window's difficulty), divide by
-    ``√(var + 1e-5)`` of the whole population's losses. That spread is mostly how much the windows
+    """The reference's (the default): subtract each group's mean (removes its window's difficulty),
+    divide by ``√(var + 1e-5)`` of the whole population's losses; with one group (``group_size =
+    N``) it is the reference's ungrouped shaping. That spread is mostly how much the windows
     differ, so the fitness grows with σ (as does ``population``'s over several windows)."""
     group_own_std = "group_own_std"
     """z-score within each group by its own mean and std: to first order independent of σ."""
@@ -84,8 +85,8 @@ class EGGROLLConfig:
     """N: members (both signs of N/2 antithetic pairs)."""
     group_size: int = 4096
     """Members that share one window; N / group_size windows per update."""
-    fitness: FitnessShaping = FitnessShaping.population
-    """Fitness shaping."""
+    fitness: FitnessShaping = FitnessShaping.group
+    """Fitness shaping; `group` is the reference's (HyperscaleES `convert_fitnesses`)."""
     max_members: int | None = None
     """Most members one loss call evaluates (bounds memory); None: all N at once."""
     step_convention: StepConvention = StepConvention.reference

@@ -38,6 +38,7 @@ from soma_pl.lit.args import ModelShape
 from soma_pl.lit.parallel import coordinator_bytes, gather_bytes, gather_shares, keep_buffers_local, sum_at_coordinator
 from soma_pl.lit.plateau import PlateauConfig
 from soma_pl.lit.spsa import SPSAArgs, SPSAModule
+from soma_pl.lit.zo import Init
 
 
 class Exchange(str, Enum):
@@ -126,9 +127,10 @@ class DDPPModule(SPSAModule):
     def __init__(self, shape: ModelShape = ModelShape(), spsa: SPSAArgs = SPSAArgs(),
                  exchange: Exchange = Exchange.scalars, optimizer: OptimizerCallable = torch.optim.SGD,
                  plateau: PlateauConfig = PlateauConfig(), seed: int = 0, train_context: int = 1024,
-                 score_from: int = ROUTE_BYTES, init_checkpoint: str | None = None):
+                 score_from: int = ROUTE_BYTES, init: Init | None = None, init_checkpoint: str | None = None):
         super().__init__(shape=shape, spsa=spsa, optimizer=optimizer, plateau=plateau, seed=seed,
-                         train_context=train_context, score_from=score_from, init_checkpoint=init_checkpoint)
+                         train_context=train_context, score_from=score_from, init=init,
+                         init_checkpoint=init_checkpoint)
         self.exchange = Exchange(exchange)
         self.directions_here = 0
         """Directions this rank evaluated in the last step."""

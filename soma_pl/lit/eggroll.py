@@ -33,7 +33,7 @@ from soma_pl.errors import ConfigError
 from soma_pl.estimators.eggroll import EGGROLLConfig, EGGROLLResult, FitnessShaping, MemberNoise, eggroll_estimate
 from soma_pl.lit.args import KEY, ModelShape, require
 from soma_pl.lit.plateau import PlateauConfig
-from soma_pl.lit.zo import EpsSchedule, ZOModule
+from soma_pl.lit.zo import EpsSchedule, Init, ZOModule
 from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
 
 
@@ -85,9 +85,9 @@ class EGGROLLModule(ZOModule):
     def __init__(self, shape: ModelShape = ModelShape(), eggroll: EGGROLLArgs = EGGROLLArgs(),
                  optimizer: OptimizerCallable = torch.optim.SGD, plateau: PlateauConfig = PlateauConfig(),
                  seed: int = 0, train_context: int = 1024, score_from: int = ROUTE_BYTES,
-                 init_checkpoint: str | None = None):
+                 init: Init | None = None, init_checkpoint: str | None = None):
         super().__init__(shape=shape, optimizer=optimizer, plateau=plateau, seed=seed, train_context=train_context,
-                         score_from=score_from, init_checkpoint=init_checkpoint)
+                         score_from=score_from, init=init, init_checkpoint=init_checkpoint)
         self.eggroll = self.arg_group(EGGROLLArgs, eggroll, "eggroll")
 
     @property

@@ -29,15 +29,8 @@ from soma_pl.lit.parallel import ExpertParallel
 from soma_pl.lit.plateau import PlateauConfig
 from soma_pl.lit.routing import RoutedEnsemble
 from soma_pl.lit.spsa import SPSAArgs, SPSAModule
+from soma_pl.lit.zo import Init
 from soma_pl.models.stacked import EMBED_HEAD, HeadMode, StackedExperts
-
-
-class Init(str, Enum):
-    """Where the experts start (Fig. 9)."""
-
-    seed = "seed"
-    """Every expert a copy of the seed model (the paper's warm start)."""
-    random = "random"
 
 
 class HeadTraining(str, Enum):
@@ -69,6 +62,7 @@ class SOMAModule(RoutedEnsemble, SPSAModule):
     """
 
     per_expert_decay = True
+    checkpoint_key = "seed_checkpoint"
 
     def __init__(self, num_experts: int = 8, shape: ModelShape = ModelShape(width=181), init: Init = Init.seed,
                  seed_checkpoint: str | None = None, head_training: HeadTraining = HeadTraining.trainable,
@@ -79,11 +73,9 @@ class SOMAModule(RoutedEnsemble, SPSAModule):
         shared = head_training in (HeadTraining.frozen_shared, HeadTraining.frozen_random)
         super().__init__(num_experts=num_experts, shape=shape, head=HeadMode.shared if shared else HeadMode.per_expert,
                          spsa=spsa, optimizer=optimizer, plateau=plateau, seed=seed, train_context=train_context,
-                         score_from=score_from, init_checkpoint=seed_checkpoint if Init(init) is Init.seed else None)
+                         score_from=score_from, init=Init(init), init_checkpoint=seed_checkpoint)
         self.head_training = head_training
         self.init_routing(top_k, router_path)
-        if Init(init) is Init.seed and seed_checkpoint is None:
-            raise ConfigError("init: seed needs model.init_args.seed_checkpoint (or set init: random)")
         self.keep_head = head_training is HeadTraining.frozen_random
         if shared:
             self.model.head.requires_grad_(False)

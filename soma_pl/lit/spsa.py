@@ -20,7 +20,7 @@ from soma_pl.errors import ConfigError
 from soma_pl.estimators.spsa import SPSAConfig, SPSAResult, spsa_estimate
 from soma_pl.lit.args import KEY, ModelShape, require
 from soma_pl.lit.plateau import PlateauConfig
-from soma_pl.lit.zo import EpsSchedule, ZOModule
+from soma_pl.lit.zo import EpsSchedule, Init, ZOModule
 from soma_pl.models.stacked import HeadMode
 
 __all__ = ["EpsSchedule", "SPSAArgs", "SPSAModule"]
@@ -59,9 +59,9 @@ class SPSAModule(ZOModule):
                  head: HeadMode = HeadMode.per_expert, spsa: SPSAArgs = SPSAArgs(),
                  optimizer: OptimizerCallable = torch.optim.SGD, plateau: PlateauConfig = PlateauConfig(),
                  seed: int = 0, train_context: int = 1024, score_from: int = ROUTE_BYTES,
-                 init_checkpoint: str | None = None):
+                 init: Init | None = None, init_checkpoint: str | None = None):
         super().__init__(num_experts=num_experts, shape=shape, head=head, optimizer=optimizer, plateau=plateau,
-                         seed=seed, train_context=train_context, score_from=score_from,
+                         seed=seed, train_context=train_context, score_from=score_from, init=init,
                          init_checkpoint=init_checkpoint)
         self.spsa = self.arg_group(SPSAArgs, spsa, "spsa")
 

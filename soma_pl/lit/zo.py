@@ -47,6 +47,33 @@ def small_eps_warning(eps: float | Tensor, dtype: torch.dtype) -> str | None:
             f"precision there; set plateau.min_lr (or eps_schedule: constant)")
 
 
+class Init(str, Enum):
+    """Where a fresh fit starts (Fig. 9); every side of a comparison starts the same way."""
+
+    seed = "seed"
+    """From a seed model of the same width: every expert a copy of it (the paper's warm start)."""
+    random = "random"
+    """From the module's random initialisation (`seed_everything`)."""
+
+
+def start_checkpoint(init: Init | str | None, checkpoint: str | None, key: str) -> str | None:
+    """The checkpoint a fresh fit starts from: `checkpoint` under `init: seed`, None under `random`.
+
+    `init` None (unset) is `seed` when a checkpoint is given, else `random`.
+
+    Raises:
+        ConfigError: `init: seed` without a checkpoint (`key` names its setting).
+    """
+    init = (Init.seed if checkpoint else Init.random) if init is None else Init(init)
+    if init is Init.seed and checkpoint is None:
+        raise ConfigError(f"init: seed needs model.init_args.{key} (or set init: random)")
+    if init is Init.random and checkpoint is not None:
+        # A config's seed checkpoint overridden by `--model.init_args.init=random` (Fig. 9's ablation).
+        rank_zero_warn(f"init: random: model.init_args.{key}={checkpoint} is not used; the fit starts from "
+                       "random weights")
+    return checkpoint if init is Init.seed else None
+
+
 class EpsSchedule(str, Enum):
     """How ε (or σ) moves during training (member names are what configs write)."""
 
@@ -63,6 +90,8 @@ class ZOModule(ByteLMModule):
 
     Args:
         seed: seed of the perturbations (regenerated from seed, step, expert, direction).
+        init: `seed` (start from `init_checkpoint`) or `random`; None: `seed` when `init_checkpoint`
+            is given, else `random`. Configs say it explicitly, so a sweep's sides can be compared.
         init_checkpoint: a monolithic checkpoint of the same shapes to start from (a seed model);
             every expert starts as a copy of it. Ignored when resuming (`--ckpt_path`).
         Other arguments: see `ByteLMModule`.
@@ -70,15 +99,18 @@ class ZOModule(ByteLMModule):
 
     scale_name = "eps"
     """What the perturbation scale is called in logs (`train/<scale_name>`)."""
+    checkpoint_key = "init_checkpoint"
+    """The setting that names the seed checkpoint (in messages)."""
 
     def __init__(self, num_experts: int = 1, shape: ModelShape = ModelShape(),
                  head: HeadMode = HeadMode.per_expert, optimizer: Callable | dict = torch.optim.SGD,
                  plateau: PlateauConfig = PlateauConfig(), seed: int = 0, train_context: int = 1024,
-                 score_from: int = ROUTE_BYTES, init_checkpoint: str | None = None):
+                 score_from: int = ROUTE_BYTES, init: Init | None = None, init_checkpoint: str | None = None):
         super().__init__(num_experts=num_experts, shape=shape, head=head, train_context=train_context,
                          score_from=score_from, optimizer=optimizer, plateau=plateau)
         self.seed = seed
-        self.init_checkpoint = init_checkpoint
+        self.init_checkpoint = start_checkpoint(init, init_checkpoint, self.checkpoint_key)
+        """The seed checkpoint a fresh fit starts from; None: random weights."""
         self.keep_head = False
         """Whether a warm start leaves the (shared, random) head as it is."""
         self.eps_warned = False

@@ -7,7 +7,9 @@ Reads a sweep's study and prints, as markdown, and writes, as JSON:
 - **Table 7** (test loss after selection): for each seed and column, the setting with the lowest
   unrounded ensemble-validation loss of that seed is selected and its test loss reported; the
   differences are baseline minus each other column, per seed, then their mean and sample standard
-  deviation. Test losses never take part in the selection.
+  deviation. Test losses never take part in the selection. A selected setting at an edge of its grid
+  (the lowest or highest value of a numeric grid factor) is flagged (`at_grid_edge`, a † in the
+  table and a footnote): the best setting may lie outside the grid.
 
 All losses are nats/byte. Only COMPLETE trials enter the tables; pruned and failed ones are counted,
 and failed ones listed with their error (a trial Optuna failed for a stale heartbeat is `stale`).
@@ -113,6 +115,21 @@ def table6(records: list[Record], description: dict) -> dict:
                      for row, cells in rows.items()]}
 
 
+def _numeric(label: Label) -> bool:
+    return isinstance(label, int | float) and not isinstance(label, bool)
+
+
+def grid_edges(setting: dict[str, Label], description: dict) -> list[str]:
+    """The numeric grid factors (two or more values) whose label in `setting` is their grid's lowest
+    or highest value; ranges and the column factor are not grid axes of a selection."""
+    edges = []
+    for name, label in setting.items():
+        labels = description["labels"].get(name) or []
+        if len(labels) > 1 and all(map(_numeric, labels)) and label in (min(labels), max(labels)):
+            edges.append(name)
+    return edges
+
+
 def table7(records: list[Record], description: dict) -> dict:
     """Per seed and column: the lowest-validation setting's test loss; baseline − other differences."""
     columns = description.get("columns")
@@ -130,11 +147,16 @@ def table7(records: list[Record], description: dict) -> dict:
             per_seed.append({"seed": seed, "test": {str(k): r.test_loss for k, r in chosen.items()},
                              "val": {str(k): r.val_loss for k, r in chosen.items()},
                              "selected": {str(k): dict(_split(r.setting, columns)[0]) for k, r in chosen.items()},
+                             "at_grid_edge": {str(k): grid_edges(dict(_split(r.setting, columns)[0]), description)
+                                              for k, r in chosen.items()},
                              "trial": {str(k): r.trial for k, r in chosen.items()},
                              "difference": {str(k): chosen[baseline].test_loss - r.test_loss
                                             for k, r in chosen.items() if k != baseline}})
     others = [str(label) for label in labels if label != baseline]
+    edges = {str(label): sorted({name for s in per_seed for name in s["at_grid_edge"][str(label)]})
+             for label in labels}
     return {"columns": columns, "column_labels": labels, "baseline": baseline, "per_seed": per_seed,
+            "at_grid_edge": edges,
             "test": {str(label): stats([s["test"][str(label)] for s in per_seed]) for label in labels},
             "difference": {label: stats([s["difference"][label] for s in per_seed]) for label in others}}
 
@@ -199,16 +221,38 @@ def markdown(report: dict) -> str:
               *_head(["Optimization seed", *(_column_name(t7["columns"], c) for c in t7["column_labels"]),
                       *differences])]
     for entry in t7["per_seed"]:
-        values = [entry["test"][str(c)] for c in t7["column_labels"]] + [entry["difference"][str(o)] for o in others]
-        lines.append("| " + " | ".join([str(entry["seed"]), *map(_fmt, values)]) + " |")
+        tests = [_fmt(entry["test"][str(c)]) + ("†" if entry["at_grid_edge"][str(c)] else "")
+                 for c in t7["column_labels"]]
+        differences = [_fmt(entry["difference"][str(o)]) for o in others]
+        lines.append("| " + " | ".join([str(entry["seed"]), *tests, *differences]) + " |")
     for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
         values = ([t7["test"][str(c)][key] for c in t7["column_labels"]]
                   + [t7["difference"][str(o)][key] for o in others])
         lines.append("| " + " | ".join([name, *map(_fmt, values)]) + " |")
+    lines += _edge_footnote(t7, report["sweep"]["labels"])
     lines += ["", "Trials: " + ", ".join(f"{k} {v}" for k, v in sorted(report["trials"].items()))]
     lines += [f"- trial {f['trial']} {f['failure']}{' (its point is re-run)' if f['rerun'] else ''}: {f['error']}"
               for f in report["failed"]]
     return "\n".join(lines) + "\n"
+
+
+def _edge_footnote(t7: dict, labels: dict[str, list[Label]]) -> list[str]:
+    """The † footnote: each selection at a grid edge, by column, factor and value, with its seeds."""
+    seeds: dict[tuple[str, str, Label], list[int]] = {}
+    for entry in t7["per_seed"]:
+        for column, names in entry["at_grid_edge"].items():
+            for name in names:
+                seeds.setdefault((column, name, entry["selected"][column][name]), []).append(entry["seed"])
+    if not seeds:
+        return []
+    lines = ["", "† Selected at an edge of its grid (the lowest or highest value tried): the best setting may "
+                 "lie outside the grid; extend it."]
+    for (column, name, value), which in seeds.items():
+        where = f"{_column_name(t7['columns'], column)}, " if t7["columns"] else ""
+        side = "lowest" if value == min(labels[name]) else "highest"
+        lines.append(f"- {where}seed{'s' if len(which) > 1 else ''} {', '.join(map(str, which))}: {name} = {value}, "
+                     f"the {side} of {', '.join(map(str, labels[name]))}")
+    return lines
 
 
 def save_figures(study: optuna.Study, folder: Path) -> list[Path]:

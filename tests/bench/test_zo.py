@@ -6,19 +6,56 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from soma_pl.bench.zo import ZOBenchSettings, bench_zo, eggroll_record
+from soma_pl.bench import zo
+from soma_pl.bench.zo import ZOBenchSettings, bench_zo, eggroll_record, median_seconds
 
 TINY = ZOBenchSettings(n_pert=4, micro_batch=2, context=16, repeats=1)
 REPO = Path(__file__).resolve().parents[2]
+SECONDS = {"update": 0.5, "inference": 0.125, "naive": 0.75, "batched": 0.4, "sequential": 1.0, "run": 1.0}
+"""The median seconds `scripted_medians` reports for each timed run, by name."""
+TOKENS = 2 * 4 * 2 * 16
+"""Token forwards of one update of TINY: 2 · n_pert · B · T."""
+
+
+def scripted_medians(runs, repeats, warmup):
+    """`median_seconds` with the medians fixed by `SECONDS`; every run still runs once."""
+    for run in runs.values():
+        run()
+    return {name: SECONDS[name] for name in runs}
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
     return bench_zo(widths=(8,), settings=TINY, soma_experts=2, soma_width=8)
+
+
+@pytest.fixture(scope="module")
+def scripted() -> dict:
+    """The report of `report`'s settings with every median time fixed (`scripted_medians`)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(zo, "median_seconds", scripted_medians)
+        return bench_zo(widths=(8,), settings=TINY, soma_experts=2, soma_width=8, eggroll_widths=(8,))
+
+
+def test_median_seconds_takes_the_runs_in_turn_and_reports_each_median(monkeypatch):
+    """A fake clock that only the runs move: each call of a run advances it by that run's next duration."""
+    clock = SimpleNamespace(now=0.0, calls=[])
+    durations = {"a": iter([100.0, 3.0, 1.0, 8.0]), "b": iter([100.0, 10.0, 30.0, 11.0])}  # warmup first
+
+    def run(name: str):
+        def call() -> None:
+            clock.calls.append(name)
+            clock.now += next(durations[name])
+        return call
+
+    monkeypatch.setattr(zo, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    assert median_seconds({"a": run("a"), "b": run("b")}, repeats=3, warmup=1) == {"a": 3.0, "b": 11.0}
+    assert clock.calls == ["a", "b"] + ["a", "b"] * 3
 
 
 def test_report_has_one_zo_record_per_width_and_the_soma_record(report):
@@ -39,10 +76,15 @@ def test_zo_record_throughputs_are_positive_and_consistent(report):
     for key in ("zo_tokens_per_s", "inference_tokens_per_s", "update_seconds", "inference_seconds",
                 "naive_update_seconds", "naive_speedup"):
         assert record[key] > 0, key
-    efficiency = record["zo_tokens_per_s"] / record["inference_tokens_per_s"]
-    assert record["efficiency"] == pytest.approx(efficiency, rel=1e-3)
-    assert record["zo_tokens_per_s"] == pytest.approx(
-        record["token_forwards_per_update"] / record["update_seconds"], rel=1e-3)
+
+
+def test_zo_record_figures_follow_from_the_measured_times(scripted):
+    record = scripted["results"][0]
+    assert record["record"] == "zo" and record["token_forwards_per_update"] == TOKENS
+    assert (record["update_seconds"], record["inference_seconds"]) == (0.5, 0.125)
+    assert record["naive_update_seconds"] == 0.75 * 4 / 4  # timed on 4 directions, scaled to n_pert = 4
+    assert (record["zo_tokens_per_s"], record["inference_tokens_per_s"]) == (TOKENS / 0.5, TOKENS / 0.125)
+    assert record["efficiency"] == 0.25 and record["naive_speedup"] == 1.5
 
 
 def test_soma_record_speedup_is_sequential_over_batched(report):
@@ -50,7 +92,22 @@ def test_soma_record_speedup_is_sequential_over_batched(report):
     assert (record["experts"], record["d_t"]) == (2, 8)
     assert record["token_forwards_per_update"] == 2 * (2 * 4 * 2 * 16)
     assert record["batched_seconds"] > 0 and record["sequential_seconds"] > 0
-    assert record["speedup"] == pytest.approx(record["sequential_seconds"] / record["batched_seconds"], rel=1e-2)
+
+
+def test_soma_record_figures_follow_from_the_measured_times(scripted):
+    record = scripted["results"][1]
+    assert record["record"] == "soma_batched_vs_sequential" and record["token_forwards_per_update"] == 2 * TOKENS
+    assert (record["batched_seconds"], record["sequential_seconds"]) == (0.4, 1.0)
+    assert (record["batched_tokens_per_s"], record["sequential_tokens_per_s"]) == (2 * TOKENS / 0.4, 2 * TOKENS / 1.0)
+    assert record["speedup"] == 2.5
+
+
+def test_eggroll_record_figures_follow_from_the_measured_times(scripted):
+    record = scripted["results"][2]
+    assert record["record"] == "eggroll" and record["token_forwards_per_update"] == TOKENS
+    assert (record["update_seconds"], record["inference_seconds"]) == (0.5, 0.125)
+    assert (record["eggroll_tokens_per_s"], record["inference_tokens_per_s"]) == (TOKENS / 0.5, TOKENS / 0.125)
+    assert record["efficiency"] == 0.25
 
 
 def test_cli_writes_the_report(tmp_path):
@@ -75,8 +132,3 @@ def test_eggroll_record_runs_the_same_token_count_as_the_zo_record():
     assert record["token_forwards_per_update"] == 2 * 4 * 2 * 16  # the zo record's ± rows
     assert record["max_members"] is None  # 16 members fit below the smallest candidate
     assert record["update_seconds"] > 0 and record["inference_seconds"] > 0
-    efficiency = record["eggroll_tokens_per_s"] / record["inference_tokens_per_s"]
-    # Rounded to 4 decimals, so compared with an absolute tolerance (a slow spell can make it small).
-    assert record["efficiency"] == pytest.approx(efficiency, rel=1e-3, abs=1e-4)
-    ratio = record["inference_seconds"] / record["update_seconds"]
-    assert record["efficiency"] == pytest.approx(ratio, rel=1e-2, abs=1e-4)

@@ -15,9 +15,11 @@ from tests.lit.conftest import corpus_dir, fit_args  # noqa: F401
 
 @pytest.fixture(scope="module")
 def fitted(corpus_dir, tmp_path_factory):  # noqa: F811
-    """A 4-step tiny SPSA fit whose checkpoint names use the `{val/loss:.4f}` template."""
+    """A 4-step tiny SPSA fit whose checkpoint names use the `{val/loss:.4f}` template (at lr 0.05, where
+    the 4 updates lower the test loss by 0.019 nats/byte)."""
     root = tmp_path_factory.mktemp("predict")
     main(fit_args(corpus_dir, root / "data", root / "run", "--trainer.max_steps=4",
+                  "--model.init_args.optimizer.init_args.lr=0.05",
                   "--checkpoint.filename={val/loss:.4f}", "--checkpoint.monitor=val/loss"))
     return root
 
@@ -49,7 +51,9 @@ def test_predict_writes_each_windows_losses(suffix, fitted, corpus_dir):  # noqa
         assert row["mean_expert_loss"] == pytest.approx(losses[:, row["window"]].mean().item())
         assert row["document"] == str(test_set.doc_ids[row["window"]])
         assert row["offset"] == int(test_set.offsets[row["window"]])
-        assert 0 < row["mean_expert_loss"] < 6
+    untrained = make_cli(["predict", *args]).trainer.predict_loop.predictions  # the same seed, never trained
+    untrained_loss = torch.cat([p["loss"] for p in untrained], dim=1).mean().item()
+    assert sum(row["mean_expert_loss"] for row in rows) / len(rows) < untrained_loss - 0.01
 
 
 def test_prediction_file_of_an_unknown_format_is_one_line(fitted, corpus_dir, capsys):  # noqa: F811

@@ -87,7 +87,7 @@ def test_pairs_are_antithetic_and_regenerated_from_counters():
 
 def test_shaping_z_scores_over_the_population_or_each_group():
     losses = torch.randn(2, 12, generator=torch.Generator().manual_seed(0)) * 3 + 5
-    config = EGGROLLConfig(population=12, group_size=4)
+    config = EGGROLLConfig(population=12, group_size=4, fitness=FitnessShaping.population)
     whole = shape_fitness(losses, config)
     torch.testing.assert_close(whole.mean(1), torch.zeros(2, dtype=torch.float64))
     torch.testing.assert_close(whole.std(1, unbiased=False), torch.ones(2, dtype=torch.float64))
@@ -102,6 +102,25 @@ def test_shaping_z_scores_over_the_population_or_each_group():
     torch.testing.assert_close(grouped, centred / spread.view(2, 1, 1))
     raw = shape_fitness(losses, replace(config, fitness=FitnessShaping.none))
     torch.testing.assert_close(raw, losses.double())
+
+
+def test_the_default_shaping_is_the_references_with_its_variance_term():
+    """HyperscaleES `convert_fitnesses` by hand: each group of 2 centred on its own mean, all divided
+    by √(population variance + 1e-5). The losses' variance is 1.5e-5, so the +1e-5 matters: a z-score
+    (`population`) or a floored std would not match."""
+    from soma_pl.lit.eggroll import EGGROLLArgs
+
+    values = [1.994, 2.000, 1.997, 2.003, 2.000, 2.006]  # pairs ±0.003 around 1.997, 2.000, 2.003
+    mean = sum(values) / 6
+    variance = sum((v - mean) ** 2 for v in values) / 6  # the biased variance, as jnp.var
+    pair_means = [(values[i] + values[i + 1]) / 2 for i in (0, 2, 4)]
+    expected = [(v - pair_means[i // 2]) / math.sqrt(variance + 1e-5) for i, v in enumerate(values)]
+    losses = torch.tensor([values], dtype=torch.float64)
+    for config in (EGGROLLConfig(population=6, group_size=2), EGGROLLArgs(population=6, group_size=2)):
+        assert config.fitness is FitnessShaping.group
+        torch.testing.assert_close(shape_fitness(losses, config), torch.tensor([expected], dtype=torch.float64))
+    # variance 0.003² + (2/3)·0.003² = 1.5e-5: -0.003 / √(2.5e-5) = -0.6 (without the +1e-5: -0.775).
+    assert variance == pytest.approx(1.5e-5) and expected[0] == pytest.approx(-0.6)
 
 
 class MatrixQuadratic:

@@ -91,11 +91,14 @@ def trained(sharded, corpus_dir):
     return cli, root / "fit" / "checkpoints" / "last.ckpt"
 
 
-def test_soma_fit_trains_every_expert_and_logs_per_expert(trained):
+def test_soma_fit_trains_every_expert_and_logs_per_expert(trained, sharded, corpus_dir):
     cli, checkpoint_path = trained
     metrics = cli.trainer.callback_metrics
     assert {f"expert/{e}/{m}" for e in (0, 1) for m in ("train_loss", "val_loss", "lr")} <= set(metrics)
-    assert 0 < metrics["val/loss"].item() < 6
+    root, _, experts = sharded
+    untrained = make_cli(["validate", *soma_args(corpus_dir, root, experts, "untrained")])  # the same seed
+    # 8 updates lower the ensemble's loss by 0.058 nats/byte (measured).
+    assert metrics["val/loss"].item() < untrained.trainer.callback_metrics["val/loss"].item() - 0.02
     checkpoint = torch.load(checkpoint_path, weights_only=False)
     assert checkpoint["global_step"] == 8 and "router" in checkpoint
     w = checkpoint["state_dict"]["model.w_hh"]

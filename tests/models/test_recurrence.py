@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from soma_pl.bench.kernels import ReferenceStack
 from soma_pl.models import recurrence
 from soma_pl.models.recurrence import Kernel, resolve_kernel
 from soma_pl.models.stacked import StackedExperts
@@ -24,18 +25,37 @@ def _copies(model: StackedExperts, groups: int) -> dict[str, torch.Tensor]:
             for name, param in model.expert_parameters().items()}
 
 
+def _each_weight_set_alone(model: StackedExperts, params: dict[str, torch.Tensor], tokens: torch.Tensor
+                           ) -> torch.Tensor:
+    """Logits of every weight set run alone through standard layers (`torch.nn.LSTM`, `ReferenceStack`):
+    independent of every kernel here, the reference loop included."""
+    full = model.group_parameters(params, tokens.shape[0])
+    logits = []
+    for group in range(tokens.shape[0]):
+        alone = StackedExperts(1, model.width, model.embed_dim, model.num_layers)
+        for name, param in alone.named_parameters():
+            param.copy_(full[name][group : group + 1])
+        logits.append(ReferenceStack(alone)(tokens[group]))
+    return torch.stack(logits)
+
+
 @pytest.mark.parametrize("kernel", [Kernel.library, Kernel.native, Kernel.auto])
 @pytest.mark.parametrize(("experts", "width", "groups"), [(1, 8, 1), (1, 12, 1), (2, 12, 6), (3, 8, 3)])
 def test_every_kernel_matches_the_reference_loop(kernel, experts, width, groups):
-    """T = 20 bytes in chunks of 7: the state crosses chunk boundaries; d_t = 12 adds projections."""
+    """T = 20 bytes in chunks of 7: the state crosses chunk boundaries; d_t = 12 adds projections.
+
+    Several weight sets under `library` run the reference loop itself (the library kernel takes one),
+    so every case is also compared with each weight set run alone through `torch.nn.LSTM`."""
     tokens = torch.randint(0, 256, (groups, 3, 20), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     reference, model = _model(experts, width, "python"), _model(experts, width, kernel)
     params = {} if groups == experts else _copies(model, groups)
     with torch.no_grad():
         expected = reference.forward_with(params, tokens)
         got = model.forward_with(params, tokens)
-    assert got.shape == expected.shape
+        alone = _each_weight_set_alone(model, params, tokens)
+    assert got.shape == expected.shape == alone.shape
     assert (got - expected).abs().max().item() <= TOLERANCE
+    assert (got - alone).abs().max().item() <= TOLERANCE
 
 
 def test_library_kernel_backpropagates_the_same_gradients():

@@ -1,0 +1,111 @@
+"""Every zero-order module starts from a seed model of its own width (`init: seed`) or from random weights.
+
+The seed is what the seed recipe trains (a BPTT model, as `configs/bptt.yaml` and `configs/seed.yaml`);
+monolithic SPSA, DDPP and EGGROLL copy it as SOMA's experts do, so the sides of a comparison can
+start alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from soma_pl.errors import ConfigError
+from soma_pl.lit import BPTTModule, DDPPModule, EGGROLLArgs, EGGROLLModule, ModelShape, SOMAModule, SPSAModule
+from soma_pl.models.stacked import HeadMode
+from tests.robustness.cli import cli, one_error
+
+from .conftest import final_weights, fit_args, run_cli
+from .test_eggroll import EGGROLL
+
+SHAPE = ModelShape(width=8, num_layers=1, embed_dim=8)
+MONOLITHIC = {
+    "spsa": lambda **kw: SPSAModule(shape=SHAPE, **kw),
+    "spsa_shared_head": lambda **kw: SPSAModule(shape=SHAPE, head=HeadMode.shared, **kw),
+    "ddpp": lambda **kw: DDPPModule(shape=SHAPE, **kw),
+    "eggroll": lambda **kw: EGGROLLModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6), **kw),
+}
+
+
+def bptt_seed(path: Path, shape: ModelShape = SHAPE) -> dict[str, torch.Tensor]:
+    """A BPTT seed model's checkpoint at `path` (weights moved off their initialisation); its weights."""
+    torch.manual_seed(11)
+    seed = BPTTModule(shape=shape)
+    with torch.no_grad():
+        for param in seed.parameters():
+            param.add_(0.3 * torch.randn_like(param))
+    torch.save({"state_dict": seed.state_dict(), "hyper_parameters": dict(seed.hparams)}, path)
+    return {name: value.clone() for name, value in seed.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", MONOLITHIC)
+def test_a_monolithic_module_starts_as_a_copy_of_a_seed_of_its_width(name, tmp_path):
+    path = tmp_path / "seed.ckpt"
+    seed = bptt_seed(path)
+    module = MONOLITHIC[name](init="seed", init_checkpoint=str(path))
+    assert module.init_checkpoint == str(path)
+    assert not torch.equal(module.model.w_hh, seed["w_hh"])  # its own random initialisation first
+    module._warm_start(module.init_checkpoint)
+    for weight, value in module.model.state_dict().items():
+        expected = seed[weight][0] if module.model.is_shared(weight) else seed[weight]
+        assert torch.equal(value, expected), weight
+    if name == "spsa_shared_head":  # one head, never perturbed: frozen at the seed's
+        assert "head" not in module.trainable_parameters()
+
+
+@pytest.mark.parametrize(("init", "given", "start"), [
+    (None, None, None), (None, "seed.ckpt", "seed.ckpt"), ("seed", "seed.ckpt", "seed.ckpt"),
+    ("random", "seed.ckpt", None), ("random", None, None)])
+@pytest.mark.parametrize("name", MONOLITHIC)
+def test_init_says_which_start_a_fresh_fit_takes(name, init, given, start, recwarn):
+    assert MONOLITHIC[name](init=init, init_checkpoint=given).init_checkpoint == start
+    unused = [str(w.message) for w in recwarn if "is not used" in str(w.message)]
+    # A named checkpoint that `init: random` leaves unused is said, never silently dropped.
+    assert unused == ([f"init: random: model.init_args.init_checkpoint={given} is not used; the fit starts from "
+                       "random weights"] if init == "random" and given else [])
+
+
+@pytest.mark.parametrize(("build", "key"), [
+    (lambda: SPSAModule(shape=SHAPE, init="seed"), "init_checkpoint"),
+    (lambda: EGGROLLModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6), init="seed"),
+     "init_checkpoint"),
+    (lambda: DDPPModule(shape=SHAPE, init="seed"), "init_checkpoint"),
+    (lambda: SOMAModule(num_experts=2, shape=SHAPE, init="seed"), "seed_checkpoint"),
+])
+def test_a_seed_start_without_a_checkpoint_is_refused(build, key):
+    with pytest.raises(ConfigError, match=rf"^init: seed needs model.init_args.{key} \(or set init: random\)$"):
+        build()
+
+
+def test_the_cli_refuses_a_seed_start_without_a_checkpoint_in_one_line(corpus_dir, tmp_path, capsys):
+    args = fit_args(corpus_dir, tmp_path / "data", tmp_path / "run", "--model.init_args.init=seed")
+    one_error(cli(capsys, *args), "init: seed needs model.init_args.init_checkpoint (or set init: random)")
+
+
+def test_an_eggroll_fit_starts_from_the_seed_or_from_random_weights(corpus_dir, tmp_path):
+    """Through `fit`: one update at a vanishing learning rate leaves the seed's weights (or the random ones)."""
+    path = tmp_path / "seed.ckpt"
+    seed = bptt_seed(path)
+    still = [*EGGROLL, "--model.init_args.optimizer.lr=1e-12", "--trainer.max_steps=1",
+             f"--model.init_args.init_checkpoint={path}"]
+    data = tmp_path / "data"
+    for init, run in (("seed", "warm"), ("random", "cold")):
+        run_cli(fit_args(corpus_dir, data, tmp_path / run, *still, f"--model.init_args.init={init}"))
+    warm, cold = final_weights(tmp_path / "warm"), final_weights(tmp_path / "cold")
+    for name, value in seed.items():
+        torch.testing.assert_close(warm[f"model.{name}"], value, rtol=0, atol=1e-6)
+        assert (cold[f"model.{name}"] - value).abs().max() > 0.1, name
+
+
+def test_monolithic_spsa_with_a_shared_head_trains_its_body_and_keeps_the_seeds_head(corpus_dir, tmp_path):
+    """Fig. 7's N = 1 (`head: shared` from a seed): the head stays the seed's, as SOMA's frozen_shared does."""
+    path = tmp_path / "seed.ckpt"
+    seed = bptt_seed(path)
+    run_cli(fit_args(corpus_dir, tmp_path / "data", tmp_path / "run", "--model.init_args.head=shared",
+                     "--model.init_args.init=seed", f"--model.init_args.init_checkpoint={path}",
+                     "--trainer.max_steps=4"))
+    trained = final_weights(tmp_path / "run")
+    assert torch.equal(trained["model.head"], seed["head"][0])
+    assert not torch.equal(trained["model.w_hh"], seed["w_hh"])

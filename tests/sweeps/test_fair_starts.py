@@ -1,0 +1,259 @@
+"""Every side of a comparison starts the same way and has the same kind of head.
+
+A comparison's sides are the grid choices of a sweep file (each composed as the runner composes it:
+the choice's config layers, merged in order, then the sweep's and the choice's overrides) and the two
+sides of the main job (`soma_pl.demo`). A side starts from random weights or from a seed model; a
+seed model is named by its checkpoint path, and the fit command that trains it is written in a config
+or sweep file's header. Two seed starts are alike when their commands are one recipe (the same
+layers and settings) apart from the width, and each seed has its side's own width.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shlex
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from soma_pl import lit
+from soma_pl.demo import DemoConfig, DemoSide
+from soma_pl.sweeps.space import SweepSpec, load_sweep, point_params, trial_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+SWEEPS = sorted((ROOT / "sweeps").rglob("*.yaml"))
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+WIDTH = "model.init_args.shape.width"
+CHECKPOINT = "model.init_args.init_checkpoint"
+OUTPUTS = ("trainer.default_root_dir", "checkpoint.dirpath")
+"""Where a fit writes: not part of a seed model's recipe (nor is its width)."""
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _merge(into: dict, layer: dict) -> dict:
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+def _set(config: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        config = config.setdefault(part, {})
+    config[last] = value
+
+
+def _get(config: dict, dotted: str, default=None):
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return default
+        config = config[part]
+    return config
+
+
+def compose(layers: tuple[str, ...] | list[str], overrides: dict) -> dict:
+    """The fit config of `layers` (merged in order) with dotted `overrides` set."""
+    config: dict = {}
+    for layer in layers:
+        _merge(config, yaml.safe_load((ROOT / layer).read_text()) or {})
+    for key, value in overrides.items():
+        _set(config, key, value)
+    return config
+
+
+def _arguments(config: dict) -> tuple[dict, dict]:
+    """The module's `init_args` and its constructor's defaults."""
+    cls = getattr(lit, config["model"]["class_path"].rpartition(".")[2])
+    defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()}
+    return config["model"].get("init_args") or {}, defaults
+
+
+def _value(args: dict, defaults: dict, name: str):
+    value = args.get(name, defaults.get(name))
+    return getattr(value, "value", value)
+
+
+def width(config: dict) -> int:
+    args, defaults = _arguments(config)
+    return (args.get("shape") or {}).get("width", defaults["shape"].width)
+
+
+def seed_checkpoint(config: dict) -> str | None:
+    """The checkpoint a fresh fit of `config` starts from; None: random weights (read independently of
+    the modules: `init: seed | random`; an unset `init` is `seed` when a checkpoint is named)."""
+    args, defaults = _arguments(config)
+    key = next((key for key in ("seed_checkpoint", "init_checkpoint") if key in defaults), None)
+    if key is None:  # BPTT: no warm start
+        return None
+    path = args.get(key)
+    init = _value(args, defaults, "init") or ("seed" if path else "random")
+    return path if init == "seed" else None
+
+
+def head_kind(config: dict) -> str:
+    """`trainable`, `decoder_only`, `frozen_shared` or `frozen_random` (SOMA's names); a monolithic
+    zero-order module's shared head is never perturbed: `frozen_shared`."""
+    args, defaults = _arguments(config)
+    if "head_training" in defaults:
+        return _value(args, defaults, "head_training")
+    shared = _value(args, defaults, "head") == "shared"
+    if not shared:
+        return "trainable"
+    return "frozen_shared" if "init_checkpoint" in defaults else "trainable_shared"  # zero-order or BPTT
+
+
+def _options(arguments: list[str]) -> tuple[tuple[str, ...], dict]:
+    """A fit command's `--config` layers and its other `--key=value` (or `--key value`) settings."""
+    layers, options, rest = [], {}, list(arguments)
+    while rest:
+        key, _, value = rest.pop(0).removeprefix("--").partition("=")
+        value = value or rest.pop(0)
+        if key == "config":
+            layers.append(value)
+        else:
+            options[key] = yaml.safe_load(value)
+    return tuple(layers), options
+
+
+def fit_commands(path: Path) -> list[list[str]]:
+    """The `python -m soma_pl.cli fit ...` commands of a file's comments (continued lines joined)."""
+    text = "\n".join(line.lstrip("#") for line in path.read_text().splitlines() if line.lstrip().startswith("#"))
+    marker = "soma_pl.cli fit "
+    return [shlex.split(line[line.index(marker) + len(marker):], comments=True)
+            for line in text.replace("\\\n", " ").splitlines() if marker in line]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a seed model is trained: its fit command's layers and settings, but for width and output folder."""
+
+    layers: tuple[str, ...]
+    settings: tuple[tuple[str, str], ...]
+
+
+@cache
+def seed_recipes() -> dict[str, set[tuple[Recipe, int]]]:
+    """Each checkpoint a documented fit command writes (`<folder>/last.ckpt`) → its (recipe, width)s."""
+    found: dict[str, set[tuple[Recipe, int]]] = {}
+    for path in [*CONFIGS, *SWEEPS]:
+        for command in fit_commands(path):
+            layers, options = _options(command)
+            config = compose(layers, options)
+            folder = options.get("checkpoint.dirpath") or f"{_get(config, 'trainer.default_root_dir')}/checkpoints"
+            settings = tuple(sorted((k, str(v)) for k, v in options.items() if k not in (WIDTH, *OUTPUTS)))
+            found.setdefault(f"{folder}/last.ckpt", set()).add((Recipe(layers, settings), width(config)))
+    return found
+
+
+def start(config: dict) -> tuple:
+    """`("random",)` or `("seed", recipe)`; the seed must be documented and of the side's own width."""
+    path = seed_checkpoint(config)
+    if path is None:
+        return ("random",)
+    recipes = seed_recipes().get(path)
+    assert recipes, f"no config or sweep header gives the fit command that trains the seed {path}"
+    assert len(recipes) == 1, f"{path} is trained by several recipes: {recipes}"
+    ((recipe, seed_width),) = recipes
+    assert seed_width == width(config), f"seed {path} has width {seed_width}, its side {width(config)}"
+    return ("seed", recipe)
+
+
+def sweep_sides(spec: SweepSpec) -> dict[str, dict]:
+    """Each grid point's (seeds aside) composed fit config, by its point."""
+    sides = {}
+    for point in spec.grid_points():
+        params = point_params(point)
+        layers, overrides = trial_overrides(spec, params)
+        sides[str(params)] = compose(layers, overrides)
+    return sides
+
+
+def demo_sides(demo: DemoConfig) -> dict[str, dict]:
+    def side(which: DemoSide) -> dict:
+        _, options = _options([*demo.overrides, *which.overrides])
+        return compose(which.config, {**options, "model.init_args.optimizer.init_args.lr": which.lr})
+
+    return {demo.spsa.name: side(demo.spsa), demo.soma.name: side(demo.soma)}
+
+
+def _differing(sides: dict[str, dict], describe) -> dict[str, object]:
+    seen = {name: describe(config) for name, config in sides.items()}
+    return seen if len(set(seen.values())) > 1 else {}
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=_name)
+def test_the_sides_of_every_sweep_start_the_same_way(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert _differing(sweep_sides(load_sweep(path)), start) == {}
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=_name)
+def test_the_sides_of_every_sweep_have_the_same_kind_of_head(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert _differing(sweep_sides(load_sweep(path)), head_kind) == {}
+
+
+def test_the_fig7_experts_sweeps_give_every_n_one_shared_frozen_seed_head_at_paper_scale(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for name, kind, begins in (("fig7_experts.yaml", "frozen_shared", "seed"),
+                               ("demo/fig7_experts.yaml", "trainable", "random")):
+        sides = sweep_sides(load_sweep(ROOT / "sweeps" / name))
+        assert len(sides) >= 3
+        assert {head_kind(config) for config in sides.values()} == {kind}, name
+        assert {start(config)[0] for config in sides.values()} == {begins}, name
+
+
+def test_the_main_jobs_sides_start_the_same_way_with_the_same_kind_of_head():
+    sides = demo_sides(DemoConfig())
+    assert {name: (start(config), head_kind(config)) for name, config in sides.items()} == {
+        "spsa": (("random",), "trainable"), "soma": (("random",), "trainable")}
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "model" in (yaml.safe_load(p.read_text()) or {})],
+                         ids=_name)
+def test_every_zero_order_method_config_says_how_it_starts(path):
+    """An explicit `init`; a seed start names a seed of the model's own width whose command is written down."""
+    content = yaml.safe_load(path.read_text())
+    _, defaults = _arguments(content)
+    if not {"init_checkpoint", "seed_checkpoint"} & set(defaults):  # BPTT: no warm start, random weights
+        assert seed_checkpoint(content) is None
+        return
+    assert content["model"]["init_args"].get("init") in ("seed", "random"), _name(path)
+    start(content)
+
+
+def test_the_paper_scale_comparisons_start_from_seeds_of_one_recipe():
+    configs = {name: compose([f"configs/{name}.yaml"], {})
+               for name in ("spsa", "soma_n2", "soma_n8", "soma_n256", "eggroll", "ddpp")}
+    starts = {name: start(config) for name, config in configs.items()}
+    assert {kind for kind, *_ in starts.values()} == {"seed"} and len(set(starts.values())) == 1
+    assert {name: seed_checkpoint(config) for name, config in configs.items()} == {
+        "spsa": "runs/seed_w509/checkpoints/last.ckpt", "soma_n2": "runs/seed_w361/checkpoints/last.ckpt",
+        "soma_n8": "runs/seed_w181/checkpoints/last.ckpt", "soma_n256": "runs/seed_w32/checkpoints/last.ckpt",
+        "eggroll": "runs/seed_w509/checkpoints/last.ckpt", "ddpp": "runs/seed_w509/checkpoints/last.ckpt"}
+
+
+def test_sides_that_start_differently_are_told_apart():
+    """The check fails where it should: random against seed, and seeds of another recipe or width."""
+    spsa, soma = compose(["configs/spsa.yaml"], {}), compose(["configs/soma_n2.yaml"], {})
+    random = compose(["configs/spsa.yaml"], {"model.init_args.init": "random"})
+    assert _differing({"spsa": random, "soma": soma}, start)
+    # The CPU seed recipe (configs/seed.yaml, 150 updates) against the paper's (configs/bptt.yaml).
+    cheap = compose(["configs/spsa.yaml"], {WIDTH: 32, CHECKPOINT: "runs/seed/checkpoints/last.ckpt"})
+    assert start(cheap)[1].layers[-1] == "configs/seed.yaml"
+    assert _differing({"cheap": cheap, "soma": soma}, start)
+    assert not _differing({"spsa": spsa, "soma": soma}, start)
+    wrong_width = compose(["configs/spsa.yaml"], {CHECKPOINT: "runs/seed_w361/checkpoints/last.ckpt"})
+    with pytest.raises(AssertionError, match="has width 361, its side 509"):
+        start(wrong_width)
+    shared = compose(["configs/spsa.yaml"], {"model.init_args.head": "shared"})
+    assert _differing({"spsa": spsa, "shared": shared}, head_kind)
