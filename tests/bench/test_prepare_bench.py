@@ -4,11 +4,11 @@ and the figures it reports follow from what it measured."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from soma_pl.bench import prepare
 from soma_pl.bench.prepare import run_prepare, time_task_counts
 from soma_pl.cli import main
+from tests.bench.scripted import scripted_run
 
 
 def test_bench_prepare_reports_throughput_stages_and_memory_per_task(tmp_path, capsys):
@@ -63,13 +63,7 @@ def test_a_prepare_run_reads_its_figures_off_the_manifest(monkeypatch, tmp_path)
                 "task_seconds": {"plan": 0.5, "select": [2.0, 3.25], "write": [1.5, 1.0]},
                 "train": {"documents": 120, "shards": [{}, {}, {}]}, "test": {"excluded": 2}}
 
-    def timed(command: list[str], failure: str) -> float:
-        (output,) = [arg.split("=", 1)[1] for arg in command if arg.startswith("--dataset.output_dir=")]
-        Path(output).mkdir()
-        (Path(output) / "manifest.json").write_text(json.dumps(manifest))
-        return 12.0
-
-    monkeypatch.setattr(prepare, "timed", timed)
+    monkeypatch.setattr(prepare, "timed", scripted_run("dataset.output_dir", "manifest.json", manifest, 12.0))
     run = run_prepare(tmp_path / "corpus", tmp_path / "out", 2)
     assert (run["tasks"], run["seconds"], run["in_process_seconds"]) == (2, 12.0, 11.5)
     assert run["parallel_stage_seconds"] == 3.25 + 1.5

@@ -4,13 +4,13 @@ the figures it reports follow from what it measured."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from soma_pl.bench import shard
 from soma_pl.bench.shard import run_shard
 from soma_pl.cli import main
+from tests.bench.scripted import scripted_run
 
 
 def test_bench_shard_reports_throughput_stages_and_memory_per_task(tmp_path):
@@ -42,13 +42,7 @@ def test_a_shard_run_reads_its_figures_off_the_experts_manifest(monkeypatch, tmp
                 "task_seconds": {"fit": 0.25, "embed": [1.75, 1.25], "write": [0.5, 2.0]}, "documents": 90,
                 "shard_sizes": [40, 30, 20], "purity": 0.9, "router_agreement": 0.95}
 
-    def timed(command: list[str], failure: str) -> float:
-        (output,) = [arg.split("=", 1)[1] for arg in command if arg.startswith("--shard.output_dir=")]
-        Path(output).mkdir()
-        (Path(output) / "experts.json").write_text(json.dumps(manifest))
-        return 8.0
-
-    monkeypatch.setattr(shard, "timed", timed)
+    monkeypatch.setattr(shard, "timed", scripted_run("shard.output_dir", "experts.json", manifest, 8.0))
     run = run_shard(tmp_path / "prepared", tmp_path / "out", tasks=2, experts=3)
     assert (run["tasks"], run["seconds"], run["in_process_seconds"]) == (2, 8.0, 7.5)
     assert run["parallel_stage_seconds"] == 1.75 + 2.0
