@@ -4,10 +4,14 @@ Monolithic SPSA (one model) against SOMA (N experts of 1/N the size, each traine
 semantic shard with its own loss), both from random weights of one seed, both for the same number
 of updates at the same n_pert, B and context (the equal-size pair `configs/demo/spsa.yaml` and
 `configs/demo/soma_n2.yaml`: 143,680 and 146,360 parameters, the same multiply-adds per update).
-Each side runs at the learning rate that the demo's Table 6 selection (`sweeps/demo/table7_pair.yaml`)
-chose for it. Every step is an ordinary `python -m soma_pl.cli` command in a child process:
+Each side runs the setting that the demo's Table 6 selection (`sweeps/demo/table7_pair.yaml`) chose
+for it: its learning rate, and the selection's schedule (its number of updates, and a decay decided
+every `plateau.every` updates however often the main job validates for its curves). Both sides train
+on the context they are scored on (1,024 bytes). Every step is an ordinary `python -m soma_pl.cli`
+command in a child process:
 
-    prepare → shard → per side: validate (untrained) → fit → validate → test
+    prepare → shard → per side: validate (untrained) → fit → validate → test → test (final split)
+    → per side, at equal measured update time: validate → test → test (final split)
 
 The two sides run side by side, one intra-op thread each unless `--demo.threads` or
 `OMP_NUM_THREADS` says otherwise: on a CPU shared with other jobs, more threads per process mostly
@@ -16,17 +20,20 @@ spin in OpenMP waits. A finished step is reused when the command runs again with
 die with the demo, and Ctrl-C stops them (`soma_pl.demo_steps`). While a fit runs, a bar per side
 counts its updates and shows its latest ensemble-validation loss (the fit's
 `soma_pl.callbacks.progress.ProgressFile` writes them, the demo reads them). The command
-prints a side-by-side table and writes `main_job.json` (the same figures), `main_job.md` and
+prints a side-by-side table on both compute bases (`soma_pl.demo_bases`): equal arithmetic (the same
+updates of the equal-size pair) and equal measured update time (Table 3's U·Σₑ t̄ₑ, with the load
+average it was measured under), and writes `main_job.json` (the same figures), `main_job.md` and
 `main_job.png` (ensemble-validation loss against updates, multiply-adds and update time) into
-`--demo.output_dir`.
+`--demo.output_dir`. The final test split (`data.init_args.test_split=final`) is reported here and
+by the reproductions' final runs only.
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import io
 import json
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +42,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from soma_pl.analysis.time_basis import equal_time_point, measured_curve, versions
+from soma_pl.demo_bases import LoadSampler
 from soma_pl.demo_steps import Follow, Steps
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_atomic, write_json_atomic
@@ -80,12 +89,15 @@ class DemoConfig:
 
     Attributes:
         output_dir: every run, record, table and figure of the demo.
-        updates: updates of each side. For the equal-size pair that is equal multiply-adds and about
-            equal update time (the paper's aggregate device-hours); SOMA then forwards N times the
-            tokens, each through an expert of 1/N the size.
+        updates: updates of each side; None: the selection's (`trainer.max_steps` of
+            `sweeps/demo/table7_pair.yaml`), the length its learning rates were selected at. For the
+            equal-size pair that is equal multiply-adds; SOMA then forwards N times the tokens, each
+            through an expert of 1/N the size.
         token_forwards: give both sides this many token forwards instead (`--budget.token_forwards`;
             SOMA N = 2 then makes half the updates of SPSA, at half its multiply-adds).
-        val_every: updates between the curves' ensemble-validation points.
+        val_every: updates between the curves' ensemble-validation points (and checkpoints). The
+            learning-rate decay does not follow it: the method configs decide a decay every
+            `plateau.every` updates, as in the selection.
         threads: intra-op threads per child process. None: `OMP_NUM_THREADS` if set, else 1.
         parallel: run the two sides at the same time, in two processes.
         prepare_args: arguments of `prepare` (a no-op when the dataset is up to date).
@@ -96,7 +108,7 @@ class DemoConfig:
     """
 
     output_dir: str = "runs/main_job"
-    updates: int = 400
+    updates: int | None = None
     token_forwards: int | None = None
     val_every: int = 50
     threads: int | None = None
@@ -114,6 +126,20 @@ def thread_count(configured: int | None) -> int:
         return configured
     value = os.environ.get("OMP_NUM_THREADS", "")
     return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def selected_updates(selection: str | Path = SELECTION) -> int:
+    """The number of updates each trial of the selection ran (its `trainer.max_steps` override)."""
+    import yaml
+
+    overrides = (yaml.safe_load(Path(selection).read_text()) or {}).get("overrides") or {}
+    if "trainer.max_steps" not in overrides:
+        raise ConfigError(f"{selection} sets no trainer.max_steps: give --demo.updates")
+    return int(overrides["trainer.max_steps"])
+
+
+def updates_of(demo: DemoConfig) -> int:
+    return selected_updates() if demo.updates is None else demo.updates
 
 
 def _settings_key(args: list[str], data: list[str]) -> str:
@@ -147,20 +173,18 @@ def _side_args(demo: DemoConfig, side: DemoSide) -> list[str]:
             "--trainer.enable_progress_bar=false", "--wandb.group=main_job", *demo.overrides, *side.overrides]
 
 
-def _fit_length(demo: DemoConfig) -> list[str]:
+def fit_length(demo: DemoConfig) -> list[str]:
+    """The fit's length and cadence: every validation keeps its checkpoint (the equal-time basis
+    scores one) and has its measured update time logged (a logging interval dividing it)."""
+    cadence = [f"--trainer.val_check_interval={demo.val_every}", "--checkpoint.save_top_k=-1",
+               f"--trainer.log_every_n_steps={math.gcd(demo.val_every, 20)}"]
     if demo.token_forwards is None:
-        return [f"--trainer.max_steps={demo.updates}", f"--trainer.val_check_interval={demo.val_every}"]
-    return [f"--budget.token_forwards={demo.token_forwards}", "--trainer.max_steps=1000000000",
-            f"--trainer.val_check_interval={demo.val_every}"]
-
-
-def _versions(folder: Path, name: str) -> list[Path]:
-    """`folder/version_N/name` files, oldest first."""
-    return sorted(folder.glob(f"version_*/{name}"), key=lambda p: int(p.parent.name.split("_")[1]))
+        return [f"--trainer.max_steps={updates_of(demo)}", *cadence]
+    return [f"--budget.token_forwards={demo.token_forwards}", "--trainer.max_steps=1000000000", *cadence]
 
 
 def _latest(folder: Path, name: str) -> Path:
-    found = _versions(folder, name)
+    found = versions(folder, name)
     if not found:
         raise SomaError(f"no {name} under {folder}")
     return found[-1]
@@ -169,28 +193,16 @@ def _latest(folder: Path, name: str) -> Path:
 def _fit_summary(fit_root: Path) -> dict:
     """The latest `summary.json` that accounts for training (one resumed after its last update
     trains nothing and has no compute figures)."""
-    for path in reversed(_versions(fit_root, "summary.json")):
+    for path in reversed(versions(fit_root, "summary.json")):
         summary = json.loads(path.read_text())
         if summary.get("compute"):
             return summary
     raise SomaError(f"no summary.json with compute figures under {fit_root}")
 
 
-def _curve(fit_root: Path) -> list[tuple[int, float]]:
-    """(updates, ensemble-validation loss) from every CSV log of the fit (a resumed fit has several;
-    the logged `step` is the update count minus one)."""
-    points: dict[int, float] = {}
-    for path in _versions(fit_root, "metrics.csv"):
-        with path.open() as rows:
-            for row in csv.DictReader(rows):
-                if row.get("val/loss"):
-                    points[int(row["step"]) + 1] = float(row["val/loss"])
-    return sorted(points.items())
-
-
 @dataclass
 class SideResult:
-    """What one side measured: the table's row and the figure's curve."""
+    """What one side measured: the table's rows and the figure's curve."""
 
     label: str
     lr: float
@@ -207,10 +219,15 @@ class SideResult:
     """Ensemble-validation loss of the final weights: `loss`, `bootstrap_95`, `windows`, `documents`."""
     test: dict
     """Test loss of the final weights, as `val`."""
+    test_final: dict
+    """Loss of the final weights on the final test split (used once: the final runs only), as `val`."""
     curve: list[dict]
     """Ensemble-validation loss against compute: `step`, `token_forwards`, `multiply_adds`
-    (token-forwards × parameters per expert), `device_seconds`, `val_loss`."""
+    (token-forwards × parameters per expert), `device_seconds` (measured update time so far), `val_loss`."""
     run_dir: str
+    equal_time: dict = field(default_factory=dict)
+    """At the equal-time budget (`soma_pl.demo_bases`): `TimePoint`'s fields, and `val`, `test`,
+    `test_final` of the checkpoint at its `updates`."""
 
 
 def _scores(path: Path) -> dict:
@@ -218,35 +235,62 @@ def _scores(path: Path) -> dict:
     return {key: scores[key] for key in ("loss", "bootstrap_95", "windows", "documents")}
 
 
-def run_side(demo: DemoConfig, side: DemoSide, steps: Steps, position: int = 1) -> SideResult:
-    """Untrained validation, fit, then validation and test of the last checkpoint, as CLI commands;
-    the fit's updates and latest validation loss show in a bar on line `position` below the main one."""
+def _score(folder: Path, shared: list[str], steps: Steps, checkpoint: str | None, tag: str = "") -> dict:
+    """Ensemble validation, test and final test of `checkpoint` (None: the untrained start), each a
+    CLI command; `tag` names the steps and folders of a checkpoint other than the last."""
+    last = [] if checkpoint is None else ["--ckpt_path", checkpoint]
+    runs = {"val": ("validate", []), "test": ("test", []),
+            "test_final": ("test", ["--data.init_args.test_split=final"])}
+    scores = {}
+    for stage, (command, extra) in runs.items():
+        name = f"{stage}{tag}"
+        steps.run(folder, name, [command, *shared, *last, *extra, f"--trainer.default_root_dir={folder / name}"])
+        scores[stage] = _scores(_latest(folder / name, f"{'val' if stage == 'val' else 'test'}_scores.json"))
+    return scores
+
+
+def fit_side(demo: DemoConfig, side: DemoSide, steps: Steps, position: int = 1) -> SideResult:
+    """Untrained validation, fit, then the scores of the last checkpoint, as CLI commands; the fit's
+    updates and latest validation loss show in a bar on line `position` below the main one."""
     shared = _side_args(demo, side)
-    fit_args = [*shared, *_fit_length(demo)]
+    fit_args = [*shared, *fit_length(demo)]
     folder = Path(demo.output_dir) / side.name / f"run-{_settings_key(fit_args, _data_fingerprints(demo, side))}"
     steps.run(folder, "init_validate", ["validate", *shared, f"--trainer.default_root_dir={folder / 'init'}"])
     checkpoints = folder / "checkpoints"
     fit = ["fit", *fit_args, f"--trainer.default_root_dir={folder / 'fit'}", f"--checkpoint.dirpath={checkpoints}"]
     # An interrupted fit resumes where it stopped (a fit refuses to start over on its checkpoints).
     resume = ["--ckpt_path=last"] if any(checkpoints.glob("*.ckpt")) else []
-    follow = Follow(f"{side.name} fit", demo.updates if demo.token_forwards is None else None, position)
+    follow = Follow(f"{side.name} fit", updates_of(demo) if demo.token_forwards is None else None, position)
     fit_record = steps.run(folder, "fit", fit, resume=resume, follow=follow)
     summary = _fit_summary(folder / "fit")
-    last = ["--ckpt_path", summary["last_checkpoint"]]
-    steps.run(folder, "validate", ["validate", *shared, *last, f"--trainer.default_root_dir={folder / 'val'}"])
-    steps.run(folder, "test", ["test", *shared, *last, f"--trainer.default_root_dir={folder / 'test'}"])
+    scores = _score(folder, shared, steps, summary["last_checkpoint"])
     compute = summary["compute"]
     per_update = compute["token_forwards"] / max(compute["updates"], 1)
-    update_seconds = sum(compute["expert_mean_update_seconds"])
-    points = [(0, _scores(_latest(folder / "init", "val_scores.json"))["loss"]), *_curve(folder / "fit")]
+    points = [(0, _scores(_latest(folder / "init", "val_scores.json"))["loss"], 0.0), *measured_curve(folder / "fit")]
     per_expert = summary["parameters"] // compute["experts"]
     curve = [{"step": s, "token_forwards": int(s * per_update), "multiply_adds": int(s * per_update) * per_expert,
-              "device_seconds": s * update_seconds, "val_loss": v} for s, v in points]
+              "device_seconds": seconds, "val_loss": v} for s, v, seconds in points]
     return SideResult(label=side.label, lr=side.lr, experts=compute["experts"], parameters=summary["parameters"],
                       updates=compute["updates"], token_forwards=compute["token_forwards"],
                       aggregate_device_seconds=compute["aggregate_device_hours"] * 3600,
-                      fit_wall_seconds=fit_record["seconds"], val=_scores(_latest(folder / "val", "val_scores.json")),
-                      test=_scores(_latest(folder / "test", "test_scores.json")), curve=curve, run_dir=str(folder))
+                      fit_wall_seconds=fit_record["seconds"], **scores, curve=curve, run_dir=str(folder))
+
+
+def score_at_equal_time(demo: DemoConfig, side: DemoSide, result: SideResult, steps: Steps,
+                        budget_seconds: float) -> None:
+    """Fill `result.equal_time`: the side at `budget_seconds` of measured update time, its curve
+    interpolated there and its checkpoint at the last validation within it scored in full."""
+    point = equal_time_point(result.curve, budget_seconds)
+    if point.updates == result.updates:
+        scores = {stage: getattr(result, stage) for stage in ("val", "test", "test_final")}
+    elif point.updates == 0:  # T falls before the first validation: the start is all that is within it
+        scores = _score(Path(result.run_dir), _side_args(demo, side), steps, None, "_at_0")
+    else:
+        found = sorted(Path(result.run_dir, "checkpoints").glob(f"*step={point.updates}.ckpt"))
+        if not found:
+            raise SomaError(f"no checkpoint of update {point.updates} in {result.run_dir}/checkpoints")
+        scores = _score(Path(result.run_dir), _side_args(demo, side), steps, str(found[-1]), f"_at_{point.updates}")
+    result.equal_time = {**asdict(point), **scores}
 
 
 def _interval(scores: dict) -> str:
@@ -255,11 +299,12 @@ def _interval(scores: dict) -> str:
 
 
 def table(results: dict[str, SideResult]) -> str:
-    """The side-by-side table (markdown), losses in nats/byte with 95% document-bootstrap intervals."""
+    """The side-by-side table (markdown) on both compute bases, losses in nats/byte with 95%
+    document-bootstrap intervals."""
     cells = {
         "parameters": lambda r: f"{r.parameters:,} ({r.experts} × {r.parameters // r.experts:,})",
         "learning rate (Table 6 selection)": lambda r: f"{r.lr:g}",
-        "updates": lambda r: f"{r.updates:,}",
+        "**equal arithmetic** (Table 11's basis): updates": lambda r: f"{r.updates:,}",
         "token-forwards": lambda r: f"{r.token_forwards:,}",
         "multiply-adds (token-forwards × parameters per expert)":
             lambda r: f"{r.token_forwards * r.parameters // r.experts:.3e}",
@@ -267,12 +312,30 @@ def table(results: dict[str, SideResult]) -> str:
         "fit wall time (s)": lambda r: f"{r.fit_wall_seconds:.0f}",
         "ensemble-validation loss [95%]": lambda r: _interval(r.val),
         "test loss [95%]": lambda r: _interval(r.test),
+        "final test split loss [95%] (used once)": lambda r: _interval(r.test_final),
+        "**equal measured update time** (Table 3's basis): budget T (s)":
+            lambda r: f"{r.equal_time['budget_seconds']:.0f}",
+        "ensemble-validation loss at T (interpolated)": lambda r: f"{r.equal_time['val_interpolated']:.4f}",
+        "checkpoint scored: updates (its update time, s)":
+            lambda r: f"{r.equal_time['updates']:,} ({r.equal_time['seconds']:.0f})",
+        "its ensemble-validation loss [95%]": lambda r: _interval(r.equal_time["val"]),
+        "its test loss [95%]": lambda r: _interval(r.equal_time["test"]),
+        "its final test split loss [95%]": lambda r: _interval(r.equal_time["test_final"]),
     }
     rows = [("", *[r.label for r in results.values()]),
             *[(name, *[cell(r) for r in results.values()]) for name, cell in cells.items()]]
     lines = ["| " + " | ".join(row) + " |" for row in rows]
     lines.insert(1, "|" + "---|" * len(rows[0]))
     return "\n".join(lines)
+
+
+def differences(spsa: SideResult, soma: SideResult) -> dict:
+    """SPSA − SOMA (nats/byte; positive: SOMA lower) on each basis and evaluation set."""
+    stages = ("val", "test", "test_final")
+    timed = {"val_interpolated": spsa.equal_time["val_interpolated"] - soma.equal_time["val_interpolated"]}
+    timed.update({stage: spsa.equal_time[stage]["loss"] - soma.equal_time[stage]["loss"] for stage in stages})
+    return {"equal_arithmetic": {stage: getattr(spsa, stage)["loss"] - getattr(soma, stage)["loss"]
+                                 for stage in stages}, "equal_time": timed}
 
 
 def draw(results: dict[str, SideResult], path: Path) -> Path:
@@ -315,19 +378,23 @@ def _machine() -> dict:
 
 
 def _print_summary(report: dict, text: str, out: Path) -> None:
-    difference = report["difference_spsa_minus_soma"]
-    steps = 2 + 4 * len(report["table"])
-    print(f"\n{text}\n\nSPSA − SOMA: {difference['val']:+.4f} (ensemble validation), "
-          f"{difference['test']:+.4f} (test) nats/byte; losses with 95% document-bootstrap intervals.\n"
-          f"wall time {report['wall_seconds']:.0f} s ({report['reused_steps']} of {steps} steps reused from "
-          f"an earlier run), load average {report['machine_end']['load_average'][0]:.2f} at the end\n"
-          f"table: {out / 'main_job.json'}\nfigure: {out / 'main_job.png'}")
+    arithmetic, timed = (report["difference_spsa_minus_soma"][basis] for basis in ("equal_arithmetic", "equal_time"))
+    load = report["load_during_fits"]
+    print(f"\n{text}\n\nSPSA − SOMA at equal arithmetic: {arithmetic['val']:+.4f} (ensemble validation), "
+          f"{arithmetic['test']:+.4f} (test), {arithmetic['test_final']:+.4f} (final test) nats/byte\n"
+          f"SPSA − SOMA at equal measured update time: {timed['val_interpolated']:+.4f} (ensemble validation, "
+          f"interpolated), {timed['test']:+.4f} (test), {timed['test_final']:+.4f} (final test) nats/byte; "
+          f"update times measured at load average {load.get('mean', float('nan')):.2f} (mean of {load['samples']} "
+          f"samples, max {load.get('max', float('nan')):.2f}) on {report['machine_start']['cores']} core(s)\n"
+          f"wall time {report['wall_seconds']:.0f} s ({report['reused_steps']} of {report['steps']} steps reused "
+          f"from an earlier run)\ntable: {out / 'main_job.json'}\nfigure: {out / 'main_job.png'}")
 
 
 def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
     """The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.
 
-    Prepares, shards, runs both sides, then prints and saves the table and the figure.
+    Prepares, shards, runs both sides, scores both at equal measured update time, then prints and
+    saves the table and the figure.
 
     Args:
         demo: what runs, for how long, and where (the `demo:` section of a YAML file).
@@ -345,27 +412,34 @@ def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
           f"--demo.threads or OMP_NUM_THREADS), {len(sides) if demo.parallel else 1} process(es) at a time on "
           f"{machine['cores']} core(s), load average {machine['load_average'][0]:.2f}", flush=True)
     started = time.monotonic()
-    with tqdm(total=2 + 4 * len(sides), desc="main job steps", unit="step", disable=not progress) as bar:
+    with tqdm(total=2 + 5 * len(sides), desc="main job steps", unit="step", disable=not progress) as bar:
         steps = Steps(threads, bar)
         # Always asked (each is a quick no-op when its output is up to date), so the two fits never
         # start on a missing dataset and race to build it.
         steps.run(out, "prepare", ["prepare", *demo.prepare_args, "--progress=false"], reuse=False)
         steps.run(out, "shard", ["shard", *demo.shard_args, "--progress=false"], reuse=False)
-        with ThreadPoolExecutor(len(sides) if demo.parallel else 1) as pool:
-            futures = {name: pool.submit(run_side, demo, side, steps, line)
+        with ThreadPoolExecutor(len(sides) if demo.parallel else 1) as pool, LoadSampler() as load:
+            futures = {name: pool.submit(fit_side, demo, side, steps, line)
                        for line, (name, side) in enumerate(sides.items(), start=1)}
             try:
                 results = {name: future.result() for name, future in futures.items()}
             except KeyboardInterrupt:  # the pool waits for its threads, and they for their children
                 steps.stop()
                 raise
+        budget = min(result.curve[-1]["device_seconds"] for result in results.values())
+        for name, result in results.items():
+            if equal_time_point(result.curve, budget).updates != result.updates:
+                bar.total += 3
+            score_at_equal_time(demo, sides[name], result, steps, budget)
     report = {"table": {name: asdict(result) for name, result in results.items()},
-              "difference_spsa_minus_soma": {stage: getattr(results[demo.spsa.name], stage)["loss"]
-                                             - getattr(results[demo.soma.name], stage)["loss"]
-                                             for stage in ("val", "test")},
-              "selection": SELECTION, "threads": threads, "machine_start": machine, "machine_end": _machine(),
+              "difference_spsa_minus_soma": differences(results[demo.spsa.name], results[demo.soma.name]),
+              "bases": {"equal_arithmetic": "the same updates of the equal-size pair (multiply-adds in the table)",
+                        "equal_time": "T = the smaller total measured update time U·Σₑ t̄ₑ; curves interpolated "
+                                      "at T, each side's last checkpoint within T scored"},
+              "selection": SELECTION, "updates": updates_of(demo), "threads": threads, "machine_start": machine,
+              "machine_end": _machine(), "load_during_fits": load.summary(),
               "wall_seconds": round(time.monotonic() - started, 1), "reused_steps": steps.reused,
-              "figure": str(out / "main_job.png")}
+              "steps": bar.total, "figure": str(out / "main_job.png")}
     text = table(results)
     draw(results, out / "main_job.png")
     write_atomic((text + "\n").encode(), out / "main_job.md")

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from soma_pl.cli import main
-from soma_pl.demo import thread_count
+from soma_pl.demo import DemoConfig, thread_count
 from tests.data.corpora import write_jsonl_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,11 +34,11 @@ def _demo_config(tmp_path: Path) -> Path:
         "output_dir": str(tmp_path / "main_job"), "updates": 4, "val_every": 2,
         "prepare_args": ["--dataset.corpus.kind=jsonl", f"--dataset.corpus.paths=[{corpus}]",
                          f"--dataset.output_dir={data}", "--dataset.val_documents=2", "--dataset.val_windows=4",
-                         "--dataset.test_windows=4", "--dataset.shard_max_bytes=40000"],
-        "shard_args": [f"--shard.prepared={data}", "--shard.num_experts=2", f"--shard.output_dir={experts}",
-                       "--shard.val_fraction=0.05"],
+                         "--dataset.test_windows=4", "--dataset.final_test_windows=4",
+                         "--dataset.expert_val_fraction=0.05",
+                         "--dataset.shard_max_bytes=40000"],
+        "shard_args": [f"--shard.prepared={data}", "--shard.num_experts=2", f"--shard.output_dir={experts}"],
         "overrides": [f"--data.init_args.prepared={data}", "--data.init_args.recipe=null", *TINY_MODEL],
-        "spsa": {"overrides": ["--checkpoint.save_top_k=-1"]},  # keep update 2's checkpoint for the resume
         "soma": {"overrides": [f"--data.init_args.experts_dir={experts}", "--data.init_args.expert_val_windows=4"]},
     }
     path = tmp_path / "demo.yaml"
@@ -72,25 +72,52 @@ def test_demo_writes_the_table_and_the_figure_and_reuses_finished_steps(demo_run
     assert spsa["updates"] == soma["updates"] == 4
     # 2 · n_pert · E · B · T token forwards per update
     assert spsa["token_forwards"] == 4 * 2 * 2 * 1 * 2 * 16 and soma["token_forwards"] == 2 * spsa["token_forwards"]
-    for side in (spsa, soma):
-        assert side["lr"] == 0.025
-        for stage in ("val", "test"):
+    for name, side in (("spsa", spsa), ("soma", soma)):
+        assert side["lr"] == getattr(DemoConfig(), name).lr  # the Table 6 selection's
+        for stage in ("val", "test", "test_final"):
             low, high = side[stage]["bootstrap_95"]
             assert low <= side[stage]["loss"] <= high and 0 < side[stage]["loss"] < 6
+        assert side["test_final"]["loss"] != side["test"]["loss"], "the final split is other windows"
         assert [p["step"] for p in side["curve"]] == [0, 2, 4]
         assert side["curve"][0]["token_forwards"] == 0 and side["curve"][-1]["token_forwards"] == side["token_forwards"]
-    assert report["difference_spsa_minus_soma"]["test"] == pytest.approx(spsa["test"]["loss"] - soma["test"]["loss"])
+        # The curve's update times are measured: increasing, ending at the fit's U·Σₑ t̄ₑ.
+        seconds = [p["device_seconds"] for p in side["curve"]]
+        assert seconds[0] == 0 < seconds[1] < seconds[2] == pytest.approx(side["aggregate_device_seconds"], rel=1e-6)
+    differences = report["difference_spsa_minus_soma"]
+    assert differences["equal_arithmetic"]["test"] == pytest.approx(spsa["test"]["loss"] - soma["test"]["loss"])
+    assert differences["equal_arithmetic"]["test_final"] == pytest.approx(
+        spsa["test_final"]["loss"] - soma["test_final"]["loss"])
+
+    # Equal measured update time: T is the faster side's total; the slower side is scored at its last
+    # checkpoint within T, and its curve is interpolated at T.
+    budget = min(spsa["curve"][-1]["device_seconds"], soma["curve"][-1]["device_seconds"])
+    fast, slow = sorted((spsa, soma), key=lambda side: side["curve"][-1]["device_seconds"])
+    assert fast["equal_time"]["budget_seconds"] == slow["equal_time"]["budget_seconds"] == budget
+    assert fast["equal_time"]["updates"] == 4 and fast["equal_time"]["test"] == fast["test"]
+    within = [p for p in slow["curve"] if p["device_seconds"] <= budget]
+    assert slow["equal_time"]["updates"] == within[-1]["step"] and slow["equal_time"]["seconds"] <= budget
+    if slow["equal_time"]["updates"] < 4:  # scored on its own: another checkpoint, other losses
+        assert slow["equal_time"]["val"]["loss"] != slow["val"]["loss"]
+    (a, b) = next((p, q) for p, q in zip(slow["curve"], slow["curve"][1:], strict=False)
+                  if p["device_seconds"] <= budget <= q["device_seconds"])
+    share = (budget - a["device_seconds"]) / (b["device_seconds"] - a["device_seconds"])
+    expected = a["val_loss"] + share * (b["val_loss"] - a["val_loss"])
+    assert slow["equal_time"]["val_interpolated"] == pytest.approx(expected)
+    assert differences["equal_time"]["test"] == pytest.approx(
+        spsa["equal_time"]["test"]["loss"] - soma["equal_time"]["test"]["loss"])
+    assert report["load_during_fits"]["samples"] >= 1
     figure = Path(report["figure"]).read_bytes()
     assert figure.startswith(PNG_SIGNATURE) and len(figure) > 10_000
     assert "OMP_NUM_THREADS=1" in printed and f"figure: {out / 'main_job.png'}" in printed
-    assert "| test loss [95%] |" in printed
+    assert "| test loss [95%] |" in printed and "**equal measured update time** (Table 3's basis)" in printed
+    assert "SPSA − SOMA at equal measured update time" in printed
 
     # A second run reuses every recorded step: no fit runs again, the numbers are the same.
     fits = sorted(out.glob("*/run-*/fit/version_*"))
     _rerun(config, monkeypatch)
     assert sorted(out.glob("*/run-*/fit/version_*")) == fits
     again = json.loads((out / "main_job.json").read_text())
-    assert again["table"] == report["table"] and again["reused_steps"] == 8
+    assert again["table"] == report["table"] and again["reused_steps"] == report["steps"] - 2  # all but prepare, shard
 
 
 def test_each_fit_shows_its_updates_and_latest_validation_loss(demo_run):

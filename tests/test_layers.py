@@ -19,7 +19,7 @@ LAYERS = {
     "estimators": 2, "models": 2,
     "eval": 3, "data": 3,
     "lit": 4, "callbacks": 4, "trainer_checks": 4, "trainer": 4,
-    "lightning_cli": 5, "analysis": 5, "bench": 5, "demo_steps": 5,
+    "lightning_cli": 5, "analysis": 5, "bench": 5, "demo_steps": 5, "demo_bases": 5,
     "sweeps": 6, "evaluate": 6, "demo": 6, "generate": 6, "export": 6,
     "cli": 7,
 }

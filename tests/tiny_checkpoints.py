@@ -56,7 +56,7 @@ def tiny_checkpoints(root: Path) -> TinyCheckpoints:
     root.mkdir(parents=True, exist_ok=True)
     corpus, data = tiny_dataset(root)
     experts = shard(ShardConfig(prepared=str(data), num_experts=2, output_dir=str(root / "experts"),
-                                val_fraction=0.05, shard_max_bytes=40000), progress=False)
+                                shard_max_bytes=40000), progress=False)
     common = [f"--data.init_args.dataset.corpus.paths=[{corpus}]", f"--data.init_args.dataset.output_dir={data}",
               f"--model.init_args.shape.width={WIDTH}", "--trainer.logger=false"]
     main(["fit", "--config", str(LIT / "tiny_spsa.yaml"), *common, f"--trainer.default_root_dir={root / 'spsa'}"])

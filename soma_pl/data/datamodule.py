@@ -2,7 +2,8 @@
 
 Training batches are `[E, B, 1025] uint8` (E = 1 for a monolithic model; E = N expert streams when
 `experts_dir` names a sharded dataset). Validation and test batches are `(windows [b, 1025] uint8,
-index [b])` from the prepared ensemble-validation and test sets.
+index [b])` from the prepared ensemble-validation and test sets (`test_split`: the test split, or
+the final one that only a reproduction's final runs report).
 
 Under DDP the module in training decides how ranks share the stream (its `rank_split`, see
 `RankSplit`): disjoint documents (default), one replicated global stream (DDPP), or each rank its
@@ -31,6 +32,9 @@ from soma_pl.distributed import RankSplit, rank_share
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.models.checkpoints import check_same_data
 
+TEST_SPLITS = {"test": "test", "final": "test_final"}
+"""`test_split` choices and the manifest entry each one reads."""
+
 
 class ByteDataModule(L.LightningDataModule):
     """Byte-level windows for ZO and BPTT training.
@@ -54,13 +58,20 @@ class ByteDataModule(L.LightningDataModule):
             1% of its training documents that drives its learning-rate decay (N = 1: the prepared
             dataset's split). None: all of them (the paper); a cap keeps CPU runs short.
         auto_prepare: run `prepare` in `prepare_data()` when the dataset is missing or stale.
+        test_split: what `test` and `predict` score, and what `test_set` (the windows of bootstrap
+            reports) holds: `test`, the screened test split every development result reports, or
+            `final`, the final test split (`test_final.npz`, prepared with
+            `dataset.final_test_windows`), used once: only by the final runs of a reproduction.
     """
 
     def __init__(self, dataset: PrepareConfig = PrepareConfig(), experts_dir: str | None = None,
                  batch_size: int = 64, eval_batch_size: int = 64, shuffle_buffer: int = 1024,
                  num_workers: int = 0, seed: int = 0, verify: Verify = Verify.sha256, auto_prepare: bool = True,
-                 expert_val_windows: int | None = None, prepared: str | None = None, recipe: str | None = None):
+                 expert_val_windows: int | None = None, prepared: str | None = None, recipe: str | None = None,
+                 test_split: str = "test"):
         super().__init__()
+        if test_split not in TEST_SPLITS:
+            raise ConfigError(f"data.init_args.test_split={test_split} must be one of: {', '.join(TEST_SPLITS)}")
         for key, value, least in (("batch_size", batch_size, 1), ("eval_batch_size", eval_batch_size, 1),
                                   ("shuffle_buffer", shuffle_buffer, 1), ("num_workers", num_workers, 0)):
             if value < least:
@@ -88,6 +99,7 @@ class ByteDataModule(L.LightningDataModule):
         self.verify = Verify(verify)
         self.auto_prepare = auto_prepare
         self.expert_val_windows = expert_val_windows
+        self.test_split = test_split
         self.expert_val: list[torch.Tensor] | None = None
         """Each expert's expert-validation windows, `[n_e, 1025]` each."""
         self.shard_sets: list[list[Path]] = []
@@ -136,7 +148,15 @@ class ByteDataModule(L.LightningDataModule):
             warnings.warn(f"{origin}: some experts have no validation shards: no learning-rate decay", stacklevel=2)
         self.fingerprints["dataset"] = manifest.get("fingerprint")
         self.val_set = EvalSet.load(self.root / manifest["ensemble_val"]["file"])
-        self.test_set = EvalSet.load(self.root / manifest["test"]["file"])
+        self.test_set = self._load_test_set(manifest)
+
+    def _load_test_set(self, manifest: dict) -> EvalSet:
+        """The split `test_split` names; a dataset prepared without a final split is refused."""
+        entry = manifest.get(TEST_SPLITS[self.test_split])
+        if entry is None:
+            raise DataError(f"data.init_args.test_split={self.test_split}: {self.root} has no final test split "
+                            f"(test_final): prepare it again with dataset.final_test_windows > 0")
+        return EvalSet.load(self.root / entry["file"])
 
     def state_dict(self) -> dict:
         """Saved in every checkpoint: the fingerprints of the data it was trained on."""
@@ -219,7 +239,7 @@ class ByteDataModule(L.LightningDataModule):
         return self._eval_loader(self.test_set)
 
     def predict_dataloader(self) -> DataLoader:
-        """`predict` scores the test windows one by one."""
+        """`predict` scores the test windows (of `test_split`) one by one."""
         return self._eval_loader(self.test_set)
 
     def _eval_loader(self, evalset: EvalSet | None) -> DataLoader:

@@ -1,4 +1,4 @@
-"""Fixed evaluation windows (ensemble validation, test) stored as one `.npz` each.
+"""Fixed evaluation windows (ensemble validation, test, final test) stored as one `.npz` each.
 
 The arrays are plain numpy (no pickle): `windows: [n, 1025] uint8`, `offsets: [n] int64`, and per
 window its document's id and source (unicode arrays) so that bootstrap intervals can resample
@@ -49,6 +49,10 @@ class EvalSet:
             sources=np.array([documents[i].source for i, _ in picks], dtype=np.str_),
             offsets=np.array([o for _, o in picks], dtype=np.int64),
         )
+
+    def select(self, rows: list[int]) -> EvalSet:
+        """The windows at `rows`, in that order, with their provenance."""
+        return EvalSet(self.windows[rows], self.doc_ids[rows], self.sources[rows], self.offsets[rows])
 
     def save(self, path: Path) -> None:
         temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")

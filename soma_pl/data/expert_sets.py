@@ -1,7 +1,9 @@
 """Per-expert shard sets: `<folder>/expert-NNN/{train,val}-*.tar` listed in `experts.json`.
 
-Written by semantic (or random) sharding; read by `ByteDataModule` to give each expert its own
-stream. `experts.json` is written last and atomically: a folder without it is not a sharded dataset.
+Written by semantic (or random) sharding: an expert's `train` shards hold its share of the prepared
+training split and its `val` shards its share of the prepared expert-validation split (together,
+exactly those splits). Read by `ByteDataModule` to give each expert its own stream and decay signal.
+`experts.json` is written last and atomically: a folder without it is not a sharded dataset.
 It records the fingerprint of the prepared dataset the shards were cut from (`dataset_fingerprint`),
 so a reader can refuse shards of another dataset (whose documents may be its test documents).
 """

@@ -7,6 +7,8 @@
                                learning-rate decay signal (N = 1 is one expert, Table 1)
   ensemble_val.npz             fixed 1,025-byte windows from held-out documents
   test.npz                     one window per held-out, overlap-screened test document
+  test_final.npz               the final test split (with `final_test_windows`): more screened test
+                               documents, reported only by a reproduction's final runs
   manifest.json                counts, bytes, sources, seed, screening, sha256 of every shard
 ```
 
@@ -63,7 +65,11 @@ class PrepareConfig:
         val_documents: held-out documents for ensemble validation (paper: 202).
         val_windows: ensemble-validation windows taken round-robin from them (paper: 976).
         test_windows: test documents, one window each, after the overlap screen (paper: 4,096).
-        test_oversample: test candidates held out per test window wanted, to absorb exclusions.
+        final_test_windows: documents of the final test split, one window each, screened like the
+            test ones: a second test split that no development result touches, reported only by
+            the final runs of a reproduction (0: none; `test` holds the same documents either way).
+        test_oversample: test candidates held out per test window wanted (test and final test
+            together), to absorb exclusions.
         shingle_bytes: a test candidate sharing a substring this long with a training document is
             excluded.
         shard_max_bytes: a training shard is cut once it reaches this size.
@@ -79,6 +85,7 @@ class PrepareConfig:
     val_documents: int = 202
     val_windows: int = 976
     test_windows: int = 4096
+    final_test_windows: int = 0
     test_oversample: float = 1.25
     shingle_bytes: int = 50
     shard_max_bytes: int = 64_000_000
@@ -87,6 +94,13 @@ class PrepareConfig:
 
     @property
     def test_candidates(self) -> int:
+        """Held-out candidates of both test splits."""
+        return math.ceil((self.test_windows + self.final_test_windows) * self.test_oversample)
+
+    @property
+    def test_own_candidates(self) -> int:
+        """The first candidates (in held-out rank order): the ones `test` draws from, the same with or
+        without a final split."""
         return math.ceil(self.test_windows * self.test_oversample)
 
     def fingerprint(self, corpus: dict | None = None) -> str:
@@ -95,6 +109,8 @@ class PrepareConfig:
         settings = asdict(self)
         settings.pop("output_dir")
         settings.pop("executor")
+        if not self.final_test_windows:  # absent at 0: a folder without a final split keeps its fingerprint
+            settings.pop("final_test_windows")
         corpus = corpus_fingerprint(self.corpus) if corpus is None else corpus
         identity = {"settings": settings, "corpus": corpus, "format": FORMAT_VERSION}
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
@@ -103,14 +119,17 @@ class PrepareConfig:
         """Refuse settings that cannot build a usable dataset, naming the key (`dataset.<field>`).
 
         Raises:
-            ConfigError: a count below 1, an oversampling below 1, a shingle longer than a test
-                window (it could never exclude anything) or a fraction outside (0, 1).
+            ConfigError: a count below 1 (`final_test_windows` below 0), an oversampling below 1, a
+                shingle longer than a test window (it could never exclude anything) or a fraction
+                outside (0, 1).
         """
         counts = {"val_documents": self.val_documents, "val_windows": self.val_windows,
                   "test_windows": self.test_windows, "shard_max_bytes": self.shard_max_bytes}
         for key, value in counts.items():
             if value < 1:
                 raise ConfigError(f"dataset.{key}={value} must be >= 1")
+        if self.final_test_windows < 0:
+            raise ConfigError(f"dataset.final_test_windows={self.final_test_windows} must be >= 0 (0: no final split)")
         if not (math.isfinite(self.test_oversample) and self.test_oversample >= 1):
             raise ConfigError(f"dataset.test_oversample={self.test_oversample} must be a finite number >= 1")
         if not 1 <= self.shingle_bytes <= WINDOW_BYTES:
@@ -234,12 +253,13 @@ SHARD_FIELDS = {"path", "sha256", "bytes", "documents"}
 
 def manifest_problem(manifest) -> str | None:
     """What makes `manifest` unusable as a prepared dataset's, or None. `expert_val` may be
-    missing (an older format, refused with its own line where it is needed)."""
+    missing (an older format, refused with its own line where it is needed), and so may `test_final`
+    (a dataset prepared without `final_test_windows`)."""
     if not isinstance(manifest, dict):
         return "not a JSON object"
-    for key in ("train", "expert_val", "ensemble_val", "test"):
+    for key in ("train", "expert_val", "ensemble_val", "test", "test_final"):
         entry = manifest.get(key)
-        if entry is None and key == "expert_val":
+        if entry is None and key in ("expert_val", "test_final"):
             continue
         if not isinstance(entry, dict):
             return f"no `{key}` entry"

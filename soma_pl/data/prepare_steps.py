@@ -9,10 +9,11 @@ plan    (1 task)   the global held-out choice from the union of the tasks' candi
                    ensemble-validation windows; the test candidate windows and the overlap
                    screen's gram index (built once)                           -> plan.json
 write   (N tasks)  each task: screens its training documents against the test candidates (exact,
-                   any shared 50-byte substring) and writes them to its own WebDataset shards
+                   any shared 50-byte substring; for `test`, also the documents held out only for
+                   the final split) and writes them to its own WebDataset shards
                    (train/train-<rank>-NNNNNN.tar, expert_val/val-<rank>-NNNNNN.tar) -> write/<rank>.json
-finish  (1 task)   the manifest (sha256 of every shard), the screened test set; the finished
-                   folder is renamed into place
+finish  (1 task)   the manifest (sha256 of every shard), the screened test set (and the final
+                   test set after it); the finished folder is renamed into place
 ```
 
 Held-out and expert-validation choices depend only on seeded hashes of document ids, so any task
@@ -41,7 +42,7 @@ from soma_pl.data.evalsets import EvalSet
 from soma_pl.data.heldout import ExpertValChoice, HeldOutSelector, OverlapScreen, document_rank, validation_windows
 from soma_pl.data.pipeline import read_documents
 from soma_pl.data.readers import corpus_change, corpus_changed, corpus_fingerprint
-from soma_pl.data.tar_shards import ShardRecord, ShardWriter
+from soma_pl.data.tar_shards import ShardRecord, ShardWriter, sha256_file
 from soma_pl.errors import DataError
 from soma_pl.io import atomic_folder, close_quietly, write_atomic, write_json_atomic
 
@@ -147,6 +148,7 @@ class PlanHeldOut(_Stage):
         save_npy(self.stage / "screen_filter.npy", screen.filter_bits())
         write_json_atomic(self.stage / "plan.json", {
             "held_ids": sorted(held_ids), "expert_val_fallback": expert_val.fallback,
+            "final_only_ids": sorted(d.doc_id for d, _ in candidates[config.test_own_candidates :]),
             "short": dict(sorted(short.items())), "documents": sum(p["documents"] for p in parts),
             "seconds": round(time.perf_counter() - begun, 3),
         })
@@ -154,9 +156,34 @@ class PlanHeldOut(_Stage):
         yield
 
 
+class _BatchedScreen:
+    """An `OverlapScreen` fed documents `SCREEN_BATCH_BYTES` at a time (one vectorised lookup each)."""
+
+    def __init__(self, screen: OverlapScreen):
+        self.screen, self.pending, self.pending_bytes = screen, [], 0
+
+    def add(self, text: bytes) -> None:
+        self.pending.append(text)
+        self.pending_bytes += len(text)
+        if self.pending_bytes >= SCREEN_BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        self.screen.screen_many(self.pending)
+        self.pending, self.pending_bytes = [], 0
+
+    def contaminated(self) -> list[int]:
+        return self.screen.contaminated.nonzero()[0].tolist()
+
+
 class WriteShards(_Stage):
     """Per task: screen the test candidates against its training documents and write them into its
-    own shards, training or expert validation by a seeded hash of the id."""
+    own shards, training or expert validation by a seeded hash of the id.
+
+    The documents held out only for the final split (the candidates after `test_own_candidates`)
+    would be training documents in a build without one: the candidates are screened against them
+    too, apart, so that `test` excludes what it would exclude without a final split and keeps its
+    documents."""
 
     name = "screen and write shards"
 
@@ -166,30 +193,32 @@ class WriteShards(_Stage):
         held_ids = set(plan["held_ids"])
         expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, 0)
         expert_val.fallback = plan["expert_val_fallback"]
-        candidates = EvalSet.load(self.stage / "candidates.npz")
+        final_only = set(plan.get("final_only_ids", ()))
+        windows = [w.tobytes() for w in EvalSet.load(self.stage / "candidates.npz").windows]
         # Mapped, not read: the 40 MB of keys come from the page cache, shared by the tasks.
-        screen = OverlapScreen([w.tobytes() for w in candidates.windows], config.shingle_bytes,
-                               index=np.load(self.stage / "screen_keys.npy", mmap_mode="r"),
-                               filter_bits=np.load(self.stage / "screen_filter.npy", mmap_mode="r"))
+        index = np.load(self.stage / "screen_keys.npy", mmap_mode="r")
+        filter_bits = np.load(self.stage / "screen_filter.npy", mmap_mode="r")
+        screen, by_final = (_BatchedScreen(OverlapScreen(windows, config.shingle_bytes, index, filter_bits))
+                            for _ in range(2))
         writers = {"train": ShardWriter(self.stage / "train", f"train-{rank:05d}", config.shard_max_bytes),
                    "expert_val": ShardWriter(self.stage / "expert_val", f"val-{rank:05d}", config.shard_max_bytes)}
         counts = {split: Counter() for split in ("documents", "bytes", "val_documents", "val_bytes")}
-        pending, pending_bytes = [], 0
         try:
             for document in read_documents(data):
-                if len(document.text) < WINDOW_BYTES or document.doc_id in held_ids:
+                if len(document.text) < WINDOW_BYTES:
                     continue
-                pending.append(document.text)  # expert-validation documents are training data too
-                pending_bytes += len(document.text)
-                if pending_bytes >= SCREEN_BATCH_BYTES:
-                    screen.screen_many(pending)
-                    pending, pending_bytes = [], 0
+                if document.doc_id in held_ids:
+                    if document.doc_id in final_only:
+                        by_final.add(document.text)
+                    continue
+                screen.add(document.text)  # expert-validation documents are training data too
                 split = "expert_val" if expert_val.holds(document.doc_id) else "train"
                 writers[split].write(document)
                 prefix = "val_" if split == "expert_val" else ""
                 counts[f"{prefix}documents"][document.source] += 1
                 counts[f"{prefix}bytes"][document.source] += len(document.text)
-            screen.screen_many(pending)
+            screen.flush()
+            by_final.flush()
             records = {split: writer.close() for split, writer in writers.items()}
         except BaseException:
             close_quietly(writers.values())
@@ -197,7 +226,8 @@ class WriteShards(_Stage):
         write_json_atomic(self.stage / "write" / f"{rank:05d}.json", {
             "records": {split: [r.to_json() for r in rs] for split, rs in records.items()},
             "counts": {key: dict(counter) for key, counter in counts.items()},
-            "contaminated": screen.contaminated.nonzero()[0].tolist(), "peak_rss_mib": peak_rss_mib(),
+            "contaminated": screen.contaminated(), "contaminated_by_final_only": by_final.contaminated(),
+            "peak_rss_mib": peak_rss_mib(),
             "seconds": round(time.perf_counter() - begun, 3),
         })
         return
@@ -246,21 +276,15 @@ class FinishPrepare(_Stage):
                   for split in ("train", "expert_val")}
         if not shards["train"]:
             raise DataError(f"no training documents left in {describe(config)}")
+        test_splits = self._test_splits(work, {i for p in parts for i in p["contaminated"]},
+                                        {i for p in parts for i in p.get("contaminated_by_final_only", ())})
         for record in shards["train"] + shards["expert_val"]:
             (work / record.path).parent.mkdir(parents=True, exist_ok=True)
             link_or_copy(self.stage / record.path, work / record.path)
         totals = {key: sum((Counter(p["counts"][key]) for p in parts), Counter())
                   for key in ("documents", "bytes", "val_documents", "val_bytes")}
-        contaminated = sorted({i for p in parts for i in p["contaminated"]})
-        candidates = EvalSet.load(self.stage / "candidates.npz")
-        excluded = set(contaminated)
-        clean = [i for i in range(len(candidates)) if i not in excluded]
-        chosen = clean[: config.test_windows]
-        test = EvalSet(candidates.windows[chosen], candidates.doc_ids[chosen], candidates.sources[chosen],
-                       candidates.offsets[chosen])
         val = EvalSet.load(self.stage / "ensemble_val.npz")
         val.save(work / "ensemble_val.npz")
-        test.save(work / "test.npz")
         sources = sorted(totals["documents"])
         return {
             "format": FORMAT_VERSION,
@@ -277,13 +301,7 @@ class FinishPrepare(_Stage):
             "skipped_short_documents": plan["short"],
             "ensemble_val": {"file": "ensemble_val.npz", "documents": len(set(val.doc_ids.tolist())),
                              "windows": len(val), "wanted": config.val_windows},
-            "test": {"file": "test.npz", "documents": len(chosen), "windows": len(chosen),
-                     "wanted": config.test_windows,
-                     "window_position": "one window per document at a seeded uniform offset",
-                     "screening": f"excluded candidates sharing any {config.shingle_bytes}-byte substring with a "
-                                  "training document (exact: hashed lookups verified on the bytes)",
-                     "candidates": len(candidates), "excluded": len(contaminated),
-                     "unused_clean_candidates": len(clean) - len(chosen)},
+            **test_splits,
             "tasks": self.tasks,
             "peak_rss_mib": {"select": [self._select_part(task)["peak_rss_mib"] for task in range(self.tasks)],
                              "write": [p["peak_rss_mib"] for p in parts]},
@@ -292,6 +310,56 @@ class FinishPrepare(_Stage):
             "prepare_seconds": round(time.time() - self.started, 3),
         }
 
+    def _test_splits(self, work: Path, contaminated: set[int], by_final_only: set[int]) -> dict:
+        """Write `test.npz` (and `test_final.npz`) into `work`; return their manifest entries.
+
+        `test` takes, in held-out rank order, the first `test_windows` of its own candidates (the
+        first `test_own_candidates`) that share nothing with a training document nor with a document
+        held out only for the final split: what it takes without a final split. `test_final` takes
+        the next `final_test_windows` of the other candidates that share nothing with a training
+        document.
+
+        Args:
+            contaminated: the candidates sharing a substring with a training document.
+            by_final_only: the candidates sharing one with a document held out only for the final split.
+
+        Raises:
+            DataError: a final split is asked for and too few candidates pass the screen to fill it.
+        """
+        config = self.config
+        candidates = EvalSet.load(self.stage / "candidates.npz")
+        own = min(config.test_own_candidates, len(candidates))
+        excluded = (contaminated | by_final_only) & set(range(own))
+        chosen = [i for i in range(own) if i not in excluded][: config.test_windows]
+        taken = set(chosen)
+        clean = [i for i in range(len(candidates)) if i not in contaminated and i not in taken]
+        final = clean[: config.final_test_windows]
+        if len(final) < config.final_test_windows:
+            raise DataError(f"too few clean test documents: {len(clean) + len(chosen)} of {len(candidates)} candidates "
+                            f"pass the overlap screen, {config.test_windows} test + {config.final_test_windows} final "
+                            f"test needed in {describe(config)}: raise dataset.test_oversample or use a larger corpus")
+        screening = (f"excluded candidates sharing any {config.shingle_bytes}-byte substring with a training document "
+                     "(exact: hashed lookups verified on the bytes)")
+        position = "one window per document at a seeded uniform offset"
+        candidates.select(chosen).save(work / "test.npz")
+        entries = {"test": {"file": "test.npz", "documents": len(chosen), "windows": len(chosen),
+                            "wanted": config.test_windows, "sha256": sha256_file(work / "test.npz"),
+                            "window_position": position, "screening": screening, "candidates": own,
+                            "excluded": len(excluded),
+                            "unused_clean_candidates": len(clean) - len(final)}}
+        if config.final_test_windows:
+            entries["test"]["screening"] += ", or with a document held out only for the final split"
+            entries["test"]["excluded_by_final_only"] = len(excluded - contaminated)
+            candidates.select(final).save(work / "test_final.npz")
+            entries["test_final"] = {
+                "file": "test_final.npz", "documents": len(final), "windows": len(final),
+                "wanted": config.final_test_windows, "sha256": sha256_file(work / "test_final.npz"),
+                "window_position": position, "screening": screening,
+                "candidates": len(candidates) - len(chosen), "added_candidates": len(candidates) - own,
+                "excluded": len(contaminated),
+                "drawn": "the candidates left after `test` that pass the screen, in held-out rank order",
+                "use": "reported only by the final runs of a reproduction; development reports `test`"}
+        return entries
 
     def _select_part(self, task: int) -> dict:
         return json.loads((self.stage / "select" / f"{task:05d}.json").read_text())

@@ -1,27 +1,30 @@
 """The four datatrove stages of `shard` (see `soma_pl.data.sharding` for the folder they build).
 
 ```
-embed   (N tasks)  each task: the first 256 bytes of each document of its prepared training shards,
-                   encoded -> embed/<rank>.f32 (raw float32 rows) and embed/<rank>.npz (per document:
-                   source, seeded sample, deal and validation keys; the sum of its encodings)
-fit     (1 task)   the k-means sample: the `kmeans_sample` documents of smallest sample key over all
-                   tasks; the hashed encoder's centre; k-means and rebalancing on the sample (or the
-                   random deal); the sample's experts and validation choice    -> fit/*.npz
-write   (N tasks)  each task: every document's expert (the sample's choice, else its nearest fitted
-                   centroid) and split, written into its own shards of that expert
-                   (expert-NNN/{train,val}-<rank>-NNNNNN.tar); per expert, sums of encodings and
-                   counts per source                                          -> write/<rank>.json
-finish  (1 task)   router.pt (centroids: each expert's mean encoding over all its documents),
+embed   (N tasks)  each task: the first 256 bytes of each document of its prepared training and
+                   expert-validation shards, encoded -> embed/<rank>.f32 (raw float32 rows) and
+                   embed/<rank>.npz (per document: source, split, seeded sample and deal keys; the
+                   sum of its training documents' encodings)
+fit     (1 task)   per split, a sample: the `kmeans_sample` documents of smallest sample key over all
+                   tasks. The hashed encoder's centre (training documents); k-means and rebalancing
+                   on the training sample (or the random deal); the expert-validation sample's
+                   nearest fitted centroids, rebalanced (or the same deal)    -> fit/*.npz
+write   (N tasks)  each task: every document's expert (its sample's choice, else its nearest fitted
+                   centroid, or for random sharding its deal key modulo N), written into its own
+                   shards of that expert, in the document's prepared split
+                   (expert-NNN/{train,val}-<rank>-NNNNNN.tar); per expert, sums of training
+                   encodings and counts per source                             -> write/<rank>.json
+finish  (1 task)   router.pt (centroids: each expert's mean encoding over its training documents),
                    experts.json (sha256 of every shard); the finished folder renamed into place
 ```
 
-A task's memory is bounded by its batch of encodings and the fitting task's by the sample, whatever
-the corpus size. Which documents are sampled, and the sample's order, depend only on seeded hashes
-of document ids, so any task count gives the same experts and splits; only the grouping of documents
-into tar files depends on it. When the whole corpus fits in the sample, every document's expert is
-the k-means (and rebalancing) choice and every expert's validation split its `val_fraction` smallest
-validation keys (at least one, never all); a document outside the sample goes to its nearest fitted
-centroid and to validation when its validation key falls below `val_fraction` of the hash range.
+A task's memory is bounded by its batch of encodings and the fitting task's by the samples, whatever
+the corpus size. Which documents are sampled, and the samples' order, depend only on seeded hashes
+of document ids, so any task count gives the same experts; only the grouping of documents into tar
+files depends on it. When a split fits in its sample, every training document's expert is the
+k-means (and rebalancing) choice and every expert-validation document's its nearest fitted centroid,
+rebalanced so that each expert has at least one; a document outside its sample goes to its nearest
+fitted centroid (random sharding: its deal key modulo N).
 """
 
 from __future__ import annotations
@@ -51,24 +54,27 @@ from soma_pl.models.router import EncoderKind, Router, prefix_batch
 if TYPE_CHECKING:
     from soma_pl.data.sharding import ShardConfig
 
-KEY_RANGE = 2**64
-
-
 class PreparedShardsReader(PipelineStep):
-    """The prepared dataset's training shards, dealt to tasks as datatrove deals files: task r
-    reads shards r, r + tasks, ..., in order (the same order in every pass).
+    """The prepared dataset's training shards, then its expert-validation shards, dealt to tasks as
+    datatrove deals files: task r reads files r, r + tasks, ..., in order (the same order in every
+    pass). Each document's metadata says where it is (`place`: file, position) and whether it is an
+    expert-validation document (`expert_val`).
 
     Args:
+        paths: the training shard files.
         progress: show a bar per task on stderr over its shard files, named `<stage> task <r>`
             (as `prepare`'s readers show theirs).
+        expert_val_paths: the expert-validation shard files.
     """
 
     name = "soma_pl prepared shards"
     type = "📖 - READER"
 
-    def __init__(self, paths: list[Path], progress: bool = False, stage: str = "read"):
+    def __init__(self, paths: list[Path], progress: bool = False, stage: str = "read",
+                 expert_val_paths: list[Path] = ()):
         super().__init__()
-        self.paths = [str(p) for p in paths]
+        self.paths = [str(p) for p in [*paths, *expert_val_paths]]
+        self.training_files = len(paths)
         self.progress, self.stage_name = progress, stage
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
@@ -80,6 +86,7 @@ class PreparedShardsReader(PipelineStep):
                     self.stat_update("documents")
                     shared = to_pipeline(document)
                     shared.metadata["place"] = (index, number)  # corpus order: shard file, then position
+                    shared.metadata["expert_val"] = index >= self.training_files
                     yield shared
                 bar.update()
 
@@ -122,7 +129,7 @@ class EmbedDocuments(_Stage):
         folder = self.stage / "embed"
         folder.mkdir(parents=True, exist_ok=True)
         names: dict[str, int] = {}
-        sources, sample, deal, val, places, batch = [], [], [], [], [], []
+        sources, sample, deal, expert_val, places, batch = [], [], [], [], [], []
         total = None
         raw = folder / f"{rank:05d}.f32"
         with open(raw, "wb") as rows:
@@ -131,24 +138,26 @@ class EmbedDocuments(_Stage):
                 if batch:
                     encoded = encoder.encode(prefix_batch(batch, config.device)).cpu().numpy().astype(np.float32)
                     rows.write(encoded.tobytes())
-                    total = encoded.astype(np.float64).sum(0) + (0 if total is None else total)
+                    # the centre is the training documents' mean: nothing is fitted on validation data
+                    training = ~np.array(expert_val[len(expert_val) - len(batch):], dtype=bool)
+                    total = encoded[training].astype(np.float64).sum(0) + (0 if total is None else total)
                     batch.clear()
 
             for shared in data or ():
                 document = from_pipeline(shared)
                 places.append(shared.metadata["place"])
+                expert_val.append(shared.metadata["expert_val"])
                 batch.append(document.text)
                 sources.append(names.setdefault(document.source, len(names)))
                 sample.append(seeded_hash(config.seed, "sample", document.doc_id))
                 deal.append(seeded_hash(config.seed, "deal", document.doc_id))
-                val.append(seeded_hash(config.seed, "val", document.doc_id))
                 if len(batch) == config.embed_batch_size:
                     flush()
             flush()
         dim = int(encoder.output_dim)
         save_npz(folder / f"{rank:05d}.npz", sources=np.array(sources, dtype=np.int32),
                  sample=np.array(sample, dtype=np.uint64), deal=np.array(deal, dtype=np.uint64),
-                 val=np.array(val, dtype=np.uint64), places=np.array(places, dtype=np.int64).reshape(-1, 2),
+                 expert_val=np.array(expert_val, dtype=bool), places=np.array(places, dtype=np.int64).reshape(-1, 2),
                  sum=np.zeros(dim) if total is None else total)
         write_json_atomic(folder / f"{rank:05d}.json", {"documents": len(sources), "dim": dim, "sources": list(names),
                                                          "peak_rss_mib": peak_rss_mib(),
@@ -167,7 +176,8 @@ def load_embeddings(stage: Path, rank: int) -> np.ndarray:
 
 
 class FitExperts(_Stage):
-    """One task: the sample, the centre, k-means (or the random deal) and the sample's splits."""
+    """One task: the samples, the centre, k-means (or the random deal) on the training sample and
+    the expert-validation sample's experts by the same rule."""
 
     name = "fit experts"
 
@@ -176,54 +186,63 @@ class FitExperts(_Stage):
         self.tasks = tasks
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from soma_pl.data.sharding import Sharding, assign_labels, expert_centroids, validation_mask
+        from soma_pl.data.sharding import Sharding, assign_expert_val, assign_labels, expert_centroids
 
         config, begun = self.config, time.perf_counter()
         keys = [dict(np.load(self.stage / "embed" / f"{task:05d}.npz")) for task in range(self.tasks)]
-        documents = sum(len(k["sample"]) for k in keys)
-        if documents < 2 * config.num_experts:
-            raise DataError(f"{config.prepared}: {documents} training documents cannot fill {config.num_experts} "
-                            "experts (each needs one training and one validation document)")
-        # The sample: the smallest sample keys over all tasks (each task's own smallest first).
-        size = min(config.kmeans_sample, documents)
+        # `shard` checked that each split holds at least one document per expert (`check_splits`)
+        documents = {split: sum(int((k["expert_val"] == split).sum()) for k in keys) for split in (False, True)}
+        center = np.zeros(keys[0]["sum"].shape, dtype=np.float32)
+        if EncoderKind(config.embedder) is EncoderKind.hashed and config.hashed_center:
+            center = (sum(k["sum"] for k in keys) / documents[False]).astype(np.float32)
+        tasks, positions = self._sample(keys, expert_val=False)
+        embeddings = self._embeddings(tasks, positions, center)
+        labels, moved = assign_labels(config, embeddings, _gather(keys, "deal", tasks, positions))
+        centroids = expert_centroids(embeddings, labels, config.num_experts)
+        val_tasks, val_positions = self._sample(keys, expert_val=True)
+        val_labels, val_moved = assign_expert_val(config, self._embeddings(val_tasks, val_positions, center),
+                                                  _gather(keys, "deal", val_tasks, val_positions), centroids)
+        folder = self.stage / "fit"
+        for task in range(self.tasks):
+            mine, theirs = tasks == task, val_tasks == task
+            save_npz(folder / f"{task:05d}.npz", positions=np.concatenate([positions[mine], val_positions[theirs]]),
+                     labels=np.concatenate([labels[mine], val_labels[theirs]]))
+        save_npz(folder / "fit.npz", center=center, centroids=centroids)
+        write_json_atomic(folder / "fit.json", {
+            "documents": documents[False], "expert_val_documents": documents[True], "sample": len(tasks),
+            "expert_val_sample": len(val_tasks), "rebalanced_documents": moved,
+            "rebalanced_expert_val_documents": val_moved, "random": Sharding(config.sharding) is Sharding.random,
+            "peak_rss_mib": peak_rss_mib(), "seconds": round(time.perf_counter() - begun, 3)})
+        return
+        yield
+
+    def _sample(self, keys: list[dict], expert_val: bool) -> tuple[np.ndarray, np.ndarray]:
+        """A split's sample, `(tasks [n], positions [n])`: its `kmeans_sample` documents of smallest
+        sample key over all tasks (each task's own smallest first; ties: task, position), in corpus
+        order (shard file, then position), so that any task count, and a split inside the sample,
+        is clustered exactly as one pass over it would be."""
+        size = min(self.config.kmeans_sample, sum(int((k["expert_val"] == expert_val).sum()) for k in keys))
         picks = []
         for task, k in enumerate(keys):
-            local = (np.argpartition(k["sample"], size - 1)[:size] if len(k["sample"]) > size
-                     else np.arange(len(k["sample"])))
-            picks.append(np.stack([k["sample"][local], np.full(len(local), task, dtype=np.uint64),
-                                   local.astype(np.uint64)], axis=1))
+            members = np.flatnonzero(k["expert_val"] == expert_val)
+            if len(members) > size:
+                members = members[np.argpartition(k["sample"][members], size - 1)[:size]]
+            picks.append(np.stack([k["sample"][members], np.full(len(members), task, dtype=np.uint64),
+                                   members.astype(np.uint64)], axis=1))
         picks = np.concatenate(picks)
         picks = picks[np.lexsort((picks[:, 2], picks[:, 1], picks[:, 0]))][:size]  # by key (ties: task, position)
         tasks, positions = picks[:, 1].astype(np.int64), picks[:, 2].astype(np.int64)
-        # k-means sees the sample in corpus order (shard file, then position): any task count, and
-        # a corpus inside the sample is clustered exactly as one pass over it would be.
         places = _gather(keys, "places", tasks, positions)
         order = np.lexsort((places[:, 1], places[:, 0]))
-        tasks, positions = tasks[order], positions[order]
-        center = np.zeros(keys[0]["sum"].shape, dtype=np.float32)
-        if EncoderKind(config.embedder) is EncoderKind.hashed and config.hashed_center:
-            center = (sum(k["sum"] for k in keys) / documents).astype(np.float32)
-        raw = np.zeros((size, len(center)), dtype=np.float32)
+        return tasks[order], positions[order]
+
+    def _embeddings(self, tasks: np.ndarray, positions: np.ndarray, center: np.ndarray) -> np.ndarray:
+        """The centred encodings `[n, dim]` of the documents at `(tasks, positions)`, in their order."""
+        raw = np.zeros((len(tasks), len(center)), dtype=np.float32)
         for task in range(self.tasks):
             mine = tasks == task
             raw[mine] = load_embeddings(self.stage, task)[positions[mine]]
-        embeddings = _centred(raw, center)
-        deal, val = _gather(keys, "deal", tasks, positions), _gather(keys, "val", tasks, positions)
-        labels, moved = assign_labels(config, embeddings, deal)
-        centroids = expert_centroids(embeddings, labels, config.num_experts)
-        validation = validation_mask(labels, val, config.num_experts, config.val_fraction)
-        folder = self.stage / "fit"
-        for task in range(self.tasks):
-            mine = tasks == task
-            save_npz(folder / f"{task:05d}.npz", positions=positions[mine], labels=labels[mine],
-                     validation=validation[mine])
-        save_npz(folder / "fit.npz", center=center, centroids=centroids)
-        write_json_atomic(folder / "fit.json", {
-            "documents": documents, "sample": size, "rebalanced_documents": moved,
-            "random": Sharding(config.sharding) is Sharding.random, "peak_rss_mib": peak_rss_mib(),
-            "seconds": round(time.perf_counter() - begun, 3)})
-        return
-        yield
+        return _centred(raw, center)
 
 
 def _gather(keys: list[dict], name: str, tasks: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -237,7 +256,8 @@ def _gather(keys: list[dict], name: str, tasks: np.ndarray, positions: np.ndarra
 
 
 class WriteExperts(_Stage):
-    """Per task: each document's expert and split, written into the task's own expert shards."""
+    """Per task: each document's expert, written into the task's own shards of that expert in the
+    document's prepared split (training or expert validation)."""
 
     name = "write experts"
 
@@ -250,9 +270,8 @@ class WriteExperts(_Stage):
         chosen = dict(np.load(self.stage / "fit" / f"{rank:05d}.npz"))
         keys = dict(np.load(self.stage / "embed" / f"{rank:05d}.npz"))
         raw = load_embeddings(self.stage, rank)
-        labels, sums, agreeing = self._assign(raw, fit, keys["deal"], fitted["random"], chosen)
-        validation = keys["val"] < np.uint64(int(config.val_fraction * KEY_RANGE))
-        validation[chosen["positions"]] = chosen["validation"]
+        validation = keys["expert_val"]
+        labels, sums, agreeing = self._assign(raw, fit, keys["deal"], fitted["random"], chosen, validation)
         names = json.loads((self.stage / "embed" / f"{rank:05d}.json").read_text())["sources"]
         writer = ExpertShardWriter(self.stage, experts, config.shard_max_bytes, task=rank)
         sizes = [{split: {"documents": 0, "bytes": 0} for split in ("train", "val")} for _ in range(experts)]
@@ -262,33 +281,35 @@ class WriteExperts(_Stage):
             for position, document in enumerate(from_pipeline(d) for d in data or ()):
                 written += 1
                 if position >= len(labels):
-                    raise DataError("training shards changed between the two passes")
+                    raise DataError("prepared shards changed between the two passes")
                 expert, held = int(labels[position]), bool(validation[position])
                 split = "val" if held else "train"
                 writer.write(expert, document, validation=held)
                 sizes[expert][split]["documents"] += 1
                 sizes[expert][split]["bytes"] += len(document.text)
-                contingency[expert][names[keys["sources"][position]]] += 1
+                if not held:
+                    contingency[expert][names[keys["sources"][position]]] += 1
             records = experts_json(writer.close())
         except BaseException:
             writer.abandon()
             raise
         if written != len(labels):
-            raise DataError("training shards changed between the two passes")
+            raise DataError("prepared shards changed between the two passes")
         write_json_atomic(self.stage / "write" / f"{rank:05d}.json", {
             "records": records, "sizes": sizes, "contingency": [dict(c) for c in contingency],
-            "sums": sums.tolist(), "counts": np.bincount(labels, minlength=experts).tolist(),
+            "sums": sums.tolist(), "counts": np.bincount(labels[~validation], minlength=experts).tolist(),
             "agreeing": agreeing, "peak_rss_mib": peak_rss_mib(),
             "seconds": round(time.perf_counter() - begun, 3)})
         return
         yield
 
-    def _assign(self, raw: np.ndarray, fit: dict, deal: np.ndarray, random: bool,
-                chosen: dict) -> tuple[np.ndarray, np.ndarray, int]:
-        """Every document's expert (the sample's choice, else the nearest fitted centroid or, for
-        random sharding, the deal key modulo N); per expert the sum of its centred encodings; how
-        many documents their nearest fitted centroid places in their expert. A block of encodings
-        at a time: memory does not grow with the task's documents."""
+    def _assign(self, raw: np.ndarray, fit: dict, deal: np.ndarray, random: bool, chosen: dict,
+                validation: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """Every document's expert (its sample's choice, else the nearest fitted centroid or, for
+        random sharding, the deal key modulo N); per expert the sum of its training documents'
+        centred encodings; how many training documents their nearest fitted centroid places in
+        their expert. `validation` `[n]` bool marks the expert-validation documents. A block of
+        encodings at a time: memory does not grow with the task's documents."""
         experts, block = self.config.num_experts, 65536
         fixed = np.full(len(raw), -1, dtype=np.int64)
         fixed[chosen["positions"]] = chosen["labels"]
@@ -300,8 +321,9 @@ class WriteExperts(_Stage):
             mine = (deal[start : start + block] % np.uint64(experts)).astype(np.int64) if random else nearest
             mine = np.where(fixed[start : start + block] >= 0, fixed[start : start + block], mine)
             labels[start : start + block] = mine
-            np.add.at(sums, mine, embeddings.astype(np.float64))
-            agreeing += int((nearest == mine).sum())
+            training = ~validation[start : start + block]
+            np.add.at(sums, mine[training], embeddings[training].astype(np.float64))
+            agreeing += int(((nearest == mine) & training).sum())
         return labels, sums, agreeing
 
 
@@ -346,23 +368,26 @@ class FinishShard(_Stage):
                   for split in ("train", "val")} for e in range(experts)]
         records = [{split: [r for p in parts for r in p["records"][e][split]] for split in ("train", "val")}
                    for e in range(experts)]
-        documents = int(counts.sum())
+        totals = self._check_totals(sizes)
+        documents = totals["train"]["documents"]
         with atomic_folder(output, KIND, "shard.output_dir", config.inputs()) as work:
             for expert in records:
                 for record in expert["train"] + expert["val"]:
                     (work / record["path"]).parent.mkdir(parents=True, exist_ok=True)
                     link_or_copy(self.stage / record["path"], work / record["path"])
             Router(encoder, torch.from_numpy(centroids), sharding=self.fingerprint).save(work / ROUTER_FILE)
-            volume = [s["train"]["bytes"] + s["val"]["bytes"] for s in sizes]
-            members = [s["train"]["documents"] + s["val"]["documents"] for s in sizes]
+            volume = [s["train"]["bytes"] for s in sizes]
+            members = [s["train"]["documents"] for s in sizes]
             write_json_atomic(work / EXPERTS_MANIFEST, {
                 "format": FORMAT_VERSION, "fingerprint": self.fingerprint,
                 "dataset_fingerprint": self.manifest["fingerprint"],
                 "config": json.loads(json.dumps(asdict(config), default=str)), "dataset_dir": str(config.prepared),
-                "router": ROUTER_FILE, "documents": documents, "expert_sizes": sizes,
+                "router": ROUTER_FILE, "documents": documents, **totals, "expert_sizes": sizes,
                 "shard_sizes": {"min_documents": min(members), "max_documents": max(members),
                                 "min_bytes": min(volume), "max_bytes": max(volume)},
-                "rebalanced_documents": fitted["rebalanced_documents"], "kmeans_sample": fitted["sample"],
+                "rebalanced_documents": fitted["rebalanced_documents"],
+                "rebalanced_expert_val_documents": fitted["rebalanced_expert_val_documents"],
+                "kmeans_sample": fitted["sample"], "expert_val_sample": fitted["expert_val_sample"],
                 "contingency": [{name: int(c[name]) for name in names} for c in contingency],
                 "purity": round(sum(max(c.values(), default=0) for c in contingency) / max(documents, 1), 4),
                 "router_agreement": round(sum(p["agreeing"] for p in parts) / max(documents, 1), 4),
@@ -377,6 +402,28 @@ class FinishShard(_Stage):
             })
         return
         yield
+
+    def _check_totals(self, sizes: list[dict]) -> dict:
+        """`{"train": {documents, bytes}, "expert_val": {...}}` over all experts, which must be the
+        prepared splits' (every document in exactly one expert), and every expert must hold
+        documents of both.
+
+        Raises:
+            DataError: the experts' documents differ from the prepared splits', or an expert has
+                none of a split.
+        """
+        totals = {}
+        for entry, split in (("train", "train"), ("expert_val", "val")):
+            totals[entry] = {key: sum(s[split][key] for s in sizes) for key in ("documents", "bytes")}
+            prepared = {key: self.manifest[entry][key] for key in ("documents", "bytes")}
+            if totals[entry] != prepared:
+                raise DataError(f"{self.config.prepared}: the experts hold {totals[entry]} of the prepared {entry} "
+                                f"split's {prepared}: its shards changed while shard ran; run shard again")
+            empty = [e for e, s in enumerate(sizes) if not s[split]["documents"]]
+            if empty:
+                raise DataError(f"{self.config.prepared}: expert {empty[0]} received no {entry} document; "
+                                "prepare again with more documents in that split")
+        return totals
 
     def _embed(self, task: int) -> dict:
         return json.loads((self.stage / "embed" / f"{task:05d}.json").read_text())

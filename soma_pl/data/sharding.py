@@ -2,7 +2,7 @@
 
 ```
 <output_dir>/
-  expert-000/train-<task>-000000.tar ... val-<task>-000000.tar   expert 0's documents (train / validation)
+  expert-000/train-<task>-000000.tar ... val-<task>-000000.tar   expert 0's documents (train / expert validation)
   ...
   router.pt                                        encoder of the first 256 bytes + N centroids
   experts.json                                     written last: shard records, sizes, contingency
@@ -11,8 +11,13 @@
 Semantic sharding (the paper's) embeds each training document's first 256 bytes (the routed prefix)
 and clusters the embeddings with mini-batch k-means, fitted on a bounded sample of documents (all of
 them up to `kmeans_sample`); random sharding (the Fig. 9 ablation) deals the documents to experts
-in the order of a seeded hash. Held-out documents never reach a shard: only the prepared training
-shards are read. It runs as a datatrove pipeline (`soma_pl.data.shard_steps`: embed, fit, write,
+in the order of a seeded hash. Every side of a comparison trains on the same documents: each
+document of the prepared `train` split goes to exactly one expert's training shards, and each of the
+prepared `expert_val` split (the monolithic model's decay split) to the expert-validation shards of
+the expert the same rule picks for it (its nearest fitted centroid, or the same seeded deal), so
+`shard` holds out nothing of its own. The k-means fit, the hashed encoder's centre and the router's
+centroids see only training documents; ensemble-validation and test documents never reach a shard.
+It runs as a datatrove pipeline (`soma_pl.data.shard_steps`: embed, fit, write,
 finish) on the executor of `shard.executor`, local with all cores by default; per-task memory is
 bounded whatever the corpus size, and any task count gives the same experts and splits. The
 finished folder is renamed into place with experts.json last; experts.json records a fingerprint,
@@ -48,7 +53,7 @@ from soma_pl.models.devices import resolve_device
 from soma_pl.models.router import EncoderKind, HashedNgramEncoder, SeedEncoder
 
 ROUTER_FILE = "router.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KIND = "sharded dataset"
 """What the output folder's marker calls it (`soma_pl.io.OUTPUT_MARKER`)."""
 
@@ -67,8 +72,8 @@ class ShardConfig:
     """What `shard` builds, from which prepared dataset, and where.
 
     Attributes:
-        prepared: the prepared dataset folder whose training shards are split; everything else about
-            it is read from its manifest.
+        prepared: the prepared dataset folder whose training and expert-validation splits are cut
+            between the experts; everything else about it is read from its manifest.
         recipe: a data config (`configs/data/<name>.yaml`) that builds `prepared` first when it is
             missing or was built from another corpus or config. None: `prepared` must exist.
         num_experts: N, the number of experts (and of clusters).
@@ -77,14 +82,12 @@ class ShardConfig:
             features, the paper's) or `hashed` (hashed byte n-gram counts, needs no model).
         seed_checkpoint: Lightning checkpoint of the monolithic seed model; required by `seed`.
         sharding: `semantic` (k-means clusters) or `random` (seeded deal, the Fig. 9 ablation).
-        val_fraction: share of each expert's documents, chosen by a seeded hash, that go to its
-            expert-validation split (paper: 1%); at least one document per expert.
-        seed: seeds k-means, the random deal, the validation choice and the hashed encoder.
+        seed: seeds k-means, the random deal, the k-means sample and the hashed encoder.
         kmeans_batch_size: documents per mini-batch of k-means.
         kmeans_n_init: k-means restarts; the one of least inertia is kept.
         min_expert_fraction: after k-means, an expert holding fewer than this fraction of the
             average documents per expert takes the documents nearest to its centroid from experts
-            that hold more.
+            that hold more; likewise for the expert-validation documents (at least one each).
         shard_max_bytes: an expert's tar shard is cut once it reaches this size.
         hashed_dim: buckets of the hashed encoder.
         hashed_orders: byte n-gram lengths counted by the hashed encoder.
@@ -104,7 +107,6 @@ class ShardConfig:
     embedder: EncoderKind = EncoderKind.hashed
     seed_checkpoint: str | None = None
     sharding: Sharding = Sharding.semantic
-    val_fraction: float = 0.01
     seed: int = 0
     kmeans_batch_size: int = 1024
     kmeans_n_init: int = 10
@@ -122,7 +124,6 @@ class ShardConfig:
         """Raises ConfigError naming the first setting that cannot work."""
         checks = [
             (self.num_experts >= 1, f"shard.num_experts={self.num_experts} must be >= 1"),
-            (0 <= self.val_fraction < 1, f"shard.val_fraction={self.val_fraction} must be in [0, 1)"),
             (0 <= self.min_expert_fraction <= 1,
              f"shard.min_expert_fraction={self.min_expert_fraction} must be in [0, 1]"),
             (min(self.kmeans_batch_size, self.kmeans_n_init, self.embed_batch_size) >= 1,
@@ -151,7 +152,8 @@ class ShardConfig:
         return [self.prepared, *corpus, *seed]
 
     def fingerprint(self, manifest: dict) -> str:
-        """Hash of everything the output depends on: settings, the prepared shards, the seed model."""
+        """Hash of everything the output depends on: settings, the prepared training and
+        expert-validation shards, the seed model, the format."""
         settings = asdict(self)
         for key in ("output_dir", "prepared", "recipe", "executor"):
             settings.pop(key)
@@ -162,7 +164,8 @@ class ShardConfig:
                 raise DataError(f"seed checkpoint not found: {path}")
             checkpoint = sha256_file(path)
         identity = {"settings": settings, "dataset": manifest.get("fingerprint"),
-                    "shards": [s["sha256"] for s in manifest["train"]["shards"]],
+                    "shards": {split: [s["sha256"] for s in manifest[split]["shards"]]
+                               for split in ("train", "expert_val")},
                     "seed_checkpoint": checkpoint, "format": FORMAT_VERSION}
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -183,13 +186,15 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     if config.recipe is not None:
         prepare_recipe(config.recipe, root, "shard.prepared", progress=progress)
     manifest = open_prepared(root, "shard.prepared")
+    check_splits(manifest, root, config.num_experts)
     fingerprint = config.fingerprint(manifest)
     if (output / EXPERTS_MANIFEST).is_file():
         if _read_fingerprint(output) == fingerprint:
             remove_staging(output, "shard")
             return output
         warnings.warn(f"{output}: sharded with another config or dataset; rebuilding", stacklevel=2)
-    paths = verify_shards(root, [ShardRecord(**r) for r in manifest["train"]["shards"]], Verify.sha256)
+    paths = {split: verify_shards(root, [ShardRecord(**r) for r in manifest[split]["shards"]], Verify.sha256)
+             for split in ("train", "expert_val")}
     if not run_build(config.executor, output, "shard", "shard.output_dir", fingerprint,
                      lambda stage: _stages(config, paths, stage, fingerprint, manifest, started, progress),
                      lambda: _read_fingerprint(output) == fingerprint):
@@ -198,23 +203,46 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     return output
 
 
-def _stages(config: ShardConfig, paths: list[Path], stage: Path, fingerprint: str, manifest: dict,
+def check_splits(manifest: dict, root: Path, experts: int) -> None:
+    """Refuse a prepared dataset whose splits cannot give every expert training and
+    expert-validation documents, with one line naming what to do.
+
+    Raises:
+        DataError: no `expert_val` split (an older `prepare`), or fewer training or
+            expert-validation documents than experts.
+    """
+    if "expert_val" not in manifest:
+        raise DataError(f"shard.prepared={root} has no expert-validation split (prepared by an older soma_pl): "
+                        "run prepare again")
+    for split, name, fix in (("train", "training", "a larger corpus or fewer experts"),
+                             ("expert_val", "expert-validation", "a larger dataset.expert_val_fraction")):
+        documents = manifest[split].get("documents", 0)
+        if documents < experts:
+            raise DataError(f"shard.prepared={root} holds {documents} {name} documents, fewer than "
+                            f"shard.num_experts={experts} (each expert needs one): prepare again with {fix}")
+
+
+def _stages(config: ShardConfig, paths: dict[str, list[Path]], stage: Path, fingerprint: str, manifest: dict,
             started: float, progress: bool = False) -> list[tuple[str, object]]:
-    """The four executors, each depending on the one before: `(name, executor)`."""
+    """The four executors, each depending on the one before: `(name, executor)`. `paths`: the
+    prepared `train` and `expert_val` shard files."""
     from soma_pl.data.shard_steps import EmbedDocuments, FinishShard, FitExperts, PreparedShardsReader, WriteExperts
 
-    tasks = max(1, min(config.executor.task_count(), len(paths)))  # whole shards are dealt out
+    files = len(paths["train"]) + len(paths["expert_val"])
+    tasks = max(1, min(config.executor.task_count(), files))  # whole shards are dealt out
     # The tasks run torch (the encoder), so local workers start from a fresh server process
     # (`default_start_method`: this process has imported torch) unless the config says otherwise.
     executor = config.executor
     threads = None
     if ExecutorKind(executor.kind) is ExecutorKind.local:  # the tasks running at once share this machine's cores
         threads = max(1, (os.cpu_count() or 1) // min(tasks, executor.workers or tasks))
-    pipelines = [("embed", [PreparedShardsReader(paths, progress, "embed"), EmbedDocuments(config, stage, threads)],
-                  tasks),
+
+    def reader(name: str) -> PreparedShardsReader:
+        return PreparedShardsReader(paths["train"], progress, name, paths["expert_val"])
+
+    pipelines = [("embed", [reader("embed"), EmbedDocuments(config, stage, threads)], tasks),
                  ("fit", [FitExperts(config, stage, tasks)], 1),
-                 ("write", [PreparedShardsReader(paths, progress, "write"), WriteExperts(config, stage, threads)],
-                  tasks),
+                 ("write", [reader("write"), WriteExperts(config, stage, threads)], tasks),
                  ("finish", [FinishShard(config, stage, tasks, fingerprint, manifest, started)], 1)]
     return chain(executor, pipelines, stage, "shard")
 
@@ -234,16 +262,53 @@ def assign_labels(config: ShardConfig, embeddings: np.ndarray, deal_keys: np.nda
     the (centred) `embeddings`, or for random sharding a deal in the order of the `deal_keys`."""
     experts, count = config.num_experts, len(embeddings)
     if Sharding(config.sharding) is Sharding.random:
-        labels = np.empty(count, dtype=np.int64)
-        labels[np.argsort(deal_keys, kind="stable")] = np.arange(count) % experts
-        return labels, 0
+        return deal(deal_keys, experts), 0
     from sklearn.cluster import MiniBatchKMeans
 
     kmeans = MiniBatchKMeans(n_clusters=experts, random_state=config.seed, n_init=config.kmeans_n_init,
                              batch_size=config.kmeans_batch_size)
     labels = kmeans.fit_predict(embeddings).astype(np.int64)
-    minimum = max(2, int(config.min_expert_fraction * count / experts))
+    minimum = max(1, int(config.min_expert_fraction * count / experts))
     return rebalance(labels, kmeans.transform(embeddings), minimum)
+
+
+def assign_expert_val(config: ShardConfig, embeddings: np.ndarray, deal_keys: np.ndarray,
+                      centroids: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each expert-validation document's expert `[n]` int64, and how many rebalancing moved.
+
+    The rule that placed the training documents, with the fitted `centroids` `[N, D]` in place of
+    a new k-means fit: each document goes to its nearest centroid, then an expert holding fewer
+    than `min_expert_fraction` of the average, and at least one, takes the documents nearest its
+    centroid from experts that hold more (`rebalance`), so no expert is left without a decay
+    signal; for random sharding the same seeded deal in the order of the `deal_keys`. Needs at
+    least N documents (`check_splits`).
+
+    Args:
+        embeddings: `[n, D]` the documents' centred encodings.
+        deal_keys: `[n]` uint64 their seeded deal keys.
+        centroids: `[N, D]` the fitted centroids (each expert's mean over its training sample).
+    """
+    experts, count = config.num_experts, len(embeddings)
+    if Sharding(config.sharding) is Sharding.random:
+        return deal(deal_keys, experts), 0
+    distances = centroid_distances(embeddings, centroids)
+    minimum = max(1, int(config.min_expert_fraction * count / experts))
+    return rebalance(distances.argmin(axis=1).astype(np.int64), distances, minimum)
+
+
+def deal(deal_keys: np.ndarray, experts: int) -> np.ndarray:
+    """Random sharding: documents dealt to experts round-robin in the order of their seeded deal
+    keys `[n]`, so the experts' counts differ by at most one. `[n]` int64."""
+    labels = np.empty(len(deal_keys), dtype=np.int64)
+    labels[np.argsort(deal_keys, kind="stable")] = np.arange(len(deal_keys)) % experts
+    return labels
+
+
+def centroid_distances(embeddings: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """`[n, N]` squared Euclidean distance of each embedding `[n, D]` to each centroid `[N, D]`."""
+    embeddings = np.asarray(embeddings, dtype=np.float64)
+    return ((embeddings ** 2).sum(1)[:, None] + (centroids.astype(np.float64) ** 2).sum(1)[None]
+            - 2 * embeddings @ centroids.T.astype(np.float64))
 
 
 def rebalance(labels: np.ndarray, distances: np.ndarray, minimum: int) -> tuple[np.ndarray, int]:
@@ -284,16 +349,6 @@ def expert_centroids(embeddings: np.ndarray, labels: np.ndarray, experts: int) -
     return (sums / np.maximum(counts, 1)).astype(np.float32)
 
 
-def validation_mask(labels: np.ndarray, keys: np.ndarray, experts: int, fraction: float) -> np.ndarray:
-    """`[n]` bool: the documents of smallest seeded hash in each expert, at least one, never all."""
-    mask = np.zeros(len(labels), dtype=bool)
-    for expert in range(experts):
-        members = np.flatnonzero(labels == expert)
-        take = min(max(1, round(fraction * len(members))), len(members) - 1)
-        mask[members[np.argsort(keys[members], kind="stable")[:take]]] = True
-    return mask
-
-
 def _read_fingerprint(folder: Path) -> str | None:
     try:
         return read_shard_manifest(folder).get("fingerprint")
@@ -301,9 +356,12 @@ def _read_fingerprint(folder: Path) -> str | None:
         return None
 
 
-SHARD_SUMMARY = ("num_experts", "documents", "kmeans_sample", "shard_sizes", "rebalanced_documents", "contingency",
-                 "purity", "router_agreement", "tasks", "shard_seconds")
-"""`experts.json` entries that `shard` prints as they are."""
+SHARD_SUMMARY = ("num_experts", "documents", "train", "expert_val", "kmeans_sample", "shard_sizes",
+                 "rebalanced_documents", "rebalanced_expert_val_documents", "contingency", "purity",
+                 "router_agreement", "tasks", "shard_seconds")
+"""`experts.json` entries that `shard` prints as they are: `train` and `expert_val` are the documents
+and bytes of the prepared splits, all of them placed; `documents`, `shard_sizes`, `contingency`,
+`purity` and `router_agreement` are over the training documents."""
 
 
 def shard_dataset(shard: ShardConfig = ShardConfig(), progress: bool = True) -> None:
@@ -318,8 +376,8 @@ def shard_dataset(shard: ShardConfig = ShardConfig(), progress: bool = True) -> 
     summary = {"output_dir": str(output), "router": str(output / manifest["router"]),
                "embedder": manifest["config"]["embedder"], "sharding": manifest["config"]["sharding"],
                **{key: manifest[key] for key in SHARD_SUMMARY},
-               "train_documents": [e["train"]["documents"] for e in manifest["expert_sizes"]],
-               "val_documents": [e["val"]["documents"] for e in manifest["expert_sizes"]]}
+               **{f"{name}_{key}": [e[split][key] for e in manifest["expert_sizes"]]
+                  for name, split in (("train", "train"), ("expert_val", "val")) for key in ("documents", "bytes")}}
     print(json.dumps(summary, indent=2))
 
 

@@ -278,7 +278,8 @@ class ByteLMModule(L.LightningModule):
         held_out = self._finish_expert_validation()
         if self.trainer.state.fn == TrainerFn.FITTING:
             self._check_finite_validation(value, held_out)
-        if self.trainer.state.fn == TrainerFn.FITTING and not self.trainer.sanity_checking and held_out is not None:
+        if (self.trainer.state.fn == TrainerFn.FITTING and not self.trainer.sanity_checking and held_out is not None
+                and self.plateau_config.checks_at(self.trainer.global_step)):
             self.after_validation(held_out)
 
     def _check_finite_validation(self, value: Tensor, held_out: Tensor | None) -> None:

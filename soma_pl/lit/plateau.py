@@ -27,12 +27,22 @@ class PlateauConfig:
     """Validations without improvement before a decay."""
     min_lr: float = 0.0
     """Floor of the decayed learning rate."""
+    every: int | None = None
+    """Updates between decay checks: a validation decides a decay only when the update count is a
+    multiple of `every`. None: every validation does. With it set, the decay is part of the
+    selected schedule and no longer depends on how often a run validates for its curves (a run
+    validating every 50 updates decays exactly as its selection trial validating every 200 did)."""
 
     def __post_init__(self) -> None:
         require(0 < self.factor < 1, f"{KEY}.plateau.factor", self.factor, "in (0, 1)")
         require(self.patience >= 0, f"{KEY}.plateau.patience", self.patience, ">= 0")
         require(math.isfinite(self.min_lr) and self.min_lr >= 0, f"{KEY}.plateau.min_lr", self.min_lr,
                 "a finite number >= 0")
+        require(self.every is None or self.every >= 1, f"{KEY}.plateau.every", self.every, "None or >= 1")
+
+    def checks_at(self, updates: int) -> bool:
+        """Whether the validation after `updates` updates decides a decay."""
+        return self.every is None or updates % self.every == 0
 
     def scheduler(self, optimizer: torch.optim.Optimizer) -> dict:
         """Lightning's scheduler entry: one `ReduceLROnPlateau`, stepped by hand in `after_validation` on

@@ -73,13 +73,23 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor]) -> Kernel
     groups, weights = params["w_hh"].shape[0], params["w_hh"]
     if chosen is Kernel.auto:
         chosen = Kernel.library if groups == 1 else Kernel.native
-    if chosen is Kernel.library and groups != 1:
+    if chosen is Kernel.library and (groups != 1 or _library_lacks_bf16(weights)):
         return Kernel.python
     if chosen is Kernel.native:
         if (needs_grad(params) or weights.device.type != "cpu" or weights.dtype != torch.float32
                 or grouped_extension() is None):
             return Kernel.python
     return chosen
+
+
+def _library_lacks_bf16(weights: Tensor) -> bool:
+    """Whether a bfloat16 pass (bf16 weights, or CPU autocast to bf16) would reach oneDNN's LSTM on
+    a CPU without bf16 support, where it has no primitive for it (CPUs without AVX-512)."""
+    if weights.device.type != "cpu":
+        return False
+    bf16 = weights.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu")
+                                               and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+    return bf16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def torch_gate_order(weight: Tensor) -> Tensor:

@@ -14,6 +14,10 @@ Reads a sweep's study and prints, as markdown, and writes, as JSON:
 All losses are nats/byte. Only COMPLETE trials enter the tables; pruned and failed ones are counted,
 and failed ones listed with their error (a trial Optuna failed for a stale heartbeat is `stale`).
 
+With `--final_test=true` the runs Table 7 selected (and only those) are also scored on the prepared
+dataset's final test split, the one no development result has touched (`soma_pl.sweeps.final_test`):
+a second Table 7 on it, reported by a reproduction's final runs only.
+
 With `--figures DIR` it also saves Optuna's own views of the study as PNG (matplotlib):
 `<study>_parallel_coordinate.png` (every COMPLETE trial as a line across its parameters to its
 value) and `<study>_optimization_history.png` (value by trial, best so far).
@@ -35,6 +39,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from soma_pl.errors import ConfigError
 from soma_pl.io import write_json_atomic
+from soma_pl.sweeps.equal_time import equal_time_table
+from soma_pl.sweeps.final_test import final_table
 from soma_pl.sweeps.space import Label, load_sweep
 from soma_pl.sweeps.study import (
     RETRYABLE,
@@ -178,14 +184,29 @@ def failures(study: optuna.Study) -> list[dict]:
     return rows
 
 
-def build_report(study: optuna.Study, storage: str) -> dict:
+def run_folders(study: optuna.Study) -> dict[int, dict[int, str]]:
+    """Trial number → seed → the run folder of each COMPLETE trial's fits."""
+    return {t.number: {int(run["seed"]): run["run_dir"] for run in t.user_attrs.get("runs", []) if run.get("run_dir")}
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))}
+
+
+def build_report(study: optuna.Study, storage: str, final_test: bool = False) -> dict:
     description = study.user_attrs.get(SWEEP_ATTR)
     if description is None:
         raise ConfigError(f"study '{study.study_name}' was not made by `sweep` (no {SWEEP_ATTR} attribute)")
     records = collect_records(study, description)
+    t7 = table7(records, description)
+    folders = run_folders(study)
+    if t7["per_seed"] and all(t7["columns"] and folders.get(trial) for s in t7["per_seed"]
+                              for trial in s["trial"].values()):
+        timed = equal_time_table(t7["per_seed"], folders, t7["baseline"], stats)
+        if timed is not None:
+            t7["equal_time"] = timed
+    if final_test:
+        t7["final_test"] = final_table(t7["per_seed"], folders, t7["baseline"], stats)
     return {"study": study.study_name, "storage": storage, "unit": "nats/byte", "sweep": description,
             "trials": state_counts(study), "table6": table6(records, description),
-            "table7": table7(records, description), "failed": failures(study)}
+            "table7": t7, "failed": failures(study)}
 
 
 def _fmt(value: float | None, digits: int = 4) -> str:
@@ -230,10 +251,57 @@ def markdown(report: dict) -> str:
                   + [t7["difference"][str(o)][key] for o in others])
         lines.append("| " + " | ".join([name, *map(_fmt, values)]) + " |")
     lines += _edge_footnote(t7, report["sweep"]["labels"])
+    if "equal_time" in t7:
+        lines += _equal_time_section(report, others)
+    if "final_test" in t7:
+        lines += _final_section(report, others)
     lines += ["", "Trials: " + ", ".join(f"{k} {v}" for k, v in sorted(report["trials"].items()))]
     lines += [f"- trial {f['trial']} {f['failure']}{' (its point is re-run)' if f['rerun'] else ''}: {f['error']}"
               for f in report["failed"]]
     return "\n".join(lines) + "\n"
+
+
+def _equal_time_section(report: dict, others: list) -> list[str]:
+    t7 = report["table7"]
+    timed = t7["equal_time"]
+    if "unavailable" in timed:
+        return ["", f"At equal measured update time (Table 3's basis): not compared ({timed['unavailable']})."]
+    names = [_column_name(t7["columns"], c) for c in t7["column_labels"]]
+    base_name = _column_name(t7["columns"], t7["baseline"])
+    lines = ["", f"## {report['study']}: the same selections at equal measured update time (Table 3's basis)", "",
+             "Ensemble-validation loss interpolated at T, the smaller of the selected runs' update times "
+             "U·Σₑ t̄ₑ (measured beside whatever else ran on the machine); the Table 7 layout above is at equal "
+             "updates.", "",
+             *_head(["Optimization seed", "T (s)", *(f"{n} (its U·Σₑ t̄ₑ)" for n in names),
+                     *(f"Difference ({base_name} − {_column_name(t7['columns'], o)})" for o in others)])]
+    for entry in timed["per_seed"]:
+        cells = [f"{_fmt(entry['val'][str(c)])} ({entry['total_seconds'][str(c)]:.0f} s)" for c in t7["column_labels"]]
+        lines.append("| " + " | ".join([str(entry["seed"]), f"{entry['budget_seconds']:.0f}", *cells,
+                                        *(_fmt(entry["difference"][str(o)]) for o in others)]) + " |")
+    for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
+        values = [timed["val"][str(c)][key] for c in t7["column_labels"]] + \
+                 [timed["difference"][str(o)][key] for o in others]
+        lines.append("| " + " | ".join([name, "", *map(_fmt, values)]) + " |")
+    return lines
+
+
+def _final_section(report: dict, others: list) -> list[str]:
+    t7 = report["table7"]
+    final = t7["final_test"]
+    base_name = _column_name(t7["columns"], t7["baseline"])
+    differences = [f"Difference ({base_name} − {_column_name(t7['columns'], o)})" for o in others]
+    lines = ["", f"## {report['study']}: the same selections on the final test split (used once)", "",
+             *_head(["Optimization seed", *(_column_name(t7["columns"], c) for c in t7["column_labels"]),
+                     *differences])]
+    for entry in final["per_seed"]:
+        cells = [_fmt(entry["test"][str(c)]) for c in t7["column_labels"]]
+        lines.append("| " + " | ".join([str(entry["seed"]), *cells, *(_fmt(entry["difference"][str(o)])
+                                                                       for o in others)]) + " |")
+    for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
+        values = [final["test"][str(c)][key] for c in t7["column_labels"]] + \
+                 [final["difference"][str(o)][key] for o in others]
+        lines.append("| " + " | ".join([name, *map(_fmt, values)]) + " |")
+    return lines
 
 
 def _edge_footnote(t7: dict, labels: dict[str, list[Label]]) -> list[str]:
@@ -285,14 +353,15 @@ def save_figures(study: optuna.Study, folder: Path) -> list[Path]:
     return paths
 
 
-def _report(study: optuna.Study, storage: str) -> tuple[dict, str]:
+def _report(study: optuna.Study, storage: str, final_test: bool = False) -> tuple[dict, str]:
     """The report and its markdown text (`main` has a `markdown` option, which hides the function)."""
-    report = build_report(study, storage)
+    report = build_report(study, storage, final_test)
     return report, markdown(report)
 
 
 def main(sweep: str | None = None, study: str | None = None, storage: str | None = None,
-         out: str = "results/sweep_report.json", markdown: str | None = None, figures: str | None = None) -> None:
+         out: str = "results/sweep_report.json", markdown: str | None = None, figures: str | None = None,
+         final_test: bool = False) -> None:
     """Table 6 / Table 7 style tables of a sweep's study (nats/byte).
 
     Args:
@@ -302,6 +371,7 @@ def main(sweep: str | None = None, study: str | None = None, storage: str | None
         out: where to write the JSON report.
         markdown: also write the markdown table here.
         figures: also save Optuna's parallel-coordinate and history plots as PNG into this folder.
+        final_test: also score the selected runs (only those) on the final test split, once each.
     """
     if not sweep and not study:
         raise ConfigError("sweep report needs --sweep FILE or --study NAME (with --storage)")
@@ -316,7 +386,7 @@ def main(sweep: str | None = None, study: str | None = None, storage: str | None
         raise ConfigError(f"no study '{name}' in {storage}") from None
     except (SQLAlchemyError, StorageInternalError) as error:
         raise database_error(storage, "--storage", error) from None
-    report, text = _report(loaded, storage)
+    report, text = _report(loaded, storage, final_test)
     print(text)
     if markdown:
         path = Path(markdown)

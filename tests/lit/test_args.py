@@ -67,7 +67,7 @@ def test_hyperparameters_hold_every_field_as_plain_values():
     assert module.hparams["shape"] == {"width": 8, "num_layers": 1, "embed_dim": 8, "time_chunk": 64}
     assert module.hparams["spsa"] == {"eps": 0.02, "n_pert": 64, "micro_batch": 64, "direction": "rademacher",
                                       "loss_grouping": 1, "max_rows": None, "eps_schedule": "proportional"}
-    assert module.hparams["plateau"] == {"factor": 0.5, "patience": 2, "min_lr": 0.0}
+    assert module.hparams["plateau"] == {"factor": 0.5, "patience": 2, "min_lr": 0.0, "every": None}
     assert type(module.hparams["spsa"]["direction"]) is str
 
 

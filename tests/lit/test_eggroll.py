@@ -29,7 +29,7 @@ EGGROLL = ["--model=soma_pl.lit.EGGROLLModule", "--model.init_args.shape.width=8
 
 
 def test_fit_records_population_forwards_and_moves_the_weights(corpus_dir, tmp_path):
-    args = fit_args(corpus_dir, tmp_path / "data", tmp_path / "run", *EGGROLL, "--trainer.max_steps=4")
+    args = fit_args(corpus_dir, tmp_path / "data", tmp_path / "run", *EGGROLL, "--trainer.max_steps=8")
     initial = {name: value.clone() for name, value in make_cli(args[1:], run=False).model.state_dict().items()}
     cli = make_cli(args)
     module = cli.model
@@ -38,11 +38,12 @@ def test_fit_records_population_forwards_and_moves_the_weights(corpus_dir, tmp_p
     metrics = cli.trainer.callback_metrics
     assert metrics["train/sigma"].item() == pytest.approx(0.05)
     untrained = make_cli(["validate", *fit_args(corpus_dir, tmp_path / "data", tmp_path / "untrained", *EGGROLL)[1:]])
-    # 4 updates lower the validation loss by 0.021 nats/byte (measured).
+    # 8 updates lower the validation loss by 0.043 nats/byte (measured, 5.5393 -> 5.4968; 4 updates on
+    # this corpus, since the tiny recipe holds out 5% for expert validation, did not lower it).
     assert metrics["val/loss"].item() < untrained.trainer.callback_metrics["val/loss"].item() - 0.01
     assert "population" in module.hparams["eggroll"] and "spsa" not in module.hparams
     trained = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
-    assert trained["global_step"] == 4
+    assert trained["global_step"] == 8
     for name in module.model.state_dict():  # matrices and norm gains alike
         assert not torch.equal(initial[f"model.{name}"], trained["state_dict"][f"model.{name}"]), name
 

@@ -38,10 +38,11 @@ def test_rank_shares_are_contiguous_balanced_and_cover_everything(count, world):
 def sharded(corpus_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
     dataset = PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(corpus_dir)]), output_dir=str(root / "data"),
-                            val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000)
+                            val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000,
+                            expert_val_fraction=0.1)  # 3 experts: one held-out document each at least
     prepare(dataset, progress=False)
     experts = shard(ShardConfig(prepared=dataset.output_dir, num_experts=EXPERTS, output_dir=str(root / "experts"),
-                                val_fraction=0.05, shard_max_bytes=40000), progress=False)
+                                shard_max_bytes=40000), progress=False)
     return root, experts
 
 
@@ -75,8 +76,9 @@ def test_soma_needs_an_expert_per_process(monkeypatch):
 
 def _soma_args(corpus: Path, root: Path, experts: Path, run: str, *extra: str) -> list[str]:
     return ["--config", str(TINY_SOMA), f"--data.init_args.dataset.corpus.paths=[{corpus}]",
-            f"--data.init_args.dataset.output_dir={root / 'data'}", f"--data.init_args.experts_dir={experts}",
-            f"--trainer.default_root_dir={root / run}", f"--checkpoint.dirpath={root / run / 'checkpoints'}",
+            f"--data.init_args.dataset.output_dir={root / 'data'}", "--data.init_args.dataset.expert_val_fraction=0.1",
+            f"--data.init_args.experts_dir={experts}", f"--trainer.default_root_dir={root / run}",
+            f"--checkpoint.dirpath={root / run / 'checkpoints'}",
             "--trainer.logger=false", f"--model.init_args.num_experts={EXPERTS}", f"--model.init_args.top_k={EXPERTS}",
             "--model.init_args.optimizer.init_args.momentum=0.9", *extra]
 

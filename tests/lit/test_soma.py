@@ -70,10 +70,11 @@ TINY_SOMA = Path(__file__).with_name("tiny_soma.yaml")
 def sharded(corpus_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("soma")
     dataset = PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(corpus_dir)]), output_dir=str(root / "data"),
-                            val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000)
+                            val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000,
+                            expert_val_fraction=0.05)
     prepare(dataset, progress=False)
     experts = shard(ShardConfig(prepared=dataset.output_dir, num_experts=2, output_dir=str(root / "experts"),
-                                val_fraction=0.05, shard_max_bytes=40000), progress=False)
+                                shard_max_bytes=40000), progress=False)
     return root, dataset, experts
 
 

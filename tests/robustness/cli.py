@@ -51,5 +51,6 @@ def tiny_dataset(folder: Path) -> tuple[Path, Path]:
     corpus, data = folder / "corpus", folder / "data"
     write_jsonl_corpus(corpus, {"alpha": 40, "beta": 40}, min_words=150, max_words=600)
     prepare(PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(corpus)]), output_dir=str(data),
-                          val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000), progress=False)
+                          val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000,
+                          expert_val_fraction=0.05), progress=False)
     return corpus, data

@@ -26,7 +26,7 @@ from tests.data.corpora import write_jsonl_corpus
 from tests.robustness.cli import cli, one_error
 
 TINY_SOMA = Path(__file__).parents[1] / "lit" / "tiny_soma.yaml"
-SMALL = {"val_documents": 2, "val_windows": 4, "test_windows": 4, "shard_max_bytes": 40000}
+SMALL = {"val_documents": 2, "val_windows": 4, "test_windows": 4, "shard_max_bytes": 40000, "expert_val_fraction": 0.05}
 """The prepare settings of tests/lit/tiny_soma.yaml, so its runs reuse the datasets made here."""
 
 
@@ -37,7 +37,7 @@ def prepare_args(corpus: Path, output: Path, *extra: str) -> list[str]:
 
 
 def shard_args(dataset: Path, output: Path, *extra: str) -> list[str]:
-    return ["shard", f"--shard.prepared={dataset}", "--shard.num_experts=2", "--shard.val_fraction=0.05",
+    return ["shard", f"--shard.prepared={dataset}", "--shard.num_experts=2",
             "--shard.shard_max_bytes=40000", f"--shard.output_dir={output}", "--progress=false", *extra]
 
 

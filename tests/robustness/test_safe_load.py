@@ -41,7 +41,7 @@ def prepared(tmp_path_factory) -> PrepareConfig:
     write_jsonl_corpus(folder / "corpus", {"alpha": 40, "beta": 40}, min_words=150, max_words=600)
     config = PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(folder / "corpus")]),
                            output_dir=str(folder / "data"), val_documents=2, val_windows=4, test_windows=4,
-                           shard_max_bytes=40000)  # tests/lit/tiny_spsa.yaml's: `fit` reuses the folder
+                           shard_max_bytes=40000, expert_val_fraction=0.05)  # tiny_spsa.yaml's: `fit` reuses it
     prepare(config, progress=False)
     return config
 

@@ -66,3 +66,50 @@ def test_tiny_sweep_runs_real_fits_and_reports(tmp_path, monkeypatch):
         result = json.loads((trial_dir / "trial_result.json").read_text())
         scores = json.loads(Path(result["test_scores"]).read_text())
         assert entry["test"]["all"] == pytest.approx(scores["loss"]) and result["global_step"] == 8
+
+
+def test_final_test_scores_the_selected_runs_once_and_only_them(tmp_path, monkeypatch):
+    """`sweep report --final_test`: each seed's selected run (and no other) is scored on the final
+    test split, once; the second Table 7 holds those scores and their baseline − other differences."""
+    corpus = tmp_path / "corpus"
+    write_jsonl_corpus(corpus, {"alpha": 30, "beta": 30}, min_words=150, max_words=500)
+    path = write_sweep(tmp_path, seeds=[0, 1], wandb=False, report={"columns": "eps", "baseline": 0.01},
+                       grid={"eps": {"key": "model.init_args.spsa.eps", "values": [0.01, 0.02]},
+                             "lr": {"key": "model.init_args.optimizer.init_args.lr", "values": [0.05, 0.1]}},
+                       overrides={"data.init_args.dataset.corpus.paths": [str(corpus)],
+                                  "data.init_args.dataset.output_dir": str(tmp_path / "data"),
+                                  "data.init_args.dataset.final_test_windows": 4,
+                                  "trainer.max_steps": 4, "trainer.val_check_interval": 1})  # the curves
+    spec = load_sweep(path)
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    assert runner.work(spec, storage) == {"COMPLETE": 8}
+    out = tmp_path / "report.json"
+    main(["sweep", "report", "--sweep", str(path), "--storage", storage, "--out", str(out), "--final_test=true"])
+    t7 = json.loads(out.read_text())["table7"]
+    final = t7["final_test"]
+    selected = {(entry["seed"], label): trial for entry in t7["per_seed"] for label, trial in entry["trial"].items()}
+    scored = sorted(spec.output_dir.glob("trial-*/final_test/**/test_scores.json"))
+    assert len(scored) == len(selected) == 4  # two seeds x two eps columns; the four runs not selected untouched
+    for entry, row in zip(t7["per_seed"], final["per_seed"], strict=True):
+        assert row["seed"] == entry["seed"]
+        for label, trial in entry["trial"].items():
+            (scores,) = (spec.output_dir / f"trial-{trial:04d}" / "final_test").glob("**/test_scores.json")
+            loss = json.loads(scores.read_text())["loss"]
+            assert row["test"][label] == pytest.approx(loss) and loss != entry["test"][label]
+        assert row["difference"]["0.02"] == pytest.approx(row["test"]["0.01"] - row["test"]["0.02"])
+    assert final["difference"]["0.02"]["n"] == 2
+    # Both compute bases: the same selections at equal measured update time, T the faster one's total.
+    for entry, row in zip(t7["per_seed"], t7["equal_time"]["per_seed"], strict=True):
+        totals = {}
+        for label, trial in entry["trial"].items():
+            (summary,) = (spec.output_dir / f"trial-{trial:04d}").glob("**/summary.json")
+            totals[label] = json.loads(summary.read_text())["compute"]["aggregate_device_hours"] * 3600
+        assert row["total_seconds"] == pytest.approx(totals, rel=1e-6)
+        assert row["budget_seconds"] == pytest.approx(min(totals.values()), rel=1e-6)
+        fast = min(totals, key=totals.get)
+        assert row["val"][fast] == pytest.approx(entry["val"][fast])  # its whole run: its final validation
+    # A second report reads the scores back: no run is scored again.
+    stamps = [p.stat().st_mtime_ns for p in scored]
+    main(["sweep", "report", "--sweep", str(path), "--storage", storage, "--out", str(out), "--final_test=true"])
+    assert [p.stat().st_mtime_ns for p in scored] == stamps
+    assert json.loads(out.read_text())["table7"]["final_test"] == final

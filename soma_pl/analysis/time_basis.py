@@ -1,0 +1,79 @@
+"""Equal measured update time (Table 3's basis): loss curves against the update time a run
+measured, read from its CSV logs, and a run's standing at a time budget.
+
+A fit logs `compute/aggregate_device_hours` (`U · Σₑ t̄ₑ` so far) every `log_every_n_steps` updates;
+at each validation whose update count that interval divides, the curve has the loss and the
+measured time. Comparisons at equal measured time interpolate those curves at the budget `T`.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from soma_pl.errors import SomaError
+
+
+def versions(folder: Path, name: str) -> list[Path]:
+    """`folder/version_N/name` files, oldest first (`folder/name` itself when `folder` is a version)."""
+    if (folder / name).is_file():
+        return [folder / name]
+    return sorted(folder.glob(f"version_*/{name}"), key=lambda p: int(p.parent.name.split("_")[1]))
+
+
+def measured_curve(fit_root: Path) -> list[tuple[int, float, float]]:
+    """`(updates, ensemble-validation loss, update seconds so far)` at every validation of a fit
+    (resumed sessions included). The seconds are the measured `compute/aggregate_device_hours`
+    logged at that update (the fit logs it every `log_every_n_steps`, a divisor of the validation
+    interval); the logged `step` of a validation row is its update count minus one."""
+    losses: dict[int, float] = {}
+    seconds: dict[int, float] = {}
+    for path in versions(fit_root, "metrics.csv"):
+        with path.open() as rows:
+            for row in csv.DictReader(rows):
+                if row.get("val/loss"):
+                    losses[int(row["step"]) + 1] = float(row["val/loss"])
+                if row.get("compute/aggregate_device_hours"):
+                    seconds[int(row["step"])] = float(row["compute/aggregate_device_hours"]) * 3600
+    missing = sorted(set(losses) - set(seconds))
+    if missing:
+        raise SomaError(f"{fit_root}: no update time logged at validation update(s) {missing[:5]}: "
+                        "log_every_n_steps must divide the validation interval")
+    return [(step, losses[step], seconds[step]) for step in sorted(losses)]
+
+
+def interpolate(points: list[tuple[float, float]], at: float) -> float:
+    """The piecewise-linear value of `(x, y)` points at `x = at` (within their range; an end point's
+    value within a relative 1e-9 of it, as a budget read back from that point's own log is)."""
+    for x, y in (points[0], points[-1]):
+        if abs(at - x) <= 1e-9 * max(abs(x), 1.0):
+            return y
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x0 <= at <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+    raise SomaError(f"{at:g} lies outside the curve's range [{points[0][0]:g}, {points[-1][0]:g}]")
+
+
+@dataclass(frozen=True)
+class TimePoint:
+    """Where one side stands at the equal-time budget."""
+
+    budget_seconds: float
+    """`T`: the smaller of the two sides' total update times."""
+    val_interpolated: float
+    """Ensemble-validation loss interpolated at `T` on the (update seconds, loss) curve."""
+    updates: int
+    """The last validation at or within `T`: the checkpoint scored in full."""
+    seconds: float
+    """That checkpoint's measured update time (at most `T`)."""
+
+
+def equal_time_point(curve: list[dict], budget_seconds: float) -> TimePoint:
+    """A side's standing at `budget_seconds` of update time, from its curve (`step`, `device_seconds`,
+    `val_loss` per point; the first is the untrained start at 0 s)."""
+    points = [(p["device_seconds"], p["val_loss"]) for p in curve]
+    within = [p for p in curve if p["device_seconds"] <= budget_seconds * (1 + 1e-9)]
+    last = within[-1]
+    return TimePoint(budget_seconds=budget_seconds, val_interpolated=interpolate(points, budget_seconds),
+                     updates=last["step"], seconds=last["device_seconds"])

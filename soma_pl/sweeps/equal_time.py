@@ -1,0 +1,41 @@
+"""Table 7's selections compared at equal measured update time (Table 3's basis).
+
+A sweep's trials run the same number of updates: for the equal-size pair that is equal arithmetic.
+Per seed, the selected runs' ensemble-validation curves (`soma_pl.analysis.time_basis`) are
+interpolated at `T`, the smaller of their total measured update times, and compared there. The
+times were measured on whatever shared the machine with the workers: the report says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from soma_pl.analysis.time_basis import interpolate, measured_curve
+
+
+def equal_time_table(per_seed: list[dict], run_dirs: dict[int, dict[int, str]], baseline: str | None,
+                     stats) -> dict | None:
+    """Per seed: `budget_seconds` (T), each selected run's `total_seconds` and `val` at T, and
+    baseline − other differences; then their statistics (`stats`). None when a selected run kept no
+    CSV log (`trainer.logger: false`) to read its curve from; `{"unavailable": why}` when `T` falls
+    before a run's first validation (its curve has no point there)."""
+    rows = []
+    for entry in per_seed:
+        curves = {label: measured_curve(Path(run_dirs[trial][entry["seed"]]))
+                  for label, trial in entry["trial"].items()}
+        if not all(curves.values()):
+            return None
+        totals = {label: curve[-1][2] for label, curve in curves.items()}
+        budget = min(totals.values())
+        if any(budget < curve[0][2] * (1 - 1e-9) for curve in curves.values()):
+            return {"unavailable": f"seed {entry['seed']}: T = {budget:.1f} s falls before a selected run's first "
+                                   "validation; validate more often to compare at equal measured time"}
+        val = {label: interpolate([(seconds, loss) for _, loss, seconds in curve], budget)
+               for label, curve in curves.items()}
+        rows.append({"seed": entry["seed"], "budget_seconds": budget, "total_seconds": totals, "val": val,
+                     "difference": {label: val[str(baseline)] - loss for label, loss in val.items()
+                                    if label != str(baseline)}})
+    labels = list(rows[0]["val"]) if rows else []
+    return {"per_seed": rows, "val": {label: stats([r["val"][label] for r in rows]) for label in labels},
+            "difference": {label: stats([r["difference"][label] for r in rows])
+                           for label in labels if label != str(baseline)}}
