@@ -88,12 +88,12 @@ def test_final_test_scores_the_selected_runs_once_and_only_them(tmp_path, monkey
     t7 = json.loads(out.read_text())["table7"]
     final = t7["final_test"]
     selected = {(entry["seed"], label): trial for entry in t7["per_seed"] for label, trial in entry["trial"].items()}
-    scored = sorted(spec.output_dir.glob("trial-*/final_test/**/test_scores.json"))
+    scored = sorted(spec.output_dir.glob("trial-*/**/final_test/**/test_scores.json"))
     assert len(scored) == len(selected) == 4  # two seeds x two eps columns; the four runs not selected untouched
     for entry, row in zip(t7["per_seed"], final["per_seed"], strict=True):
         assert row["seed"] == entry["seed"]
         for label, trial in entry["trial"].items():
-            (scores,) = (spec.output_dir / f"trial-{trial:04d}" / "final_test").glob("**/test_scores.json")
+            (scores,) = (spec.output_dir / f"trial-{trial:04d}").glob("**/final_test/**/test_scores.json")
             loss = json.loads(scores.read_text())["loss"]
             assert row["test"][label] == pytest.approx(loss) and loss != entry["test"][label]
         assert row["difference"]["0.02"] == pytest.approx(row["test"]["0.01"] - row["test"]["0.02"])
