@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from soma_pl.distributed import RankSplit, rank_share
 from soma_pl.errors import ConfigError
 from soma_pl.eval.metrics import PerExpertNats
+from soma_pl.models.recurrence import Kernel
 from soma_pl.models.stacked import StackedExperts
 
 
@@ -200,8 +201,13 @@ class ExpertParallel:
         if not self.active:
             return
         experts, full = self.own_experts(), self.module.model
+        # A one-expert share would run the library kernel where the full model runs the grouped one;
+        # keeping the full model's choice keeps each expert's losses bit for bit those of one process.
+        kernel = full.kernel
+        if kernel is Kernel.auto and full.num_experts > 1:
+            kernel = Kernel.native
         own = StackedExperts(len(experts), full.width, full.embed_dim, full.num_layers, full.head_mode,
-                             full.time_chunk, device=full.w_hh.device, dtype=full.w_hh.dtype)
+                             full.time_chunk, kernel=kernel, device=full.w_hh.device, dtype=full.w_hh.dtype)
         for (name, mine), theirs in zip(own.named_parameters(), full.parameters(), strict=True):
             mine.copy_(theirs if full.is_shared(name) else theirs[experts.start : experts.stop])
             mine.requires_grad_(theirs.requires_grad)
