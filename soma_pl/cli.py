@@ -47,6 +47,8 @@ class Command:
     rather than `--settings.context 4`)."""
     positional: str | None = None
     """A list parameter given as the words after the command (`runs A B`) rather than as an option."""
+    listing: str | None = None
+    """A function of `module` whose text ends `--help` (`reproduce` lists its experiments)."""
 
     def load(self) -> Callable:
         return getattr(importlib.import_module(self.module), self.function)
@@ -92,6 +94,10 @@ COMMANDS: dict[str, Command] = {
     "sweep report": Command("Table 6 / Table 7 style tables of a sweep's study (nats/byte).", "soma_pl.sweeps.report"),
     "demo": Command("The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.",
                     "soma_pl.demo"),
+    "reproduce": Command("Run one or more of the paper's experiments and report each beside the paper.",
+                         "soma_pl.reproduce.command", positional="experiments", listing="listing"),
+    "reproduce docs": Command("Write docs/reproduction.md from every saved experiment result.",
+                              "soma_pl.reproduce.tables", "write_docs"),
     "runs": Command("Several runs side by side: their summaries as one table, their validation curves as one figure.",
                     "soma_pl.analysis.runs", positional="runs"),
 }
@@ -147,8 +153,10 @@ def command_parser(name: str) -> ArgumentParser:
     unless the function has a `config` parameter of its own, `--config FILE.yaml`."""
     command = COMMANDS[name]
     function = command.load()
-    epilog = " ".join(f"Also `{other}`: {COMMANDS[other].description}" for other in COMMANDS
-                      if other.startswith(f"{name} ")) or None
+    epilog = " ".join([*(f"Also `{other}`: {COMMANDS[other].description}" for other in COMMANDS
+                         if other.startswith(f"{name} ")),
+                       *([getattr(importlib.import_module(command.module), command.listing)()]
+                         if command.listing else [])]) or None
     parser = ArgumentParser(prog=f"{PROG} {name}", description=command.description, epilog=epilog,
                             exit_on_error=False)
     if "config" not in inspect.signature(function).parameters:

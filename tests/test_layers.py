@@ -21,7 +21,7 @@ LAYERS = {
     "lit": 4, "callbacks": 4, "trainer_checks": 4, "trainer": 4,
     "lightning_cli": 5, "analysis": 5, "bench": 5, "demo_steps": 5, "demo_bases": 5,
     "sweeps": 6, "evaluate": 6, "demo": 6, "generate": 6, "export": 6,
-    "cli": 7,
+    "reproduce": 7, "cli": 7,
 }
 """Each top-level module or package of soma_pl, by layer (0 at the bottom)."""
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.pipeline import ExecutorConfig, chain, corpus_reader, write_paths_file
 from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_fingerprint
-from soma_pl.data.staging import remove_staging, run_build
+from soma_pl.data.staging import build_lock, remove_staging, run_build
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import check_output, read_marker, tag_marker
 
@@ -152,10 +152,17 @@ def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str
             recipe built it, and the folder's marker records the recipe.
     """
     config.validate()
-    started = time.time()
     output = Path(config.output_dir).expanduser()
     corpus = corpus_fingerprint(config.corpus)
     fingerprint = config.fingerprint(corpus)
+    with build_lock(output, "prepare"):
+        return _prepare(config, progress, recipe, output, corpus, fingerprint)
+
+
+def _prepare(config: PrepareConfig, progress: bool, recipe: tuple[str, str] | None, output: Path, corpus: dict,
+             fingerprint: str) -> Path:
+    """`prepare` under the folder's build lock."""
+    started = time.time()
     existing = existing_fingerprint(output)
     if existing == fingerprint:
         remove_staging(output, "prepare")

@@ -45,7 +45,7 @@ import torch
 from soma_pl.data.expert_sets import EXPERTS_MANIFEST, read_experts_manifest
 from soma_pl.data.pipeline import ExecutorConfig, ExecutorKind, chain
 from soma_pl.data.prepare import MANIFEST, open_prepared, prepare_recipe, read_manifest
-from soma_pl.data.staging import remove_staging, run_build
+from soma_pl.data.staging import build_lock, remove_staging, run_build
 from soma_pl.data.tar_shards import ShardRecord, Verify, sha256_file, verify_shards
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import check_output
@@ -179,8 +179,14 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     no experts.json yet): run it again once they are done.
     """
     config.validate()
-    started = time.time()
     output = Path(config.output_dir).expanduser()
+    with build_lock(output, "shard"):
+        return _build_shards(config, progress, output)
+
+
+def _build_shards(config: ShardConfig, progress: bool, output: Path) -> Path:
+    """`shard` under the folder's build lock."""
+    started = time.time()
     check_output(output, KIND, "shard.output_dir", config.inputs())  # before hours of work
     root = Path(config.prepared).expanduser()
     if config.recipe is not None:

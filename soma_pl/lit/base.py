@@ -333,8 +333,9 @@ class ByteLMModule(L.LightningModule):
         evalset = (data.val_set if stage == "val" else data.test_set) if isinstance(data, HoldsEvalSets) else None
         if evalset is None:
             return
-        losses = by_k[:, self.eval_k - 1].double().cpu().numpy()
-        interval = document_bootstrap(losses, evalset.doc_ids[index.cpu().numpy()])
+        order = index.argsort()  # the windows in the split's order, whichever rank scored them
+        index, losses = index[order].cpu().numpy(), by_k[order, self.eval_k - 1].double().cpu().numpy()
+        interval = document_bootstrap(losses, evalset.doc_ids[index])
         self.log_dict({f"{stage}/loss_ci_low": interval.low, f"{stage}/loss_ci_high": interval.high})
         log_dir = self.trainer.log_dir  # a broadcast under DDP: every rank must ask
         if self.trainer.is_global_zero and log_dir:
@@ -343,6 +344,9 @@ class ByteLMModule(L.LightningModule):
                 "bootstrap_95": [interval.low, interval.high], "documents": interval.documents,
                 "windows": interval.windows, "loss_by_k": by_k.double().mean(0).tolist(),
                 "expert_losses": experts.double().mean(0).tolist(),
+                # per window, so that two runs on one split can be compared by a paired document bootstrap
+                "window_index": index.tolist(), "window_losses": losses.tolist(),
+                "doc_ids": evalset.doc_ids[index].tolist(),
             })
 
     def after_validation(self, held_out: Tensor) -> None:

@@ -5,6 +5,10 @@ runs that Table 7 selected on ensemble validation are scored on it, after the se
 `test --data.init_args.test_split=final` of its last checkpoint under the run's own saved config.
 A run's score is kept in `<run_dir>/final_test/` and read back by every later report, so the split
 is evaluated once per selected run however often the report is drawn.
+
+`score_run(run_dir, "test")` scores a run on the ordinary test split the same way (into
+`<run_dir>/test_windows/`): `reproduce` uses it for the per-window losses of runs whose trial's
+test predates them (the paired document bootstrap needs them).
 """
 
 from __future__ import annotations
@@ -17,37 +21,39 @@ from pathlib import Path
 
 from soma_pl.errors import SomaError
 
-FOLDER = "final_test"
+FOLDERS = {"final": "final_test", "test": "test_windows"}
+"""Where each split's scores of a run go, under its run folder."""
 
 
-def scored(run_dir: Path) -> dict | None:
-    """The run's final-split scores, when it has been scored."""
-    found = sorted((run_dir / FOLDER).glob("**/test_scores.json"))
+def scored(run_dir: Path, split: str = "final") -> dict | None:
+    """The run's scores on `split` (`final` or `test`), when it has been scored."""
+    found = sorted((run_dir / FOLDERS[split]).glob("**/test_scores.json"))
     return json.loads(found[-1].read_text()) if found else None
 
 
-def score_run(run_dir: Path) -> dict:
-    """Score one selected run's last checkpoint on the final test split (once; later calls read it)."""
-    done = scored(run_dir)
+def score_run(run_dir: Path, split: str = "final") -> dict:
+    """Score one selected run's last checkpoint on `split` (once; later calls read it)."""
+    done = scored(run_dir, split)
     if done is not None:
         return done
     config, summary = run_dir / "config.yaml", run_dir / "summary.json"
     for path in (config, summary):
         if not path.is_file():
-            raise SomaError(f"selected run {run_dir} has no {path.name}: cannot score it on the final test split")
+            raise SomaError(f"selected run {run_dir} has no {path.name}: cannot score it on the {split} test split")
     checkpoint = json.loads(summary.read_text()).get("last_checkpoint")
     if not checkpoint or not Path(checkpoint).is_file():
         raise SomaError(f"selected run {run_dir}: its last checkpoint {checkpoint} is gone")
-    log = run_dir / f"{FOLDER}.log"
+    folder = run_dir / FOLDERS[split]
+    log = folder.with_suffix(".log")
     command = [sys.executable, "-m", "soma_pl.cli", "test", "--config", str(config), f"--ckpt_path={checkpoint}",
-               "--data.init_args.test_split=final", f"--trainer.default_root_dir={run_dir / FOLDER}",
+               f"--data.init_args.test_split={split}", f"--trainer.default_root_dir={folder}",
                "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false"]  # no trial reporter
     with log.open("w") as output:
         code = subprocess.call(command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ})
-    done = scored(run_dir)
+    done = scored(run_dir, split)
     if code != 0 or done is None:
         tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-2:])
-        raise SomaError(f"final-split test of {run_dir} failed ({log}): {tail}")
+        raise SomaError(f"{split}-split test of {run_dir} failed ({log}): {tail}")
     return done
 
 

@@ -157,13 +157,17 @@ def test_failure_mid_write_leaves_nothing_valid(small_config, monkeypatch):
     assert read_manifest(prepare(small_config, progress=False))["train"]["documents"] > 0
 
 
+def _prepare_command(corpus: Path, output: Path) -> list[str]:
+    """`prepare` of a JSONL corpus in a process of its own."""
+    return [sys.executable, "-m", "soma_pl.cli", "prepare", "--progress", "false", "--dataset.corpus.kind", "jsonl",
+            f"--dataset.corpus.paths=[{corpus}]", f"--dataset.output_dir={output}", "--dataset.val_documents=4",
+            "--dataset.val_windows=8", "--dataset.test_windows=4", "--dataset.shard_max_bytes=100000"]
+
+
 def test_killed_prepare_leaves_nothing_that_reads_as_valid(tmp_path):
     write_jsonl_corpus(tmp_path / "corpus", {"alpha": 3000}, min_words=200, max_words=600)
     output = tmp_path / "prepared"
-    command = [sys.executable, "-m", "soma_pl.cli", "prepare", "--progress", "false",
-               "--dataset.corpus.kind", "jsonl", f"--dataset.corpus.paths=[{tmp_path / 'corpus'}]",
-               f"--dataset.output_dir={output}", "--dataset.val_documents=4", "--dataset.val_windows=8",
-               "--dataset.test_windows=4", "--dataset.shard_max_bytes=100000"]
+    command = _prepare_command(tmp_path / "corpus", output)
     # Its own process group, killed whole as a scheduler or Ctrl-C kills a job (a SIGKILL to the
     # main process alone would leave its datatrove pool workers waiting forever).
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -178,6 +182,20 @@ def test_killed_prepare_leaves_nothing_that_reads_as_valid(tmp_path):
         read_manifest(output)
     assert subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
     assert read_manifest(output)["train"]["documents"] > 0, "the rerun resumes and finishes"
+
+
+def test_processes_preparing_one_missing_dataset_at_once_take_turns(tmp_path):
+    """A sweep's first trials each prepare the missing dataset: one builds, the others wait for its
+    lock and find it up to date (without the lock one removed another's staging folder)."""
+    write_jsonl_corpus(tmp_path / "corpus", {"alpha": 300}, min_words=200, max_words=600)
+    output = tmp_path / "prepared"
+    command = _prepare_command(tmp_path / "corpus", output)
+    processes = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for _ in range(3)]
+    errors = [process.communicate(timeout=300)[1] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0, 0], errors
+    assert read_manifest(output)["train"]["documents"] > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging folder or lock is left"
 
 
 def _children(pid: int) -> set[int]:

@@ -121,3 +121,6 @@ def test_validate_test_and_predict_from_a_checkpoint(corpus_dir, tmp_path):
     low, high = report["bootstrap_95"]
     assert low <= test_loss <= high and report["windows"] == 4 and report["documents"] == 4
     assert report["loss"] == pytest.approx(test_loss, rel=1e-5)
+    # Per window, in the split's order: the predictions' losses, and the documents they came from.
+    assert report["window_index"] == list(range(4)) and len(set(report["doc_ids"])) == 4
+    assert report["window_losses"] == pytest.approx(losses[0].tolist(), rel=1e-5)

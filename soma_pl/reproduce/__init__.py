@@ -1,0 +1,1 @@
+"""`python -m soma_pl.cli reproduce <experiment>`: the paper's experiments, one command each."""

@@ -1,0 +1,205 @@
+"""`python -m soma_pl.cli reproduce <experiment> [...] [--scale cpu|paper] [--dry_run true]`.
+
+For each experiment (`soma_pl.reproduce.experiments.EXPERIMENTS`): prepare and shard its data (a
+no-op when up to date), run its sweep's trials with `workers` sweep workers of one thread each on
+the sweep's Optuna storage (a bar shows the trials done and the best ensemble-validation loss;
+finished trials are reused and an interrupted run resumes), then score the selected runs (the final
+test split once), check the paper's claims and write `results/<experiment>/` (`result.json`,
+`table.md` in the paper's layout with the paper's numbers beside ours, `figure.png`), printing the
+table. `--dry_run true` lists the trials, which are done, and the compute the rest will cost.
+
+`reproduce docs` writes `docs/reproduction.md` from every `results/*/result.json`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+import optuna
+from optuna.trial import TrialState
+
+from soma_pl.errors import ConfigError, SomaError
+from soma_pl.io import write_json_atomic
+from soma_pl.reproduce.experiments import EXPERIMENTS, Experiment
+from soma_pl.reproduce.tables import figure
+from soma_pl.sweeps.report import build_report, run_folders
+from soma_pl.sweeps.runner import SweepProgress
+from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, point_key
+from soma_pl.sweeps.study import default_storage, open_storage, open_study
+
+POLL_SECONDS = 5.0
+
+
+def listing() -> str:
+    """The experiments with what each compares and costs (`reproduce --help`)."""
+    return "Experiments: " + " ".join(f"`{e.name}`: {e.title} (cpu: {e.cost['cpu']}; paper: {e.cost['paper']})."
+                                      for e in EXPERIMENTS.values())
+
+
+def _experiment(name: str) -> Experiment:
+    if name not in EXPERIMENTS:
+        raise ConfigError(f"reproduce: unknown experiment '{name}'; known: {', '.join(EXPERIMENTS)}")
+    return EXPERIMENTS[name]
+
+
+def _existing_study(spec: SweepSpec, storage: str) -> optuna.Study | None:
+    """The sweep's study when a worker has made it (a dry run creates nothing)."""
+    if storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).is_file():
+        return None
+    try:
+        return optuna.load_study(study_name=spec.name, storage=open_storage(storage, spec=spec))
+    except KeyError:
+        return None
+
+
+def _trials(spec: SweepSpec, study: optuna.Study | None) -> dict[str, str]:
+    """Each point's state in the study (absent before any worker ran it)."""
+    states: dict[str, str] = {}
+    for trial in study.get_trials(deepcopy=False) if study else []:
+        key = trial.user_attrs.get("point")
+        if key and states.get(key) not in ("COMPLETE", "PRUNED"):
+            states[key] = trial.state.name
+    return states
+
+
+def _measured_minutes(study: optuna.Study | None) -> float | None:
+    """The mean wall minutes of the study's COMPLETE trials (one thread each), None before any."""
+    took = [(t.datetime_complete - t.datetime_start).total_seconds() / 60
+            for t in (study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if study else [])]
+    return sum(took) / len(took) if took else None
+
+
+def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: str) -> dict:
+    """The trials, their states and the cost of the rest, printed; nothing runs."""
+    study = _existing_study(spec, storage)
+    points, states = spec.grid_points(), _trials(spec, study)
+    done = sum(states.get(point_key(p)) in ("COMPLETE", "PRUNED") for p in points)
+    print(f"{experiment.name} ({scale}): {experiment.title}")
+    print(f"sweep {spec.path}: {len(points)} trials, {done} done; storage {storage}")
+    for point in points:
+        shown = ", ".join(f"{k}={v}" for k, v in point.items() if k != SEED)
+        print(f"  {shown}, seed {point[SEED]}: {states.get(point_key(point), 'to run').lower()}")
+    budget = spec.budget.get("device_hours")
+    remaining = len(points) - done
+    cost = f"{remaining} trials of {budget:g} aggregate device-hours: {remaining * budget:,.0f} device-hours" \
+        if budget else f"{remaining} of {len(points)} trials; all of them: {experiment.cost[scale]}"
+    measured = _measured_minutes(study) if remaining and not budget else None
+    if measured:
+        cost += f"; the study's finished trials took {measured:.1f} min each: about {remaining * measured:.0f} " \
+                "core-minutes to go"
+    print(f"to run: {cost}")
+    print(f"equal compute: {experiment.basis}")
+    return {"trials": len(points), "done": done, "cost": cost}
+
+
+def _run_workers(spec: SweepSpec, storage: str, workers: int, logs: Path) -> None:
+    """`workers` sweep workers (one thread each) until the study is done, with one progress bar."""
+    logs.mkdir(parents=True, exist_ok=True)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "soma_pl.cli", "sweep", "--sweep", str(spec.path), f"--storage={storage}",
+               "--progress=false"]
+    handles = [(logs / f"worker{i}.log").open("w") for i in range(workers)]
+    processes = [subprocess.Popen(command, stdout=h, stderr=subprocess.STDOUT, env=environment) for h in handles]
+    bar = SweepProgress(spec)
+    try:
+        while any(p.poll() is None for p in processes):
+            time.sleep(POLL_SECONDS)
+            try:
+                bar.update(open_study(spec, open_storage(storage, spec=spec), create=False))
+            except (KeyError, optuna.exceptions.StorageInternalError):
+                continue  # the first worker has not made the study yet
+    except KeyboardInterrupt:
+        # Ctrl-C reached the workers too (one process group); each marks its trial interrupted, to
+        # re-run on restart. A worker started otherwise is sent SIGTERM, which it handles the same way.
+        deadline = time.time() + 10
+        for process in processes:
+            try:
+                process.wait(max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGTERM)
+                process.wait()
+        raise
+    finally:
+        bar.close()
+        for handle in handles:
+            handle.close()
+    failed = [(i, p.returncode) for i, p in enumerate(processes) if p.returncode != 0]
+    if failed:
+        index, code = failed[0]
+        tail = " | ".join((logs / f"worker{index}.log").read_text(errors="replace").strip().splitlines()[-2:])
+        raise SomaError(f"sweep worker {index} of {spec.name} exited with status {code} "
+                        f"({logs / f'worker{index}.log'}): {tail}")
+
+
+def _prepare_data(experiment: Experiment, scale: str, logs: Path) -> None:
+    """The experiment's data commands (`prepare`, `shard`: no-ops when their output is up to date)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    for index, arguments in enumerate(experiment.data.get(scale, [])):
+        log = logs / f"data{index}-{arguments[0]}.log"
+        with log.open("w") as output:
+            code = subprocess.call([sys.executable, "-m", "soma_pl.cli", *arguments, "--progress=false"],
+                                   stdout=output, stderr=subprocess.STDOUT)
+        if code != 0:
+            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-1:])
+            raise SomaError(f"{' '.join(arguments)} failed ({log}): {tail}")
+
+
+def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, workers: int, results: Path) -> dict:
+    """Run the experiment's sweep to the end, then write and print its result."""
+    folder = results / (experiment.name if scale == "cpu" else f"{experiment.name}_{scale}")
+    started = time.time()
+    load_before = os.getloadavg()[0]
+    _prepare_data(experiment, scale, folder / "logs")
+    _run_workers(spec, storage, workers, folder / "logs")
+    study = optuna.load_study(study_name=spec.name, storage=open_storage(storage, spec=spec))
+    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        raise SomaError(f"{experiment.name}: no trial of {spec.name} completed; see {folder / 'logs'}")
+    report = build_report(study, storage, final_test=True)
+    measured = experiment.result(report, run_folders(study))  # scores the selected runs: part of the wall time
+    finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    trial_minutes = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in finished) / 60
+    result = {"experiment": experiment.name, "scale": scale, "title": experiment.title, "basis": experiment.basis,
+              "sweep": str(spec.path), "study": spec.name, "unit": "nats/byte", "workers": workers,
+              "wall_seconds": round(time.time() - started, 1), "load_average": [load_before, os.getloadavg()[0]],
+              "trial_minutes": round(trial_minutes, 1), **measured}
+    text = experiment.table(result)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(folder / "result.json", result)
+    temporary = folder / f".table.md.tmp-{os.getpid()}"
+    temporary.write_text(text)
+    os.replace(temporary, folder / "table.md")
+    figure(result, folder / "figure.png")
+    print(text)
+    print(f"wrote {folder / 'result.json'}, {folder / 'table.md'}, {folder / 'figure.png'}", file=sys.stderr)
+    return result
+
+
+def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run: bool = False,
+         workers: int | None = None, storage: str | None = None, results: str = "results") -> None:
+    """Run one or more of the paper's experiments and report each beside the paper.
+
+    Args:
+        experiments: experiment names (listed below).
+        scale: `cpu` (the demo corpus, minutes to an hour on 2 cores) or `paper` (the paper's sizes, for GPUs).
+        dry_run: list the trials, which are done, and what the rest costs; run nothing.
+        workers: sweep workers, one thread each; None: one per core.
+        storage: Optuna storage URL; None: the sweep's own (sqlite in its output folder).
+        results: where each experiment's folder of results goes.
+    """
+    if workers is not None and workers < 1:
+        raise ConfigError(f"reproduce --workers={workers}: give 1 or more")
+    chosen = [_experiment(name) for name in experiments]
+    for experiment in chosen:
+        spec = load_sweep(experiment.sweeps[scale])
+        url = storage or spec.storage or default_storage(spec)
+        if dry_run:
+            list_trials(experiment, scale, spec, url)
+            continue
+        count = workers or os.cpu_count() or 1
+        run(experiment, scale, spec, url, min(count, len(spec.grid_points())), Path(results))

@@ -1,0 +1,137 @@
+"""The experiments `reproduce` runs: each names its sweeps, its compute basis, the paper's numbers
+and the paper's claims, and turns a sweep report into its result.
+
+A result is a plain dict (written as `results/<name>/result.json`): `rows` of the paper's table
+with the paper's numbers beside ours, `blocks` of further tables (the final test split, the other
+compute basis), `checks` (each claim's verdict, `soma_pl.reproduce.verdicts`), and `plot` (what the
+figure draws).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from soma_pl.reproduce.tables import table7_markdown
+from soma_pl.reproduce.verdicts import decide, paired_document_interval
+from soma_pl.sweeps.final_test import score_run
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One of the paper's experiments, as `reproduce` runs and reports it."""
+
+    name: str
+    title: str
+    """What it compares, with the paper's table or figure."""
+    sweeps: dict[str, str]
+    """Scale (`cpu`, `paper`) → the sweep file whose study it runs."""
+    basis: str
+    """Which compute is equal between the compared runs, and which other basis is reported beside it."""
+    cost: dict[str, str]
+    """Scale → what a run costs, as measured (cpu) or as the sweep's budget says (paper)."""
+    result: Callable[[dict, dict[int, dict[int, str]]], dict]
+    """(sweep report, trial → seed → run folder) → the experiment's result."""
+    table: Callable[[dict], str]
+    """The result → markdown in the paper's layout, the paper's numbers beside ours."""
+    paper: dict = field(default_factory=dict)
+    """The paper's numbers this experiment is reported beside."""
+    data: dict[str, list[list[str]]] = field(default_factory=dict)
+    """Scale → the commands that make its data before the sweep (`shard` prepares the dataset first)."""
+
+
+# Table 7 (the paper's Table 6 caption and rows): test loss after each seed's selection on ensemble
+# validation, monolithic SPSA against SOMA N = 2, three optimization seeds (1, 2, 3), nats/byte.
+TABLE7_PAPER = {"seeds": [1, 2, 3], "spsa": [2.2641, 2.2666, 2.2576], "soma": [2.2273, 2.2204, 2.2218],
+                "difference": [0.0368, 0.0462, 0.0358], "mean": {"spsa": 2.2628, "soma": 2.2232, "difference": 0.0396},
+                "sd": {"spsa": 0.0047, "soma": 0.0036, "difference": 0.0057}}
+TABLE7_CLAIM = "SOMA (N = 2) reaches a lower test loss than monolithic SPSA after selection on ensemble validation"
+
+
+def _mean_sd(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values) if values else None,
+            "sd": statistics.stdev(values) if len(values) > 1 else None}
+
+
+def _selected_scores(per_seed: list[dict], folders: dict[int, dict[int, str]], label: str, split: str) -> list[dict]:
+    """Each seed's selected run of column `label`, its per-window scores on `split` (scored once, kept
+    in the run folder; the trial's own test predates per-window losses in older studies)."""
+    return [score_run(Path(folders[entry["trial"][label]][entry["seed"]]), split) for entry in per_seed]
+
+
+def table7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+    """Table 7 beside the paper: per seed, the selected runs' test losses and SPSA − SOMA, on the test
+    split and on the final split, and the ensemble-validation difference at equal measured time;
+    one check of the paper's claim on each."""
+    t7 = report["table7"]
+    base, other = str(t7["baseline"]), next(str(c) for c in t7["column_labels"] if str(c) != str(t7["baseline"]))
+    per_seed = t7["per_seed"]
+    rows = []
+    for index, entry in enumerate(per_seed):
+        paper = {key: TABLE7_PAPER[key][index] for key in ("spsa", "soma", "difference")} \
+            if index < len(TABLE7_PAPER["seeds"]) else {}
+        rows.append({"seed": entry["seed"], "ours": {"spsa": entry["test"][base], "soma": entry["test"][other],
+                                                     "difference": entry["difference"][other]},
+                     "paper": paper, "selected": entry["selected"], "at_grid_edge": entry["at_grid_edge"]})
+    summary = {key: _mean_sd([row["ours"][key] for row in rows]) for key in ("spsa", "soma", "difference")}
+    checks, blocks = [], {}
+    for split, label in (("test", "test split"), ("final", "final test split (used once)")):
+        if split == "final" and "final_test" not in t7:
+            continue
+        spsa, soma = (_selected_scores(per_seed, folders, side, split) for side in (base, other))
+        differences = [a["loss"] - b["loss"] for a, b in zip(spsa, soma, strict=True)]
+        blocks[split] = {"label": label, "per_seed": [{"seed": e["seed"], "spsa": a["loss"], "soma": b["loss"],
+                                                       "difference": d, "spsa_95": a["bootstrap_95"],
+                                                       "soma_95": b["bootstrap_95"]}
+                                                      for e, a, b, d in zip(per_seed, spsa, soma, differences,
+                                                                            strict=True)],
+                         **{key: _mean_sd(values) for key, values in
+                            (("spsa", [a["loss"] for a in spsa]), ("soma", [b["loss"] for b in soma]),
+                             ("difference", differences))}}
+        check = decide(f"{TABLE7_CLAIM} ({label}, equal multiply-adds)", differences,
+                       paired_document_interval(spsa, soma))
+        checks.append({**check.as_dict(), "basis": "equal multiply-adds", "split": split})
+    timed = t7.get("equal_time")
+    if timed and "unavailable" not in timed:
+        differences = [row["difference"][other] for row in timed["per_seed"]]
+        blocks["equal_time"] = {"label": "ensemble validation at equal measured update time",
+                                "per_seed": [{"seed": row["seed"], "budget_seconds": row["budget_seconds"],
+                                              "total_seconds": row["total_seconds"], "spsa": row["val"][base],
+                                              "soma": row["val"][other], "difference": row["difference"][other]}
+                                             for row in timed["per_seed"]],
+                                "difference": _mean_sd(differences)}
+        check = decide("SOMA (N = 2) reaches a lower ensemble-validation loss than monolithic SPSA at equal measured "
+                       "update time (Table 3's basis; validation curves, no per-window scores)", differences)
+        checks.append({**check.as_dict(), "basis": "equal measured update time", "split": "val"})
+    elif timed:
+        blocks["equal_time"] = {"label": "ensemble validation at equal measured update time",
+                                "unavailable": timed["unavailable"]}
+    return {"labels": {"spsa": base, "soma": other}, "rows": rows, "summary": summary,
+            "paper_summary": {"mean": TABLE7_PAPER["mean"], "sd": TABLE7_PAPER["sd"]}, "blocks": blocks,
+            "checks": checks, "trials": report["trials"], "failed": report["failed"],
+            "at_grid_edge": t7["at_grid_edge"]}
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    "table7": Experiment(
+        name="table7",
+        title="Tables 6 → 7: SOMA N = 2 against monolithic SPSA, each seed's learning rate selected on ensemble "
+              "validation, then tested",
+        sweeps={"cpu": "sweeps/demo/table7_pair.yaml", "paper": "sweeps/table6_lr_eps.yaml"},
+        basis="cpu: equal updates of equal multiply-adds (Table 11's basis; 400 updates each), with the same "
+              "selections compared at equal measured update time (Table 3's U·Σₑ t̄ₑ, interpolated on the "
+              "validation curves) beside it; paper: an equal aggregate GPU-hour budget per trial (Table 3's basis)",
+        cost={"cpu": "18 fits of 400 updates: about 190 core-minutes, 95 minutes on 2 cores (a fit: SPSA about 8 "
+                     "minutes, SOMA about 13)",
+              "paper": "54 trials of 50 aggregate GPU-hours each: 2,700 GPU-hours"},
+        result=table7_result,
+        table=table7_markdown,
+        paper=TABLE7_PAPER,
+        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"]],
+              "paper": [["shard", "--config", "configs/shard/fineweb_n8.yaml", "--shard.num_experts=2",
+                         "--shard.output_dir=data/fineweb_edu-experts-n2"]]},
+    ),
+}
+"""Every experiment `reproduce` knows, by name."""

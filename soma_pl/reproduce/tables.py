@@ -1,0 +1,170 @@
+"""An experiment's result as markdown (the paper's layout, the paper's numbers beside ours) and as
+a figure, and `docs/reproduction.md` drawn from every saved result."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from soma_pl.errors import ConfigError
+
+
+def _fmt(value: float | None, digits: int = 4, sign: bool = False) -> str:
+    if value is None:
+        return "—"
+    return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _head(cells: list[str]) -> list[str]:
+    return [_row(cells), "|" + "---|" * len(cells)]
+
+
+def _interval(values: list[float] | tuple[float, float] | None, sign: bool = True) -> str:
+    """`[low, high]`; signed for differences."""
+    return "—" if values is None else f"[{_fmt(values[0], sign=sign)}, {_fmt(values[1], sign=sign)}]"
+
+
+def checks_table(checks: list[dict]) -> list[str]:
+    """One line per claim: its basis, verdict, mean difference and the two 95% intervals."""
+    lines = _head(["Claim", "Verdict", "Mean difference", "Seeds", "95% over seeds", "95% over documents"])
+    for check in checks:
+        lines.append(_row([check["claim"], f"**{check['verdict']}**", _fmt(check["mean"], sign=True),
+                           str(check["seeds"]), _interval(check["seed_interval"]),
+                           _interval(check["document_interval"])]))
+    return lines
+
+
+def table7_markdown(result: dict) -> str:
+    """Table 7's layout for the demo pair: each seed's selected test losses, ours beside the paper's."""
+    lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
+             f"Equal compute: {result['basis']}.", "", "Test loss after each seed's selection on ensemble validation "
+             "(nats/byte); difference = monolithic SPSA − SOMA. Paper: its Table 7 (seeds 1–3).", "",
+             *_head(["Optimization seed", "SPSA (ours)", "SOMA N = 2 (ours)", "Difference (ours)",
+                     "SPSA (paper)", "SOMA N = 2 (paper)", "Difference (paper)"])]
+    for row in result["rows"]:
+        edge = {side: "†" if row["at_grid_edge"].get(label) else "" for side, label in result["labels"].items()}
+        lines.append(_row([str(row["seed"]), _fmt(row["ours"]["spsa"]) + edge["spsa"],
+                           _fmt(row["ours"]["soma"]) + edge["soma"], _fmt(row["ours"]["difference"]),
+                           *(_fmt(row["paper"].get(k)) for k in ("spsa", "soma", "difference"))]))
+    for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
+        ours = [result["summary"][k][key] for k in ("spsa", "soma", "difference")]
+        paper = [result["paper_summary"][key][k] for k in ("spsa", "soma", "difference")]
+        lines.append(_row([name, *map(_fmt, ours), *map(_fmt, paper)]))
+    edges = {side: result["at_grid_edge"].get(label) for side, label in result["labels"].items()}
+    if any(edges.values()):
+        lines += ["", "† Selected at an edge of its grid (" + "; ".join(
+            f"{side.upper()}: {', '.join(names)}" for side, names in edges.items() if names) + "): the best setting "
+                  "may lie outside the grid."]
+    for key, block in result["blocks"].items():
+        lines += ["", f"## {block['label']}", ""]
+        if "unavailable" in block:
+            lines.append(f"Not compared: {block['unavailable']}.")
+            continue
+        if key == "equal_time":
+            lines += _head(["Optimization seed", "T (s)", "SPSA", "SOMA N = 2", "Difference"])
+            for entry in block["per_seed"]:
+                lines.append(_row([str(entry["seed"]), f"{entry['budget_seconds']:.0f}", _fmt(entry["spsa"]),
+                                   _fmt(entry["soma"]), _fmt(entry["difference"])]))
+            lines.append(_row(["Mean ± sd", "", "", "", f"{_fmt(block['difference']['mean'])} ± "
+                                                        f"{_fmt(block['difference']['sd'])}"]))
+            continue
+        lines += _head(["Optimization seed", "SPSA (95% documents)", "SOMA N = 2 (95% documents)", "Difference"])
+        for entry in block["per_seed"]:
+            lines.append(_row([str(entry["seed"]), f"{_fmt(entry['spsa'])} {_interval(entry['spsa_95'], False)}",
+                               f"{_fmt(entry['soma'])} {_interval(entry['soma_95'], False)}",
+                               _fmt(entry["difference"])]))
+        lines.append(_row(["Mean ± sd", *(f"{_fmt(block[k]['mean'])} ± {_fmt(block[k]['sd'])}"
+                                          for k in ("spsa", "soma", "difference"))]))
+    lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "",
+              f"This run: {result['wall_seconds']:.0f} s on {result['workers']} workers of one thread (finished "
+              f"trials reused), load average {result['load_average'][0]:.2f} before, "
+              f"{result['load_average'][1]:.2f} after; the study's trials took {result['trial_minutes']:.0f} "
+              "core-minutes in all (one thread each, measured beside whatever else ran). Trials: "
+              + ", ".join(f"{k} {v}" for k, v in sorted(result["trials"].items())) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def figure(result: dict, path: Path) -> Path:
+    """Each check's per-seed differences, their mean and 95% seed interval, beside the paper's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = [(key, block) for key, block in result["blocks"].items() if "per_seed" in block]
+    fig, axis = plt.subplots(figsize=(7.5, 3.8))
+    paper = result["paper_summary"]
+    axis.axhspan(paper["mean"]["difference"] - paper["sd"]["difference"],
+                 paper["mean"]["difference"] + paper["sd"]["difference"], color="tab:green", alpha=0.15)
+    axis.axhline(paper["mean"]["difference"], color="tab:green", label="paper, Table 7 (mean ± sd)")
+    axis.axhline(0.0, color="black", linewidth=0.8)
+    for x, (key, block) in enumerate(blocks):
+        values = [entry["difference"] for entry in block["per_seed"]]
+        axis.scatter([x] * len(values), values, color="tab:blue", zorder=3, label="ours, per seed" if x == 0 else None)
+        check = next((c for c in result["checks"] if c["split"] == ("val" if key == "equal_time" else key)), None)
+        if check and check["seed_interval"]:
+            low, high = check["seed_interval"]
+            axis.errorbar([x + 0.12], [check["mean"]], yerr=[[check["mean"] - low], [high - check["mean"]]],
+                          fmt="o", color="tab:red", capsize=4, label="ours, mean (95% over seeds)" if x == 0 else None)
+    axis.set_xticks(range(len(blocks)), [block["label"].replace(" (used once)", "\n(used once)")
+                                         .replace(" at equal", "\nat equal") for _, block in blocks], fontsize=8)
+    axis.set_ylabel("SPSA − SOMA (nats/byte)")
+    axis.set_title(f"{result['experiment']} at {result['scale']} scale")
+    axis.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(temporary, dpi=110)
+    plt.close(fig)
+    os.replace(temporary, path)
+    return path
+
+
+def reproduction_page(results: Path, page: Path) -> str:
+    """`docs/reproduction.md`: one row per claim of every saved result, then each result's table."""
+    found = sorted(results.glob("*/result.json"))
+    if not found:
+        raise ConfigError(f"reproduce docs: no {results}/*/result.json yet; run `python -m soma_pl.cli reproduce "
+                          "<experiment>` first")
+    saved = [json.loads(path.read_text()) for path in found]
+    lines = ["# The paper's experiments at CPU scale", "",
+             "Generated by `python -m soma_pl.cli reproduce docs` from `results/*/result.json`; do not edit by hand. "
+             "Each experiment is run by `python -m soma_pl.cli reproduce <experiment>` (`--help` lists them and "
+             "their cost). A verdict holds when the 95% intervals over seeds and over test documents both lie on "
+             "the claim's side of zero (`soma_pl/reproduce/verdicts.py`).", "",
+             *_head(["Experiment", "Paper claim", "Basis", "Ours", "Verdict"])]
+    for result in saved:
+        for check in result["checks"]:
+            ours = f"{_fmt(check['mean'], sign=True)} {_interval(check['seed_interval'])} over {check['seeds']} seeds"
+            lines.append(_row([f"{result['experiment']} ({result['scale']})", check["claim"], check["basis"], ours,
+                               f"**{check['verdict']}**"]))
+    for result, path in zip(saved, found, strict=True):
+        if not (path.parent / "table.md").is_file():
+            raise ConfigError(f"reproduce docs: {path.parent / 'table.md'} is missing; run the experiment again")
+        body = (path.parent / "table.md").read_text()
+        lines += ["", *("#" + line if line.startswith("#") else line for line in body.strip().splitlines())]
+        if (path.parent / "figure.png").is_file():
+            image = Path(os.path.relpath(path.parent.resolve() / "figure.png", page.parent.resolve())).as_posix()
+            lines += ["", f"![{result['experiment']}]({image})"]
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(results: str = "results", out: str = "docs/reproduction.md") -> None:
+    """Write docs/reproduction.md from every saved experiment result.
+
+    Args:
+        results: the folder holding each experiment's folder (`<experiment>/result.json`).
+        out: the page to write.
+    """
+    target = Path(out)
+    text = reproduction_page(Path(results), target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, target)
+    print(f"wrote {target}")

@@ -1,0 +1,166 @@
+"""`reproduce`: the experiment listing and dry run, a result drawn from a hand-made report, the
+docs page, and (slow) a tiny experiment run end to end by real sweep workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from soma_pl.cli import main
+from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.reproduce import command, experiments
+from soma_pl.reproduce.experiments import EXPERIMENTS, TABLE7_PAPER, table7_result
+from soma_pl.reproduce.tables import reproduction_page, table7_markdown
+from soma_pl.reproduce.verdicts import Verdict
+from soma_pl.sweeps.space import load_sweep
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_help_lists_every_experiment_with_its_cost(capsys):
+    with pytest.raises(SystemExit):
+        main(["reproduce", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for experiment in EXPERIMENTS.values():
+        assert f"`{experiment.name}`" in shown and " ".join(experiment.cost["cpu"].split()) in shown
+
+
+def test_a_dry_run_lists_the_trials_and_the_paper_scale_budget(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    for scale, trials in (("cpu", 18), ("paper", 54)):
+        spec = dataclasses.replace(load_sweep(EXPERIMENTS["table7"].sweeps[scale]), output_dir=tmp_path / scale)
+        listed = command.list_trials(EXPERIMENTS["table7"], scale, spec, f"sqlite:///{tmp_path / scale / 'x.db'}")
+        assert (listed["trials"], listed["done"]) == (trials, 0)
+    printed = capsys.readouterr().out
+    assert printed.count(": to run") == 18 + 54
+    # Table 6's budget: 50 aggregate GPU-hours per trial, 3 lr x 3 eps x 2 N x 3 seeds
+    assert "54 trials of 50 aggregate device-hours: 2,700 device-hours" in printed
+    assert not (tmp_path / "cpu").exists(), "a dry run writes nothing"
+
+
+def _window_scores(losses: list[float], seed: int) -> dict:
+    documents = ["a", "a", "b", "c", "d"][: len(losses)]
+    return {"loss": float(np.mean(losses)), "bootstrap_95": [0.0, 9.0], "window_index": list(range(len(losses))),
+            "window_losses": losses, "doc_ids": documents, "seed": seed}
+
+
+def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
+    """Three seeds where SOMA wins on every window of the test split, loses on the final one."""
+    per_seed, folders, scores = [], {}, {}
+    for seed in range(3):
+        spsa, soma = 10 * seed + 1, 10 * seed + 2  # trial numbers
+        folders[spsa], folders[soma] = {seed: f"spsa{seed}"}, {seed: f"soma{seed}"}
+        base = [3.0 + 0.01 * seed, 3.1, 2.9, 3.2]
+        scores[(f"spsa{seed}", "test")] = _window_scores(base, seed)
+        scores[(f"soma{seed}", "test")] = _window_scores([x - 0.04 - 0.001 * seed for x in base], seed)
+        scores[(f"spsa{seed}", "final")] = _window_scores(base, seed)
+        scores[(f"soma{seed}", "final")] = _window_scores([x + 0.02 for x in base], seed)
+        per_seed.append({"seed": seed, "trial": {"1": spsa, "2": soma},
+                         "test": {"1": scores[(f"spsa{seed}", "test")]["loss"],
+                                  "2": scores[(f"soma{seed}", "test")]["loss"]},
+                         "difference": {"2": 0.04 + 0.001 * seed}, "selected": {"1": {"lr": 0.025}, "2": {"lr": 0.05}},
+                         "at_grid_edge": {"1": [], "2": ["lr"]}})
+    monkeypatch.setattr(experiments, "score_run", lambda run, split: scores[(str(run), split)])
+    timed = {"per_seed": [{"seed": s, "budget_seconds": 100.0, "total_seconds": {"1": 100.0, "2": 120.0},
+                           "val": {"1": 3.0, "2": 3.0 + d}, "difference": {"2": -d}}
+                          for s, d in enumerate([0.01, 0.02, 0.015])]}
+    report = {"table7": {"baseline": 1, "column_labels": [1, 2], "per_seed": per_seed, "equal_time": timed,
+                         "final_test": {}, "at_grid_edge": {"1": [], "2": ["lr"]}},
+              "trials": {"COMPLETE": 18}, "failed": []}
+    result = table7_result(report, folders)
+    assert [row["paper"]["difference"] for row in result["rows"]] == TABLE7_PAPER["difference"]
+    assert result["summary"]["difference"]["mean"] == pytest.approx(0.041)
+    verdicts = {check["split"]: check for check in result["checks"]}
+    assert verdicts["test"]["verdict"] == Verdict.holds.value and verdicts["test"]["basis"] == "equal multiply-adds"
+    # every window gains 0.04 + 0.001·seed: the seed-mean paired gain is 0.041 on every document
+    assert verdicts["test"]["document_interval"] == pytest.approx([0.041, 0.041])
+    assert verdicts["final"]["verdict"] == Verdict.does_not_hold.value
+    assert verdicts["val"]["verdict"] == Verdict.does_not_hold.value
+    assert verdicts["val"]["basis"] == "equal measured update time" and verdicts["val"]["document_interval"] is None
+    text = table7_markdown({**result, "experiment": "table7", "scale": "cpu", "title": "t", "basis": "b",
+                            "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2],
+                            "trial_minutes": 3.0})
+    assert "| 0 | 3.0500 | 3.0100† | 0.0400 | 2.2641 | 2.2273 | 0.0368 |" in text
+    assert "| Mean | " in text and "0.0396" in text and "**does not hold**" in text and "SOMA: lr" in text
+
+
+def test_the_docs_page_has_a_row_per_claim_and_each_table(tmp_path):
+    folder = tmp_path / "results" / "table7"
+    folder.mkdir(parents=True)
+    check = {"claim": "SOMA below SPSA", "basis": "equal multiply-adds", "verdict": "holds", "mean": 0.04,
+             "seeds": 3, "seed_interval": [0.03, 0.05], "document_interval": [0.02, 0.06], "split": "test"}
+    (folder / "result.json").write_text(json.dumps({"experiment": "table7", "scale": "cpu", "checks": [check]}))
+    (folder / "table.md").write_text("# table7\n\n| a |\n")
+    (folder / "figure.png").write_bytes(b"png")
+    page = reproduction_page(tmp_path / "results", tmp_path / "docs" / "reproduction.md")
+    assert "| table7 (cpu) | SOMA below SPSA | equal multiply-adds | +0.0400 [+0.0300, +0.0500] over 3 seeds | " \
+           "**holds** |" in page
+    assert "## table7" in page and "![table7](../results/table7/figure.png)" in page
+
+
+@pytest.mark.slow
+def test_a_tiny_experiment_runs_scores_checks_and_reuses_its_trials(tmp_path, monkeypatch):
+    from tests.data.corpora import write_jsonl_corpus
+    from tests.sweeps.conftest import write_sweep
+
+    corpus = tmp_path / "corpus"
+    write_jsonl_corpus(corpus, {"alpha": 30, "beta": 30}, min_words=150, max_words=500)
+    path = write_sweep(tmp_path, seeds=[0, 1], wandb=False, report={"columns": "eps", "baseline": 0.01},
+                       grid={"eps": {"key": "model.init_args.spsa.eps", "values": [0.01, 0.02]}},
+                       overrides={"data.init_args.dataset.corpus.paths": [str(corpus)],
+                                  "data.init_args.dataset.output_dir": str(tmp_path / "data"),
+                                  "data.init_args.dataset.final_test_windows": 4,
+                                  "trainer.max_steps": 4, "trainer.val_check_interval": 1})
+    spec = load_sweep(path)
+    tiny = dataclasses.replace(EXPERIMENTS["table7"], sweeps={"cpu": str(path)}, data={})
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    result = command.run(tiny, "cpu", spec, storage, workers=2, results=tmp_path / "results")
+    folder = tmp_path / "results" / "table7"
+    assert json.loads((folder / "result.json").read_text()) == json.loads(json.dumps(result))
+    assert (folder / "table.md").read_text().startswith("# table7 (cpu scale)")
+    assert (folder / "figure.png").stat().st_size > 0
+    assert result["trials"] == {"COMPLETE": 4}, result["failed"]
+    # The test split scored again for its windows gives each selected run's own trial test loss.
+    for row, entry in zip(result["rows"], result["blocks"]["test"]["per_seed"], strict=True):
+        assert entry["spsa"] == pytest.approx(row["ours"]["spsa"], abs=1e-6)
+        assert entry["soma"] == pytest.approx(row["ours"]["soma"], abs=1e-6)
+    # The document interval is the bootstrap of the saved per-window paired differences.
+    check = next(c for c in result["checks"] if c["split"] == "test")
+    rescored = sorted(spec.output_dir.glob("trial-*/version_0/test_windows"))
+    assert len(rescored) == 4  # each seed's selected run of each column (each column has one setting), once
+    by_trial = {int(p.parts[-3].split("-")[1]): json.loads(next(p.glob("**/test_scores.json")).read_text())
+                for p in rescored}
+    spsa, soma = ([by_trial[trial] for trial in _selected(spec, result, label)] for label in ("0.01", "0.02"))
+    differences = np.mean([np.subtract(a["window_losses"], b["window_losses"])
+                           for a, b in zip(spsa, soma, strict=True)], axis=0)
+    expected = document_bootstrap(differences, np.asarray(spsa[0]["doc_ids"]))
+    assert check["document_interval"] == pytest.approx([expected.low, expected.high])
+    assert {c["split"] for c in result["checks"]} == {"test", "final", "val"}
+    assert all(c["verdict"] in {v.value for v in Verdict} for c in result["checks"])
+    # A second run reuses every trial and every score.
+    stamps = {p: p.stat().st_mtime_ns for p in spec.output_dir.glob("trial-*/version_0/*/**/test_scores.json")}
+    again = command.run(tiny, "cpu", spec, storage, workers=2, results=tmp_path / "results")
+    assert again["trials"] == {"COMPLETE": 4} and again["checks"] == result["checks"]
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    main(["reproduce", "docs", "--results", str(tmp_path / "results"), "--out", str(tmp_path / "reproduction.md")])
+    assert check["claim"] in (tmp_path / "reproduction.md").read_text()
+
+
+def _selected(spec, result: dict, label: str) -> list[int]:
+    """Each seed's COMPLETE trial of column `label` (the only setting of the column: the selected one)."""
+    import optuna
+
+    study = optuna.load_study(study_name=spec.name, storage=f"sqlite:///{spec.output_dir.parent / 'optuna.db'}")
+    trials = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return [next(t.number for t in trials if t.user_attrs.get("seed") == row["seed"] and str(t.params["eps"]) == label)
+            for row in result["rows"]]
+
+
+def test_the_committed_docs_page_is_the_one_the_committed_results_make():
+    assert (ROOT / "docs" / "reproduction.md").read_text() == \
+        reproduction_page(ROOT / "results", ROOT / "docs" / "reproduction.md"), \
+        "run `python -m soma_pl.cli reproduce docs` after changing results/"
