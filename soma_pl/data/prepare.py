@@ -155,7 +155,10 @@ def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str
     output = Path(config.output_dir).expanduser()
     corpus = corpus_fingerprint(config.corpus)
     fingerprint = config.fingerprint(corpus)
-    with build_lock(output, "prepare"):
+    if existing_fingerprint(output) == fingerprint:  # up to date: no build, so no lock
+        remove_staging(output, "prepare")
+        return output
+    with build_lock(output, "prepare"):  # checked again inside: another process may have built it
         return _prepare(config, progress, recipe, output, corpus, fingerprint)
 
 

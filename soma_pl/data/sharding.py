@@ -47,7 +47,7 @@ from soma_pl.data.pipeline import ExecutorConfig, ExecutorKind, chain
 from soma_pl.data.prepare import MANIFEST, open_prepared, prepare_recipe, read_manifest
 from soma_pl.data.staging import build_lock, remove_staging, run_build
 from soma_pl.data.tar_shards import ShardRecord, Verify, sha256_file, verify_shards
-from soma_pl.errors import ConfigError, DataError
+from soma_pl.errors import ConfigError, DataError, SomaError
 from soma_pl.io import check_output
 from soma_pl.models.devices import resolve_device
 from soma_pl.models.router import EncoderKind, HashedNgramEncoder, SeedEncoder
@@ -180,8 +180,22 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     """
     config.validate()
     output = Path(config.output_dir).expanduser()
-    with build_lock(output, "shard"):
+    if _up_to_date(config, output):  # no build, so no lock
+        remove_staging(output, "shard")
+        return output
+    with build_lock(output, "shard"):  # checked again inside: another process may have built it
         return _build_shards(config, progress, output)
+
+
+def _up_to_date(config: ShardConfig, output: Path) -> bool:
+    """Whether `output` holds this config's experts already (False when in any doubt)."""
+    if not (output / EXPERTS_MANIFEST).is_file():
+        return False
+    try:
+        manifest = open_prepared(Path(config.prepared).expanduser(), "shard.prepared")
+    except SomaError:
+        return False
+    return _read_fingerprint(output) == config.fingerprint(manifest)
 
 
 def _build_shards(config: ShardConfig, progress: bool, output: Path) -> Path:
