@@ -139,7 +139,9 @@ def test_a_tiny_experiment_runs_scores_checks_and_reuses_its_trials(tmp_path, mo
                            for a, b in zip(spsa, soma, strict=True)], axis=0)
     expected = document_bootstrap(differences, np.asarray(spsa[0]["doc_ids"]))
     assert check["document_interval"] == pytest.approx([expected.low, expected.high])
-    assert {c["split"] for c in result["checks"]} == {"test", "final", "val"}
+    # the equal-time check needs T after both runs' first validation, which the machine's load decides
+    timed = "unavailable" not in result["blocks"].get("equal_time", {"unavailable": "no curves"})
+    assert {c["split"] for c in result["checks"]} == {"test", "final", *(["val"] if timed else [])}
     assert all(c["verdict"] in {v.value for v in Verdict} for c in result["checks"])
     # A second run reuses every trial and every score.
     stamps = {p: p.stat().st_mtime_ns for p in spec.output_dir.glob("trial-*/version_0/*/**/test_scores.json")}
