@@ -86,6 +86,8 @@ COMMANDS: dict[str, Command] = {
                                          "soma_pl.analysis.error_correlation"),
     "evaluate": Command("Frozen next-byte loss (nats/byte) of a checkpoint on a text file or folder.",
                         "soma_pl.evaluate"),
+    "external-text": Command("Fetch a pinned public text for frozen evaluation (Table 9) and write one .txt per "
+                             "document.", "soma_pl.data.external"),
     "generate": Command("Continue a prompt byte by byte from a checkpoint or an exported folder; prints the "
                         "continuation.", "soma_pl.generate", flatten="sampling"),
     "export": Command("Write a checkpoint's weights and settings as model.safetensors and config.json (no Lightning "

@@ -162,6 +162,9 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
         "scored_targets_per_window": WINDOW_BYTES - 1 - module.score_from,
         "loss": interval.mean, "bootstrap_95": [interval.low, interval.high], "resamples": resamples,
         "loss_std": float(losses.std()), "seconds": round(time.perf_counter() - started, 3),
+        # per window, so that two checkpoints on one text can be compared by a paired document bootstrap
+        "window_index": list(range(len(losses))), "window_losses": losses.tolist(),
+        "doc_ids": np.asarray(data.doc_ids).tolist(),
     }
 
 

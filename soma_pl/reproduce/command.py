@@ -27,7 +27,6 @@ from optuna.trial import TrialState
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.experiments import EXPERIMENTS, Experiment
-from soma_pl.reproduce.tables import figure
 from soma_pl.sweeps.report import build_report, run_folders
 from soma_pl.sweeps.runner import SweepProgress
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, point_key
@@ -87,7 +86,7 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
         print(f"  {shown}, seed {point[SEED]}: {states.get(point_key(point), 'to run').lower()}")
     budget = spec.budget.get("device_hours")
     remaining = len(points) - done
-    cost = f"{remaining} trials of {budget:g} aggregate device-hours: {remaining * budget:,.0f} device-hours" \
+    cost = f"{remaining} trials of {budget:g} aggregate device-hours: {remaining * budget:,.4g} device-hours" \
         if budget else f"{remaining} of {len(points)} trials; all of them: {experiment.cost[scale]}"
     measured = _measured_minutes(study) if remaining and not budget else None
     if measured:
@@ -106,14 +105,16 @@ def _run_workers(spec: SweepSpec, storage: str, workers: int, logs: Path) -> Non
                "--progress=false"]
     handles = [(logs / f"worker{i}.log").open("w") for i in range(workers)]
     processes = [subprocess.Popen(command, stdout=h, stderr=subprocess.STDOUT, env=environment) for h in handles]
-    bar = SweepProgress(spec)
+    bar, study = SweepProgress(spec), None
     try:
         while any(p.poll() is None for p in processes):
             time.sleep(POLL_SECONDS)
             try:
-                bar.update(open_study(spec, open_storage(storage, spec=spec), create=False))
+                # Opened once: each opening of a database storage sets up its heartbeat (and warns).
+                study = study or open_study(spec, open_storage(storage, spec=spec), create=False)
             except (KeyError, optuna.exceptions.StorageInternalError):
                 continue  # the first worker has not made the study yet
+            bar.update(study)
     except KeyboardInterrupt:
         # Ctrl-C reached the workers too (one process group); each marks its trial interrupted, to
         # re-run on restart. A worker started otherwise is sent SIGTERM, which it handles the same way.
@@ -143,7 +144,8 @@ def _prepare_data(experiment: Experiment, scale: str, logs: Path) -> None:
     for index, arguments in enumerate(experiment.data.get(scale, [])):
         log = logs / f"data{index}-{arguments[0]}.log"
         with log.open("w") as output:
-            code = subprocess.call([sys.executable, "-m", "soma_pl.cli", *arguments, "--progress=false"],
+            quiet = ["--progress=false"] if arguments[0] in ("prepare", "shard") else []
+            code = subprocess.call([sys.executable, "-m", "soma_pl.cli", *arguments, *quiet],
                                    stdout=output, stderr=subprocess.STDOUT)
         if code != 0:
             tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-1:])
@@ -156,11 +158,12 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
     started = time.time()
     load_before = os.getloadavg()[0]
     _prepare_data(experiment, scale, folder / "logs")
+    spec.output_dir.mkdir(parents=True, exist_ok=True)  # the trials' folder, which holds the default storage
     _run_workers(spec, storage, workers, folder / "logs")
     study = optuna.load_study(study_name=spec.name, storage=open_storage(storage, spec=spec))
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         raise SomaError(f"{experiment.name}: no trial of {spec.name} completed; see {folder / 'logs'}")
-    report = build_report(study, storage, final_test=True)
+    report = build_report(study, storage, final_test=experiment.final_test)
     measured = experiment.result(report, run_folders(study))  # scores the selected runs: part of the wall time
     finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     trial_minutes = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in finished) / 60
@@ -174,7 +177,7 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
     temporary = folder / f".table.md.tmp-{os.getpid()}"
     temporary.write_text(text)
     os.replace(temporary, folder / "table.md")
-    figure(result, folder / "figure.png")
+    experiment.figure(result, folder / "figure.png")
     print(text)
     print(f"wrote {folder / 'result.json'}, {folder / 'table.md'}, {folder / 'figure.png'}", file=sys.stderr)
     return result
@@ -188,7 +191,8 @@ def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run
         experiments: experiment names (listed below).
         scale: `cpu` (the demo corpus, minutes to an hour on 2 cores) or `paper` (the paper's sizes, for GPUs).
         dry_run: list the trials, which are done, and what the rest costs; run nothing.
-        workers: sweep workers, one thread each; None: one per core.
+        workers: sweep workers, one thread each; None: the experiment's own count (table4: 1), else one
+            per core.
         storage: Optuna storage URL; None: the sweep's own (sqlite in its output folder).
         results: where each experiment's folder of results goes.
     """
@@ -196,10 +200,14 @@ def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run
         raise ConfigError(f"reproduce --workers={workers}: give 1 or more")
     chosen = [_experiment(name) for name in experiments]
     for experiment in chosen:
+        if scale not in experiment.sweeps:
+            why = experiment.cost.get(scale)
+            raise ConfigError(f"reproduce {experiment.name}: no {scale}-scale sweep{f' ({why})' if why else ''}; "
+                              f"run --scale {' or '.join(experiment.sweeps)}")
         spec = load_sweep(experiment.sweeps[scale])
         url = storage or spec.storage or default_storage(spec)
         if dry_run:
             list_trials(experiment, scale, spec, url)
             continue
-        count = workers or os.cpu_count() or 1
+        count = workers or experiment.workers or os.cpu_count() or 1
         run(experiment, scale, spec, url, min(count, len(spec.grid_points())), Path(results))

@@ -14,7 +14,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from soma_pl.reproduce.tables import table7_markdown
+from soma_pl.reproduce.ablations import FIG9_PAPER, fig9_figure, fig9_markdown, fig9_result
+from soma_pl.reproduce.budgets import TABLE5_PAPER, table5_figure, table5_markdown, table5_result
+from soma_pl.reproduce.methods import (
+    TABLE4_PAPER,
+    TABLE9_PAPER,
+    table4_figure,
+    table4_markdown,
+    table4_result,
+    table9_figure,
+    table9_markdown,
+    table9_result,
+)
+from soma_pl.reproduce.tables import figure, table7_markdown
 from soma_pl.reproduce.verdicts import decide, paired_document_interval
 from soma_pl.sweeps.final_test import score_run
 
@@ -36,10 +48,17 @@ class Experiment:
     """(sweep report, trial → seed → run folder) → the experiment's result."""
     table: Callable[[dict], str]
     """The result → markdown in the paper's layout, the paper's numbers beside ours."""
+    figure: Callable[[dict, Path], Path]
+    """(the result, a PNG path) → the figure written there."""
     paper: dict = field(default_factory=dict)
     """The paper's numbers this experiment is reported beside."""
     data: dict[str, list[list[str]]] = field(default_factory=dict)
-    """Scale → the commands that make its data before the sweep (`shard` prepares the dataset first)."""
+    """Scale → the commands that make its data before the sweep (`shard` prepares the dataset first; a
+    seed model's `fit` resumes its own run with `--ckpt_path=last`, so a finished one is reused)."""
+    final_test: bool = True
+    """Whether the selected runs are scored on the final test split (used once per run)."""
+    workers: int | None = None
+    """At most this many sweep workers (None: one per core); 1 where a trial takes every core."""
 
 
 # Table 7 (the paper's Table 6 caption and rows): test loss after each seed's selection on ensemble
@@ -128,10 +147,87 @@ EXPERIMENTS: dict[str, Experiment] = {
               "paper": "54 trials of 50 aggregate GPU-hours each: 2,700 GPU-hours"},
         result=table7_result,
         table=table7_markdown,
+        figure=figure,
         paper=TABLE7_PAPER,
         data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"]],
               "paper": [["shard", "--config", "configs/shard/fineweb_n8.yaml", "--shard.num_experts=2",
                          "--shard.output_dir=data/fineweb_edu-experts-n2"]]},
+    ),
+    "table4": Experiment(
+        name="table4",
+        title="Table 4: SOMA N = 2, monolithic SPSA at three n_pert, EGGROLL and DDPP on 2 processes at one equal "
+              "budget of measured update time, test loss",
+        sweeps={"cpu": "sweeps/demo/table4.yaml"},
+        basis="equal measured update time (Table 3's U·Σₑ t̄ₑ, every expert and rank counted): 150 s per run, the "
+              "paper's ~150 aggregate GPU-hours in proportion; the runs go one at a time",
+        cost={"cpu": "12 fits stopped at 150 s of update time, one at a time: 30 minutes (measured)",
+              "paper": "none here: run configs/soma_n2.yaml, configs/spsa.yaml, configs/eggroll.yaml and "
+                       "configs/ddpp.yaml with --budget.device_hours=150"},
+        result=table4_result,
+        table=table4_markdown,
+        figure=table4_figure,
+        paper=TABLE4_PAPER,
+        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"]]},
+        final_test=False,
+        workers=1,
+    ),
+    "table9": Experiment(
+        name="table9",
+        title="Table 9: Table 4's checkpoints evaluated frozen on an external text (Melville's Moby-Dick, in place of "
+              "WikiText-103)",
+        sweeps={"cpu": "sweeps/demo/table4.yaml"},
+        basis="Table 4's: equal measured update time, each run's last checkpoint (chosen by Table 4's protocol "
+              "before any external score exists)",
+        cost={"cpu": "Table 4's study (run by `reproduce table4`, reused) and 12 frozen evaluations on 1.2 MB of text: "
+                     "under a minute after it (measured: 47 s)",
+              "paper": "none here: evaluate the table4 checkpoints with `python -m soma_pl.cli evaluate`"},
+        result=table9_result,
+        table=table9_markdown,
+        figure=table9_figure,
+        paper=TABLE9_PAPER,
+        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"], ["external-text"]]},
+        final_test=False,
+        workers=1,
+    ),
+    "table5": Experiment(
+        name="table5",
+        title="Table 5: SOMA against BPTT at N = 1, 2 and 4 experts, ensemble validation at three budgets of "
+              "measured update time",
+        sweeps={"cpu": "sweeps/demo/table5.yaml"},
+        basis="equal measured update time (Table 3's U·Σₑ t̄ₑ, one thread per run): 120, 180 and 240 s, the "
+              "paper's 50, 75 and 100 GPU-hours in proportion, interpolated on each run's validation curve",
+        cost={"cpu": "12 fits stopped at 240 s of update time: 53 core-minutes, 27 minutes on 2 cores (measured)",
+              "paper": "none here: the paper's BPTT recipe (and its hardware) differ from SOMA's; run it with "
+                       "configs/bptt.yaml and configs/soma_n2.yaml under a device_hours budget"},
+        result=table5_result,
+        table=table5_markdown,
+        figure=table5_figure,
+        paper=TABLE5_PAPER,
+        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"],
+                      ["shard", "--config", "configs/shard/demo_n2.yaml", "--shard.num_experts=4",
+                       "--shard.output_dir=data/demo-experts-n4"]]},
+        final_test=False,
+    ),
+    "fig9": Experiment(
+        name="fig9",
+        title="Fig. 9: semantic against random shards, warm against cold start, and how the tied head is trained "
+              "(SOMA N = 2)",
+        sweeps={"cpu": "sweeps/demo/fig9.yaml"},
+        basis="equal updates of equal multiply-adds (the figure's training steps; 200 updates each), the seed "
+              "model's cost excluded as in the paper",
+        cost={"cpu": "15 fits of 200 updates and a 150-step backprop seed model: 41 core-minutes, 22 minutes on 2 "
+                     "cores (measured)",
+              "paper": "none: the paper's captions give neither the model nor the steps of the figure's runs"},
+        result=fig9_result,
+        table=fig9_markdown,
+        figure=fig9_figure,
+        paper=FIG9_PAPER,
+        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"],
+                      ["shard", "--config", "configs/shard/demo_n2_random.yaml"],
+                      ["fit", "--config", "configs/trainer/cpu.yaml", "--config", "configs/datamodule/demo.yaml",
+                       "--config", "configs/demo/seed_w44.yaml", "--trainer.enable_progress_bar=false",
+                       "--ckpt_path=last"]]},
+        final_test=False,
     ),
 }
 """Every experiment `reproduce` knows, by name."""

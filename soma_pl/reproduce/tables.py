@@ -10,32 +10,32 @@ from pathlib import Path
 from soma_pl.errors import ConfigError
 
 
-def _fmt(value: float | None, digits: int = 4, sign: bool = False) -> str:
+def number(value: float | None, digits: int = 4, sign: bool = False) -> str:
     if value is None:
         return "—"
     return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
 
 
-def _row(cells: list[str]) -> str:
+def table_row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _head(cells: list[str]) -> list[str]:
-    return [_row(cells), "|" + "---|" * len(cells)]
+def table_head(cells: list[str]) -> list[str]:
+    return [table_row(cells), "|" + "---|" * len(cells)]
 
 
-def _interval(values: list[float] | tuple[float, float] | None, sign: bool = True) -> str:
+def interval_text(values: list[float] | tuple[float, float] | None, sign: bool = True) -> str:
     """`[low, high]`; signed for differences."""
-    return "—" if values is None else f"[{_fmt(values[0], sign=sign)}, {_fmt(values[1], sign=sign)}]"
+    return "—" if values is None else f"[{number(values[0], sign=sign)}, {number(values[1], sign=sign)}]"
 
 
 def checks_table(checks: list[dict]) -> list[str]:
     """One line per claim: its basis, verdict, mean difference and the two 95% intervals."""
-    lines = _head(["Claim", "Verdict", "Mean difference", "Seeds", "95% over seeds", "95% over documents"])
+    lines = table_head(["Claim", "Verdict", "Mean difference", "Seeds", "95% over seeds", "95% over documents"])
     for check in checks:
-        lines.append(_row([check["claim"], f"**{check['verdict']}**", _fmt(check["mean"], sign=True),
-                           str(check["seeds"]), _interval(check["seed_interval"]),
-                           _interval(check["document_interval"])]))
+        lines.append(table_row([check["claim"], f"**{check['verdict']}**", number(check["mean"], sign=True),
+                           str(check["seeds"]), interval_text(check["seed_interval"]),
+                           interval_text(check["document_interval"])]))
     return lines
 
 
@@ -44,17 +44,17 @@ def table7_markdown(result: dict) -> str:
     lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
              f"Equal compute: {result['basis']}.", "", "Test loss after each seed's selection on ensemble validation "
              "(nats/byte); difference = monolithic SPSA − SOMA. Paper: its Table 7 (seeds 1–3).", "",
-             *_head(["Optimization seed", "SPSA (ours)", "SOMA N = 2 (ours)", "Difference (ours)",
+             *table_head(["Optimization seed", "SPSA (ours)", "SOMA N = 2 (ours)", "Difference (ours)",
                      "SPSA (paper)", "SOMA N = 2 (paper)", "Difference (paper)"])]
     for row in result["rows"]:
         edge = {side: "†" if row["at_grid_edge"].get(label) else "" for side, label in result["labels"].items()}
-        lines.append(_row([str(row["seed"]), _fmt(row["ours"]["spsa"]) + edge["spsa"],
-                           _fmt(row["ours"]["soma"]) + edge["soma"], _fmt(row["ours"]["difference"]),
-                           *(_fmt(row["paper"].get(k)) for k in ("spsa", "soma", "difference"))]))
+        lines.append(table_row([str(row["seed"]), number(row["ours"]["spsa"]) + edge["spsa"],
+                           number(row["ours"]["soma"]) + edge["soma"], number(row["ours"]["difference"]),
+                           *(number(row["paper"].get(k)) for k in ("spsa", "soma", "difference"))]))
     for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
         ours = [result["summary"][k][key] for k in ("spsa", "soma", "difference")]
         paper = [result["paper_summary"][key][k] for k in ("spsa", "soma", "difference")]
-        lines.append(_row([name, *map(_fmt, ours), *map(_fmt, paper)]))
+        lines.append(table_row([name, *map(number, ours), *map(number, paper)]))
     edges = {side: result["at_grid_edge"].get(label) for side, label in result["labels"].items()}
     if any(edges.values()):
         lines += ["", "† Selected at an edge of its grid (" + "; ".join(
@@ -66,27 +66,71 @@ def table7_markdown(result: dict) -> str:
             lines.append(f"Not compared: {block['unavailable']}.")
             continue
         if key == "equal_time":
-            lines += _head(["Optimization seed", "T (s)", "SPSA", "SOMA N = 2", "Difference"])
+            lines += table_head(["Optimization seed", "T (s)", "SPSA", "SOMA N = 2", "Difference"])
             for entry in block["per_seed"]:
-                lines.append(_row([str(entry["seed"]), f"{entry['budget_seconds']:.0f}", _fmt(entry["spsa"]),
-                                   _fmt(entry["soma"]), _fmt(entry["difference"])]))
-            lines.append(_row(["Mean ± sd", "", "", "", f"{_fmt(block['difference']['mean'])} ± "
-                                                        f"{_fmt(block['difference']['sd'])}"]))
+                lines.append(table_row([str(entry["seed"]), f"{entry['budget_seconds']:.0f}", number(entry["spsa"]),
+                                   number(entry["soma"]), number(entry["difference"])]))
+            lines.append(table_row(["Mean ± sd", "", "", "", f"{number(block['difference']['mean'])} ± "
+                                                        f"{number(block['difference']['sd'])}"]))
             continue
-        lines += _head(["Optimization seed", "SPSA (95% documents)", "SOMA N = 2 (95% documents)", "Difference"])
+        lines += table_head(["Optimization seed", "SPSA (95% documents)", "SOMA N = 2 (95% documents)", "Difference"])
         for entry in block["per_seed"]:
-            lines.append(_row([str(entry["seed"]), f"{_fmt(entry['spsa'])} {_interval(entry['spsa_95'], False)}",
-                               f"{_fmt(entry['soma'])} {_interval(entry['soma_95'], False)}",
-                               _fmt(entry["difference"])]))
-        lines.append(_row(["Mean ± sd", *(f"{_fmt(block[k]['mean'])} ± {_fmt(block[k]['sd'])}"
+            lines.append(table_row([str(entry["seed"]),
+                                    f"{number(entry['spsa'])} {interval_text(entry['spsa_95'], False)}",
+                                    f"{number(entry['soma'])} {interval_text(entry['soma_95'], False)}",
+                                    number(entry["difference"])]))
+        lines.append(table_row(["Mean ± sd", *(f"{number(block[k]['mean'])} ± {number(block[k]['sd'])}"
                                           for k in ("spsa", "soma", "difference"))]))
-    lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "",
-              f"This run: {result['wall_seconds']:.0f} s on {result['workers']} workers of one thread (finished "
-              f"trials reused), load average {result['load_average'][0]:.2f} before, "
-              f"{result['load_average'][1]:.2f} after; the study's trials took {result['trial_minutes']:.0f} "
-              "core-minutes in all (one thread each, measured beside whatever else ran). Trials: "
-              + ", ".join(f"{k} {v}" for k, v in sorted(result["trials"].items())) + "."]
+    lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "", run_footer(result)]
     return "\n".join(lines) + "\n"
+
+
+def run_footer(result: dict, reused: str = "finished trials reused") -> str:
+    """The closing line of every experiment's table: wall time, workers, load average, trial time, trial states."""
+    workers = result.get("workers")
+    line = f"This run: {result['wall_seconds']:.0f} s"
+    if workers:
+        line += f" on {workers} worker{'s' if workers > 1 else ''} (one thread per process)"
+    line += (f" ({reused}), load average {result['load_average'][0]:.2f} before, "
+             f"{result['load_average'][1]:.2f} after")
+    if "trial_minutes" in result:
+        line += f"; the study's trials took {result['trial_minutes']:.0f} minutes in all (summed over trials)"
+    if "trials" in result:
+        line += ". Trials: " + ", ".join(f"{k} {v}" for k, v in sorted(result["trials"].items()))
+    return line + "."
+
+
+def rows_figure(result: dict, path: Path, key: str, ylabel: str, title: str) -> Path:
+    """Each row's score per seed and its mean ± sd (Tables 4 and 9)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7.5, 3.8))
+    for x, row in enumerate(result["rows"]):
+        values = list(row["per_seed"].values())
+        axis.scatter([x] * len(values), values, color="tab:blue", zorder=3, label="ours, per seed" if x == 0 else None)
+        axis.errorbar([x + 0.1], [row[key]["mean"]], yerr=[row[key]["sd"] or 0.0], fmt="o", color="tab:red",
+                      capsize=4, label="ours, mean ± sd" if x == 0 else None)
+    axis.set_xticks(range(len(result["rows"])), [row["row"] for row in result["rows"]], fontsize=8)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.legend(fontsize=7, loc="best")
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out and write a matplotlib figure atomically (temporary file, then rename), then close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(temporary, dpi=110)
+    plt.close(fig)
+    os.replace(temporary, path)
+    return path
 
 
 def figure(result: dict, path: Path) -> Path:
@@ -116,13 +160,7 @@ def figure(result: dict, path: Path) -> Path:
     axis.set_ylabel("SPSA − SOMA (nats/byte)")
     axis.set_title(f"{result['experiment']} at {result['scale']} scale")
     axis.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(temporary, dpi=110)
-    plt.close(fig)
-    os.replace(temporary, path)
-    return path
+    return save_figure(fig, path)
 
 
 def reproduction_page(results: Path, page: Path) -> str:
@@ -137,11 +175,12 @@ def reproduction_page(results: Path, page: Path) -> str:
              "Each experiment is run by `python -m soma_pl.cli reproduce <experiment>` (`--help` lists them and "
              "their cost). A verdict holds when the 95% intervals over seeds and over test documents both lie on "
              "the claim's side of zero (`soma_pl/reproduce/verdicts.py`).", "",
-             *_head(["Experiment", "Paper claim", "Basis", "Ours", "Verdict"])]
+             *table_head(["Experiment", "Paper claim", "Basis", "Ours", "Verdict"])]
     for result in saved:
         for check in result["checks"]:
-            ours = f"{_fmt(check['mean'], sign=True)} {_interval(check['seed_interval'])} over {check['seeds']} seeds"
-            lines.append(_row([f"{result['experiment']} ({result['scale']})", check["claim"], check["basis"], ours,
+            ours = (f"{number(check['mean'], sign=True)} {interval_text(check['seed_interval'])} "
+                    f"over {check['seeds']} seeds")
+            lines.append(table_row([f"{result['experiment']} ({result['scale']})", check["claim"], check["basis"], ours,
                                f"**{check['verdict']}**"]))
     for result, path in zip(saved, found, strict=True):
         if not (path.parent / "table.md").is_file():

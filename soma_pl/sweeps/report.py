@@ -190,6 +190,14 @@ def run_folders(study: optuna.Study) -> dict[int, dict[int, str]]:
             for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))}
 
 
+def own_test_scores(study: optuna.Study) -> dict[int, dict[int, str]]:
+    """Trial number → seed → the `test_scores.json` of each COMPLETE trial's own test (per-window
+    losses; absent for trials run before the runner recorded it)."""
+    return {t.number: {int(run["seed"]): run["test_scores"] for run in t.user_attrs.get("runs", [])
+                       if run.get("test_scores")}
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))}
+
+
 def build_report(study: optuna.Study, storage: str, final_test: bool = False) -> dict:
     description = study.user_attrs.get(SWEEP_ATTR)
     if description is None:
@@ -206,7 +214,7 @@ def build_report(study: optuna.Study, storage: str, final_test: bool = False) ->
         t7["final_test"] = final_table(t7["per_seed"], folders, t7["baseline"], stats)
     return {"study": study.study_name, "storage": storage, "unit": "nats/byte", "sweep": description,
             "trials": state_counts(study), "table6": table6(records, description),
-            "table7": t7, "failed": failures(study)}
+            "table7": t7, "failed": failures(study), "test_score_files": own_test_scores(study)}
 
 
 def _fmt(value: float | None, digits: int = 4) -> str:

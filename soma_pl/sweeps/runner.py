@@ -11,6 +11,8 @@ running here and the best ensemble-validation loss so far; the JSON summary goes
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
 import signal
@@ -27,6 +29,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 from tqdm import tqdm
 
+from soma_pl.config_files import read_yaml
 from soma_pl.errors import ConfigError
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, override_args, trial_overrides
 from soma_pl.sweeps.study import (
@@ -64,12 +67,31 @@ class FitOutcome:
         return lines[-1] if lines else f"exit status {self.returncode}"
 
 
+def takes_seed(config: tuple[str, ...], overrides: dict) -> bool:
+    """Whether the trial's module has a `seed` argument (the zero-order modules: their directions'
+    seed); BPTT's randomness is `seed_everything`'s alone. The module is the last `model.class_path`
+    of the config layers, or the overrides' (True when none names one)."""
+    class_path = overrides.get("model.class_path")
+    for layer in config if class_path is None else ():
+        model = (read_yaml(layer, "--config") or {}).get("model") or {}
+        class_path = model.get("class_path", class_path) if isinstance(model, dict) else class_path
+    if not isinstance(class_path, str) or "." not in class_path:
+        return True
+    module, name = class_path.rsplit(".", 1)
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return True  # the fit itself names the bad class path in one line
+    return "seed" in inspect.signature(cls.__init__).parameters
+
+
 def fit_command(spec: SweepSpec, trial: optuna.Trial, params: dict, seed: int, run_dir: Path,
                 storage: str, report: bool) -> list[str]:
     """The trial process's command line: base config, overrides, seed, budget, logging, reporter."""
     config, overrides = trial_overrides(spec, params)
-    overrides.update({"seed_everything": seed, "model.init_args.seed": seed,
-                      "trainer.default_root_dir": str(run_dir)})  # checkpoints: <run_dir>/checkpoints
+    overrides.update({"seed_everything": seed, "trainer.default_root_dir": str(run_dir)})  # checkpoints: below it
+    if takes_seed(config, overrides):
+        overrides["model.init_args.seed"] = seed
     overrides.update({f"budget.{key}": value for key, value in spec.budget.items()})
     if spec.wandb:
         overrides.update({"wandb.group": spec.name, "wandb.name": f"trial-{trial.number}"})
@@ -135,8 +157,8 @@ def execute(spec: SweepSpec, study: optuna.Study, trial: optuna.Trial, storage: 
             trial.set_user_attr("log", str(outcome.log))
             _fail(study, trial, FailureKind.error, outcome.error)
             return TrialState.FAIL
-        runs.append({"seed": seed, **{k: outcome.result[k] for k in ("val_loss", "test_loss", "global_step",
-                                                                      "run_dir")}})
+        runs.append({"seed": seed, **{k: outcome.result.get(k) for k in ("val_loss", "test_loss", "global_step",
+                                                                          "run_dir", "test_scores")}})
         trial.set_user_attr("runs", runs)
         if outcome.result["pruned"]:
             study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)

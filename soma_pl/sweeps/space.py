@@ -6,7 +6,8 @@ config:                                  # the fit config's layers, passed as re
   [configs/trainer/cpu.yaml, configs/datamodule/demo.yaml, configs/demo/spsa.yaml]
 output_dir: runs/sweeps/table6_lr_eps_demo
 seeds: [0, 1]                            # repetitions, not a searched parameter: every configuration runs
-                                         # once per seed (--seed_everything, --model.init_args.seed)
+                                         # once per seed (--seed_everything, and --model.init_args.seed
+                                         # where the module has one)
 budget: {token_forwards: 2.0e8}          # -> --budget.token_forwards=... (equal compute per trial)
 overrides: {trainer.max_steps: 40}       # fixed for every trial
 grid:                                    # categorical factors: every combination runs

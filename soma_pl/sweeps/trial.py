@@ -66,7 +66,9 @@ class TrialReporter(L.Callback):
         return self._trial
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
-        if self.runner_pid is not None and os.getppid() != self.runner_pid:
+        # Only rank 0 is the runner's child; the other ranks of a multi-process trial (DDPP, expert-
+        # parallel SOMA) are rank 0's, and its end breaks their collectives.
+        if self.runner_pid is not None and trainer.global_rank == 0 and os.getppid() != self.runner_pid:
             raise RunnerGone(f"sweep runner {self.runner_pid} is gone: stopping trial {self.trial_number}")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import re
+import tarfile
 from pathlib import Path
 
 WORDS = "river stone maple quartz lantern harbor cedar violet ember meadow falcon copper tundra orchid".split()
@@ -46,3 +48,15 @@ def write_jsonl_corpus(folder: Path, sources: dict[str, int], seed: int = 0, min
                 texts[f"{source}:{number:05d}"] = text
                 handle.write(json.dumps({"text": text, "id": number}) + "\n")
     return texts
+
+
+def npm_tarball(records: dict[str, object]) -> bytes:
+    """An npm package tarball: each name holds its record as JSON, or a readme where the record is None."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, record in records.items():
+            data = b"# readme" if record is None else json.dumps(record).encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()

@@ -5,10 +5,8 @@ from __future__ import annotations
 import bz2
 import dataclasses
 import hashlib
-import io
 import json
 import subprocess
-import tarfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -19,6 +17,7 @@ from soma_pl.data import demo
 from soma_pl.data.demo import DemoSourceUnavailable, strip_wiki_markup
 from soma_pl.data.documents import Document
 from soma_pl.errors import ConfigError
+from tests.data.corpora import npm_tarball
 
 # ----------------------------------------------------------------------------- stripper
 
@@ -87,21 +86,13 @@ def _wiki_dump() -> bytes:
 
 
 def _sotu_tgz() -> bytes:
-    buf = io.BytesIO()
-    records = {
+    return npm_tarball({
         "package/data/1790_george_washington_n.json": {
             "year": 1790, "name": "George Washington", "party": "none", "text": "Fellow-Citizens."},
         "package/data/1791_george_washington_n.json": {
             "year": 1791, "name": "George Washington", "party": "none", "text": "Again — hello."},
         "package/README.md": None,
-    }
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name, record in records.items():
-            data = b"# readme" if record is None else json.dumps(record).encode("utf-8")
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    })
 
 
 def _pin(monkeypatch: pytest.MonkeyPatch, name: str, payload: bytes) -> demo._Spec:

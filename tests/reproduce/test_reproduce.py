@@ -42,6 +42,21 @@ def test_a_dry_run_lists_the_trials_and_the_paper_scale_budget(tmp_path, monkeyp
     assert not (tmp_path / "cpu").exists(), "a dry run writes nothing"
 
 
+def test_fig9_lists_its_conditions_and_refuses_a_paper_scale_it_has_not(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    spec = dataclasses.replace(load_sweep(EXPERIMENTS["fig9"].sweeps["cpu"]), output_dir=tmp_path)
+    listed = command.list_trials(EXPERIMENTS["fig9"], "cpu", spec, f"sqlite:///{tmp_path / 'x.db'}")
+    assert (listed["trials"], listed["done"]) == (15, 0)
+    printed = capsys.readouterr().out
+    for condition in ("reference", "random_shards", "cold", "decoder_only_head", "frozen_random_head"):
+        assert printed.count(f"condition={condition}, seed") == 3
+    with pytest.raises(SystemExit) as stop:
+        main(["reproduce", "fig9", "--scale", "paper", "--dry_run", "true"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "no paper-scale sweep" in error[0] and "run --scale cpu" in error[0]
+
+
 def _window_scores(losses: list[float], seed: int) -> dict:
     documents = ["a", "a", "b", "c", "d"][: len(losses)]
     return {"loss": float(np.mean(losses)), "bootstrap_95": [0.0, 9.0], "window_index": list(range(len(losses))),

@@ -18,7 +18,8 @@ from soma_pl.sweeps.trial import RunnerGone, TrialReporter
 
 def _trainer(step: int, loss: float) -> SimpleNamespace:
     return SimpleNamespace(sanity_checking=False, state=SimpleNamespace(fn=TrainerFn.FITTING), is_global_zero=True,
-                           callback_metrics={"val/loss": torch.tensor(loss)}, global_step=step, should_stop=False)
+                           global_rank=0, callback_metrics={"val/loss": torch.tensor(loss)}, global_step=step,
+                           should_stop=False)
 
 
 @pytest.fixture()
@@ -53,5 +54,15 @@ def test_a_trial_process_stops_when_its_runner_is_gone(storage):
     reporter = TrialReporter(storage, "prune", 0, runner_pid=os.getppid())
     reporter.on_train_batch_end(_trainer(1, 1.0))
     orphaned = TrialReporter(storage, "prune", 0, runner_pid=os.getppid() + 100000)
+    with pytest.raises(RunnerGone, match="is gone"):
+        orphaned.on_train_batch_end(_trainer(1, 1.0))
+
+
+def test_the_other_ranks_of_a_multi_process_trial_are_not_the_runners_children(storage):
+    """Rank 1 of a DDPP trial is rank 0's child: its parent is not the runner, and it goes on."""
+    orphaned = TrialReporter(storage, "prune", 0, runner_pid=os.getppid() + 100000)
+    other_rank = _trainer(1, 1.0)
+    other_rank.global_rank = 1
+    orphaned.on_train_batch_end(other_rank)  # no RunnerGone
     with pytest.raises(RunnerGone, match="is gone"):
         orphaned.on_train_batch_end(_trainer(1, 1.0))

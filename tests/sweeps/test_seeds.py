@@ -5,6 +5,8 @@ averages over seeds, and a sweep file that searches or fixes the seed is refused
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -12,6 +14,7 @@ from optuna.trial import TrialState
 
 from soma_pl.sweeps import runner
 from soma_pl.sweeps.report import build_report
+from soma_pl.sweeps.space import load_sweep
 from soma_pl.sweeps.study import open_storage, open_study
 from tests.robustness.cli import cli, one_error
 
@@ -96,3 +99,20 @@ def test_a_sweep_file_that_searches_or_fixes_the_seed_is_refused_in_one_line(fie
     one_error(cli(capsys, "sweep", "--sweep", str(sweep), "--progress", "false"),
               f"{sweep}: {where} sets the seed", "`seeds:`")
     assert not (tmp_path / "out").exists()  # refused before any study or trial folder
+
+
+def test_the_module_seed_goes_only_to_modules_that_take_one(tmp_path, monkeypatch):
+    """A zero-order module's directions take `model.init_args.seed`; BPTT has no such argument, so
+    its trials get `seed_everything` alone (a grid mixing both, as Table 5's does, runs both)."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    spec = load_sweep("sweeps/demo/table5.yaml")
+    seen = {}
+    for point in spec.grid_points()[::2]:
+        command = runner.fit_command(spec, SimpleNamespace(number=0), {"run": point["run"]}, 3, tmp_path / "t",
+                                     "sqlite:///x.db", report=False)
+        seen[point["run"]] = ("--model.init_args.seed=3" in command, "--seed_everything=3" in command)
+    assert seen == {"soma_n1": (True, True), "soma_n2": (True, True), "soma_n4": (True, True),
+                    "bptt_n1": (False, True), "bptt_n2": (False, True), "bptt_n4": (False, True)}
+    class_paths = {"soma_pl.lit.SPSAModule": True, "soma_pl.lit.BPTTModule": False, "soma_pl.lit.EGGROLLModule": True}
+    for class_path, takes in class_paths.items():
+        assert runner.takes_seed((), {"model.class_path": class_path}) is takes

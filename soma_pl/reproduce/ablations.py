@@ -1,0 +1,168 @@
+"""Fig. 9: what SOMA's ingredients are worth (semantic shards, warm start, how the tied head trains).
+
+Each condition changes one thing against the reference (semantic shards, warm start from the seed
+model, each expert's head trained); every condition runs the same updates of the same arithmetic
+(the figure's basis: training steps). The figure draws ensemble-validation loss at the validated
+steps, mean and standard error over seeds; each claim is checked on the test split at the last step,
+`condition − reference` per seed, with the paired document interval over the test windows.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from soma_pl.analysis.time_basis import measured_curve
+from soma_pl.config_files import read_yaml
+from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
+from soma_pl.reproduce.verdicts import decide, paired_document_interval
+from soma_pl.sweeps.final_test import score_run
+
+REFERENCE = "reference"
+"""The condition every other one is compared with."""
+
+FIG9_CLAIMS = {
+    "random_shards": "Semantic shards lower loss: random shards end higher than semantic ones",
+    "cold": "Warm initialisation lowers loss: a cold (random) start ends higher than the seed-model start",
+    "decoder_only_head": "Updating the tied head only through the decoder raises loss (paper: +0.029 nats/byte)",
+    "frozen_random_head": "Freezing a random head performs much worse than training each expert's head",
+}
+"""Condition → the paper's claim about it (Fig. 9's caption), checked as `condition − reference` > 0."""
+
+FIG9_PAPER = {"decoder_only_head": 0.029, "seeds": 3,
+              "caption": "Means and standard errors over three seeds for each condition at the shown training steps; "
+                         "the seed model's training cost is excluded. Only the decoder-only head's cost is given "
+                         "as a number (0.029 nats/byte); the other conditions are read from the figure's curves."}
+
+
+def _mean_se(values: list[float]) -> dict:
+    """Mean and standard error of the mean (None below two values)."""
+    return {"mean": statistics.fmean(values),
+            "se": statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None}
+
+
+def run_test_scores(run_dir: str, recorded: str | None) -> dict:
+    """A run's per-window test scores: its trial's own test record, else scored again (once)."""
+    if recorded and Path(recorded).is_file():
+        scores = json.loads(Path(recorded).read_text())
+        if "window_losses" in scores:
+            return scores
+    return score_run(Path(run_dir), "test")
+
+
+def seed_model(run_dir: Path) -> dict | None:
+    """The seed model a warm run started from: its checkpoint, steps and the ensemble-validation loss
+    its own fit recorded there (every expert a copy of it, so the warm curves' value at update 0);
+    None for a cold run, or when the seed's fit summary is gone."""
+    config = run_dir / "config.yaml"
+    arguments = ((read_yaml(config, "run config").get("model") or {}).get("init_args") or {}) if config.is_file() \
+        else {}
+    checkpoint = arguments.get("seed_checkpoint")
+    if arguments.get("init") != "seed" or not checkpoint:
+        return None
+    path = Path(checkpoint).resolve()
+    for summary in sorted(path.parent.parent.glob("version_*/summary.json")):
+        record = json.loads(summary.read_text())
+        if record.get("last_checkpoint") and Path(record["last_checkpoint"]).resolve() == path:
+            return {"checkpoint": checkpoint, "steps": record["global_step"],
+                    "val_loss": record["metrics"].get("val/loss")}
+    return None
+
+
+def _curves(per_seed: list[dict], folders: dict[int, dict[int, str]], labels: list[str]) -> dict:
+    """Condition → the validated steps and the ensemble-validation loss's mean and standard error
+    over seeds at each (steps that every seed's run validated)."""
+    curves = {}
+    for label in labels:
+        runs = [{step: loss for step, loss, _ in measured_curve(Path(folders[entry["trial"][label]][entry["seed"]]))}
+                for entry in per_seed]
+        steps = sorted(set.intersection(*(set(run) for run in runs)))
+        points = [_mean_se([run[step] for run in runs]) for step in steps]
+        curves[label] = {"steps": steps, "mean": [p["mean"] for p in points], "se": [p["se"] for p in points]}
+    return curves
+
+
+def fig9_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+    """Fig. 9 beside the paper: the curves, each condition's last-step losses and its difference from
+    the reference, and one check per claim on the test split."""
+    t7 = report["table7"]
+    labels = [str(label) for label in t7["column_labels"]]
+    per_seed = t7["per_seed"]
+    recorded = report.get("test_score_files", {})
+    scores = {label: [run_test_scores(folders[entry["trial"][label]][entry["seed"]],
+                                   recorded.get(entry["trial"][label], {}).get(entry["seed"]))
+                      for entry in per_seed] for label in labels}
+    curves = _curves(per_seed, folders, labels)
+    rows, checks = [], []
+    for label in labels:
+        test = [s["loss"] for s in scores[label]]
+        row = {"condition": label, "val": _mean_se([entry["val"][label] for entry in per_seed]),
+               "test": _mean_se(test), "per_seed": {str(e["seed"]): t for e, t in zip(per_seed, test, strict=True)}}
+        if label != REFERENCE:
+            differences = [t - s["loss"] for t, s in zip(test, scores[REFERENCE], strict=True)]
+            row["difference"] = _mean_se(differences)
+            row["paper_difference"] = FIG9_PAPER.get(label)
+            if label in FIG9_CLAIMS:
+                check = decide(FIG9_CLAIMS[label], differences,
+                               paired_document_interval(scores[label], scores[REFERENCE]))
+                checks.append({**check.as_dict(), "basis": "equal updates (equal multiply-adds per update)",
+                               "split": "test"})
+        rows.append(row)
+    reference_run = Path(folders[per_seed[0]["trial"][REFERENCE]][per_seed[0]["seed"]]) if per_seed else None
+    return {"conditions": labels, "reference": REFERENCE, "rows": rows, "curves": curves, "checks": checks,
+            "seed_model": seed_model(reference_run) if reference_run else None,
+            "seeds": [entry["seed"] for entry in per_seed], "paper_summary": FIG9_PAPER,
+            "trials": report["trials"], "failed": report["failed"]}
+
+
+def fig9_markdown(result: dict) -> str:
+    """Fig. 9 as a table: each condition's last-step losses and its difference from the reference."""
+    steps = result["curves"][result["reference"]]["steps"]
+    lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
+             f"Equal compute: {result['basis']}.", "",
+             f"Mean ± standard error over seeds {', '.join(map(str, result['seeds']))} (nats/byte): ensemble "
+             f"validation at update {steps[-1] if steps else '—'}, test split at the end, and each condition's test "
+             "loss minus the reference's (paired by seed). Paper: Fig. 9.", "",
+             *table_head(["Condition", "Ensemble validation", "Test", "Test − reference (ours)", "Paper"])]
+    for row in result["rows"]:
+        difference = row.get("difference")
+        shown = f"{number(difference['mean'], sign=True)} ± {number(difference['se'])}" if difference else "—"
+        paper = number(row.get("paper_difference"), 3, sign=True) if row.get("paper_difference") is not None else \
+            ("—" if row["condition"] == result["reference"] else "higher (figure)")
+        lines.append(table_row([row["condition"], f"{number(row['val']['mean'])} ± {number(row['val']['se'])}",
+                           f"{number(row['test']['mean'])} ± {number(row['test']['se'])}", shown, paper]))
+    seed = result.get("seed_model")
+    if seed and seed["val_loss"] is not None:
+        lines += ["", f"Every warm condition starts from the seed model (`{seed['checkpoint']}`, {seed['steps']} "
+                      f"backprop steps), whose ensemble-validation loss is {number(seed['val_loss'])}: the warm "
+                      "curves' value at update 0."]
+    lines += ["", "## Ensemble validation at the figure's steps", "",
+              *table_head(["Condition", *(f"update {step}" for step in steps)])]
+    for label, curve in result["curves"].items():
+        lines.append(table_row([label, *(f"{number(m)} ± {number(s)}" for m, s in zip(curve["mean"], curve["se"],
+                                                                              strict=True))]))
+    lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "",
+              run_footer(result)]
+    return "\n".join(lines) + "\n"
+
+
+def fig9_figure(result: dict, path: Path) -> Path:
+    """Ensemble-validation loss against training steps per condition, mean ± standard error."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7.0, 4.0))
+    for label, curve in result["curves"].items():
+        se = [s or 0.0 for s in curve["se"]]
+        axis.errorbar(curve["steps"], curve["mean"], yerr=se, marker="o", capsize=3, label=label)
+    seed = result.get("seed_model")
+    if seed and seed["val_loss"] is not None:
+        axis.axhline(seed["val_loss"], color="grey", linestyle=":", label="seed model (warm start, update 0)")
+    axis.set_xlabel("training step (update)")
+    axis.set_ylabel("ensemble-validation loss (nats/byte)")
+    axis.set_title(f"{result['experiment']} at {result['scale']} scale: mean ± s.e. over {len(result['seeds'])} seeds")
+    axis.legend(fontsize=8)
+    return save_figure(fig, path)

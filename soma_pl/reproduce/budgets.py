@@ -1,0 +1,152 @@
+"""Table 5: SOMA against BPTT at N experts, ensemble-validation loss at budgets of measured time.
+
+Each run's ensemble-validation curve against its measured update time (Table 3's U·Σₑ t̄ₑ,
+`soma_pl.analysis.time_basis.measured_curve`) is interpolated at each budget, as the paper's table
+interpolates measured losses. A run label is `<method>_n<N>` (`soma_n2`, `bptt_n4`); SOMA N = 1 is
+monolithic SPSA. Checks compare seed by seed; validation curves keep no per-window losses, so the
+seeds alone decide (`soma_pl.reproduce.verdicts`).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+from soma_pl.analysis.time_basis import interpolate, measured_curve
+from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
+from soma_pl.reproduce.verdicts import decide
+
+TABLE5_BUDGETS = (120.0, 180.0, 240.0)
+"""Seconds of measured update time at CPU scale: the paper's 50, 75 and 100 GPU-hours, in proportion."""
+TABLE5_PAPER = {"budgets": ["50 GPU-hours", "75 GPU-hours", "100 GPU-hours"],
+                "soma": {"1": [2.1237, 2.0590, 2.0343], "2": [1.9363, 1.8734, 1.8257], "8": [2.0880, 2.0456, 2.0179]},
+                "bptt": {"1": [1.0198, 1.0206, 1.0091], "2": [1.0711, 1.0653, 1.0535],
+                         "8": [1.1826, 1.1797, 1.1776]},
+                "note": "ensemble validation, about 8.44M parameters; the BPTT N = 1 entry at 100 GPU-hours is its "
+                        "last checkpoint at 97.3 GPU-hours"}
+RUN = re.compile(r"(?P<method>soma|bptt)_n(?P<experts>\d+)$")
+
+
+def _runs(labels: list[str]) -> dict[str, dict[int, str]]:
+    """Method → N → run label, from labels like `soma_n2`."""
+    runs: dict[str, dict[int, str]] = {}
+    for label in labels:
+        match = RUN.match(label)
+        if match:
+            runs.setdefault(match["method"], {})[int(match["experts"])] = label
+    return runs
+
+
+def _at_budgets(run_dir: Path, budgets: tuple[float, ...]) -> list[float | None]:
+    """The run's ensemble-validation loss interpolated at each budget (None outside its curve)."""
+    curve = [(seconds, loss) for _, loss, seconds in measured_curve(run_dir)]
+    return [interpolate(curve, budget) if curve and curve[0][0] <= budget <= curve[-1][0] * (1 + 1e-9) else None
+            for budget in budgets]
+
+
+def _mean_sd(values: list[float | None]) -> dict:
+    found = [v for v in values if v is not None]
+    return {"mean": statistics.fmean(found) if found and len(found) == len(values) else None,
+            "sd": statistics.stdev(found) if len(found) > 1 and len(found) == len(values) else None}
+
+
+def _check(claim: str, worse: list[float | None], better: list[float | None]) -> dict:
+    differences = [w - b for w, b in zip(worse, better, strict=True) if w is not None and b is not None]
+    return {**decide(claim, differences).as_dict(), "basis": "equal measured update time", "split": "val"}
+
+
+def table5_result(report: dict, folders: dict[int, dict[int, str]],
+                  budgets: tuple[float, ...] = TABLE5_BUDGETS) -> dict:
+    """Table 5 beside the paper: per N and method, each seed's loss at each budget, their mean and
+    sd; checks that BPTT is lower at every budget and N, and that SOMA N = 2 is lower than N = 1."""
+    t7 = report["table7"]
+    runs = _runs([str(label) for label in t7["column_labels"]])
+    per_seed = t7["per_seed"]
+    losses = {label: [_at_budgets(Path(folders[entry["trial"][label]][entry["seed"]]), budgets) for entry in per_seed]
+              for by_n in runs.values() for label in by_n.values()}
+    totals = {label: [measured_curve(Path(folders[entry["trial"][label]][entry["seed"]]))[-1][2]
+                      for entry in per_seed] for label in losses}
+    rows = []
+    for experts in sorted({n for by_n in runs.values() for n in by_n}):
+        row = {"experts": experts}
+        for method, by_n in runs.items():
+            label = by_n.get(experts)
+            if label is not None:
+                row[method] = [_mean_sd([seed[i] for seed in losses[label]]) for i in range(len(budgets))]
+        rows.append(row)
+    checks = []
+    for experts, soma in sorted(runs.get("soma", {}).items()):
+        bptt = runs.get("bptt", {}).get(experts)
+        for i, budget in enumerate(budgets if bptt else ()):
+            checks.append(_check(f"BPTT reaches a lower ensemble-validation loss than SOMA at N = {experts}, "
+                                 f"{budget:g} s", [s[i] for s in losses[soma]], [b[i] for b in losses[bptt]]))
+    one, two = runs.get("soma", {}).get(1), runs.get("soma", {}).get(2)
+    for i, budget in enumerate(budgets if one and two else ()):
+        checks.append(_check(f"SOMA N = 2 reaches a lower ensemble-validation loss than SOMA N = 1 (monolithic SPSA), "
+                             f"{budget:g} s", [s[i] for s in losses[one]], [s[i] for s in losses[two]]))
+    return {"budgets_seconds": list(budgets), "rows": rows,
+            "per_seed": {label: {"seeds": [e["seed"] for e in per_seed], "losses": values,
+                                 "total_seconds": totals[label]} for label, values in losses.items()},
+            "checks": checks, "paper_summary": TABLE5_PAPER, "seeds": [e["seed"] for e in per_seed],
+            "trials": report["trials"], "failed": report["failed"]}
+
+
+def _paper_row(experts: int, largest: int) -> str | None:
+    """The paper's row beside ours: the same N, or its largest (8) beside our largest."""
+    key = str(experts)
+    if key in TABLE5_PAPER["soma"]:
+        return key
+    return "8" if experts == largest else None
+
+
+def table5_markdown(result: dict) -> str:
+    """Table 5's layout: N rows, SOMA and BPTT at each budget; the paper's row below ours."""
+    budgets = result["budgets_seconds"]
+    largest = max(row["experts"] for row in result["rows"])
+    lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
+             f"Equal compute: {result['basis']}.", "",
+             f"Ensemble-validation loss (nats/byte), mean ± sd over seeds {', '.join(map(str, result['seeds']))}, "
+             "interpolated at each budget on the run's curve against measured update time. Below each of our rows, "
+             f"the paper's (Table 5: {', '.join(TABLE5_PAPER['budgets'])}; {TABLE5_PAPER['note']}).", "",
+             *table_head(["N", *(f"{method} {budget:g} s" for budget in budgets for method in ("SOMA", "BPTT"))])]
+    for row in result["rows"]:
+        cells = []
+        for i in range(len(budgets)):
+            for method in ("soma", "bptt"):
+                stat = row.get(method, [None] * len(budgets))[i]
+                cells.append("—" if not stat or stat["mean"] is None else
+                             f"{number(stat['mean'])} ± {number(stat['sd'])}")
+        lines.append(table_row([str(row["experts"]), *cells]))
+        paper = _paper_row(row["experts"], largest)
+        if paper:
+            lines.append(table_row([f"paper, N = {paper}", *(number(TABLE5_PAPER[m][paper][i], 4)
+                                                           for i in range(len(budgets)) for m in ("soma", "bptt"))]))
+    lines += ["", "Measured update time each run reached when its budget stopped it (s): " + "; ".join(
+        f"{label} " + ", ".join(f"{t:.0f}" for t in entry["total_seconds"])
+        for label, entry in result["per_seed"].items()) + ".",
+              "", "## The paper's claims", "", *checks_table(result["checks"]), "",
+              run_footer(result)]
+    return "\n".join(lines) + "\n"
+
+
+def table5_figure(result: dict, path: Path) -> Path:
+    """Ensemble-validation loss against the budget, per method and N (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7.0, 4.0))
+    budgets = result["budgets_seconds"]
+    for row in result["rows"]:
+        for method, style in (("soma", "-o"), ("bptt", "--s")):
+            stats = row.get(method)
+            if stats and all(s["mean"] is not None for s in stats):
+                axis.errorbar(budgets, [s["mean"] for s in stats], yerr=[s["sd"] or 0.0 for s in stats], fmt=style,
+                              capsize=3, label=f"{method.upper()} N = {row['experts']}")
+    axis.set_xlabel("measured update time, U·Σₑ t̄ₑ (s, one thread)")
+    axis.set_ylabel("ensemble-validation loss (nats/byte)")
+    axis.set_title(f"{result['experiment']} at {result['scale']} scale: mean ± sd over {len(result['seeds'])} seeds")
+    axis.legend(fontsize=8)
+    return save_figure(fig, path)

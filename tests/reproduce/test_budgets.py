@@ -1,0 +1,81 @@
+"""Table 5's result drawn from hand-made validation curves: losses interpolated at the budgets of
+measured time, the paper's rows beside ours, and the verdicts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from soma_pl.reproduce.budgets import TABLE5_PAPER, table5_figure, table5_markdown, table5_result
+from soma_pl.reproduce.verdicts import Verdict
+
+LABELS = ["bptt_n1", "soma_n1", "soma_n2", "soma_n4", "bptt_n2", "bptt_n4"]
+START = {"soma_n1": 3.0, "soma_n2": 2.9, "soma_n4": 3.1, "bptt_n1": 2.0, "bptt_n2": 2.1, "bptt_n4": 3.15}
+"""Each run's loss at 0 s; every curve falls by 0.001 per second (plus 0.01 per seed)."""
+
+
+def _metrics(folder: Path, label: str, seed: int, every: float) -> None:
+    """Validations every `every` seconds up to 250 s: loss START − 0.001·t + 0.01·seed, logged as a
+    fit logs them (val/loss at update − 1, the update time at the update)."""
+    folder.mkdir(parents=True)
+    rows, update, seconds = ["step,val/loss,compute/aggregate_device_hours"], 0, 0.0
+    while seconds < 250:
+        update, seconds = update + 10, seconds + every
+        rows += [f"{update - 1},{START[label] - 0.001 * seconds + 0.01 * seed},", f"{update},,{seconds / 3600}"]
+    (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
+
+
+def _report(tmp_path: Path) -> tuple[dict, dict]:
+    per_seed, folders = [], {}
+    for seed in range(2):
+        trials = {}
+        for index, label in enumerate(LABELS):
+            trial = 10 * seed + index
+            trials[label] = trial
+            folders[trial] = {seed: str(tmp_path / f"trial-{trial}")}
+            _metrics(tmp_path / f"trial-{trial}", label, seed, every=50.0 if label.startswith("soma") else 30.0)
+        per_seed.append({"seed": seed, "trial": trials})
+    report = {"table7": {"column_labels": LABELS, "per_seed": per_seed}, "trials": {"COMPLETE": 12}, "failed": []}
+    return report, folders
+
+
+def test_table5_interpolates_each_run_at_the_budgets_and_checks_both_claims(tmp_path):
+    report, folders = _report(tmp_path)
+    result = table5_result(report, folders, budgets=(120.0, 180.0, 240.0))
+    rows = {row["experts"]: row for row in result["rows"]}
+    assert sorted(rows) == [1, 2, 4]
+    for experts, row in rows.items():
+        for method in ("soma", "bptt"):
+            start = START[f"{method}_n{experts}"]
+            for i, budget in enumerate((120.0, 180.0, 240.0)):
+                # linear curves: the interpolation is exact; seeds 0 and 1 differ by 0.01
+                assert row[method][i]["mean"] == pytest.approx(start - 0.001 * budget + 0.005)
+                assert row[method][i]["sd"] == pytest.approx(0.01 / 2 ** 0.5)
+    assert result["per_seed"]["soma_n2"]["total_seconds"] == [250.0, 250.0]
+    verdicts = {check["claim"]: check["verdict"] for check in result["checks"]}
+    assert len(verdicts) == 3 * 3 + 3
+    # BPTT lower by 1.0 and 0.8 at N = 1 and 2 (seed-paired differences are exact: no spread, so a
+    # degenerate interval on the claim's side); at N = 4 BPTT is 0.05 higher: the opposite holds.
+    for budget in ("120", "180", "240"):
+        assert verdicts[f"BPTT reaches a lower ensemble-validation loss than SOMA at N = 1, {budget} s"] == "holds"
+        assert verdicts[f"BPTT reaches a lower ensemble-validation loss than SOMA at N = 4, {budget} s"] == \
+            Verdict.does_not_hold.value
+        assert verdicts[f"SOMA N = 2 reaches a lower ensemble-validation loss than SOMA N = 1 (monolithic SPSA), "
+                        f"{budget} s"] == "holds"
+    assert all(check["document_interval"] is None and check["split"] == "val" for check in result["checks"])
+    text = table5_markdown({**result, "experiment": "table5", "scale": "cpu", "title": "t", "basis": "b",
+                            "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
+    assert "| 2 | 2.7850 ± 0.0071 | 1.9850 ± 0.0071 | 2.7250 ± 0.0071 |" in text
+    assert f"| paper, N = 8 | {TABLE5_PAPER['soma']['8'][0]:.4f} | {TABLE5_PAPER['bptt']['8'][0]:.4f} |" in text
+    assert table5_figure({**result, "experiment": "table5", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
+
+
+def test_a_budget_before_a_runs_first_validation_is_left_out(tmp_path):
+    report, folders = _report(tmp_path)
+    result = table5_result(report, folders, budgets=(40.0, 240.0))
+    rows = {row["experts"]: row for row in result["rows"]}
+    assert rows[1]["soma"][0]["mean"] is None and rows[1]["bptt"][0]["mean"] == pytest.approx(2.0 - 0.04 + 0.005)
+    claim = "BPTT reaches a lower ensemble-validation loss than SOMA at N = 1, 40 s"
+    check = next(c for c in result["checks"] if c["claim"] == claim)
+    assert check["verdict"] == Verdict.inconclusive.value and check["seeds"] == 0

@@ -1,0 +1,117 @@
+"""Table 4's result drawn from hand-made runs: each row's test loss, updates and measured time,
+the paper's row beside it, and the claim checked against every other row on paired windows."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from soma_pl.reproduce.methods import TABLE4_PAPER, table4_figure, table4_markdown, table4_result
+from soma_pl.reproduce.verdicts import Verdict
+
+ROWS = ["soma_n2", "spsa_32", "spsa_128", "spsa_512", "eggroll", "ddpp"]
+SHIFT = {"soma_n2": 0.0, "spsa_32": 0.05, "spsa_128": 0.1, "spsa_512": 0.2, "eggroll": 0.3, "ddpp": -0.02}
+"""Each row's test loss above SOMA's on every window (DDPP: below it)."""
+UPDATES = {"soma_n2": 90, "spsa_32": 100, "spsa_128": 26, "spsa_512": 7, "eggroll": 12, "ddpp": 104}
+
+
+def _run(folder: Path, label: str, seed: int) -> str:
+    """A run folder with its compute.json, and its trial's test record (returned)."""
+    folder.mkdir(parents=True)
+    (folder / "compute.json").write_text(json.dumps({"updates": UPDATES[label] + seed,
+                                                     "aggregate_device_hours": (150 + seed) / 3600,
+                                                     "physical_device_hours": (160 + 2 * seed) / 3600}))
+    losses = [x + SHIFT[label] + (0.001 * seed if label != "soma_n2" else 0.0) for x in (3.0, 3.1, 2.9, 3.2)]
+    record = folder.parent / "test_scores.json"
+    record.write_text(json.dumps({"loss": statistics.fmean(losses), "bootstrap_95": [2.9, 3.3],
+                                  "window_index": [0, 1, 2, 3], "window_losses": losses,
+                                  "doc_ids": ["a", "a", "b", "c"]}))
+    return str(record)
+
+
+def test_table4_reports_each_row_and_checks_soma_against_every_other(tmp_path):
+    per_seed, folders, recorded = [], {}, {}
+    for seed in range(2):
+        trials = {}
+        for index, label in enumerate(ROWS):
+            trial = 10 * seed + index
+            trials[label] = trial
+            run = tmp_path / f"trial-{trial}" / "version_0"
+            recorded[trial] = {seed: _run(run, label, seed)}
+            folders[trial] = {seed: str(run)}
+        per_seed.append({"seed": seed, "trial": trials})
+    report = {"table7": {"column_labels": ROWS, "per_seed": per_seed}, "test_score_files": recorded,
+              "trials": {"COMPLETE": 12}, "failed": []}
+    result = table4_result(report, folders)
+    rows = {row["row"]: row for row in result["rows"]}
+    assert rows["spsa_128"]["updates"]["mean"] == 26.5 and rows["soma_n2"]["seconds"]["mean"] == pytest.approx(150.5)
+    assert rows["ddpp"]["physical_seconds"]["mean"] == pytest.approx(161.0)
+    assert rows["spsa_512"]["test"]["mean"] == pytest.approx(3.05 + 0.2 + 0.0005)
+    assert rows["eggroll"]["paper"] == TABLE4_PAPER["eggroll"] and rows["ddpp"]["paper"] is None
+    checks = {check["claim"]: check for check in result["checks"]}
+    assert len(checks) == 5
+    for label in ("spsa_32", "spsa_128", "spsa_512", "eggroll"):
+        check = next(c for claim, c in checks.items() if claim.endswith(f"({label})"))
+        assert check["verdict"] == Verdict.holds.value
+        # every window is SHIFT + 0.001·seed above SOMA's: the seed-mean paired gap is SHIFT + 0.0005
+        assert check["document_interval"] == pytest.approx([SHIFT[label] + 0.0005] * 2)
+    ddpp = next(c for claim, c in checks.items() if claim.endswith("(ddpp)"))
+    assert ddpp["verdict"] == Verdict.does_not_hold.value
+    text = table4_markdown({**result, "experiment": "table4", "scale": "cpu", "title": "t", "basis": "b",
+                            "wall_seconds": 1.0, "workers": 1, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
+    assert "| spsa_512 | Monolithic SPSA | 8 | 150 | 161 | 3.2505 ± 0.0007 | [2.9000, 3.3000] [2.9000, 3.3000] | " \
+           "1024 | 839 | 148 | 2.00 |" in text
+    assert table4_figure({**result, "experiment": "table4", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
+
+
+def test_table9_scores_each_checkpoint_once_and_checks_soma_against_every_other(tmp_path, monkeypatch):
+    """The frozen evaluation of a real (tiny) checkpoint is saved in its run folder and read back;
+    the table pairs the rows' per-window losses on the text."""
+    from soma_pl.lit import SPSAModule
+    from soma_pl.reproduce import methods
+    from tests.tiny_checkpoints import SHAPE, module_checkpoint
+
+    text = tmp_path / "text"
+    text.mkdir()
+    for index in range(2):
+        (text / f"chapter_{index}.txt").write_bytes(bytes(range(32, 127)) * 30)  # 2,850 bytes: two windows
+    run = tmp_path / "run"
+    run.mkdir()
+    checkpoint = module_checkpoint(SPSAModule(shape=SHAPE), tmp_path / "last.ckpt")
+    (run / "summary.json").write_text(json.dumps({"last_checkpoint": str(checkpoint)}))
+    scores = methods.external_scores(run, str(text))
+    assert scores["windows"] == 4 and scores["documents_scored"] == 2 and len(scores["window_losses"]) == 4
+    assert scores["loss"] == pytest.approx(statistics.fmean(scores["window_losses"]))
+    monkeypatch.setattr("soma_pl.evaluate.evaluate", lambda *_: pytest.fail("evaluated twice"))
+    assert methods.external_scores(run, str(text)) == scores
+
+    per_seed, folders = [], {}
+    for seed in range(2):
+        trials = {}
+        for index, label in enumerate(ROWS[:3]):
+            trial = 10 * seed + index
+            trials[label] = trial
+            folder = tmp_path / f"trial-{trial}"
+            losses = [x + SHIFT[label] + 0.001 * seed for x in (2.0, 2.2, 2.1, 2.3)]
+            (folder / "external").mkdir(parents=True)
+            (folder / "external" / "text.json").write_text(json.dumps(
+                {"loss": statistics.fmean(losses), "bootstrap_95": [1.9, 2.5], "window_index": [0, 1, 2, 3],
+                 "window_losses": losses, "doc_ids": ["a", "a", "b", "b"], "text": str(text), "documents": 2,
+                 "documents_scored": 2, "windows": 4, "bytes": 5700}))
+            folders[trial] = {seed: str(folder)}
+        per_seed.append({"seed": seed, "trial": trials})
+    report = {"table7": {"column_labels": ROWS[:3], "per_seed": per_seed}, "trials": {"COMPLETE": 6}, "failed": []}
+    result = methods.table9_result(report, folders, str(text))
+    rows = {row["row"]: row for row in result["rows"]}
+    assert rows["spsa_128"]["external"]["mean"] == pytest.approx(2.15 + 0.1 + 0.0005)
+    assert rows["soma_n2"]["paper"] == {"validation": 2.047, "test": 2.066} and result["text"]["windows"] == 4
+    verdicts = {check["claim"].rsplit("(", 1)[1]: check for check in result["checks"]}
+    assert verdicts["spsa_32)"]["verdict"] == Verdict.holds.value
+    assert verdicts["spsa_128)"]["document_interval"] == pytest.approx([0.1, 0.1])
+    text_md = methods.table9_markdown({**result, "experiment": "table9", "scale": "cpu", "title": "t", "basis": "b",
+                                       "wall_seconds": 1.0, "load_average": [0.1, 0.2]})
+    assert "| spsa_32 | Monolithic SPSA | 2.2005 ± 0.0007 | [1.9000, 2.5000] [1.9000, 2.5000] | 2.240 | 2.254 |" \
+        in text_md
