@@ -157,12 +157,11 @@ EXPERIMENTS: dict[str, Experiment] = {
         name="table4",
         title="Table 4: SOMA N = 2, monolithic SPSA at three n_pert, EGGROLL and DDPP on 2 processes at one equal "
               "budget of measured update time, test loss",
-        sweeps={"cpu": "sweeps/demo/table4.yaml"},
-        basis="equal measured update time (Table 3's U·Σₑ t̄ₑ, every expert and rank counted): 150 s per run, the "
-              "paper's ~150 aggregate GPU-hours in proportion; the runs go one at a time",
+        sweeps={"cpu": "sweeps/demo/table4.yaml", "paper": "sweeps/table4.yaml"},
+        basis="equal measured update time (Table 3's U·Σₑ t̄ₑ, every expert and rank counted): cpu: 150 s per run, "
+              "the paper's ~150 aggregate GPU-hours in proportion, the runs one at a time; paper: 150 GPU-hours",
         cost={"cpu": "18 fits stopped at 150 s of update time, one at a time: 45 minutes (measured: 30 for 12)",
-              "paper": "none here: run configs/soma_n2.yaml, configs/spsa.yaml, configs/eggroll.yaml and "
-                       "configs/ddpp.yaml with --budget.device_hours=150"},
+              "paper": "5 runs of 150 aggregate GPU-hours (DDPP: configs/ddpp.yaml under the same budget, by hand)"},
         result=table4_result,
         table=table4_markdown,
         figure=table4_figure,
@@ -175,17 +174,19 @@ EXPERIMENTS: dict[str, Experiment] = {
         name="table9",
         title="Table 9: Table 4's checkpoints evaluated frozen on an external text (Melville's Moby-Dick, in place of "
               "WikiText-103)",
-        sweeps={"cpu": "sweeps/demo/table4.yaml"},
+        sweeps={"cpu": "sweeps/demo/table4.yaml", "paper": "sweeps/table4.yaml"},
         basis="Table 4's: equal measured update time, each run's last checkpoint (chosen by Table 4's protocol "
               "before any external score exists)",
-        cost={"cpu": "Table 4's study (run by `reproduce table4`, reused) and 12 frozen evaluations on 1.2 MB of text: "
-                     "under a minute after it (measured: 47 s)",
-              "paper": "none here: evaluate the table4 checkpoints with `python -m soma_pl.cli evaluate`"},
+        cost={"cpu": "Table 4's study (run by `reproduce table4`, reused) and 18 frozen evaluations on 1.2 MB of text: "
+                     "under a minute after it (measured: 30 s)",
+              "paper": "Table 4's study (`reproduce table4 --scale paper`, reused) and 5 frozen evaluations on "
+                       "1.2 MB of text"},
         result=table9_result,
         table=table9_markdown,
         figure=table9_figure,
         paper=TABLE9_PAPER,
-        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"], ["external-text"]]},
+        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"], ["external-text"]],
+              "paper": [["external-text"]]},
         final_test=False,
         workers=1,
     ),

@@ -38,7 +38,10 @@ TABLE9_PAPER = {"soma_n2": {"validation": 2.047, "test": 2.066}, "spsa_32": {"va
                 "text": "WikiText-103 validation and test, 8.44M parameters near 150 aggregate GPU-hours"}
 """The paper's Table 9 (its n_pert 64, 256, 1024 are the demo's 32, 128, 512)."""
 NAMES = {"soma_n2": "SOMA N = 2", "spsa_32": "Monolithic SPSA", "spsa_128": "Monolithic SPSA",
-         "spsa_512": "Monolithic SPSA", "eggroll": "Monolithic EGGROLL", "ddpp": "DDPP (2 processes)"}
+         "spsa_512": "Monolithic SPSA", "eggroll": "Monolithic EGGROLL", "ddpp": "DDPP (2 processes)",
+         "spsa_64": "Monolithic SPSA", "spsa_256": "Monolithic SPSA", "spsa_1024": "Monolithic SPSA"}
+PAPER_ROW = {"spsa_64": "spsa_32", "spsa_256": "spsa_128", "spsa_1024": "spsa_512"}
+"""A paper-scale row (sweeps/table4.yaml names the paper's n_pert) → the key of the paper's numbers."""
 
 
 def _compute(run_dir: Path) -> dict:
@@ -74,7 +77,7 @@ def table4_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                      "seconds": _mean_sd([c["seconds"] for c in compute[label]]),
                      "physical_seconds": _mean_sd([c["physical_seconds"] for c in compute[label]]),
                      "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
-                     "paper": TABLE4_PAPER.get(label)})
+                     "paper": TABLE4_PAPER.get(PAPER_ROW.get(label, label))})
     checks = []
     for label in labels:
         if label == SOMA or SOMA not in scores:
@@ -142,7 +145,7 @@ def table9_result(report: dict, folders: dict[int, dict[int, str]], text: str = 
              "external": _mean_sd([s["loss"] for s in scores[label]]),
              "external_95": [s["bootstrap_95"] for s in scores[label]],
              "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
-             "paper": TABLE9_PAPER.get(label)} for label in labels]
+             "paper": TABLE9_PAPER.get(PAPER_ROW.get(label, label))} for label in labels]
     checks = []
     for label in labels:
         if label == SOMA or SOMA not in scores:

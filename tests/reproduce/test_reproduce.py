@@ -16,7 +16,7 @@ from soma_pl.reproduce import command, experiments
 from soma_pl.reproduce.experiments import EXPERIMENTS, TABLE7_PAPER, table7_result
 from soma_pl.reproduce.tables import reproduction_page, table7_markdown
 from soma_pl.reproduce.verdicts import Verdict
-from soma_pl.sweeps.space import load_sweep
+from soma_pl.sweeps.space import load_sweep, trial_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,6 +55,21 @@ def test_fig9_lists_its_conditions_and_refuses_a_paper_scale_it_has_not(tmp_path
     assert stop.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "no paper-scale sweep" in error[0] and "run --scale cpu" in error[0]
+
+
+def test_table4_lists_the_papers_five_rows_and_their_gpu_hours(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(ROOT)
+    spec = dataclasses.replace(load_sweep(EXPERIMENTS["table4"].sweeps["paper"]), output_dir=tmp_path)
+    listed = command.list_trials(EXPERIMENTS["table4"], "paper", spec, f"sqlite:///{tmp_path / 'x.db'}")
+    assert (listed["trials"], listed["done"]) == (5, 0)
+    printed = capsys.readouterr().out
+    for row in ("soma_n2", "spsa_64", "spsa_256", "spsa_1024", "eggroll"):
+        assert printed.count(f"row={row}, seed 1: to run") == 1
+    # Table 4: about 150 aggregate GPU-hours per run
+    assert "5 trials of 150 aggregate device-hours: 750 device-hours" in printed
+    n_pert = {point["row"]: trial_overrides(spec, point)[1].get("model.init_args.spsa.n_pert")
+              for point in spec.grid_points() if point["row"].startswith("spsa")}
+    assert n_pert == {"spsa_64": None, "spsa_256": 256, "spsa_1024": 1024}  # configs/spsa.yaml holds 64
 
 
 def _window_scores(losses: list[float], seed: int) -> dict:
