@@ -138,6 +138,9 @@ def parse_error_line(message: str, argv: Sequence[str] = ()) -> str:
             details.append(line)
     text = " ".join(details)
     line = f"{'.init_args.'.join(keys)}: {text}" if keys else text
+    # An optional argument group (`spsa: SPSAArgs | None`) is reported as if it were a class: its
+    # settings sit directly under it (`model.init_args.spsa.eps`).
+    line = re.sub(r"\.(spsa|eggroll)\.init_args\.", r".\1.", line)
     option = re.search(r"option '([^']+)'", line, re.IGNORECASE)
     source = setting_source(option[1], read_layers(argv)) if option else None
     return f"{line}, set in {source}" if source else line

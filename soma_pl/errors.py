@@ -11,3 +11,14 @@ class DataError(SomaError):
 
 class ConfigError(SomaError):
     """A configuration that cannot work (unknown source, mismatched shapes, ...)."""
+
+
+class SettingError(ConfigError, ValueError):
+    """One setting outside its range: `<key>=<value> must be <rule>` (a `ValueError` too, for code
+    that builds a settings object directly)."""
+
+
+def require(ok: bool, key: str, value, rule: str) -> None:
+    """Raise `SettingError("<key>=<value> must be <rule>")` unless `ok`."""
+    if not ok:
+        raise SettingError(f"{key}={value} must be {rule}")

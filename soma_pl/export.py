@@ -16,18 +16,12 @@ import sys
 from pathlib import Path
 
 from soma_pl.io import atomic_folder, check_output
-from soma_pl.lit.base import ByteLMModule
 from soma_pl.lit.loading import ensemble_router, ensemble_size, load_module
 from soma_pl.models.checkpoints import load_checkpoint, trained_on
 from soma_pl.models.export import WEIGHTS_FILE, save_exported
 
 EXPORT_KIND = "exported model"
 """The kind an export folder's marker records: only such a folder is replaced by another export."""
-
-
-def method_name(module: ByteLMModule) -> str:
-    """`spsa`, `soma`, `eggroll`, `ddpp` or `bptt`: the module class without its `Module` suffix."""
-    return type(module).__name__.removesuffix("Module").lower()
 
 
 def _settings(hyper_parameters: dict) -> dict:
@@ -42,7 +36,7 @@ def export(checkpoint: str, out: str | Path, config: str | None = None, router: 
     check_output(out, EXPORT_KIND, "--out", [checkpoint])  # before the checkpoint is read
     module = load_module(checkpoint, config, router)
     payload = load_checkpoint(checkpoint)
-    extra = {"method": method_name(module), "module": f"soma_pl.lit.{type(module).__name__}",
+    extra = {"method": module.method, "module": f"soma_pl.lit.{type(module).__name__}",
              "settings": _settings(dict(payload.get("hyper_parameters") or {})), "data": trained_on(payload),
              "checkpoint": str(checkpoint), "global_step": payload.get("global_step")}
     with atomic_folder(out, EXPORT_KIND, "--out", [checkpoint]) as work:

@@ -129,7 +129,7 @@ def choose_experts(source: ByteLMModule | ExportedModel, prompt: bytes, top_k: i
             raise ConfigError(f"--experts={experts} must name distinct experts of 0..{count - 1}")
         return torch.tensor(experts)
     k = ensemble_size(source, top_k)
-    if getattr(source, "routed", False) and len(prompt) < ROUTE_BYTES:
+    if source.routing.routed and len(prompt) < ROUTE_BYTES:
         raise ConfigError(f"the prompt has {len(prompt)} bytes, and this {name} routes on the first {ROUTE_BYTES}: "
                           "give a longer prompt, or name the experts with --experts")
     windows = torch.frombuffer(bytearray(prompt), dtype=torch.uint8)[None]
@@ -170,7 +170,7 @@ def generate(checkpoint: str, prompt: str = "", prompt_file: str | None = None,
     seconds = time.perf_counter() - started
     return {
         "checkpoint": str(checkpoint), "module": type(source).__name__, "num_experts": source.model.num_experts,
-        "experts": chosen.tolist(), "routed": bool(getattr(source, "routed", False)) and experts is None,
+        "experts": chosen.tolist(), "routed": source.routing.routed and experts is None,
         "route_bytes": ROUTE_BYTES, "prompt_bytes": len(text), **asdict(sampling),
         "text": continuation.decode("utf-8", errors="replace"), "bytes_hex": continuation.hex(),
         "seconds": round(seconds, 3), "bytes_per_second": round(len(continuation) / max(seconds, 1e-9), 1),

@@ -9,7 +9,7 @@ from soma_pl.cli import class_help, main
 
 def test_model_help_lists_the_modules_own_settings(capsys):
     with pytest.raises(SystemExit) as stop:
-        main(["fit", "--model", "soma_pl.lit.SOMAModule", "--help"])
+        main(["fit", "--model", "soma_pl.lit.ZOModule", "--help"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
     assert "--model.router_path" in out and "--model.num_experts" in out and "--model.spsa.n_pert" in out
@@ -17,9 +17,9 @@ def test_model_help_lists_the_modules_own_settings(capsys):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["fit", "--model", "SOMAModule", "--help"], ["fit", "--model.help", "SOMAModule"]),
-    (["fit", "--config", "a.yaml", "--model=soma_pl.lit.SPSAModule", "-h"],
-     ["fit", "--config", "a.yaml", "--model.help", "soma_pl.lit.SPSAModule"]),
+    (["fit", "--model", "ZOModule", "--help"], ["fit", "--model.help", "ZOModule"]),
+    (["fit", "--config", "a.yaml", "--model=soma_pl.lit.ZOModule", "-h"],
+     ["fit", "--config", "a.yaml", "--model.help", "soma_pl.lit.ZOModule"]),
     (["validate", "-h", "--data", "ByteDataModule"], ["validate", "--data.help", "ByteDataModule"]),
 ])
 def test_a_class_with_help_asks_for_that_classs_help(argv, expected):
@@ -27,10 +27,10 @@ def test_a_class_with_help_asks_for_that_classs_help(argv, expected):
 
 
 @pytest.mark.parametrize("argv", [
-    ["fit", "--model", "SOMAModule"],  # no help asked
+    ["fit", "--model", "ZOModule"],  # no help asked
     ["fit", "--model", "configs/demo/spsa.yaml", "--help"],  # a file, not a class
     ["fit", "--model", "spsa.yaml", "--help"],
-    ["fit", "--model={class_path: SOMAModule}", "--help"],  # a YAML mapping
+    ["fit", "--model={class_path: ZOModule}", "--help"],  # a YAML mapping
     ["fit", "--help", "--model"],
 ])
 def test_other_arguments_pass_unchanged(argv):

@@ -14,8 +14,7 @@ from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.cli import main
 from soma_pl.eval.ensemble import score_top_k, score_windows
 from soma_pl.evaluate import DocumentSplit, read_windows
-from soma_pl.lit.soma import SOMAModule
-from soma_pl.lit.spsa import SPSAModule
+from soma_pl.lit import ZOModule
 from soma_pl.models.router import HashedNgramEncoder, Router
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
@@ -56,13 +55,13 @@ def _evaluate(tmp_path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def _soma(tmp_path) -> tuple[SOMAModule, Path]:
+def _soma(tmp_path) -> tuple[ZOModule, Path]:
     torch.manual_seed(0)
-    module = SOMAModule(num_experts=3, init="random", top_k=2, **TINY)
+    module = ZOModule(num_experts=3, init="random", top_k=2, **TINY)
     with torch.no_grad():
         module.model.head.mul_(30)  # distinct experts, so that averaging and routing matter
-    module.router = Router(HashedNgramEncoder(dim=16), torch.randn(3, 16))
-    return module, _save(module, tmp_path / "soma.ckpt", "soma_pl.lit.SOMAModule")
+    module.routing.router = Router(HashedNgramEncoder(dim=16), torch.randn(3, 16))
+    return module, _save(module, tmp_path / "soma.ckpt", "soma_pl.lit.ZOModule")
 
 
 def test_windows_are_cut_without_overlap_and_short_documents_are_counted(corpus):
@@ -102,13 +101,13 @@ def test_routed_top_k_equals_score_windows_for_every_k():
 
 def test_spsa_checkpoint_loss_equals_the_modules_own_window_losses(corpus, tmp_path):
     torch.manual_seed(2)
-    module = SPSAModule(**TINY)
-    checkpoint = _save(module, tmp_path / "spsa.ckpt", "soma_pl.lit.SPSAModule")
+    module = ZOModule(**TINY)
+    checkpoint = _save(module, tmp_path / "spsa.ckpt", "soma_pl.lit.ZOModule")
     report = _evaluate(tmp_path, "--checkpoint", str(checkpoint), "--text", str(corpus), "--batch_size", "2")
     windows = torch.from_numpy(read_windows(corpus).windows)
     expected = module.window_losses(windows)[0].double()  # an independent path: no routing code
     assert report["loss"] == pytest.approx(float(expected.mean()), rel=1e-5)
-    assert (report["module"], report["k"], report["windows"], report["documents_scored"]) == ("SPSAModule", 1, 5, 2)
+    assert (report["module"], report["k"], report["windows"], report["documents_scored"]) == ("ZOModule", 1, 5, 2)
     assert (report["scored_targets_per_window"], report["short_documents"]) == (WINDOW_BYTES - 1 - ROUTE_BYTES, 1)
     low, high = report["bootstrap_95"]
     assert low <= report["loss"] <= high and low < high
@@ -127,9 +126,10 @@ def test_progress_goes_to_stderr_and_json_to_stdout(corpus, tmp_path, capsys):
 def test_soma_checkpoint_routes_with_its_own_router_and_averages_top_k(corpus, tmp_path):
     module, checkpoint = _soma(tmp_path)
     windows = torch.from_numpy(read_windows(corpus).windows)
-    scores = score_windows(module.model, module.router.ranking(windows), windows, max_k=3, score_from=ROUTE_BYTES)
+    ranking = module.routing.router.ranking(windows)
+    scores = score_windows(module.model, ranking, windows, max_k=3, score_from=ROUTE_BYTES)
     report = _evaluate(tmp_path, "--checkpoint", str(checkpoint), "--text", str(corpus))
-    assert (report["module"], report["experts"], report["k"]) == ("SOMAModule", 3, 2)
+    assert (report["module"], report["experts"], report["k"]) == ("ZOModule", 3, 2)
     assert report["loss"] == pytest.approx(float(scores.loss_by_k[:, 1].double().mean()), rel=1e-5)
     top1 = _evaluate(tmp_path, "--checkpoint", str(checkpoint), "--text", str(corpus), "--top_k", "1")
     assert top1["loss"] == pytest.approx(float(scores.loss_by_k[:, 0].double().mean()), rel=1e-5)
@@ -138,17 +138,17 @@ def test_soma_checkpoint_routes_with_its_own_router_and_averages_top_k(corpus, t
 
 def test_config_names_the_module_when_the_checkpoint_does_not(corpus, tmp_path, capsys):
     torch.manual_seed(3)
-    module = SPSAModule(**TINY)
+    module = ZOModule(**TINY)
     checkpoint = _save(module, tmp_path / "plain.ckpt", class_path=None)
     with pytest.raises(SystemExit) as exit_info:
         _evaluate(tmp_path, "--checkpoint", str(checkpoint), "--text", str(corpus))
     assert exit_info.value.code == 2 and "--config" in capsys.readouterr().err
     config = tmp_path / "fit.yaml"
-    config.write_text(yaml.safe_dump({"model": {"class_path": "soma_pl.lit.SPSAModule", "init_args": TINY}}))
+    config.write_text(yaml.safe_dump({"model": {"class_path": "soma_pl.lit.ZOModule", "init_args": TINY}}))
     report = _evaluate(tmp_path, "--checkpoint", str(checkpoint), "--text", str(corpus), "--config", str(config))
     expected = module.window_losses(torch.from_numpy(read_windows(corpus).windows))[0].double().mean()
     assert report["loss"] == pytest.approx(float(expected), rel=1e-5)
-    config.write_text(yaml.safe_dump({"model": {"class_path": "soma_pl.lit.SPSAModule",
+    config.write_text(yaml.safe_dump({"model": {"class_path": "soma_pl.lit.ZOModule",
                                                 "init_args": {"shape": {**TINY["shape"], "width": 12}}}}))
     with pytest.raises(SystemExit):
         _evaluate(tmp_path, "--checkpoint", str(checkpoint), "--text", str(corpus), "--config", str(config))
@@ -157,7 +157,7 @@ def test_config_names_the_module_when_the_checkpoint_does_not(corpus, tmp_path, 
 
 @pytest.mark.parametrize("case", ["missing text", "empty file", "no text files", "too short", "missing checkpoint"])
 def test_bad_input_ends_with_one_line(case, corpus, tmp_path, capsys):
-    checkpoint = _save(SPSAModule(**TINY), tmp_path / "spsa.ckpt", "soma_pl.lit.SPSAModule")
+    checkpoint = _save(ZOModule(**TINY), tmp_path / "spsa.ckpt", "soma_pl.lit.ZOModule")
     empty = tmp_path / "empty"
     empty.mkdir()
     text = {"missing text": tmp_path / "nope", "empty file": empty / "a.txt", "no text files": empty,

@@ -61,7 +61,7 @@ def test_config_json_describes_the_weights(tiny, exported, method):
     state = payload["state_dict"]
     assert {name: list(value.shape) for name, value in tensors.items()} == config["tensors"]
     for name, value in tensors.items():  # every expert's weights (and the router's), bit for bit
-        assert torch.equal(value, state[name]), name
+        assert torch.equal(value, state[name.replace("router.", "routing.router.", 1)]), name
     experts = 2 if method == "soma" else 1
     assert tensors["model.w_hh"].shape[0] == experts and (method == "soma") == ("router.centroids" in tensors)
     assert (config["method"], config["vocab_size"], config["soma_pl_version"]) == (method, 256, soma_pl.__version__)
@@ -147,7 +147,7 @@ def test_bad_input_is_one_error_line(tiny, exported, tmp_path, capsys):
     payload = torch.load(tiny.soma, map_location="cpu", weights_only=False)
     del payload["router"]
     payload["state_dict"] = {name: value for name, value in payload["state_dict"].items()
-                             if not name.startswith("router.")}
+                             if not name.startswith("routing.router.")}
     torch.save(payload, tmp_path / "no_router.ckpt")
     one_error(cli(capsys, "export", "--checkpoint", str(tmp_path / "no_router.ckpt"), "--out", str(tmp_path / "b")),
               "carries no router", "--router")

@@ -13,7 +13,7 @@ from soma_pl import ROUTE_BYTES
 from soma_pl.cli import main
 from soma_pl.eval.ensemble import ensemble_probabilities
 from soma_pl.generate import SamplingArgs, next_byte
-from soma_pl.lit import ModelShape, SPSAModule
+from soma_pl.lit import ModelShape, ZOModule
 from soma_pl.lit.loading import load_module
 from soma_pl.models.router import Router, prefix_batch
 from soma_pl.models.stacked import StackedExperts
@@ -97,7 +97,7 @@ def test_a_soma_top_1_generation_is_the_chosen_experts_own(tiny, prompt_file, tm
     sampled = ["--seed", "3", "--max_bytes", "40"]
     alone = {}
     for expert in (0, 1):  # each expert alone, as a monolithic SPSA checkpoint
-        single = SPSAModule(shape=shape)
+        single = ZOModule(shape=shape)
         single.model.load_state_dict({name.removeprefix("model."): value[expert : expert + 1]
                                       for name, value in payload["state_dict"].items() if name.startswith("model.")})
         alone[expert] = module_checkpoint(single, tmp_path / f"expert{expert}.ckpt", sharpen=False)
@@ -190,7 +190,7 @@ def test_bad_input_is_one_error_line(tiny, prompt_file, tmp_path, capsys):
     payload = torch.load(tiny.soma, map_location="cpu", weights_only=False)
     del payload["router"]  # a checkpoint written before the module had its router
     payload["state_dict"] = {name: value for name, value in payload["state_dict"].items()
-                             if not name.startswith("router.")}
+                             if not name.startswith("routing.router.")}
     torch.save(payload, tmp_path / "no_router.ckpt")
     one_error(cli(capsys, "generate", "--checkpoint", str(tmp_path / "no_router.ckpt"), "--prompt_file",
                   str(prompt_file)), "carries no router", "--router")

@@ -86,7 +86,7 @@ def test_the_check_catches_an_upward_import_a_lazy_one_and_a_peer():
     source = ("from soma_pl.errors import ConfigError\n"
               "def f():\n    from soma_pl.cli import main\n"
               "from soma_pl.lit.base import ByteLMModule\n"
-              "if TYPE_CHECKING:\n    from soma_pl.lit.spsa import SPSAModule\n")
+              "if TYPE_CHECKING:\n    from soma_pl.lit import ZOModule\n")
     assert _upward_imports(source, "soma_pl.callbacks.compute") == [
         "soma_pl.callbacks.compute:4 imports soma_pl.lit.base (layer 4 >= 4)",
         "soma_pl.callbacks.compute:3 imports soma_pl.cli (layer 7 >= 4)"]

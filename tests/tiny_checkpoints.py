@@ -12,7 +12,7 @@ import torch
 
 from soma_pl.cli import main
 from soma_pl.data.sharding import ShardConfig, shard
-from soma_pl.lit import BPTTModule, DDPPModule, EGGROLLArgs, EGGROLLModule, ModelShape, SOMAModule
+from soma_pl.lit import BPTTModule, EGGROLLArgs, ModelShape, ZOModule
 from soma_pl.models.router import HashedNgramEncoder, Router
 from tests.data.corpora import WORDS
 from tests.robustness.cli import tiny_dataset
@@ -82,16 +82,16 @@ def module_checkpoint(module: lightning.LightningModule, path: Path, sharpen: bo
 def _with_router(module: lightning.LightningModule) -> lightning.LightningModule:
     """`module` with a router of its own (hashed encoder, random centroids), as a fit's checkpoint carries."""
     centroids = torch.randn(module.model.num_experts, 16, generator=torch.Generator().manual_seed(0))
-    module.router = Router(HashedNgramEncoder(dim=16), centroids)
+    module.routing.router = Router(HashedNgramEncoder(dim=16), centroids)
     return module
 
 
 OTHER_METHODS = {
-    "eggroll": lambda: EGGROLLModule(shape=SHAPE, eggroll=EGGROLLArgs(rank=2, population=24, group_size=6)),
-    "ddpp": lambda: DDPPModule(shape=SHAPE),
+    "eggroll": lambda: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(rank=2, population=24, group_size=6)),
+    "ddpp": lambda: ZOModule(shape=SHAPE, spsa={"exchange": "scalars"}),
     "bptt": lambda: BPTTModule(shape=SHAPE),
     "bptt_n3": lambda: _with_router(BPTTModule(num_experts=3, shape=SHAPE, top_k=2)),
-    "soma_shared_head": lambda: _with_router(SOMAModule(num_experts=3, shape=SHAPE, init="random", top_k=2,
+    "soma_shared_head": lambda: _with_router(ZOModule(num_experts=3, shape=SHAPE, init="random", top_k=2,
                                                         head_training="frozen_random")),
 }
 """Untrained modules of the methods the fits above leave out (their weights load as a fit's do), a BPTT

@@ -61,7 +61,7 @@ class RunRow:
     summary: str
     """The `summary.json` read."""
     method: str
-    """The module's name without `Module` (SPSA, SOMA, EGGROLL, DDPP, BPTT)."""
+    """The method: SPSA, SOMA, EGGROLL, DDPP or BPTT."""
     experts: int
     """N: experts of the model (from its per-expert metrics, else the compute accounting's count)."""
     parameters: int
@@ -199,6 +199,12 @@ def _experts(summary: dict) -> int:
     return (summary.get("compute") or {}).get("experts") or 1
 
 
+def _method(summary: dict) -> str:
+    """`SPSA`, `SOMA`, `DDPP`, `EGGROLL` or `BPTT`: the summary's method (an earlier version's summary
+    names only its module class, `SOMAModule`)."""
+    return (summary.get("method") or summary["module"].removesuffix("Module")).upper()
+
+
 def _finite(value) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
@@ -222,7 +228,7 @@ def read_run(path: Path, label: str) -> RunRow:
     best = min(finite, key=lambda p: p.val_loss, default=None)
     test = find_test_scores(path)
     test_loss = _finite(_read_json(test, "test scores").get("loss")) if test is not None else None
-    return RunRow(label=label, summary=str(path), method=summary["module"].removesuffix("Module"), experts=experts,
+    return RunRow(label=label, summary=str(path), method=_method(summary), experts=experts,
                   parameters=summary["parameters"], updates=updates, final_val_loss=final,
                   best_val_loss=best.val_loss if best else None, best_val_updates=best.updates if best else None,
                   test_loss=test_loss, test_scores=str(test) if test_loss is not None else None,

@@ -35,10 +35,12 @@ import math
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from soma_pl.errors import require
 from soma_pl.estimators.directions import DirectionKind, direction_keys, directions_from_keys
 
 _FITNESS_EPS = 1e-12
@@ -95,19 +97,23 @@ class EGGROLLConfig:
     """σ₀ of the step's scale; None: ``sigma``. A σ schedule moves ``sigma`` (the perturbations)
     only, so with a σ-free fitness the learning rate alone sets the step size."""
 
+    key: ClassVar[str] = "eggroll"
+    """Where these settings sit, for messages (`model.init_args.eggroll` in a fit config)."""
+
     def __post_init__(self) -> None:
         # A checkpoint's hyperparameters or a YAML give the enums as their values.
         object.__setattr__(self, "fitness", FitnessShaping(self.fitness))
         object.__setattr__(self, "step_convention", StepConvention(self.step_convention))
-        even = self.population % 2 == 0 and self.group_size % 2 == 0
-        positive = self.sigma > 0 and (self.step_sigma is None or self.step_sigma > 0)
-        if not positive or self.rank < 1 or self.group_size < 2 or not even:
-            raise ValueError(f"invalid EGGROLL settings {self}: sigma > 0, step_sigma > 0, rank >= 1, even "
-                             "population and group_size >= 2 required")
-        if self.population % self.group_size:
-            raise ValueError(f"population {self.population} is not a multiple of group_size {self.group_size}")
-        if self.max_members is not None and self.max_members < 2:
-            raise ValueError(f"max_members={self.max_members} must be >= 2 (one antithetic pair)")
+        key = self.key
+        require(self.sigma > 0, f"{key}.sigma", self.sigma, "> 0")
+        require(self.step_sigma is None or self.step_sigma > 0, f"{key}.step_sigma", self.step_sigma, "> 0 (or null)")
+        require(self.rank >= 1, f"{key}.rank", self.rank, ">= 1")
+        require(self.group_size >= 2 and self.group_size % 2 == 0, f"{key}.group_size", self.group_size,
+                "even and >= 2 (antithetic pairs)")
+        require(self.population % self.group_size == 0, f"{key}.population", self.population,
+                f"a multiple of {key}.group_size={self.group_size}")
+        require(self.max_members is None or self.max_members >= 2, f"{key}.max_members", self.max_members,
+                ">= 2 (one antithetic pair; or null)")
 
     @property
     def windows(self) -> int:

@@ -24,10 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from soma_pl.errors import require
 from soma_pl.estimators.directions import DirectionKind, direction_keys, directions_from_keys
 
 LossFn = Callable[[Mapping[str, Tensor], Tensor], Tensor]
@@ -55,15 +57,15 @@ class SPSAConfig:
     n_pert at once. Besides bounding memory, on CPU chunks whose perturbed weights fit in the
     last-level cache run faster (d_t = 181: 8 directions per call ≈ 2× faster than 64)."""
 
+    key: ClassVar[str] = "spsa"
+    """Where these settings sit, for messages (`model.init_args.spsa` in a fit config)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "direction", DirectionKind(self.direction))  # a YAML gives the value
-        if not (math.isfinite(self.eps) and self.eps > 0):
-            raise ValueError(f"SPSA eps={self.eps} must be a positive finite number")
+        require(math.isfinite(self.eps) and self.eps > 0, f"{self.key}.eps", self.eps, "a positive finite number")
         for name in ("n_pert", "micro_batch", "loss_grouping"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SPSA {name}={getattr(self, name)} must be >= 1")
-        if self.max_rows is not None and self.max_rows < 1:
-            raise ValueError(f"SPSA max_rows={self.max_rows} must be >= 1 (or None)")
+            require(getattr(self, name) >= 1, f"{self.key}.{name}", getattr(self, name), ">= 1")
+        require(self.max_rows is None or self.max_rows >= 1, f"{self.key}.max_rows", self.max_rows, ">= 1 (or null)")
 
 
 @dataclass

@@ -14,18 +14,14 @@ from dataclasses import dataclass, fields, is_dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-from soma_pl.errors import ConfigError
+from soma_pl.errors import ConfigError, require
 
 KEY = "model.init_args"
 """Where a module's arguments sit in a fit config."""
 
 Group = TypeVar("Group")
 
-
-def require(ok: bool, key: str, value, rule: str) -> None:
-    """Raise `ConfigError("<key>=<value> must be <rule>")` unless `ok`."""
-    if not ok:
-        raise ConfigError(f"{key}={value} must be {rule}")
+__all__ = ["KEY", "Group", "ModelShape", "arg_group", "plain", "require"]
 
 
 def arg_group(cls: type[Group], value: Any, name: str) -> Group:

@@ -11,6 +11,9 @@ decision. Each expert's own expert-validation split, the held-out 1% of its trai
 `after_validation`, where every module decays its learning rate: one `ReduceLROnPlateau` on expert
 0's loss, or (`per_expert_decay`: SOMA, BPTT) one multiplier per expert on its own loss.
 
+Evaluation of several experts routes each window on its first 256 bytes and averages the top-k
+experts' probabilities (`Routing`, the field `routing`); one expert is scored alone.
+
 Numbers are checked where they are given: every constructor refuses a setting that cannot work,
 naming its key. A NaN or infinite training loss or weight (`check_finite`, every step), validation
 loss, or checkpoint weight (written or read) stops the run with one line; no checkpoint holds one.
@@ -18,14 +21,13 @@ loss, or checkpoint weight (written or read) stops the run with one line; no che
 
 from __future__ import annotations
 
-import copy
-import inspect
 import math
 from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
@@ -40,12 +42,12 @@ from soma_pl.io import write_json_atomic
 from soma_pl.lit.args import KEY, Group, ModelShape, arg_group, plain, require
 from soma_pl.lit.optim import LR_KEY, check_positive_lr, optimizer_factory, optimizer_spec
 from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig, scale_updates
+from soma_pl.lit.routing import Routing
 from soma_pl.models.checkpoints import first_nonfinite
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
-SAME_STATE = (frozenset({"SPSAModule", "DDPPModule"}),)
-"""Module classes whose training state is the same, so each resumes the others' checkpoints (DDPP is
-SPSA's update with the directions shared out across ranks). Any other class resumes only its own."""
+RENAMED = {"SPSAModule": "ZOModule", "SOMAModule": "ZOModule", "DDPPModule": "ZOModule", "EGGROLLModule": "ZOModule"}
+"""Module classes of earlier versions, by the class that now trains them (their checkpoints resume)."""
 
 
 class NonFiniteError(SomaError):
@@ -54,7 +56,7 @@ class NonFiniteError(SomaError):
 
 def resumes(module: str, written_by: str) -> bool:
     """Whether module class `module` can resume a checkpoint written by class `written_by` (names)."""
-    return module == written_by or any({module, written_by} <= group for group in SAME_STATE)
+    return module == RENAMED.get(written_by, written_by)
 
 
 def finite_experts(model: StackedExperts) -> Tensor:
@@ -63,7 +65,8 @@ def finite_experts(model: StackedExperts) -> Tensor:
 
 
 class ByteLMModule(L.LightningModule):
-    """Base of every module: the model, its optimizer and learning-rate decay, update logging, evaluation.
+    """Base of both modules (`ZOModule`, `BPTTModule`): the model, its optimizer and learning-rate
+    decay, update logging, routed evaluation, checkpoints.
 
     Args:
         num_experts: experts in the stacked model (1: monolithic).
@@ -74,28 +77,34 @@ class ByteLMModule(L.LightningModule):
         score_from: first target position scored in evaluation (the paper: 256).
         optimizer: the torch optimizer (a factory from the config, or its `optimizer_spec` dict).
         plateau: the learning-rate decay on the expert-validation split.
+        router_path: with N > 1, the sharding's `router.pt`; None: `<data.experts_dir>/router.pt`.
+        top_k: with N > 1, experts averaged in evaluation (the paper: 4; capped at N).
     """
-
-    per_expert_decay = False
-    """Whether each expert's learning rate decays on its own loss (`ExpertPlateau`, scaling each
-    expert's update) instead of one `ReduceLROnPlateau` on expert 0's."""
 
     def __init__(self, num_experts: int = 1, shape: ModelShape = ModelShape(),
                  head: HeadMode = HeadMode.per_expert, train_context: int = 1024, score_from: int = ROUTE_BYTES,
-                 optimizer: Callable | dict = torch.optim.SGD, plateau: PlateauConfig = PlateauConfig()):
+                 optimizer: Callable | dict = torch.optim.SGD, plateau: PlateauConfig = PlateauConfig(),
+                 router_path: str | None = None, top_k: int = 4):
         super().__init__()
         require(num_experts >= 1, f"{KEY}.num_experts", num_experts, ">= 1")
         require(1 <= train_context < WINDOW_BYTES, f"{KEY}.train_context", train_context,
                 f"in [1, {WINDOW_BYTES - 1}]")
         # At least one scored target in a window of WINDOW_BYTES bytes (WINDOW_BYTES - 1 targets).
         require(0 <= score_from < WINDOW_BYTES - 1, f"{KEY}.score_from", score_from, f"in [0, {WINDOW_BYTES - 2}]")
-        self.keep_hyperparameters(optimizer)
+        # Every constructor's arguments, as plain values (argument groups as dicts, enums as their
+        # values): what a weights-only load reads.
+        self.save_hyperparameters(ignore=["optimizer"])
+        for key, value in list(self.hparams.items()):
+            self.hparams[key] = plain(value)
+        self.keep_optimizer(optimizer)
         self.shape = self.arg_group(ModelShape, shape, "shape")
         self.plateau_config = self.arg_group(PlateauConfig, plateau, "plateau")
         self.model = StackedExperts(num_experts, self.shape.width, self.shape.embed_dim, self.shape.num_layers,
                                     HeadMode(head), self.shape.time_chunk)
-        self.plateau = ExpertPlateau(num_experts, self.plateau_config) if self.per_expert_decay else None
-        """Each expert's learning-rate multiplier (`per_expert_decay`), floored at `plateau.min_lr`."""
+        self.plateau = ExpertPlateau(num_experts, self.plateau_config) if self.decays_per_expert(num_experts) else None
+        """Each expert's learning-rate multiplier (`decays_per_expert`), floored at `plateau.min_lr`."""
+        self.routing = Routing(num_experts, top_k, router_path)
+        """The router and top-k of an ensemble (N > 1)."""
         self.train_context = train_context
         self.score_from = score_from
         self.automatic_optimization = False  # every module steps its optimizer itself, once per batch
@@ -107,21 +116,22 @@ class ByteLMModule(L.LightningModule):
         self.last_update: UpdateRecord | None = None
         """The most recent update's cost, set by `log_update`."""
 
-    def keep_hyperparameters(self, optimizer: Callable | dict) -> None:
-        """Save every constructor's arguments as plain values (argument groups as dicts, enums as
-        their values: a weights-only load reads them) and keep the optimizer (`keep_optimizer`)."""
-        frame = inspect.currentframe().f_back  # this __init__: the hyperparameters of every __init__ above it
-        self.save_hyperparameters(ignore=["optimizer"], frame=frame)
-        for key, value in list(self.hparams.items()):
-            self.hparams[key] = plain(value)
-        self.keep_optimizer(optimizer)
-        self._hparams_initial = copy.deepcopy(self._hparams)
+    @staticmethod
+    def decays_per_expert(num_experts: int) -> bool:
+        """Whether each expert's learning rate decays on its own loss (`ExpertPlateau`, scaling each
+        expert's update) rather than one `ReduceLROnPlateau` on the model's: with several experts."""
+        return num_experts > 1
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """The hyperparameters the loggers record: as plain values, like the checkpoint's."""
+        return AttributeDict({key: plain(value) for key, value in super().hparams_initial.items()})
 
     def arg_group(self, cls: type[Group], value: Group | dict, name: str) -> Group:
         """The argument group `name` as its dataclass `cls` (from a dict too, see `args.arg_group`),
         kept whole in the hyperparameters (every field, as plain values)."""
         group = arg_group(cls, value, name)
-        self.hparams[name] = self._hparams_initial[name] = plain(group)
+        self.hparams[name] = plain(group)
         return group
 
     def keep_optimizer(self, optimizer: Callable | dict) -> None:
@@ -231,11 +241,14 @@ class ByteLMModule(L.LightningModule):
     @property
     def eval_k(self) -> int:
         """Ensemble size whose loss is `val/loss` and `test/loss` (1: the model alone)."""
-        return 1
+        return self.routing.eval_k
 
     def ranking(self, windows: Tensor) -> Tensor:
-        """Expert order per window, best first: `[b, E]`. Without a router: expert index order."""
-        return torch.arange(self.model.num_experts, device=windows.device).expand(windows.shape[0], -1)
+        """Expert order per window, best first: `[b, E]` (the router's)."""
+        return self.routing.ranking(windows)
+
+    def setup(self, stage: str) -> None:
+        self.routing.setup(self.trainer.datamodule, resuming=self.trainer.ckpt_path is not None)
 
     def score(self, windows: Tensor) -> EnsembleScores:
         return score_windows(self.model, self.ranking(windows), windows, self.model.num_experts, self.score_from)
@@ -359,13 +372,19 @@ class ByteLMModule(L.LightningModule):
         if self.model.num_experts > 1:
             self.log_dict(self.plateau.learning_rates(self.optimizers().param_groups[0]["lr"]))
 
+    @property
+    def method(self) -> str:
+        """The method this module trains: `spsa`, `soma`, `ddpp`, `eggroll` or `bptt`."""
+        raise NotImplementedError
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Record the module class; refuse to write weights that are not finite."""
+        """Record the module class and the router; refuse to write weights that are not finite."""
         checkpoint["module_class"] = f"{type(self).__module__}.{type(self).__qualname__}"
         name = _nonfinite_weight(checkpoint)
         if name is not None:
             raise NonFiniteError(f"refusing to write a checkpoint at step {checkpoint.get('global_step')}: "
                                  f"'{name}' holds NaN or infinite values")
+        self.routing.save(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse a checkpoint of another module class, with non-finite weights, or whose weights
@@ -375,8 +394,7 @@ class ByteLMModule(L.LightningModule):
         if written_by and not resumes(type(self).__name__, str(written_by).rpartition(".")[2]):
             raise ConfigError(f"{path} was written by {written_by}, the configured model is "
                               f"{type(self).__module__}.{type(self).__qualname__}: resume with the same module "
-                              f"(--model={written_by}); start another module from it with init_checkpoint or "
-                              f"seed_checkpoint")
+                              f"(--model={written_by}); start another module from it with seed_checkpoint")
         name = _nonfinite_weight(checkpoint)
         if name is not None:
             raise NonFiniteError(f"{path}: '{name}' holds NaN or infinite values (a diverged run): resume from an "
@@ -386,6 +404,7 @@ class ByteLMModule(L.LightningModule):
             if name in own and tuple(own[name].shape) != tuple(tensor.shape):
                 raise ConfigError(f"checkpoint parameter '{name}' has shape {list(tensor.shape)}, "
                                   f"the configured model has {list(own[name].shape)}")
+        self.routing.load(checkpoint)
 
 
 def _nonfinite_weight(checkpoint: dict) -> str | None:

@@ -17,11 +17,10 @@ from soma_pl.contracts import UpdateClock
 from soma_pl.lit.args import ModelShape
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.lit.plateau import PlateauConfig
-from soma_pl.lit.routing import RoutedEnsemble
 from soma_pl.models.stacked import HeadMode
 
 
-class BPTTModule(RoutedEnsemble, ByteLMModule):
+class BPTTModule(ByteLMModule):
     """Backprop through time over `train_context` bytes (the paper: 1,024), Adam by default.
 
     Args:
@@ -34,15 +33,22 @@ class BPTTModule(RoutedEnsemble, ByteLMModule):
         Other arguments: see `ByteLMModule`.
     """
 
-    per_expert_decay = True
-
     def __init__(self, num_experts: int = 1, shape: ModelShape = ModelShape(),
                  head: HeadMode = HeadMode.per_expert, optimizer: OptimizerCallable = torch.optim.Adam,
                  plateau: PlateauConfig = PlateauConfig(), train_context: int = 1024,
                  score_from: int = ROUTE_BYTES, router_path: str | None = None, top_k: int = 4):
         super().__init__(num_experts=num_experts, shape=shape, head=head, train_context=train_context,
-                         score_from=score_from, optimizer=optimizer, plateau=plateau)
-        self.init_routing(top_k, router_path)
+                         score_from=score_from, optimizer=optimizer, plateau=plateau, router_path=router_path,
+                         top_k=top_k)
+
+    @staticmethod
+    def decays_per_expert(num_experts: int) -> bool:
+        """Always: one expert's multiplier at N = 1."""
+        return True
+
+    @property
+    def method(self) -> str:
+        return "bptt"
 
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
         tokens = self.training_tokens(batch)

@@ -1,4 +1,4 @@
-"""`DDPPModule`: one monolithic model whose perturbations and micro-batches are shared out across ranks.
+"""DDPP: one monolithic model whose perturbations and micro-batches are shared out across ranks.
 
 The paper's DDPP baseline (Fig. 12). Every rank reads the same global batch `[1, B, T]`; the step's
 `(B / micro_batch) · n_pert` directions (direction `m · n_pert + k` reads micro-batch m) are dealt
@@ -13,32 +13,29 @@ out in contiguous shares and each rank evaluates its share. Then, by `exchange`:
   back. d floats up and d back per rank per step.
 
 Either way all ranks hold identical weights without exchanging any, and a run on W ranks reaches
-the weights of `SPSAModule` on one process with the same global batch (`scalars` bit for bit on
+the weights of monolithic SPSA on one process with the same global batch (`scalars` bit for bit on
 CPU, `estimates` to float rounding: it sums the same terms in another order).
 
-Run with `--trainer.strategy=ddp` and any `devices` / `num_nodes`; on one process both exchanges
-are `SPSAModule` exactly.
+It is a setting of the SPSA estimator, `model.init_args.spsa.exchange` (`ZOModule`, one expert):
+run with `--trainer.strategy=ddp` and any `devices` / `num_nodes`; on one process both exchanges
+are monolithic SPSA exactly. `data.batch_size` is the global batch B of a step (every rank reads
+it); `n_pert` and `micro_batch` are as without the exchange, so the estimator does not depend on
+the number of ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from enum import Enum
 
+import lightning as L
 import torch
-from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 
-from soma_pl import ROUTE_BYTES
-from soma_pl.distributed import RankSplit, rank_share
+from soma_pl.distributed import rank_share
 from soma_pl.estimators.directions import directions
 from soma_pl.estimators.spsa import SPSAConfig, SPSAResult, assemble_estimate, spsa_differences
-from soma_pl.lit.args import ModelShape
-from soma_pl.lit.parallel import coordinator_bytes, gather_bytes, gather_shares, keep_buffers_local, sum_at_coordinator
-from soma_pl.lit.plateau import PlateauConfig
-from soma_pl.lit.spsa import SPSAArgs, SPSAModule
-from soma_pl.lit.zo import Init
+from soma_pl.lit.parallel import coordinator_bytes, gather_bytes, gather_shares, sum_at_coordinator
 
 
 class Exchange(str, Enum):
@@ -109,80 +106,36 @@ def unflatten(flat: Tensor, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {name: piece.reshape(param.shape) for (name, param), piece in zip(params.items(), pieces, strict=False)}
 
 
-class DDPPModule(SPSAModule):
-    """Monolithic SPSA with each step's directions and micro-batches split across DDP ranks.
-
-    `data.batch_size` is the global batch B of a step (every rank reads it); `n_pert` and
-    `micro_batch` (`spsa`) are as in `SPSAModule`, so the estimator does not depend on the number of ranks.
+def exchanged_estimate(module: L.LightningModule, tokens: Tensor, config: SPSAConfig,
+                       exchange: Exchange) -> tuple[SPSAResult, int, int]:
+    """This rank's share of the step's directions, then the whole estimate by `exchange`.
 
     Args:
-        exchange: `scalars` (each direction's δ, a few floats per step) or `estimates` (each rank's
-            partial estimate, d floats up and back per step, Fig. 12's traffic: the one Table 4's
-            costs include). The same update either way.
-        Other arguments: see `SPSAModule`.
+        module: the LightningModule (`global_step`, `seed`, `trainable_parameters`, `loss_fn`, its
+            trainer's ranks).
+        tokens: `[1, B, T]` the global batch (the same on every rank).
+        config: the SPSA settings at this step's ε.
+
+    Returns:
+        The estimate (every rank the same), the directions this rank evaluated, and the bytes the
+        exchange delivered to each rank (`step_exchange_bytes`).
     """
-
-    rank_split = RankSplit.replicated
-
-    def __init__(self, shape: ModelShape = ModelShape(), spsa: SPSAArgs = SPSAArgs(),
-                 exchange: Exchange = Exchange.scalars, optimizer: OptimizerCallable = torch.optim.SGD,
-                 plateau: PlateauConfig = PlateauConfig(), seed: int = 0, train_context: int = 1024,
-                 score_from: int = ROUTE_BYTES, init: Init | None = None, init_checkpoint: str | None = None):
-        super().__init__(shape=shape, spsa=spsa, optimizer=optimizer, plateau=plateau, seed=seed,
-                         train_context=train_context, score_from=score_from, init=init,
-                         init_checkpoint=init_checkpoint)
-        self.exchange = Exchange(exchange)
-        self.directions_here = 0
-        """Directions this rank evaluated in the last step."""
-        self.exchange_bytes = 0
-        """Bytes the last step's exchange delivered to each rank (`step_exchange_bytes`)."""
-
-    def check_world_size(self, world_size: int) -> None:
-        """Any number of ranks: each step's directions are dealt out, a rank may get none."""
-
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        if self.trainer.world_size > 1:
-            keep_buffers_local(self)
-
-    def estimate(self, tokens: Tensor, eps: float) -> SPSAResult:
-        """This rank's share of the step's directions, then the whole estimate by `exchange`.
-
-        Args:
-            tokens: `[1, B, T]` the global batch (the same on every rank).
-        """
-        params = self.trainable_parameters()
-        config = replace(self.spsa, eps=eps)
-        total = tokens.shape[1] // config.micro_batch * config.n_pert
-        world = self.trainer.world_size
-        share = rank_share(total, self.trainer.global_rank, world)
-        delta, loss = spsa_differences(self.model.loss_per_group, params, tokens, config, self.global_step,
-                                       self.seed, share)
-        self.directions_here = len(share)
-        self.exchange_bytes = step_exchange_bytes(self.exchange, total, sum(p.numel() for p in params.values()),
-                                                  tokens.shape[0], delta.dtype, world)
-        if self.exchange is Exchange.estimates and world > 1:
-            return self._combine_estimates(params, delta, loss, config, share, total)
-        local = torch.stack([delta, loss]).permute(2, 0, 1)  # [directions, 2, E]: one row per direction
-        everyone = gather_shares(self, local, total).permute(1, 2, 0).contiguous()  # [2, E, total]
-        gradient = assemble_estimate(params, everyone[0], config, self.global_step, self.seed)
-        return SPSAResult(gradient, everyone[1].mean(1), everyone[0], everyone[0])
-
-    def _combine_estimates(self, params: dict[str, Tensor], delta: Tensor, loss: Tensor, config: SPSAConfig,
-                           share: range, total: int) -> SPSAResult:
-        """Fig. 12: partial estimates and mean losses summed at rank 0, the sums sent back to all.
-
-        The result's `projected` holds only this rank's δ (`[E, len(share)]`): no rank sees the others'.
-        """
-        partial = partial_estimate(params, delta, config, self.global_step, self.seed, share, total)  # [E, d]
+    params = module.trainable_parameters()
+    step, seed = module.global_step, module.seed
+    total = tokens.shape[1] // config.micro_batch * config.n_pert
+    world = module.trainer.world_size
+    share = rank_share(total, module.trainer.global_rank, world)
+    delta, loss = spsa_differences(module.loss_fn, params, tokens, config, step, seed, share)
+    sent = step_exchange_bytes(exchange, total, sum(p.numel() for p in params.values()), tokens.shape[0],
+                               delta.dtype, world)
+    if exchange is Exchange.estimates and world > 1:
+        # Fig. 12: partial estimates and mean losses summed at rank 0, the sums sent back to all. The
+        # result's `projected` holds only this rank's δ (`[E, len(share)]`): no rank sees the others'.
+        partial = partial_estimate(params, delta, config, step, seed, share, total)  # [E, d]
         payload = torch.cat([partial, (loss.sum(1) / total).to(partial.dtype)[:, None]], dim=1)  # [E, d + 1]
-        combined = sum_at_coordinator(self, payload)
-        return SPSAResult(unflatten(combined[:, :-1], params), combined[:, -1], delta, delta)
-
-    def token_forwards(self, tokens: Tensor) -> int:
-        """Only the forwards this rank evaluated: its directions' ± pairs on their micro-batches."""
-        experts, _, length = tokens.shape
-        return 2 * self.directions_here * experts * self.spsa.micro_batch * (length - 1)
-
-    def update_logs(self, result: SPSAResult) -> dict[str, float]:
-        return {"exchange_bytes": float(self.exchange_bytes)}
+        combined = sum_at_coordinator(module, payload)
+        return SPSAResult(unflatten(combined[:, :-1], params), combined[:, -1], delta, delta), len(share), sent
+    local = torch.stack([delta, loss]).permute(2, 0, 1)  # [directions, 2, E]: one row per direction
+    everyone = gather_shares(module, local, total).permute(1, 2, 0).contiguous()  # [2, E, total]
+    gradient = assemble_estimate(params, everyone[0], config, step, seed)
+    return SPSAResult(gradient, everyone[1].mean(1), everyone[0], everyone[0]), len(share), sent

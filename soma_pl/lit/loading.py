@@ -15,7 +15,7 @@ import yaml
 from torch import Tensor
 
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.lit.base import ByteLMModule
+from soma_pl.lit.base import RENAMED, ByteLMModule
 from soma_pl.models.checkpoints import load_checkpoint
 from soma_pl.models.router import Router
 
@@ -35,12 +35,32 @@ def _model_section(config: Path) -> tuple[str, dict]:
 
 
 def _soma_modules() -> dict[str, type[ByteLMModule]]:
-    """soma_pl's LightningModules under each class path that names them (`soma_pl.lit.SPSAModule`,
-    `soma_pl.lit.spsa.SPSAModule`)."""
+    """soma_pl's LightningModules under each class path that names them (`soma_pl.lit.ZOModule`,
+    `soma_pl.lit.zo.ZOModule`, and the paths of the classes it replaced, `soma_pl.lit.SOMAModule`)."""
     lit = importlib.import_module("soma_pl.lit")
-    classes = [value for value in vars(lit).values() if isinstance(value, type) and issubclass(value, ByteLMModule)]
-    return {path: cls for cls in classes
-            for path in (f"{lit.__name__}.{cls.__name__}", f"{cls.__module__}.{cls.__qualname__}")}
+    classes = {cls.__name__: cls for cls in vars(lit).values()
+               if isinstance(cls, type) and issubclass(cls, ByteLMModule) and cls is not ByteLMModule}
+    paths = {path: cls for cls in classes.values()
+             for path in (f"{lit.__name__}.{cls.__name__}", f"{cls.__module__}.{cls.__qualname__}")}
+    for old, new in RENAMED.items():
+        old_module = old.removesuffix("Module").lower()
+        paths[f"{lit.__name__}.{old}"] = paths[f"{lit.__name__}.{old_module}.{old}"] = classes[new]
+    return paths
+
+
+def _renamed_arguments(class_path: str, init_args: dict) -> dict:
+    """The arguments of a checkpoint written by a class that `ZOModule` replaced, as `ZOModule`'s."""
+    name = class_path.rpartition(".")[2]
+    if name not in RENAMED:
+        return init_args
+    args = dict(init_args)
+    if "init_checkpoint" in args:
+        args.setdefault("seed_checkpoint", args.pop("init_checkpoint"))
+    if args.pop("head", None) == "shared":
+        args.setdefault("head_training", "frozen_shared")
+    if "exchange" in args:
+        args["spsa"] = {**(args.get("spsa") or {}), "exchange": args.pop("exchange")}
+    return args
 
 
 def _module_class(class_path: object, source: Path) -> type[ByteLMModule]:
@@ -73,11 +93,11 @@ def load_module(checkpoint: str | Path, config: str | Path | None = None,
         class_path, init_args = _model_section(source)
     elif "_class_path" in hparams:
         source, class_path = path, hparams["_class_path"]
-        # A subclass's hyperparameters also hold what it passed to its parent's __init__ (SOMA's
-        # `head`): keep what this class accepts, as Lightning's own loading does. The optimizer
-        # is left out: evaluation steps none, and building it would import the class it names.
+        # A subclass's hyperparameters also hold what it passed to its parent's __init__
+        # (`ZOModule`'s `head`): keep what this class accepts, as Lightning's own loading does. The
+        # optimizer is left out: evaluation steps none, and building it would import the class it names.
         accepted = inspect.signature(_module_class(class_path, source).__init__).parameters
-        init_args = {key: value for key, value in hparams.items()
+        init_args = {key: value for key, value in _renamed_arguments(class_path, hparams).items()
                      if key in accepted and key not in ("self", "optimizer")}
     else:
         raise ConfigError(f"checkpoint {path} does not name its module class: pass --config with the fit YAML")
@@ -101,14 +121,14 @@ def _attach_router(module: ByteLMModule, router: str | Path | None) -> None:
     """Give an ensemble module the router named on the command line, or its configured `router_path`
     when the checkpoint carries none (the weights are loaded first: a checkpoint's own router
     buffers would otherwise overwrite the replacement)."""
-    if not getattr(module, "routed", False):
+    routing = module.routing
+    if not routing.routed:
         if router is not None:
-            raise ConfigError(f"--router given, but a {type(module).__name__} has no router")
+            raise ConfigError(f"--router given, but a {type(module).__name__} of one expert has no router")
         return
-    path = router or (module.router_path if module.router is None else None)
+    path = router or (routing.router_path if routing.router is None else None)
     if path is not None:
-        module.router = Router.load(path)
-        module.check_router(f"--router {router}" if router else f"router {path}")
+        routing.use(path, f"--router {router}" if router else f"router {path}")
 
 
 def ensemble_router(module: ByteLMModule) -> Router | None:
@@ -117,11 +137,12 @@ def ensemble_router(module: ByteLMModule) -> Router | None:
     Raises:
         ConfigError: a routed module whose checkpoint carries no router and was given none.
     """
-    if not getattr(module, "routed", False):
+    routing = module.routing
+    if not routing.routed:
         return None
-    if module.router is None:
+    if routing.router is None:
         raise ConfigError(f"this {type(module).__name__} checkpoint carries no router: pass --router <router.pt>")
-    return module.router
+    return routing.router
 
 
 def routed_experts(module: ByteLMModule, windows: Tensor, k: int) -> Tensor:
@@ -138,7 +159,7 @@ def ensemble_size(module: ByteLMModule, top_k: int | None) -> int:
         ConfigError: `top_k` outside 1..E for a routed module, or not 1 for any other.
     """
     k = module.eval_k if top_k is None else top_k
-    largest = module.model.num_experts if getattr(module, "routed", False) else 1
+    largest = module.model.num_experts if module.routing.routed else 1
     if not 1 <= k <= largest:
         raise ConfigError(f"top_k={k}: this {type(module).__name__} averages 1..{largest} experts")
     return k

@@ -1,4 +1,4 @@
-"""Collectives of the multi-process modules: DDPP's δ exchange, and `ExpertParallel`, the
+"""Collectives of multi-process fitting: DDPP's δ exchange, and `ExpertParallel`, the
 expert-parallel fitting of SOMA.
 
 Work is dealt out in contiguous shares (`rank_share`: experts, or one step's direction indices).
@@ -148,9 +148,11 @@ class ExpertParallel:
     A plain object, not a submodule: DDP, `state_dict` and checkpoints see only the full `model`.
     """
 
-    def __init__(self, module: L.LightningModule):
+    def __init__(self, module: L.LightningModule, enabled: bool = True):
         self.module = module
         """The host: a LightningModule with a `StackedExperts` `model`."""
+        self.enabled = enabled
+        """Whether the host shares its experts out (a model of one expert does not)."""
         self.share: ExpertShare | None = None
         """This rank's experts once fitting expert-parallel has begun; None on one process."""
 
@@ -158,7 +160,7 @@ class ExpertParallel:
     def active(self) -> bool:
         """Fitting on several processes: each owns a share of the experts."""
         trainer = self.module._trainer
-        return trainer is not None and trainer.world_size > 1 and trainer.state.fn == "fit"
+        return self.enabled and trainer is not None and trainer.world_size > 1 and trainer.state.fn == "fit"
 
     @property
     def rank_split(self) -> RankSplit:

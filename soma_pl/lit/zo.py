@@ -1,34 +1,47 @@
-"""`ZOModule`: what every zero-order module shares; the estimate itself is each subclass's `estimate`.
+"""`ZOModule`: zero-order training of one model (N = 1, monolithic) or of N experts (SOMA).
 
-Manual optimization: each step the estimate goes into `.grad` and a real torch optimizer (from the
-config) steps. The perturbation scale (SPSA's ε, EGGROLL's σ) either stays fixed or follows the
-learning rate (`EpsSchedule.proportional`): when the learning rate decays, the scale decays by the
-same factor (per expert under per-expert decay). A fresh fit may start every expert from a seed
-checkpoint (`init_checkpoint`). Zero-order modules run in full precision only: a bf16 forward puts
-a 1.3% error into each loss difference.
+The estimator is a component, one of two typed argument groups (`soma_pl.lit.estimators`):
+`spsa` (central-difference SPSA; with `spsa.exchange` set, DDPP across processes) or `eggroll`
+(low-rank evolution strategies). Manual optimization: each step the estimate goes into `.grad` and a
+real torch optimizer (from the config) steps. The perturbation scale (SPSA's ε, EGGROLL's σ) either
+stays fixed or follows the learning rate (`EpsSchedule.proportional`): when the learning rate decays,
+the scale decays by the same factor (per expert under per-expert decay). A fresh fit may start every
+expert from a seed checkpoint (`seed_checkpoint`). Zero-order modules run in full precision only: a
+bf16 forward puts a 1.3% error into each loss difference.
 
-One process trains one model: fitting on several processes is refused (each would train its own,
-diverging replica); `DDPPModule` shares one model's directions across processes, `SOMAModule` its
-experts.
+With N experts (SOMA) every step each expert draws its own micro-batch from its own shard (`[E, B,
+T]` batches from `ByteDataModule(experts_dir=...)`) and its own directions, and its estimate uses
+only its own loss (FSO): nothing is exchanged between experts. All experts × directions run as one
+batched forward. Each expert's learning rate and ε decay on its own expert-validation split.
+Evaluation routes each window on its first 256 bytes and averages the top-k experts' probabilities
+(Table 1, Fig. 16).
+
+Processes: N experts fit on W ≤ N processes expert-parallel (rank r owns a contiguous share of the
+experts, reads only their shards and trains them with no per-step communication, `ExpertParallel`);
+one model fits on several processes only under DDPP (`spsa.exchange`); any other multi-process fit
+is refused (each process would train its own, diverging replica).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import Enum
 
 import torch
+from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.contracts import BatchesWindows, RecordsData, UpdateClock
+from soma_pl.distributed import RankSplit
 from soma_pl.errors import ConfigError
-from soma_pl.lit.args import ModelShape
+from soma_pl.lit.args import KEY, ModelShape
 from soma_pl.lit.base import ByteLMModule
+from soma_pl.lit.estimators import EGGROLLArgs, EpsSchedule, Estimator, SPSAArgs
+from soma_pl.lit.parallel import ExpertParallel, keep_buffers_local
 from soma_pl.lit.plateau import PlateauConfig
 from soma_pl.models.checkpoints import monolithic_state
-from soma_pl.models.stacked import HeadMode
+from soma_pl.models.stacked import EMBED_HEAD, HeadMode, StackedExperts
 
 FULL_PRECISION = ("32-true", "64-true")
 """The precisions zero-order modules run in: a bf16 forward puts a 1.3% error into each δ."""
@@ -66,81 +79,104 @@ def start_checkpoint(init: Init | str | None, checkpoint: str | None, key: str) 
     """
     init = (Init.seed if checkpoint else Init.random) if init is None else Init(init)
     if init is Init.seed and checkpoint is None:
-        raise ConfigError(f"init: seed needs model.init_args.{key} (or set init: random)")
+        raise ConfigError(f"init: seed needs {KEY}.{key} (or set init: random)")
     if init is Init.random and checkpoint is not None:
         # A config's seed checkpoint overridden by `--model.init_args.init=random` (Fig. 9's ablation).
-        rank_zero_warn(f"init: random: model.init_args.{key}={checkpoint} is not used; the fit starts from "
-                       "random weights")
+        rank_zero_warn(f"init: random: {KEY}.{key}={checkpoint} is not used; the fit starts from random weights")
     return checkpoint if init is Init.seed else None
 
 
-class EpsSchedule(str, Enum):
-    """How ε (or σ) moves during training (member names are what configs write)."""
+class HeadTraining(str, Enum):
+    """How the tied byte embedding / output head is trained (Fig. 9 ablations)."""
 
-    proportional = "proportional"
-    """ε = ε₀ · lr / lr₀: ε decays with the learning rate."""
-    constant = "constant"
+    trainable = "trainable"
+    """Each expert's own head, perturbed and updated by its estimator."""
+    decoder_only = "decoder_only"
+    """Each expert's own head, perturbed only where it decodes (embedding sees it unperturbed)."""
+    frozen_shared = "frozen_shared"
+    """One head shared by all experts, frozen at the seed's values (the N = 256 default)."""
+    frozen_random = "frozen_random"
+    """One shared head frozen at random values."""
 
 
 class ZOModule(ByteLMModule):
-    """Zero-order training: the estimate steps a torch optimizer; subclasses say how to estimate.
-
-    A subclass defines `estimate`, `initial_scale`, `scale_schedule`, `check_batch_size` and
-    `token_forwards`, and may add values to the step's log (`update_logs`).
+    """Zero-order training of a byte LM: monolithic (N = 1) or N experts trained independently (SOMA).
 
     Args:
+        num_experts: N (1: monolithic; Table 2's SOMA: 2, 8, 256).
+        shape: each expert's shape (Table 2's widths: 509 monolithic; 361, 181, 32 for N = 2, 8, 256).
+        spsa: the SPSA estimator's settings (ε, directions, micro-batch, ε schedule, DDPP exchange).
+        eggroll: the EGGROLL estimator's settings; given, EGGROLL is the estimator (of one model) and
+            `spsa` is not used.
+        head_training: `trainable`, `decoder_only`, `frozen_shared` or `frozen_random`.
+        init: `seed` (every expert a copy of `seed_checkpoint`) or `random`; None: `seed` when
+            `seed_checkpoint` is given, else `random`. Configs say it explicitly, so a sweep's sides
+            can be compared.
+        seed_checkpoint: a monolithic checkpoint of the same width (e.g. from `configs/seed.yaml`).
+            Ignored when resuming (`--ckpt_path`).
+        router_path: with N > 1, the sharding's `router.pt`; None: `<data.experts_dir>/router.pt`.
+        top_k: with N > 1, experts averaged in evaluation (the paper: 4; capped at N).
+        optimizer: the torch optimizer the estimate steps (SGD by default; set its lr in YAML).
+        plateau: the learning-rate (and, proportionally, ε) decay on the expert-validation split:
+            each expert's own with N > 1.
         seed: seed of the perturbations (regenerated from seed, step, expert, direction).
-        init: `seed` (start from `init_checkpoint`) or `random`; None: `seed` when `init_checkpoint`
-            is given, else `random`. Configs say it explicitly, so a sweep's sides can be compared.
-        init_checkpoint: a monolithic checkpoint of the same shapes to start from (a seed model);
-            every expert starts as a copy of it. Ignored when resuming (`--ckpt_path`).
-        Other arguments: see `ByteLMModule`.
+        train_context, score_from: see `ByteLMModule`.
     """
 
-    scale_name = "eps"
-    """What the perturbation scale is called in logs (`train/<scale_name>`)."""
-    checkpoint_key = "init_checkpoint"
-    """The setting that names the seed checkpoint (in messages)."""
-
-    def __init__(self, num_experts: int = 1, shape: ModelShape = ModelShape(),
-                 head: HeadMode = HeadMode.per_expert, optimizer: Callable | dict = torch.optim.SGD,
+    def __init__(self, num_experts: int = 1, shape: ModelShape = ModelShape(), spsa: SPSAArgs = SPSAArgs(),
+                 eggroll: EGGROLLArgs | None = None, head_training: HeadTraining = HeadTraining.trainable,
+                 init: Init | None = None, seed_checkpoint: str | None = None, router_path: str | None = None,
+                 top_k: int = 4, optimizer: OptimizerCallable = torch.optim.SGD,
                  plateau: PlateauConfig = PlateauConfig(), seed: int = 0, train_context: int = 1024,
-                 score_from: int = ROUTE_BYTES, init: Init | None = None, init_checkpoint: str | None = None):
-        super().__init__(num_experts=num_experts, shape=shape, head=head, train_context=train_context,
-                         score_from=score_from, optimizer=optimizer, plateau=plateau)
+                 score_from: int = ROUTE_BYTES):
+        head_training = HeadTraining(head_training)
+        shared = head_training in (HeadTraining.frozen_shared, HeadTraining.frozen_random)
+        super().__init__(num_experts=num_experts, shape=shape, head=HeadMode.shared if shared else HeadMode.per_expert,
+                         train_context=train_context, score_from=score_from, optimizer=optimizer, plateau=plateau,
+                         router_path=router_path, top_k=top_k)
+        self.estimator: Estimator = self.arg_group(SPSAArgs, spsa, "spsa")
+        """The estimator's settings, which also compute its update (`soma_pl.lit.estimators.Estimator`)."""
+        if eggroll is not None:
+            if self.estimator != SPSAArgs():
+                rank_zero_warn(f"{KEY}.spsa is not used: {KEY}.eggroll makes EGGROLL the estimator")
+            self.estimator = self.arg_group(EGGROLLArgs, eggroll, "eggroll")
+        self.estimator.check_module(self)
+        self.head_training = head_training
         self.seed = seed
-        self.init_checkpoint = start_checkpoint(init, init_checkpoint, self.checkpoint_key)
+        self.seed_checkpoint = start_checkpoint(init, seed_checkpoint, "seed_checkpoint")
         """The seed checkpoint a fresh fit starts from; None: random weights."""
-        self.keep_head = False
-        """Whether a warm start leaves the (shared, random) head as it is."""
+        if shared:
+            self.model.head.requires_grad_(False)
+        self.parallel = ExpertParallel(self, enabled=num_experts > 1)
+        """This rank's share of the experts when fitting N > 1 on several processes."""
         self.eps_warned = False
 
-    def estimate(self, tokens: Tensor, scale: float | Tensor):
-        """The update direction on `tokens: [E, B, T]` with perturbation scale `scale` (one number, or
-        `[E]` per expert); a result with `gradient` (name → `[E, ...]`) and `loss` (`[E]`)."""
-        raise NotImplementedError
+    @property
+    def method(self) -> str:
+        """`eggroll`, `ddpp` (SPSA with an exchange), `soma` (SPSA of N > 1 experts) or `spsa`."""
+        if isinstance(self.estimator, EGGROLLArgs):
+            return "eggroll"
+        if self.exchange is not None:
+            return "ddpp"
+        return "soma" if self.model.num_experts > 1 else "spsa"
 
     @property
-    def initial_scale(self) -> float:
-        """ε₀ (σ₀): the configured perturbation scale."""
-        raise NotImplementedError
+    def exchange(self):
+        """The DDPP exchange of an SPSA estimator (None: none)."""
+        return getattr(self.estimator, "exchange", None)
 
     @property
-    def scale_schedule(self) -> EpsSchedule:
-        """Whether the perturbation scale follows the learning rate."""
-        raise NotImplementedError
+    def rank_split(self) -> RankSplit:
+        """How ranks share the training data: DDPP reads the same global batch on every rank."""
+        return RankSplit.replicated if self.exchange is not None else self.parallel.rank_split
 
-    def check_batch_size(self, batch_size: int) -> None:
-        """Refuse a training batch of `batch_size` windows the estimator cannot split (ConfigError)."""
-        raise NotImplementedError
+    @property
+    def experts(self) -> range:
+        return self.parallel.experts
 
-    def token_forwards(self, tokens: Tensor) -> int:
-        """Token forwards one update on `tokens: [E, B, T]` evaluates on this process."""
-        raise NotImplementedError
-
-    def update_logs(self, result) -> dict[str, float | Tensor]:
-        """More values of the estimator's `result` to log as `train/<name>` (none by default)."""
-        return {}
+    @property
+    def trained_model(self) -> StackedExperts:
+        return self.parallel.trained_model
 
     def setup(self, stage: str) -> None:
         precision = str(self.trainer.precision)
@@ -151,16 +187,30 @@ class ZOModule(ByteLMModule):
             self.check_world_size(self.trainer.world_size)
         data = self.trainer.datamodule
         if stage == "fit" and isinstance(data, BatchesWindows) and isinstance(data.batch_size, int):
-            self.check_batch_size(data.batch_size)  # before the first step, not at it
+            self.estimator.check_batch_size(data.batch_size)  # before the first step, not at it
         # A fresh fit starts from the seed; a resumed one gets its weights from the checkpoint.
-        if stage == "fit" and self.init_checkpoint and self.trainer.ckpt_path is None:
-            self._warm_start(self.init_checkpoint, data.data_in_use() if isinstance(data, RecordsData) else None)
+        if stage == "fit" and self.seed_checkpoint and self.trainer.ckpt_path is None:
+            self._warm_start(self.seed_checkpoint, data.data_in_use() if isinstance(data, RecordsData) else None)
+        super().setup(stage)
+        self.parallel.setup()
+        if self.exchange is not None and self.trainer.world_size > 1:
+            keep_buffers_local(self)
 
     def check_world_size(self, world_size: int) -> None:
-        """Refuse to fit on several processes: each would train its own replica and they would diverge."""
-        raise ConfigError(f"{type(self).__name__} trains one model per process, so {world_size} processes would "
-                          f"train {world_size} diverging replicas: use --model=soma_pl.lit.DDPPModule for "
-                          f"multi-process SPSA (or trainer.devices=1, num_nodes=1)")
+        """Several processes share out N > 1 experts, or one model's directions (DDPP); any other
+        multi-process fit would train diverging replicas."""
+        if self.exchange is not None:
+            return  # each step's directions are dealt out: a rank may get none
+        if self.model.num_experts > 1:
+            self.parallel.check_world_size(world_size)
+            return
+        raise ConfigError(f"{type(self).__name__} of one model trains one replica per process, so {world_size} "
+                          f"processes would train {world_size} diverging replicas: share its directions out with "
+                          f"{KEY}.spsa.exchange=scalars (DDPP), or set trainer.devices=1, num_nodes=1")
+
+    def configure_optimizers(self):
+        self.parallel.take_share()  # after setup and any checkpoint restore: `model` holds the start weights
+        return super().configure_optimizers()
 
     @torch.no_grad()
     def _warm_start(self, path: str, data: dict[str, tuple[str | None, str]] | None = None) -> None:
@@ -169,7 +219,7 @@ class ZOModule(ByteLMModule):
         `--ckpt_path` refuses such a checkpoint."""
         state, _ = monolithic_state(path, data)
         for name, param in self.model.named_parameters():
-            if name == "head" and self.keep_head:
+            if name == "head" and self.head_training is HeadTraining.frozen_random:
                 continue
             if name not in state:
                 raise ConfigError(f"seed checkpoint {path}: no '{name}'")
@@ -182,14 +232,29 @@ class ZOModule(ByteLMModule):
             param.copy_(one if self.model.is_shared(name) else one.expand_as(param))
 
     def training_tokens(self, batch: Tensor) -> Tensor:
-        """As `ByteLMModule`'s, and the batch must fit `check_batch_size`."""
-        tokens = super().training_tokens(batch)
-        self.check_batch_size(tokens.shape[1])
-        return tokens
+        """`batch: [E, B, 1025] uint8` (E: this process's experts) → `[E, B, train_context + 1]`; the
+        batch must split as the estimator needs."""
+        experts = self.experts
+        if batch.dim() != 3 or batch.shape[0] != len(experts):
+            which = "the model has" if len(experts) == self.model.num_experts else \
+                f"this process trains experts {experts.start}..{experts.stop - 1}:"
+            raise ConfigError(f"training batch of shape {tuple(batch.shape)}: {which} {len(experts)} experts, "
+                              f"expected [{len(experts)}, B, T]")
+        self.estimator.check_batch_size(batch.shape[1])
+        return batch[..., : self.train_context + 1]
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The parameters the estimator perturbs: `[E, ...]` each (a shared head is never perturbed)."""
         return {n: p for n, p in self.trained_model.expert_parameters().items() if p.requires_grad}
+
+    def loss_fn(self, params: dict[str, Tensor], tokens: Tensor) -> Tensor:
+        """Per-group losses of the trained experts under `params [G, ...]`; with `decoder_only` the input
+        embedding keeps the unperturbed head."""
+        model = self.trained_model
+        if self.head_training is HeadTraining.decoder_only:
+            copies = tokens.shape[0] // model.num_experts
+            params = {**params, EMBED_HEAD: model.head.detach().repeat_interleave(copies, dim=0)}
+        return model.loss_per_group(params, tokens)
 
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
         tokens = self.training_tokens(batch)
@@ -197,27 +262,28 @@ class ZOModule(ByteLMModule):
         clock = UpdateClock(tokens.device)
         clock.start()
         scale = self.current_scale()
-        result = self.estimate(tokens, scale)
+        update = self.estimator.estimate(self, tokens, scale)
         for name, param in self.trainable_parameters().items():
-            param.grad = result.gradient[name]
+            param.grad = update.gradient[name]
         self.step_optimizer()
         seconds = clock.stop()
-        self.check_finite(step, result.loss)
-        self.log_update(result.loss, seconds, self.token_forwards(tokens),
-                        **{self.scale_name: float(torch.as_tensor(scale).mean())}, **self.update_logs(result))
+        self.check_finite(step, update.loss)
+        self.log_update(update.loss, seconds, update.forwards,
+                        **{self.estimator.scale_name: float(torch.as_tensor(scale).mean())}, **update.logs)
 
     def current_scale(self) -> float | Tensor:
         """The perturbation scale now: `[E]` (this process's experts) under per-expert decay, else one number."""
+        estimator = self.estimator
         if self.plateau is not None:
             multiplier = self.plateau.scale[self.experts.start : self.experts.stop]
-            if self.scale_schedule is EpsSchedule.constant:
+            if estimator.scale_schedule is EpsSchedule.constant:
                 multiplier = torch.ones_like(multiplier)
-            return self.initial_scale * multiplier
-        if self.scale_schedule is EpsSchedule.constant:
-            return self.initial_scale
+            return estimator.initial_scale * multiplier
+        if estimator.scale_schedule is EpsSchedule.constant:
+            return estimator.initial_scale
         group = self.optimizers().param_groups[0]
         group.setdefault("initial_lr", group["lr"])  # set by `configure_optimizers`; not on a bare optimizer
-        return self.initial_scale * group["lr"] / group["initial_lr"]
+        return estimator.initial_scale * group["lr"] / group["initial_lr"]
 
     def after_validation(self, held_out: Tensor) -> None:
         super().after_validation(held_out)
@@ -230,3 +296,17 @@ class ZOModule(ByteLMModule):
         if message:
             rank_zero_warn(message)
             self.eps_warned = True
+
+    def on_validation_epoch_start(self) -> None:
+        self.parallel.gather_weights()
+
+    def gather_expert_losses(self, losses: Tensor) -> Tensor:
+        return self.parallel.gather_losses(losses)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self.parallel.save(checkpoint, list(self.trainable_parameters().values()))
+        super().on_save_checkpoint(checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.parallel.load(checkpoint)

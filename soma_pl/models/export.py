@@ -62,6 +62,11 @@ class ExportedModel(nn.Module):
     def eval_k(self) -> int:
         return self.top_k
 
+    @property
+    def routing(self) -> ExportedModel:
+        """Where a module keeps its router and top-k (`module.routing`): an exported model holds them itself."""
+        return self
+
     def ranking(self, windows: Tensor) -> Tensor:
         """Expert order per window, best first: `[b, >=256]` → `[b, E]` (no router: index order)."""
         if self.router is None:

@@ -28,7 +28,7 @@ def tiny_experts(experts: int, seed: int = 0) -> StackedExperts:
 
 
 def save_checkpoint(path: Path, model: StackedExperts, router: Router | None) -> Path:
-    """A minimal Lightning-style checkpoint: `model.*` weights and, like SOMAModule, router bytes."""
+    """A minimal Lightning-style checkpoint: `model.*` weights and, like ZOModule, router bytes."""
     checkpoint = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}
     if router is not None:
         buffer = io.BytesIO()

@@ -146,7 +146,7 @@ def test_a_missing_or_corrupt_run_is_one_error_line(damage, fragment, runs, tmp_
         shutil.rmtree(run)
         run.mkdir()
     elif damage == "not JSON":
-        summary.write_text('{"module": "SPSAModule", ')
+        summary.write_text('{"module": "ZOModule", ')
     elif damage == "a list":
         summary.write_text("[]")
     elif damage == "no compute updates":

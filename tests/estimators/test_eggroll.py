@@ -108,7 +108,7 @@ def test_the_default_shaping_is_the_references_with_its_variance_term():
     """HyperscaleES `convert_fitnesses` by hand: each group of 2 centred on its own mean, all divided
     by √(population variance + 1e-5). The losses' variance is 1.5e-5, so the +1e-5 matters: a z-score
     (`population`) or a floored std would not match."""
-    from soma_pl.lit.eggroll import EGGROLLArgs
+    from soma_pl.lit import EGGROLLArgs
 
     values = [1.994, 2.000, 1.997, 2.003, 2.000, 2.006]  # pairs ±0.003 around 1.997, 2.000, 2.003
     mean = sum(values) / 6

@@ -30,8 +30,14 @@ class SaveRankState(L.Callback):
         self.folder.mkdir(parents=True, exist_ok=True)
         torch.save({"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
                     "experts": (experts.start, experts.stop), "token_forwards": record.token_forwards,
-                    "update_experts": record.experts, "exchange_bytes": getattr(pl_module, "exchange_bytes", None)},
+                    "update_experts": record.experts, "exchange_bytes": _logged(trainer, "train/exchange_bytes")},
                    self.folder / f"rank{trainer.global_rank}.pt")
+
+
+def _logged(trainer: L.Trainer, name: str) -> int | None:
+    """The last logged value of `name` as an integer (None when it was not logged)."""
+    value = trainer.callback_metrics.get(name)
+    return None if value is None else int(value)
 
 
 def fit_on_processes(args: list[str], processes: int, dump: Path, timeout: float = 240) -> list[dict]:

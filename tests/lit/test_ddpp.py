@@ -14,7 +14,7 @@ from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, assemble_estimate, spsa_differences, spsa_estimate
 from soma_pl.lightning_cli import make_cli
-from soma_pl.lit import DDPPModule, ModelShape, SPSAArgs, SPSAModule, ddpp
+from soma_pl.lit import ModelShape, SPSAArgs, ZOModule, ddpp
 from soma_pl.lit.ddpp import Exchange, partial_estimate, step_exchange_bytes, unflatten
 from soma_pl.models import StackedExperts
 
@@ -44,10 +44,10 @@ def test_shares_of_the_directions_rebuild_the_one_process_estimate_bit_for_bit(w
 
 def test_plain_spsa_refuses_to_fit_on_several_processes(monkeypatch):
     trainer = SimpleNamespace(world_size=2, global_rank=0, ckpt_path=None, precision="32-true")
-    monkeypatch.setattr(SPSAModule, "trainer", property(lambda self: trainer))
-    with pytest.raises(ConfigError, match="2 diverging replicas.*soma_pl.lit.DDPPModule"):
-        SPSAModule(shape=SHAPE).setup("fit")
-    DDPPModule(shape=SHAPE).check_world_size(2)  # DDPP accepts any number
+    monkeypatch.setattr(ZOModule, "trainer", property(lambda self: trainer))
+    with pytest.raises(ConfigError, match="2 diverging replicas.*spsa.exchange=scalars"):
+        ZOModule(shape=SHAPE).setup("fit")
+    ZOModule(shape=SHAPE, spsa={"exchange": "scalars"}).check_world_size(2)  # DDPP accepts any number
 
 
 def test_ddpp_on_two_processes_trains_the_weights_of_one_process(corpus_dir, tmp_path):
@@ -57,7 +57,7 @@ def test_ddpp_on_two_processes_trains_the_weights_of_one_process(corpus_dir, tmp
                 "--trainer.val_check_interval=3"]
     data = tmp_path / "data"
     reference = make_cli(fit_args(corpus_dir, data, tmp_path / "one", *settings))
-    ddpp = fit_args(corpus_dir, data, tmp_path / "two", *settings, "--model=soma_pl.lit.DDPPModule")[1:]
+    ddpp = fit_args(corpus_dir, data, tmp_path / "two", *settings, "--model.init_args.spsa.exchange=scalars")[1:]
     ranks = fit_on_processes(ddpp, processes=2, dump=tmp_path / "ranks")
 
     assert max_difference(ranks[0]["weights"], ranks[1]["weights"]) == 0.0
@@ -105,27 +105,27 @@ def test_partial_estimates_of_the_shares_add_up_to_the_one_process_estimate(worl
         torch.testing.assert_close(gradient, reference.gradient[name], rtol=1e-6, atol=1e-7 * gradient.abs().max())
 
 
-def _tiny_ddpp(**extra) -> DDPPModule:
+def _tiny_ddpp(exchange: str = "scalars") -> ZOModule:
     torch.manual_seed(0)
-    return DDPPModule(shape=SHAPE, spsa=SPSAArgs(eps=1e-2, n_pert=3, micro_batch=2), seed=1, **extra)
+    return ZOModule(shape=SHAPE, spsa=SPSAArgs(eps=1e-2, n_pert=3, micro_batch=2, exchange=exchange), seed=1)
 
 
-def _estimate_on(module: DDPPModule, monkeypatch, rank: int, world: int):
+def _estimate_on(module: ZOModule, monkeypatch, rank: int, world: int):
     trainer = SimpleNamespace(world_size=world, global_rank=rank)
-    monkeypatch.setattr(DDPPModule, "trainer", property(lambda self: trainer))
-    return module.estimate(torch.randint(0, 256, (1, 6, 17), generator=torch.Generator().manual_seed(2),
-                                         dtype=torch.uint8), 1e-2)
+    monkeypatch.setattr(ZOModule, "trainer", property(lambda self: trainer))
+    return module.estimator.estimate(module, torch.randint(0, 256, (1, 6, 17), dtype=torch.uint8,
+                                                           generator=torch.Generator().manual_seed(2)), 1e-2)
 
 
 def test_estimates_exchange_makes_the_scalars_update_with_d_floats_per_rank(monkeypatch):
     scalars, estimates = _tiny_ddpp(), _tiny_ddpp(exchange="estimates")
     assert scalars.exchange is Exchange.scalars and estimates.exchange is Exchange.estimates
-    assert estimates.hparams.exchange == "estimates"
+    assert estimates.hparams.spsa["exchange"] == "estimates"
     reference = _estimate_on(scalars, monkeypatch, 0, 1)
-    one = _estimate_on(estimates, monkeypatch, 0, 1)  # one process: SPSAModule's estimate exactly
+    one = _estimate_on(estimates, monkeypatch, 0, 1)  # one process: ZOModule's estimate exactly
     for name, gradient in reference.gradient.items():
         assert torch.equal(one.gradient[name], gradient), name
-    assert estimates.exchange_bytes == 0
+    assert one.logs["exchange_bytes"] == 0
 
     # Two ranks without processes: record each rank's payload, then hand every rank their sum.
     payloads = []
@@ -140,8 +140,8 @@ def test_estimates_exchange_makes_the_scalars_update_with_d_floats_per_rank(monk
     torch.testing.assert_close(combined[0].loss, reference.loss, rtol=1e-6, atol=0.0)
     parameters = sum(p.numel() for p in estimates.trainable_parameters().values())
     assert [p.shape for p in payloads] == [torch.Size([1, parameters + 1])] * 2
-    assert estimates.exchange_bytes == 2 * (parameters + 1) * 4
-    assert estimates.directions_here == 5  # rank 1's share of 9
+    assert [update.logs["exchange_bytes"] for update in combined] == [2 * (parameters + 1) * 4] * 2
+    assert [update.forwards // (2 * 2 * 16) for update in combined] == [4, 5]  # 9 directions: 4 + 5, 2 windows of 16
 
 
 @pytest.mark.slow
@@ -156,8 +156,8 @@ def test_estimates_exchange_on_two_processes_trains_the_weights_of_scalars_and_o
     make_cli(fit_args(corpus_dir, data, tmp_path / "one", *settings))
     runs = {}
     for exchange in Exchange:
-        args = fit_args(corpus_dir, data, tmp_path / exchange.value, *settings, "--model=soma_pl.lit.DDPPModule",
-                        f"--model.init_args.exchange={exchange.value}")[1:]
+        args = fit_args(corpus_dir, data, tmp_path / exchange.value, *settings,
+                        f"--model.init_args.spsa.exchange={exchange.value}")[1:]
         runs[exchange] = fit_on_processes(args, processes=2, dump=tmp_path / f"ranks_{exchange.value}")
 
     ranks = runs[Exchange.estimates]

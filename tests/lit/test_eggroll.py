@@ -1,4 +1,4 @@
-"""`EGGROLLModule` through the real CLI: a tiny fit, its accounting, exact resume, bad batch sizes; and
+"""`ZOModule` through the real CLI: a tiny fit, its accounting, exact resume, bad batch sizes; and
 one update at a learning rate and after a plateau halved it."""
 
 from __future__ import annotations
@@ -10,14 +10,13 @@ import torch.nn.functional as F
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.eggroll import FitnessShaping, StepConvention
 from soma_pl.lightning_cli import make_cli
-from soma_pl.lit import EGGROLLArgs, EGGROLLModule, ModelShape
-from soma_pl.lit.spsa import EpsSchedule
+from soma_pl.lit import EGGROLLArgs, EpsSchedule, ModelShape, ZOModule
 
 from .conftest import final_weights, fit_args, run_cli
 
 # tiny_spsa.yaml's data hold 4 windows per batch: 4 groups of 6 members. lr 0.16 under the reference
 # convention is the step of lr 0.002 under mean_over_sigma (0.002 / (σ²·√N), σ = 0.05, N = 24).
-EGGROLL = ["--model=soma_pl.lit.EGGROLLModule", "--model.init_args.shape.width=8",
+EGGROLL = ["--model=soma_pl.lit.ZOModule", "--model.init_args.shape.width=8",
            "--model.init_args.shape.num_layers=1",
            "--model.init_args.shape.embed_dim=8", "--model.init_args.train_context=24",
            "--model.init_args.eggroll.sigma=0.05",
@@ -41,7 +40,7 @@ def test_fit_records_population_forwards_and_moves_the_weights(corpus_dir, tmp_p
     # 8 updates lower the validation loss by 0.043 nats/byte (measured, 5.5393 -> 5.4968; 4 updates on
     # this corpus, since the tiny recipe holds out 5% for expert validation, did not lower it).
     assert metrics["val/loss"].item() < untrained.trainer.callback_metrics["val/loss"].item() - 0.01
-    assert "population" in module.hparams["eggroll"] and "spsa" not in module.hparams
+    assert "population" in module.hparams["eggroll"] and module.method == "eggroll"
     trained = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     assert trained["global_step"] == 8
     for name in module.model.state_dict():  # matrices and norm gains alike
@@ -71,7 +70,7 @@ def test_batch_size_that_does_not_match_the_groups_is_one_clear_error(corpus_dir
     assert "batch_size=6" in message and "4 windows" in message
 
 
-def _flat_weights(module: EGGROLLModule) -> torch.Tensor:
+def _flat_weights(module: ZOModule) -> torch.Tensor:
     return torch.cat([param.detach().flatten() for param in module.trainable_parameters().values()]).clone()
 
 
@@ -91,7 +90,7 @@ def test_halving_the_learning_rate_halves_the_step(monkeypatch, schedule, conven
     torch.manual_seed(0)
     eggroll = EGGROLLArgs(sigma=sigma, rank=2, population=24, group_size=6, fitness=fitness,
                           step_convention=convention, sigma_schedule=schedule)
-    module = EGGROLLModule(shape=ModelShape(width=8, num_layers=1, embed_dim=8), eggroll=eggroll, train_context=24,
+    module = ZOModule(shape=ModelShape(width=8, num_layers=1, embed_dim=8), eggroll=eggroll, train_context=24,
                            seed=3).double()
     optimizer = torch.optim.SGD(module.trainable_parameters().values(), lr=lr)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)

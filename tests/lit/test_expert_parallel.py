@@ -17,7 +17,7 @@ from soma_pl.data.stream import WindowStream
 from soma_pl.distributed import rank_share
 from soma_pl.errors import ConfigError
 from soma_pl.lightning_cli import make_cli
-from soma_pl.lit import SOMAModule
+from soma_pl.lit import ZOModule
 from soma_pl.lit.args import ModelShape
 from soma_pl.lit.parallel import slice_optimizer_state
 
@@ -68,8 +68,8 @@ def test_slicing_a_gathered_optimizer_state_keeps_the_ranks_experts():
 
 def test_soma_needs_an_expert_per_process(monkeypatch):
     trainer = SimpleNamespace(world_size=3, global_rank=0, ckpt_path=None)
-    monkeypatch.setattr(SOMAModule, "trainer", property(lambda self: trainer))
-    module = SOMAModule(num_experts=2, shape=ModelShape(width=8, num_layers=1, embed_dim=8), init="random")
+    monkeypatch.setattr(ZOModule, "trainer", property(lambda self: trainer))
+    module = ZOModule(num_experts=2, shape=ModelShape(width=8, num_layers=1, embed_dim=8), init="random")
     with pytest.raises(ConfigError, match="2 experts on 3 processes"):
         module.check_world_size(3)
 

@@ -17,10 +17,10 @@ from soma_pl.data.prepare import PrepareConfig, prepare
 from soma_pl.data.readers import CorpusConfig
 from soma_pl.data.sharding import ShardConfig, shard
 from soma_pl.lightning_cli import make_cli
+from soma_pl.lit import ZOModule
 from soma_pl.lit.args import ModelShape
 from soma_pl.lit.bptt import BPTTModule
 from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig
-from soma_pl.lit.soma import SOMAModule
 from soma_pl.models.router import HashedNgramEncoder, Router
 
 from .conftest import TINY
@@ -33,15 +33,16 @@ SMALL = ["--model.init_args.shape.width=8", "--model.init_args.shape.num_layers=
 SCHEDULE = ["--trainer.max_steps=16", "--trainer.val_check_interval=2"]
 MODULES = {
     "spsa": (TINY, []),
-    "eggroll": (TINY, ["--model=soma_pl.lit.EGGROLLModule", *SMALL, "--model.init_args.eggroll.sigma=0.05",
+    "eggroll": (TINY, ["--model=soma_pl.lit.ZOModule", *SMALL,
+                       "--model.init_args.eggroll.sigma=0.05",
                        "--model.init_args.eggroll.rank=2", "--model.init_args.eggroll.population=24",
                        "--model.init_args.eggroll.group_size=6",
                        "--model.init_args.seed=3", "--model.init_args.optimizer=torch.optim.SGD",
                        "--model.init_args.eggroll.step_convention=mean_over_sigma",
                        "--model.init_args.optimizer.lr=0.02"]),
-    "ddpp": (TINY, ["--model=soma_pl.lit.DDPPModule", *SMALL, "--model.init_args.spsa.eps=0.01",
+    "ddpp": (TINY, ["--model=soma_pl.lit.ZOModule", *SMALL, "--model.init_args.spsa.eps=0.01",
                     "--model.init_args.spsa.n_pert=4", "--model.init_args.spsa.micro_batch=2",
-                    "--model.init_args.seed=3",
+                    "--model.init_args.spsa.exchange=scalars", "--model.init_args.seed=3",
                     "--model.init_args.optimizer=torch.optim.SGD", "--model.init_args.optimizer.lr=0.1"]),
     "bptt": (TINY, ["--model=soma_pl.lit.BPTTModule", *SMALL, "--model.init_args.optimizer=torch.optim.Adam",
                     "--model.init_args.optimizer.lr=0.5"]),  # large enough to stall: decays happen
@@ -111,10 +112,10 @@ def _router(experts: int) -> Router:
 
 def test_bptt_and_soma_with_the_same_weights_and_router_score_alike():
     settings = {"num_experts": 3, "shape": ModelShape(width=8, num_layers=1, embed_dim=8), "top_k": 2}
-    soma = SOMAModule(init="random", **settings)
+    soma = ZOModule(init="random", **settings)
     bptt = BPTTModule(**settings)
     bptt.model.load_state_dict(soma.model.state_dict())
-    soma.router = bptt.router = _router(3)
+    soma.routing.router = bptt.routing.router = _router(3)
     windows = torch.randint(0, 256, (6, 1025), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     a, b = soma.score(windows), bptt.score(windows)
     assert torch.equal(a.loss_by_k, b.loss_by_k) and torch.equal(a.expert_losses, b.expert_losses)
@@ -155,9 +156,9 @@ def test_bptt_ensemble_validates_like_soma_through_the_cli(datasets, corpus_dir)
     assert cli.trainer.callback_metrics["val/loss"].item() == pytest.approx(report["loss_by_k"][1], rel=1e-5)
 
 
-@pytest.mark.parametrize("module_class", [SOMAModule, BPTTModule])
+@pytest.mark.parametrize("module_class", [ZOModule, BPTTModule])
 def test_min_lr_floors_every_experts_decay(module_class):
-    kwargs = {"init": "random"} if module_class is SOMAModule else {}
+    kwargs = {"init": "random"} if module_class is ZOModule else {}
     module = module_class(num_experts=2, shape=ModelShape(width=8, num_layers=1, embed_dim=8),
                           plateau=PlateauConfig(patience=0, min_lr=0.025),
                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), **kwargs)
@@ -176,7 +177,7 @@ def test_expert_plateau_never_goes_below_its_floor():
 
 
 def test_eps_below_float32_precision_warns_once():
-    module = SOMAModule(num_experts=2, shape=ModelShape(width=8, num_layers=1, embed_dim=8), init="random")
+    module = ZOModule(num_experts=2, shape=ModelShape(width=8, num_layers=1, embed_dim=8), init="random")
     with pytest.warns(UserWarning, match="eps has decayed to 5e-05"):
         module.warn_small_eps(torch.tensor([5e-5, 1e-3]))
     with warnings.catch_warnings():

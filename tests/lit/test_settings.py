@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from soma_pl.cli import main
-from soma_pl.lit.spsa import SPSAModule
+from soma_pl.lit import ZOModule
 
 from .conftest import fit_args, run_cli
 
@@ -23,7 +23,7 @@ def test_zero_order_modules_refuse_reduced_precision_in_one_line(corpus_dir, tmp
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     # on a CPU Lightning runs 16-mixed as bf16-mixed, and the message names what it runs
-    assert err[-1].startswith("soma_pl: error: trainer.precision=") and "SPSAModule" in err[-1]
+    assert err[-1].startswith("soma_pl: error: trainer.precision=") and "ZOModule" in err[-1]
     assert "32-true, 64-true" in err[-1]
 
 
@@ -46,7 +46,7 @@ def test_lightning_cli_optimizer_flag_is_not_offered(corpus_dir, tmp_path, capsy
 
 def test_load_from_checkpoint_restores_the_configured_optimizer(corpus_dir, tmp_path):
     run_cli(fit_args(corpus_dir, tmp_path / "data", tmp_path / "run", "--trainer.max_steps=2"))
-    module = SPSAModule.load_from_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    module = ZOModule.load_from_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     optimizer = module.optimizer_factory(module.trainable_parameters().values())
     assert isinstance(optimizer, torch.optim.SGD)
     group = optimizer.param_groups[0]

@@ -7,9 +7,9 @@ import torch
 
 from soma_pl.errors import ConfigError
 from soma_pl.estimators import SPSAConfig, spsa_estimate
+from soma_pl.lit import ZOModule
 from soma_pl.lit.args import ModelShape
 from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig
-from soma_pl.lit.soma import SOMAModule
 from soma_pl.models import StackedExperts
 
 
@@ -115,23 +115,23 @@ def test_checkpoint_round_trips_with_its_router(trained, sharded, corpus_dir, tm
     cli = make_cli(["validate", *soma_args(corpus_dir, root, experts, "validate"),
                     f"--model.init_args.router_path={tmp_path / 'router.pt'}", f"--ckpt_path={checkpoint}"])
     windows = torch.randint(0, 256, (6, 1025), dtype=torch.uint8)
-    assert torch.equal(cli.model.router.ranking(windows), original.ranking(windows))
+    assert torch.equal(cli.model.routing.router.ranking(windows), original.ranking(windows))
     assert not torch.equal(flipped.ranking(windows), original.ranking(windows))
     assert cli.trainer.callback_metrics["val/loss"].item() == pytest.approx(
         trained[0].trainer.callback_metrics["val/loss"].item(), rel=1e-5)
 
 
 def _seed_checkpoint(path: Path, width: int) -> Path:
-    from soma_pl.lit.spsa import SPSAModule
+    from soma_pl.lit import ZOModule
 
-    seed = SPSAModule(shape=ModelShape(width=width, num_layers=1, embed_dim=8))
+    seed = ZOModule(shape=ModelShape(width=width, num_layers=1, embed_dim=8))
     torch.save({"state_dict": seed.state_dict(), "hyper_parameters": dict(seed.hparams)}, path)
     return path
 
 
-def _soma(tmp_path, **kwargs) -> SOMAModule:
+def _soma(tmp_path, **kwargs) -> ZOModule:
     settings = {"num_experts": 2, "shape": ModelShape(width=8, num_layers=1, embed_dim=8), **kwargs}
-    return SOMAModule(**settings)
+    return ZOModule(**settings)
 
 
 def test_warm_start_copies_the_seed_into_every_expert(tmp_path):

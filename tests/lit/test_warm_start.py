@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from soma_pl.errors import ConfigError
-from soma_pl.lit import BPTTModule, DDPPModule, EGGROLLArgs, EGGROLLModule, ModelShape, SOMAModule, SPSAModule
-from soma_pl.models.stacked import HeadMode
+from soma_pl.lit import BPTTModule, EGGROLLArgs, ModelShape, ZOModule
 from tests.robustness.cli import cli, one_error
 
 from .conftest import final_weights, fit_args, run_cli
@@ -22,10 +21,10 @@ from .test_eggroll import EGGROLL
 
 SHAPE = ModelShape(width=8, num_layers=1, embed_dim=8)
 MONOLITHIC = {
-    "spsa": lambda **kw: SPSAModule(shape=SHAPE, **kw),
-    "spsa_shared_head": lambda **kw: SPSAModule(shape=SHAPE, head=HeadMode.shared, **kw),
-    "ddpp": lambda **kw: DDPPModule(shape=SHAPE, **kw),
-    "eggroll": lambda **kw: EGGROLLModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6), **kw),
+    "spsa": lambda **kw: ZOModule(shape=SHAPE, **kw),
+    "spsa_shared_head": lambda **kw: ZOModule(shape=SHAPE, head_training="frozen_shared", **kw),
+    "ddpp": lambda **kw: ZOModule(shape=SHAPE, spsa={"exchange": "scalars"}, **kw),
+    "eggroll": lambda **kw: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6), **kw),
 }
 
 
@@ -44,10 +43,10 @@ def bptt_seed(path: Path, shape: ModelShape = SHAPE) -> dict[str, torch.Tensor]:
 def test_a_monolithic_module_starts_as_a_copy_of_a_seed_of_its_width(name, tmp_path):
     path = tmp_path / "seed.ckpt"
     seed = bptt_seed(path)
-    module = MONOLITHIC[name](init="seed", init_checkpoint=str(path))
-    assert module.init_checkpoint == str(path)
+    module = MONOLITHIC[name](init="seed", seed_checkpoint=str(path))
+    assert module.seed_checkpoint == str(path)
     assert not torch.equal(module.model.w_hh, seed["w_hh"])  # its own random initialisation first
-    module._warm_start(module.init_checkpoint)
+    module._warm_start(module.seed_checkpoint)
     for weight, value in module.model.state_dict().items():
         expected = seed[weight][0] if module.model.is_shared(weight) else seed[weight]
         assert torch.equal(value, expected), weight
@@ -60,19 +59,19 @@ def test_a_monolithic_module_starts_as_a_copy_of_a_seed_of_its_width(name, tmp_p
     ("random", "seed.ckpt", None), ("random", None, None)])
 @pytest.mark.parametrize("name", MONOLITHIC)
 def test_init_says_which_start_a_fresh_fit_takes(name, init, given, start, recwarn):
-    assert MONOLITHIC[name](init=init, init_checkpoint=given).init_checkpoint == start
+    assert MONOLITHIC[name](init=init, seed_checkpoint=given).seed_checkpoint == start
     unused = [str(w.message) for w in recwarn if "is not used" in str(w.message)]
     # A named checkpoint that `init: random` leaves unused is said, never silently dropped.
-    assert unused == ([f"init: random: model.init_args.init_checkpoint={given} is not used; the fit starts from "
+    assert unused == ([f"init: random: model.init_args.seed_checkpoint={given} is not used; the fit starts from "
                        "random weights"] if init == "random" and given else [])
 
 
 @pytest.mark.parametrize(("build", "key"), [
-    (lambda: SPSAModule(shape=SHAPE, init="seed"), "init_checkpoint"),
-    (lambda: EGGROLLModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6), init="seed"),
-     "init_checkpoint"),
-    (lambda: DDPPModule(shape=SHAPE, init="seed"), "init_checkpoint"),
-    (lambda: SOMAModule(num_experts=2, shape=SHAPE, init="seed"), "seed_checkpoint"),
+    (lambda: ZOModule(shape=SHAPE, init="seed"), "seed_checkpoint"),
+    (lambda: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6), init="seed"),
+     "seed_checkpoint"),
+    (lambda: ZOModule(shape=SHAPE, spsa={"exchange": "scalars"}, init="seed"), "seed_checkpoint"),
+    (lambda: ZOModule(num_experts=2, shape=SHAPE, init="seed"), "seed_checkpoint"),
 ])
 def test_a_seed_start_without_a_checkpoint_is_refused(build, key):
     with pytest.raises(ConfigError, match=rf"^init: seed needs model.init_args.{key} \(or set init: random\)$"):
@@ -81,7 +80,7 @@ def test_a_seed_start_without_a_checkpoint_is_refused(build, key):
 
 def test_the_cli_refuses_a_seed_start_without_a_checkpoint_in_one_line(corpus_dir, tmp_path, capsys):
     args = fit_args(corpus_dir, tmp_path / "data", tmp_path / "run", "--model.init_args.init=seed")
-    one_error(cli(capsys, *args), "init: seed needs model.init_args.init_checkpoint (or set init: random)")
+    one_error(cli(capsys, *args), "init: seed needs model.init_args.seed_checkpoint (or set init: random)")
 
 
 def test_an_eggroll_fit_starts_from_the_seed_or_from_random_weights(corpus_dir, tmp_path):
@@ -89,7 +88,7 @@ def test_an_eggroll_fit_starts_from_the_seed_or_from_random_weights(corpus_dir, 
     path = tmp_path / "seed.ckpt"
     seed = bptt_seed(path)
     still = [*EGGROLL, "--model.init_args.optimizer.lr=1e-12", "--trainer.max_steps=1",
-             f"--model.init_args.init_checkpoint={path}"]
+             f"--model.init_args.seed_checkpoint={path}"]
     data = tmp_path / "data"
     for init, run in (("seed", "warm"), ("random", "cold")):
         run_cli(fit_args(corpus_dir, data, tmp_path / run, *still, f"--model.init_args.init={init}"))
@@ -100,11 +99,11 @@ def test_an_eggroll_fit_starts_from_the_seed_or_from_random_weights(corpus_dir, 
 
 
 def test_monolithic_spsa_with_a_shared_head_trains_its_body_and_keeps_the_seeds_head(corpus_dir, tmp_path):
-    """Fig. 7's N = 1 (`head: shared` from a seed): the head stays the seed's, as SOMA's frozen_shared does."""
+    """Fig. 7's N = 1 (`head_training: frozen_shared` from a seed): the head stays the seed's, as SOMA's does."""
     path = tmp_path / "seed.ckpt"
     seed = bptt_seed(path)
-    run_cli(fit_args(corpus_dir, tmp_path / "data", tmp_path / "run", "--model.init_args.head=shared",
-                     "--model.init_args.init=seed", f"--model.init_args.init_checkpoint={path}",
+    run_cli(fit_args(corpus_dir, tmp_path / "data", tmp_path / "run", "--model.init_args.head_training=frozen_shared",
+                     "--model.init_args.init=seed", f"--model.init_args.seed_checkpoint={path}",
                      "--trainer.max_steps=4"))
     trained = final_weights(tmp_path / "run")
     assert torch.equal(trained["model.head"], seed["head"][0])

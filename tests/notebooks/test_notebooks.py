@@ -65,7 +65,7 @@ def _write_runs(results: Path) -> None:
             writer = csv.DictWriter(handle, fieldnames=columns)
             writer.writeheader()
             writer.writerows(rows)
-        (folder / "summary.json").write_text(json.dumps({"module": "SOMAModule", "global_step": 40}))
+        (folder / "summary.json").write_text(json.dumps({"module": "ZOModule", "global_step": 40}))
         if accounting == "compute.json":
             (folder / "compute.json").write_text(json.dumps({"updates": 40, "aggregate_device_hours": 40 * 0.5 / 3600}))
         if accounting == "update_seconds":
@@ -121,15 +121,15 @@ def _write_routing(results: Path) -> None:
     """A 3-expert SOMA checkpoint with its router, six validation windows, then `analyze topk` and
     `analyze error-correlation` on them."""
     from soma_pl.data.evalsets import EvalSet
-    from soma_pl.lit import ModelShape, SOMAModule
+    from soma_pl.lit import ModelShape, ZOModule
     from soma_pl.models.router import HashedNgramEncoder, Router
 
     torch.manual_seed(0)
     shape = ModelShape(width=8, num_layers=1, embed_dim=8, time_chunk=256)
-    module = SOMAModule(num_experts=3, shape=shape, init="random", top_k=2)
-    module.router = Router(HashedNgramEncoder(dim=16), torch.randn(3, 16))
+    module = ZOModule(num_experts=3, shape=shape, init="random", top_k=2)
+    module.routing.router = Router(HashedNgramEncoder(dim=16), torch.randn(3, 16))
     checkpoint = {"state_dict": module.state_dict(),
-                  "hyper_parameters": {**dict(module.hparams), "_class_path": "soma_pl.lit.SOMAModule"}}
+                  "hyper_parameters": {**dict(module.hparams), "_class_path": "soma_pl.lit.ZOModule"}}
     module.on_save_checkpoint(checkpoint)
     torch.save(checkpoint, results / "soma.ckpt")
     (results / "data").mkdir()

@@ -26,19 +26,16 @@ from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.eggroll import FitnessShaping, StepConvention
 from soma_pl.lit import (
     BPTTModule,
-    DDPPModule,
     EGGROLLArgs,
-    EGGROLLModule,
     EpsSchedule,
+    Exchange,
     HeadTraining,
     Init,
     ModelShape,
     PlateauConfig,
-    SOMAModule,
     SPSAArgs,
-    SPSAModule,
+    ZOModule,
 )
-from soma_pl.lit.ddpp import Exchange
 from soma_pl.models.stacked import HeadMode
 from tests.pinned.data import PinnedData, pinned_router
 
@@ -75,30 +72,32 @@ class Run:
     """CPU processes the run is fitted on (DDP strategy when more than one)."""
 
 
-def spsa(router: str | None) -> SPSAModule:
-    return SPSAModule(num_experts=1, head=HeadMode.per_expert, spsa=SPSA, optimizer=sgd(0.05, 0.9), seed=3,
-                      init_checkpoint=None, **COMMON)
+def spsa(router: str | None) -> ZOModule:
+    return ZOModule(num_experts=1, spsa=SPSA, head_training=HeadTraining.trainable, init=Init.random,
+                    seed_checkpoint=None, optimizer=sgd(0.05, 0.9), seed=3, **COMMON)
 
 
-def soma_n2(router: str | None) -> SOMAModule:
+def soma_n2(router: str | None) -> ZOModule:
     spsa = SPSAArgs(eps=0.01, n_pert=8, micro_batch=2, direction=DirectionKind.rademacher, loss_grouping=1,
                     max_rows=16, eps_schedule=EpsSchedule.proportional)  # 2 directions per loss call
-    return SOMAModule(num_experts=2, init=Init.random, seed_checkpoint=None, head_training=HeadTraining.trainable,
-                      router_path=router, top_k=1, spsa=spsa, optimizer=sgd(0.05, 0.9), seed=3, **COMMON)
+    return ZOModule(num_experts=2, init=Init.random, seed_checkpoint=None, head_training=HeadTraining.trainable,
+                    router_path=router, top_k=1, spsa=spsa, optimizer=sgd(0.05, 0.9), seed=3, **COMMON)
 
 
-def eggroll(router: str | None) -> EGGROLLModule:
+def eggroll(router: str | None) -> ZOModule:
     settings = EGGROLLArgs(sigma=0.02, rank=2, population=32, group_size=8, fitness=FitnessShaping.group,
                            max_members=16, step_convention=StepConvention.reference, step_sigma=None,
                            sigma_schedule=EpsSchedule.constant)
-    return EGGROLLModule(eggroll=settings, optimizer=sgd(1.0, 0.0), seed=3, init_checkpoint=None, **COMMON)
+    return ZOModule(num_experts=1, eggroll=settings, optimizer=sgd(1.0, 0.0), seed=3, init=Init.random,
+                    seed_checkpoint=None, **COMMON)
 
 
-def ddpp(router: str | None) -> DDPPModule:
+def ddpp(router: str | None) -> ZOModule:
     spsa = SPSAArgs(eps=0.01, n_pert=3, micro_batch=2, direction=DirectionKind.rademacher, loss_grouping=1,
-                    max_rows=None, eps_schedule=EpsSchedule.proportional)  # 9 directions: 5 on rank 0, 4 on rank 1
-    return DDPPModule(spsa=spsa, exchange=Exchange.scalars, optimizer=sgd(0.1, 0.0), seed=3, init_checkpoint=None,
-                      **COMMON)
+                    max_rows=None, eps_schedule=EpsSchedule.proportional,
+                    exchange=Exchange.scalars)  # 9 directions: 5 on rank 0, 4 on rank 1
+    return ZOModule(num_experts=1, spsa=spsa, optimizer=sgd(0.1, 0.0), seed=3, init=Init.random,
+                    seed_checkpoint=None, **COMMON)
 
 
 def bptt_n1(router: str | None) -> BPTTModule:

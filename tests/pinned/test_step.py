@@ -18,8 +18,7 @@ import torch
 
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
-from soma_pl.lit import EpsSchedule, HeadTraining, Init, ModelShape, PlateauConfig, SOMAModule, SPSAArgs, SPSAModule
-from soma_pl.models.stacked import HeadMode
+from soma_pl.lit import EpsSchedule, HeadTraining, Init, ModelShape, PlateauConfig, SPSAArgs, ZOModule
 from tests.pinned.data import PinnedData, pinned_router
 from tests.pinned.runs import sgd
 
@@ -64,7 +63,7 @@ def _check(module: L.LightningModule, start, data: PinnedData, scale: torch.Tens
 
 def test_one_spsa_step_moves_theta_by_minus_lr_times_the_estimate():
     torch.manual_seed(0)
-    module = SPSAModule(num_experts=1, head=HeadMode.per_expert, init_checkpoint=None, **SETTINGS)
+    module = ZOModule(num_experts=1, head_training=HeadTraining.trainable, seed_checkpoint=None, **SETTINGS)
     start = copy.deepcopy(module.model)
     data = PinnedData(experts=1, batch_size=4, steps=1)
     _one_step(module, data)
@@ -73,7 +72,7 @@ def test_one_spsa_step_moves_theta_by_minus_lr_times_the_estimate():
 
 def test_one_soma_step_moves_each_expert_by_minus_lr_times_its_multiplier_times_its_estimate(tmp_path):
     torch.manual_seed(0)
-    module = SOMAModule(num_experts=2, init=Init.random, seed_checkpoint=None, head_training=HeadTraining.trainable,
+    module = ZOModule(num_experts=2, init=Init.random, seed_checkpoint=None, head_training=HeadTraining.trainable,
                         router_path=pinned_router(tmp_path), top_k=1, **SETTINGS)
     module.plateau.step(torch.tensor([1.0, 1.0]))
     module.plateau.step(torch.tensor([0.5, 2.0]))  # expert 1 stalls: its multiplier decays by 0.25

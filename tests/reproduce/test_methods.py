@@ -70,7 +70,7 @@ def test_table4_reports_each_row_and_checks_soma_against_every_other(tmp_path):
 def test_table9_scores_each_checkpoint_once_and_checks_soma_against_every_other(tmp_path, monkeypatch):
     """The frozen evaluation of a real (tiny) checkpoint is saved in its run folder and read back;
     the table pairs the rows' per-window losses on the text."""
-    from soma_pl.lit import SPSAModule
+    from soma_pl.lit import ZOModule
     from soma_pl.reproduce import methods
     from tests.tiny_checkpoints import SHAPE, module_checkpoint
 
@@ -80,7 +80,7 @@ def test_table9_scores_each_checkpoint_once_and_checks_soma_against_every_other(
         (text / f"chapter_{index}.txt").write_bytes(bytes(range(32, 127)) * 30)  # 2,850 bytes: two windows
     run = tmp_path / "run"
     run.mkdir()
-    checkpoint = module_checkpoint(SPSAModule(shape=SHAPE), tmp_path / "last.ckpt")
+    checkpoint = module_checkpoint(ZOModule(shape=SHAPE), tmp_path / "last.ckpt")
     (run / "summary.json").write_text(json.dumps({"last_checkpoint": str(checkpoint)}))
     scores = methods.external_scores(run, str(text))
     assert scores["windows"] == 4 and scores["documents_scored"] == 2 and len(scores["window_losses"]) == 4

@@ -100,15 +100,15 @@ def test_analyses_refuse_another_prepared_dataset(command, root, tmp_path, capsy
               f"{fingerprint(root / 'data')[:12]}) than --data {root / 'other'} (fingerprint ffffffffffff)")
 
 
-@pytest.mark.parametrize("setting", ["init_checkpoint", "seed_checkpoint"])
+@pytest.mark.parametrize("setting", ["seed_checkpoint", "seed_checkpoint"])
 def test_a_warm_start_from_another_prepared_dataset_is_refused(setting, root, tmp_path, capsys):
     """As `--ckpt_path` refuses it: the seed's training documents may be this dataset's held-out ones."""
     def elsewhere(checkpoint):
         checkpoint["ByteDataModule"]["fingerprints"]["dataset"] = "f" * 64
 
     seed = edited(last(root), tmp_path / "seed.ckpt", elsewhere)
-    model = [f"--model.init_args.init_checkpoint={seed}"] if setting == "init_checkpoint" else [
-        "--model=soma_pl.lit.SOMAModule", "--model.init_args.num_experts=1", "--model.init_args.init=seed",
+    model = [f"--model.init_args.seed_checkpoint={seed}"] if setting == "seed_checkpoint" else [
+        "--model=soma_pl.lit.ZOModule", "--model.init_args.num_experts=1", "--model.init_args.init=seed",
         f"--model.init_args.seed_checkpoint={seed}", "--model.init_args.shape.width=8",
         "--model.init_args.shape.num_layers=1", "--model.init_args.shape.embed_dim=8"]
     run_dir = tmp_path / "run"

@@ -19,8 +19,8 @@ import torch
 from soma_pl.cli import main
 from soma_pl.data.tar_shards import ShardWriter
 from soma_pl.errors import ConfigError
+from soma_pl.lit import ZOModule
 from soma_pl.lit.args import ModelShape
-from soma_pl.lit.soma import SOMAModule
 from soma_pl.models.router import HashedNgramEncoder, Router
 from tests.data.corpora import write_jsonl_corpus
 from tests.robustness.cli import cli, one_error
@@ -196,11 +196,11 @@ def test_a_router_of_another_sharding_is_refused(capsys, sharded, tmp_path):
 
 def test_evaluate_refuses_a_router_of_another_sharding_than_the_checkpoints(capsys, tmp_path):
     torch.manual_seed(0)
-    module = SOMAModule(num_experts=2, init="random", shape=ModelShape(width=8, num_layers=1, embed_dim=8))
+    module = ZOModule(num_experts=2, init="random", shape=ModelShape(width=8, num_layers=1, embed_dim=8))
     encoder, centroids = HashedNgramEncoder(dim=16), torch.randn(2, 16)
-    module.router = Router(encoder, centroids, sharding="a" * 64)
+    module.routing.router = Router(encoder, centroids, sharding="a" * 64)
     checkpoint = {"state_dict": module.state_dict(),
-                  "hyper_parameters": {**module.hparams, "_class_path": "soma_pl.lit.SOMAModule"}}
+                  "hyper_parameters": {**module.hparams, "_class_path": "soma_pl.lit.ZOModule"}}
     module.on_save_checkpoint(checkpoint)
     torch.save(checkpoint, tmp_path / "soma.ckpt")
     (tmp_path / "text.txt").write_text("river stone maple " * 200)

@@ -69,14 +69,15 @@ def test_resume_with_another_module_class_is_one_line(runs, tmp_path, capsys):
     argv = fit_args(runs / "corpus", runs / "data", tmp_path / "bptt", "--model=soma_pl.lit.BPTTModule", *SMALL,
                     f"--ckpt_path={ckpt}", "--trainer.max_steps=8")
     line = error_line(argv, capsys)
-    assert line.startswith(f"soma_pl: error: {ckpt} was written by soma_pl.lit.spsa.SPSAModule, the configured "
+    assert line.startswith(f"soma_pl: error: {ckpt} was written by soma_pl.lit.zo.ZOModule, the configured "
                            f"model is soma_pl.lit.bptt.BPTTModule")
 
 
 def test_ddpp_resumes_an_spsa_checkpoint(runs, tmp_path):
     """The same training state (DDPP is SPSA with its directions shared across ranks): allowed."""
     ckpt = runs / "seven" / "checkpoints" / "last.ckpt"
-    _fit(runs, str(tmp_path / "ddpp"), "--model=soma_pl.lit.DDPPModule", *SMALL, "--model.init_args.spsa.n_pert=4",
+    _fit(runs, str(tmp_path / "ddpp"), "--model.init_args.spsa.exchange=scalars", *SMALL,
+         "--model.init_args.spsa.n_pert=4",
          "--model.init_args.spsa.micro_batch=2", f"--ckpt_path={ckpt}", "--trainer.max_steps=8")
     assert _load(tmp_path / "ddpp" / "checkpoints" / "last.ckpt")["global_step"] == 8
 

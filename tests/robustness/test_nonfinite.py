@@ -12,7 +12,7 @@ import torch
 
 from soma_pl.cli import main
 from soma_pl.errors import DataError
-from soma_pl.lit import BPTTModule, SOMAModule
+from soma_pl.lit import BPTTModule, ZOModule
 from soma_pl.lit.base import NonFiniteError
 from soma_pl.lit.parallel import ExpertShare
 from soma_pl.models.checkpoints import monolithic_state
@@ -56,7 +56,7 @@ def test_a_diverging_run_stops_with_one_line_and_leaves_no_non_finite_checkpoint
 
 
 def test_the_step_check_names_the_expert_of_a_non_finite_loss_or_weight(monkeypatch):
-    module = SOMAModule(num_experts=3, **SMALL, init="random", top_k=2)
+    module = ZOModule(num_experts=3, **SMALL, init="random", top_k=2)
     finite = torch.tensor([5.0, 5.0, 5.0])
     module.check_finite(4, finite)  # all finite: nothing happens
     with pytest.raises(NonFiniteError, match=r"non-finite training loss at step 4 \(expert 2\)"):
@@ -94,7 +94,7 @@ def test_a_non_finite_seed_checkpoint_is_refused(root, tmp_path, capsys):
     with pytest.raises(DataError, match="'model.w_hh' holds NaN or infinite values"):
         monolithic_state(path)
     line = error_line(fit_args(root / "corpus", root / "data", tmp_path / "warm",
-                               f"--model.init_args.init_checkpoint={path}"),
+                               f"--model.init_args.seed_checkpoint={path}"),
                       capsys)
     assert line == (f"soma_pl: error: seed checkpoint {path}: 'model.w_hh' holds NaN or infinite values "
                     "(a diverged run): start from a finite checkpoint")

@@ -12,7 +12,7 @@ from soma_pl.data.prepare import PrepareConfig, prepare
 from soma_pl.data.readers import CorpusConfig
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.spsa import SPSAConfig
-from soma_pl.lit import BPTTModule, SOMAModule, SPSAModule
+from soma_pl.lit import BPTTModule, ZOModule
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args
 from tests.robustness.cli import error_line
@@ -89,15 +89,15 @@ def test_batch_size_must_split_into_micro_batches_before_the_first_step(corpus, 
 def test_constructors_refuse_bad_numbers():
     small = {"shape": {"width": 8, "num_layers": 1, "embed_dim": 8}}
     with pytest.raises(ConfigError, match="model.init_args.spsa.eps=-1"):
-        SPSAModule(**small, spsa={"eps": -1.0})
+        ZOModule(**small, spsa={"eps": -1.0})
     with pytest.raises(ConfigError, match="model.init_args.score_from=-1"):
-        SPSAModule(**small, score_from=-1)
+        ZOModule(**small, score_from=-1)
     with pytest.raises(ConfigError, match="model.init_args.plateau.min_lr=nan"):
         BPTTModule(**small, plateau={"min_lr": float("nan")})
     with pytest.raises(ConfigError, match="top_k=0"):
-        SOMAModule(num_experts=2, **small, init="random", top_k=0)
+        ZOModule(num_experts=2, **small, init="random", top_k=0)
     with pytest.raises(ConfigError, match="lr=0"):
-        SPSAModule(**small, optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.0}})
+        ZOModule(**small, optimizer={"class_path": "torch.optim.SGD", "init_args": {"lr": 0.0}})
 
 
 def test_estimator_config_names_the_bad_field():

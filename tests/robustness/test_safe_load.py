@@ -16,7 +16,7 @@ from soma_pl.cli import main
 from soma_pl.data.prepare import PrepareConfig, prepare
 from soma_pl.data.readers import CorpusConfig
 from soma_pl.errors import DataError
-from soma_pl.lit import BPTTModule, DDPPModule, EGGROLLModule, SOMAModule, SPSAModule
+from soma_pl.lit import BPTTModule, ZOModule
 from soma_pl.models.checkpoints import load_checkpoint
 from soma_pl.models.router import HashedNgramEncoder, Router
 from tests.data.corpora import write_jsonl_corpus
@@ -58,7 +58,7 @@ def _save(module, path: Path, **extra) -> Path:
 def _planted(tmp_path: Path) -> tuple[Path, Path]:
     """A monolithic SPSA checkpoint that would create `marker` when unpickled."""
     marker = tmp_path / "code_ran"
-    return _save(SPSAModule(**TINY), tmp_path / "planted.ckpt", planted=Planted(marker)), marker
+    return _save(ZOModule(**TINY), tmp_path / "planted.ckpt", planted=Planted(marker)), marker
 
 
 def _exit_code(argv: list[str]) -> int:
@@ -98,17 +98,17 @@ def _entry_point(name: str, checkpoint: Path, prepared: PrepareConfig, tmp_path:
         (tmp_path / "shard.yaml").write_text(yaml.safe_dump(config))
         return ["shard", "--config", str(tmp_path / "shard.yaml"), "--progress", "false"]
     run = tmp_path / "run"
-    if name == "fit init_checkpoint":
-        return fit_args(corpus, data, run, "--trainer.max_steps=1", f"--model.init_args.init_checkpoint={checkpoint}")
     if name == "fit seed_checkpoint":
-        return fit_args(corpus, data, run, "--model=soma_pl.lit.SOMAModule", "--model.init_args.num_experts=1",
+        return fit_args(corpus, data, run, "--trainer.max_steps=1", f"--model.init_args.seed_checkpoint={checkpoint}")
+    if name == "fit seed_checkpoint":
+        return fit_args(corpus, data, run, "--model=soma_pl.lit.ZOModule", "--model.init_args.num_experts=1",
                         "--model.init_args.init=seed", f"--model.init_args.seed_checkpoint={checkpoint}",
                         *(f"--model.init_args.{k}={v}" for k, v in TINY.items()), "--trainer.max_steps=1")
     return fit_args(corpus, data, run, "--trainer.max_steps=1", f"--ckpt_path={checkpoint}")
 
 
 @pytest.mark.parametrize("entry", ["evaluate", "analyze topk", "analyze variance", "shard --shard.seed_checkpoint",
-                                   "fit init_checkpoint", "fit seed_checkpoint", "fit --ckpt_path"])
+                                   "fit seed_checkpoint", "fit seed_checkpoint", "fit --ckpt_path"])
 def test_a_planted_reduce_runs_through_no_entry_point(entry, prepared, tmp_path, capsys):
     checkpoint, marker = _planted(tmp_path)
     code = _exit_code(_entry_point(entry, checkpoint, prepared, tmp_path))
@@ -121,7 +121,7 @@ def test_evaluate_imports_no_class_a_checkpoint_names(tmp_path, monkeypatch, cap
     marker = tmp_path / "imported"
     (tmp_path / "planted_module.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Evil: pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    checkpoint = _save(SPSAModule(**TINY), tmp_path / "named.ckpt")
+    checkpoint = _save(ZOModule(**TINY), tmp_path / "named.ckpt")
     payload = torch.load(checkpoint, weights_only=False)
     payload["hyper_parameters"]["_class_path"] = "planted_module.Evil"
     torch.save(payload, checkpoint)
@@ -138,7 +138,7 @@ def test_evaluate_does_not_import_the_optimizer_a_checkpoint_names(tmp_path, mon
     marker = tmp_path / "imported"
     (tmp_path / "planted_optim.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Evil: pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    module = SPSAModule(**TINY)
+    module = ZOModule(**TINY)
     module.hparams["optimizer"] = {"class_path": "planted_optim.Evil", "init_args": {"lr": 0.1}}
     checkpoint = _save(module, tmp_path / "optim.ckpt")
     text = tmp_path / "text.txt"
@@ -146,17 +146,18 @@ def test_evaluate_does_not_import_the_optimizer_a_checkpoint_names(tmp_path, mon
     code = _exit_code(["evaluate", "--checkpoint", str(checkpoint), "--text", str(text),
                        "--out", str(tmp_path / "e.json"), "--resamples", "10"])
     assert not marker.exists(), "evaluate imported the optimizer class the checkpoint names"
-    assert code == 0 and json.loads((tmp_path / "e.json").read_text())["module"] == "SPSAModule"
+    assert code == 0 and json.loads((tmp_path / "e.json").read_text())["module"] == "ZOModule"
 
 
-def _soma() -> SOMAModule:
-    module = SOMAModule(num_experts=2, init="random", top_k=2, **TINY)
-    module.router = Router(HashedNgramEncoder(dim=16), torch.randn(2, 16))
+def _soma() -> ZOModule:
+    module = ZOModule(num_experts=2, init="random", top_k=2, **TINY)
+    module.routing.router = Router(HashedNgramEncoder(dim=16), torch.randn(2, 16))
     return module
 
 
-@pytest.mark.parametrize("build", [lambda: SPSAModule(**TINY), lambda: BPTTModule(**TINY), _soma,
-                                   lambda: EGGROLLModule(**TINY), lambda: DDPPModule(**TINY)],
+@pytest.mark.parametrize("build", [lambda: ZOModule(**TINY), lambda: BPTTModule(**TINY), _soma,
+                                   lambda: ZOModule(eggroll={"population": 24, "group_size": 6}, **TINY),
+                                   lambda: ZOModule(spsa={"exchange": "estimates"}, **TINY)],
                          ids=["SPSA", "BPTT", "SOMA", "EGGROLL", "DDPP"])
 def test_every_module_checkpoint_loads_weights_only_enums_and_router_included(build, tmp_path):
     module = build()  # built in Python: its hyperparameters hold soma_pl enums
@@ -165,9 +166,9 @@ def test_every_module_checkpoint_loads_weights_only_enums_and_router_included(bu
     assert loaded["hyper_parameters"] == {**dict(module.hparams), "_class_path": f"soma_pl.lit.{type(module).__name__}"}
     for name, value in module.state_dict().items():
         assert torch.equal(loaded["state_dict"][name], value), name
-    if isinstance(module, SOMAModule):
+    if module.routing.routed:
         router = Router.load_from(io.BytesIO(loaded["router"]), "in the checkpoint")
-        assert torch.equal(router.centroids, module.router.centroids)
+        assert torch.equal(router.centroids, module.routing.router.centroids)
     assert AtomicCheckpointIO().load_checkpoint(path)["state_dict"].keys() == loaded["state_dict"].keys()
 
 
@@ -175,7 +176,7 @@ def test_every_module_checkpoint_loads_weights_only_enums_and_router_included(bu
 def test_a_damaged_file_is_one_data_error_naming_it(content, tmp_path):
     path = tmp_path / "bad.ckpt"
     if content == "truncated":
-        whole = _save(SPSAModule(**TINY), tmp_path / "whole.ckpt").read_bytes()
+        whole = _save(ZOModule(**TINY), tmp_path / "whole.ckpt").read_bytes()
         content = whole[: len(whole) // 2]
     path.write_bytes(content)
     with pytest.raises(DataError, match=r"unreadable checkpoint .*bad\.ckpt \(truncated, corrupt") as error:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = sorted((ROOT / "sweeps").rglob("*.yaml"))
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 WIDTH = "model.init_args.shape.width"
-CHECKPOINT = "model.init_args.init_checkpoint"
+CHECKPOINT = "model.init_args.seed_checkpoint"
 OUTPUTS = ("trainer.default_root_dir", "checkpoint.dirpath")
 """Where a fit writes: not part of a seed model's recipe (nor is its width)."""
 
@@ -91,7 +91,7 @@ def seed_checkpoint(config: dict) -> str | None:
     """The checkpoint a fresh fit of `config` starts from; None: random weights (read independently of
     the modules: `init: seed | random`; an unset `init` is `seed` when a checkpoint is named)."""
     args, defaults = _arguments(config)
-    key = next((key for key in ("seed_checkpoint", "init_checkpoint") if key in defaults), None)
+    key = next((key for key in ("seed_checkpoint", "seed_checkpoint") if key in defaults), None)
     if key is None:  # BPTT: no warm start
         return None
     path = args.get(key)
@@ -100,15 +100,15 @@ def seed_checkpoint(config: dict) -> str | None:
 
 
 def head_kind(config: dict) -> str:
-    """`trainable`, `decoder_only`, `frozen_shared` or `frozen_random` (SOMA's names); a monolithic
-    zero-order module's shared head is never perturbed: `frozen_shared`."""
+    """`trainable`, `decoder_only`, `frozen_shared` or `frozen_random` (`ZOModule`'s `head_training`);
+    BPTT's shared head is trained: `trainable_shared`."""
     args, defaults = _arguments(config)
     if "head_training" in defaults:
         return _value(args, defaults, "head_training")
     shared = _value(args, defaults, "head") == "shared"
     if not shared:
         return "trainable"
-    return "frozen_shared" if "init_checkpoint" in defaults else "trainable_shared"  # zero-order or BPTT
+    return "trainable_shared"
 
 
 def _options(arguments: list[str]) -> tuple[tuple[str, ...], dict]:
@@ -242,7 +242,7 @@ def test_every_zero_order_method_config_says_how_it_starts(path):
     """An explicit `init`; a seed start names a seed of the model's own width whose command is written down."""
     content = yaml.safe_load(path.read_text())
     _, defaults = _arguments(content)
-    if not {"init_checkpoint", "seed_checkpoint"} & set(defaults):  # BPTT: no warm start, random weights
+    if not {"seed_checkpoint"} & set(defaults):  # BPTT: no warm start, random weights
         assert seed_checkpoint(content) is None
         return
     assert content["model"]["init_args"].get("init") in ("seed", "random"), _name(path)
@@ -273,5 +273,5 @@ def test_sides_that_start_differently_are_told_apart():
     wrong_width = compose(["configs/spsa.yaml"], {CHECKPOINT: "runs/seed_w361/checkpoints/last.ckpt"})
     with pytest.raises(AssertionError, match="has width 361, its side 509"):
         start(wrong_width)
-    shared = compose(["configs/spsa.yaml"], {"model.init_args.head": "shared"})
+    shared = compose(["configs/spsa.yaml"], {"model.init_args.head_training": "frozen_shared"})
     assert _differing({"spsa": spsa, "shared": shared}, head_kind)

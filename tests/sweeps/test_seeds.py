@@ -113,6 +113,6 @@ def test_the_module_seed_goes_only_to_modules_that_take_one(tmp_path, monkeypatc
         seen[point["run"]] = ("--model.init_args.seed=3" in command, "--seed_everything=3" in command)
     assert seen == {"soma_n1": (True, True), "soma_n2": (True, True), "soma_n4": (True, True),
                     "bptt_n1": (False, True), "bptt_n2": (False, True), "bptt_n4": (False, True)}
-    class_paths = {"soma_pl.lit.SPSAModule": True, "soma_pl.lit.BPTTModule": False, "soma_pl.lit.EGGROLLModule": True}
+    class_paths = {"soma_pl.lit.ZOModule": True, "soma_pl.lit.BPTTModule": False}
     for class_path, takes in class_paths.items():
         assert runner.takes_seed((), {"model.class_path": class_path}) is takes
