@@ -11,7 +11,7 @@ import torch
 
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind
-from soma_pl.evaluate import load_module
+from soma_pl.evaluate_text import load_module
 from soma_pl.lit import (
     BPTTModule,
     DDPPModule,
