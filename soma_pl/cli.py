@@ -61,9 +61,9 @@ COMMANDS: dict[str, Command] = {
     "test": Command("Test loss of a configured model or a checkpoint (LightningCLI)."),
     "predict": Command("Each test window's losses from a checkpoint, written to files (LightningCLI)."),
     "prepare": Command("Build a prepared dataset folder (shards, evaluation sets, manifest).",
-                       "soma_pl.data.commands", "prepare_dataset"),
+                       "soma_pl.data.preparation.command", "prepare_dataset"),
     "shard": Command("Split a prepared dataset into N expert shard sets and fit the router.",
-                     "soma_pl.data.sharding", "shard_dataset"),
+                     "soma_pl.data.sharding.command", "shard_dataset"),
     "bench data": Command("Training-stream throughput from shards (windows/s, MB/s).", "soma_pl.bench.data"),
     "bench zo": Command("Zero-order update throughput: batched SPSA vs inference and a naive loop.",
                         "soma_pl.bench.zo", flatten="settings"),
@@ -85,9 +85,9 @@ COMMANDS: dict[str, Command] = {
     "analyze error-correlation": Command("Fig. 17: pairwise error correlation against the gain of averaging.",
                                          "soma_pl.analysis.error_correlation"),
     "evaluate": Command("Frozen next-byte loss (nats/byte) of a checkpoint on a text file or folder.",
-                        "soma_pl.evaluate"),
+                        "soma_pl.evaluate_text"),
     "external-text": Command("Fetch a pinned public text for frozen evaluation (Table 9) and write one .txt per "
-                             "document.", "soma_pl.data.external"),
+                             "document.", "soma_pl.data.corpus.external"),
     "generate": Command("Continue a prompt byte by byte from a checkpoint or an exported folder; prints the "
                         "continuation.", "soma_pl.generate", flatten="sampling"),
     "export": Command("Write a checkpoint's weights and settings as model.safetensors and config.json (no Lightning "
@@ -95,7 +95,7 @@ COMMANDS: dict[str, Command] = {
     "sweep": Command("Run (or join) a sweep's Optuna study, one trial at a time.", "soma_pl.sweeps.runner"),
     "sweep report": Command("Table 6 / Table 7 style tables of a sweep's study (nats/byte).", "soma_pl.sweeps.report"),
     "demo": Command("The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.",
-                    "soma_pl.demo"),
+                    "soma_pl.main_job"),
     "reproduce": Command("Run one or more of the paper's experiments and report each beside the paper.",
                          "soma_pl.reproduce.command", positional="experiments", listing="listing"),
     "reproduce docs": Command("Write docs/reproduction.md from every saved experiment result.",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from soma_pl.data.evalsets import EvalSet
+    from soma_pl.data.formats.evalsets import EvalSet
     from soma_pl.distributed import RankSplit
 
 

@@ -51,7 +51,7 @@ from soma_pl.callbacks.predictions import WindowLossWriter
 from soma_pl.callbacks.run_identity import ContinuedCSVLogger, RecordRunIdentity, RunIdentity, wandb_disabled
 from soma_pl.callbacks.summary import RunSummary
 from soma_pl.config_files import read_layers, warn_on_layer_order
-from soma_pl.data.datamodule import ByteDataModule
+from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.errors import ConfigError, DataError, SomaError
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.trainer import Trainer

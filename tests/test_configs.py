@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from soma_pl.cli import command_parser
-from soma_pl.data.datamodule import ByteDataModule
+from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.lightning_cli import make_cli
 from soma_pl.lit.base import ByteLMModule
 

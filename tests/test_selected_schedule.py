@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from soma_pl.demo import SELECTION, DemoConfig, _side_args, fit_length, selected_updates
+from soma_pl.main_job import SELECTION, DemoConfig, _side_args, fit_length, selected_updates
 from soma_pl.sweeps.space import load_sweep, trial_overrides
 from tests.sweeps.test_fair_starts import compose as resolve
 

@@ -11,7 +11,8 @@ import lightning
 import torch
 
 from soma_pl.cli import main
-from soma_pl.data.sharding import ShardConfig, shard
+from soma_pl.data.sharding.config import ShardConfig
+from soma_pl.data.sharding.shard import shard
 from soma_pl.lit import BPTTModule, EGGROLLArgs, ModelShape, ZOModule
 from soma_pl.models.router import HashedNgramEncoder, Router
 from tests.data.corpora import WORDS

@@ -15,15 +15,15 @@ import torch
 from torch import Tensor
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.prepare import existing_fingerprint
+from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.formats.manifest import existing_fingerprint
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.models.checkpoints import check_same_data, load_checkpoint, trained_on
 from soma_pl.models.router import Router
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
 ENSEMBLE_VAL_FILE = "ensemble_val.npz"
-"""The prepared dataset's ensemble-validation windows (see `soma_pl.data.prepare`)."""
+"""The prepared dataset's ensemble-validation windows (see `soma_pl.data.preparation.prepare`)."""
 
 
 @dataclass

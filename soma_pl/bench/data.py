@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.data.prepare import MANIFEST, PrepareConfig, existing_fingerprint
+from soma_pl.data.formats.manifest import MANIFEST, existing_fingerprint
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.errors import SomaError
 from soma_pl.io import emit_json
 

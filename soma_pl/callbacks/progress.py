@@ -1,5 +1,5 @@
 """`ProgressFile`: a fit's update count and latest validation loss as JSON lines, for another
-process to follow while the fit runs (the main job's per-side bars, `soma_pl.demo_steps`)."""
+process to follow while the fit runs (the main job's per-side bars, `soma_pl.main_job_steps`)."""
 
 from __future__ import annotations
 

@@ -5,5 +5,5 @@
 - `bootstrap`: document-level bootstrap intervals of a mean loss.
 - `checks`: what every scoring command refuses (counts below one, non-finite losses).
 
-The `evaluate` command (external text, Table 9) lives above the LightningModules, in `soma_pl.evaluate`.
+The `evaluate` command (external text, Table 9) lives above the LightningModules, in `soma_pl.evaluate_text`.
 """

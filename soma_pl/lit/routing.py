@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.contracts import ReadsExpertShards
-from soma_pl.data.expert_sets import read_experts_manifest
+from soma_pl.data.formats.expert_sets import read_experts_manifest
 from soma_pl.errors import ConfigError
 from soma_pl.models.checkpoints import check_same_data
 from soma_pl.models.router import Router

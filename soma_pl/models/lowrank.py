@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from soma_pl import VOCAB_SIZE
-from soma_pl.models.stacked import StackedExperts, _rms_norm, lstm_cell
+from soma_pl.models.stacked import StackedExperts, lstm_cell, rms_norm
 
 LOW_RANK_MATRICES = ("head", "in_proj", "out_proj", "w_ih", "w_hh")
 """Parameters whose last two dims are ``(out, in)`` matrices (w_ih, w_hh stack one per layer)."""
@@ -107,7 +107,7 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
 def _norm(x: Tensor, gains: Tensor) -> Tensor:
     """RMSNorm with a gain per member. x ``[E, M, b, Tc, d]``; gains ``[E, M, d]``."""
     flat = x.flatten(0, 1)
-    return _rms_norm(flat, gains.flatten(0, 1)).view(x.shape)
+    return rms_norm(flat, gains.flatten(0, 1)).view(x.shape)
 
 
 def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factors: Mapping[str, Factors],

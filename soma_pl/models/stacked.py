@@ -55,7 +55,7 @@ def _transposed(weight: Tensor) -> Tensor:
     return weight.transpose(1, 2).contiguous()
 
 
-def _rms_norm(x: Tensor, gain: Tensor) -> Tensor:
+def rms_norm(x: Tensor, gain: Tensor) -> Tensor:
     """RMSNorm over the last dim. x: ``[G, b, T, d]``; gain: ``[G, d]``."""
     scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _NORM_EPS)
     return x * scale * gain[:, None, None, :]
@@ -317,9 +317,9 @@ class StackedExperts(nn.Module):
             if self.has_projections:
                 x = _group_matmul(x, in_proj_t)
             for layer in range(self.num_layers):
-                out, states[layer] = lstm(layer, _rms_norm(x, gains[:, layer]), states[layer])
+                out, states[layer] = lstm(layer, rms_norm(x, gains[:, layer]), states[layer])
                 x = x + out
-            x = _rms_norm(x, gains[:, self.num_layers])
+            x = rms_norm(x, gains[:, self.num_layers])
             features = _group_matmul(x, out_proj_t) if self.has_projections else x
             yield features
 

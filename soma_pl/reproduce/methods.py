@@ -121,7 +121,7 @@ def table4_figure(result: dict, path: Path) -> Path:
 
 def external_scores(run_dir: Path, text: str = EXTERNAL_TEXT) -> dict:
     """The run's last checkpoint evaluated, frozen, on `text` (once: kept in `<run_dir>/external/`)."""
-    from soma_pl.evaluate import evaluate
+    from soma_pl.evaluate_text import evaluate
 
     saved = run_dir / "external" / f"{Path(text).name}.json"
     if saved.is_file():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.evalsets import EvalSet
+from soma_pl.data.formats.evalsets import EvalSet
 from soma_pl.models.router import HashedNgramEncoder, Router
 from soma_pl.models.stacked import StackedExperts
 

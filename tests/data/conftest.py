@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from soma_pl.data.prepare import PrepareConfig
-from soma_pl.data.readers import CorpusConfig
+from soma_pl.data.corpus.readers import CorpusConfig
+from soma_pl.data.preparation.config import PrepareConfig
 
 from .corpora import write_jsonl_corpus
 

@@ -11,11 +11,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.data.expert_sets import ExpertShardWriter, write_experts_manifest
-from soma_pl.data.prepare import read_manifest
-from soma_pl.data.readers import iter_corpus
-from soma_pl.data.stream import WindowStream, consumer_slice, document_windows
+from soma_pl.data.corpus.readers import iter_corpus
+from soma_pl.data.formats.expert_sets import ExpertShardWriter, write_experts_manifest
+from soma_pl.data.formats.manifest import read_manifest
+from soma_pl.data.training.datamodule import ByteDataModule
+from soma_pl.data.training.stream import WindowStream, consumer_slice, document_windows
 from soma_pl.errors import ConfigError, DataError
 
 from .corpora import window_owner
@@ -63,8 +63,8 @@ def test_eval_loaders_are_fixed(module):
 def test_monolithic_decay_windows_are_every_window_of_the_held_out_training_split(module):
     """N = 1 is one expert: validation's second loader holds every window of the prepared
     dataset's expert-validation documents, cut from each document's start, none of them trained on."""
-    from soma_pl.data.prepare import read_manifest
-    from soma_pl.data.tar_shards import iter_shard_documents
+    from soma_pl.data.formats.manifest import read_manifest
+    from soma_pl.data.formats.tar_shards import iter_shard_documents
 
     manifest = read_manifest(module.root)
     documents = [d for s in manifest["expert_val"]["shards"] for d in iter_shard_documents(module.root / s["path"])]
@@ -92,9 +92,9 @@ def test_a_cap_keeps_the_first_windows_of_each_expert(small_config):
 def test_a_capped_split_spreads_its_windows_over_every_document(tmp_path, count):
     """A cap takes windows from every document in turn (documents of 1, 5, 2 and 3 windows), not the
     first document's: checked against a round-robin over the documents' consecutive windows."""
-    from soma_pl.data.documents import Document
-    from soma_pl.data.stream import fixed_windows
-    from soma_pl.data.tar_shards import ShardWriter
+    from soma_pl.data.corpus.documents import Document
+    from soma_pl.data.formats.tar_shards import ShardWriter
+    from soma_pl.data.training.stream import fixed_windows
 
     rng = np.random.default_rng(0)
     sizes = [1, 5, 2, 3]

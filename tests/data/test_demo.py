@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from soma_pl.data import demo
-from soma_pl.data.demo import DemoSourceUnavailable, strip_wiki_markup
-from soma_pl.data.documents import Document
+from soma_pl.data.corpus import demo
+from soma_pl.data.corpus.demo import DemoSourceUnavailable, strip_wiki_markup
+from soma_pl.data.corpus.documents import Document
 from soma_pl.errors import ConfigError
 from tests.data.corpora import npm_tarball
 

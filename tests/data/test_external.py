@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from soma_pl.data import demo, external
+from soma_pl.data.corpus import demo, external
 from soma_pl.errors import DataError
 from soma_pl.io import read_marker
 from tests.data.corpora import npm_tarball

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.heldout import document_rank
-from soma_pl.data.prepare import FORMAT_VERSION, prepare, read_manifest
-from soma_pl.data.readers import CorpusConfig, corpus_fingerprint, iter_corpus
-from soma_pl.data.tar_shards import iter_shard_documents
+from soma_pl.data.corpus.readers import CorpusConfig, corpus_fingerprint, iter_corpus
+from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.formats.manifest import FORMAT_VERSION, read_manifest
+from soma_pl.data.formats.tar_shards import iter_shard_documents
+from soma_pl.data.preparation.heldout import document_rank
+from soma_pl.data.preparation.prepare import prepare
+from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.errors import ConfigError, DataError
 from tests.lit.conftest import fit_args
 from tests.robustness.cli import error_line

@@ -17,13 +17,14 @@ import pytest
 import webdataset as wds
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.documents import Document
-from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.heldout import OverlapScreen, seeded_hash, validation_windows
-from soma_pl.data.pipeline import ExecutorConfig
-from soma_pl.data.prepare import prepare, read_manifest
-from soma_pl.data.readers import CorpusConfig, iter_corpus
-from soma_pl.data.tar_shards import ShardRecord, iter_shard_documents, verify_shards
+from soma_pl.data.corpus.documents import Document
+from soma_pl.data.corpus.readers import CorpusConfig, iter_corpus
+from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.formats.manifest import read_manifest
+from soma_pl.data.formats.tar_shards import ShardRecord, iter_shard_documents, verify_shards
+from soma_pl.data.preparation.heldout import OverlapScreen, seeded_hash, validation_windows
+from soma_pl.data.preparation.prepare import prepare
+from soma_pl.data.runner.pipeline import ExecutorConfig
 from soma_pl.errors import DataError
 
 from .corpora import write_jsonl_corpus
@@ -135,7 +136,7 @@ def test_identical_rerun_is_a_noop_and_a_change_rebuilds(small_config):
 
 
 def test_failure_mid_write_leaves_nothing_valid(small_config, monkeypatch):
-    from soma_pl.data.tar_shards import ShardWriter
+    from soma_pl.data.formats.tar_shards import ShardWriter
 
     calls = {"n": 0}
     original = ShardWriter.write

@@ -15,12 +15,14 @@ import pytest
 import yaml
 
 from soma_pl.cli import main
-from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.heldout import OverlapScreen
-from soma_pl.data.pipeline import ExecutorConfig, default_start_method, make_executor
-from soma_pl.data.prepare import FORMAT_VERSION, PrepareConfig, prepare, read_manifest
-from soma_pl.data.readers import CorpusConfig
-from soma_pl.data.tar_shards import ShardWriter, iter_shard_documents
+from soma_pl.data.corpus.readers import CorpusConfig
+from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.formats.manifest import FORMAT_VERSION, read_manifest
+from soma_pl.data.formats.tar_shards import ShardWriter, iter_shard_documents
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.heldout import OverlapScreen
+from soma_pl.data.preparation.prepare import prepare
+from soma_pl.data.runner.pipeline import ExecutorConfig, default_start_method, make_executor
 from soma_pl.errors import ConfigError, DataError
 
 from .corpora import write_jsonl_corpus
@@ -152,7 +154,7 @@ def test_a_folder_from_another_version_is_refused_with_one_line(four_file_config
     folder = prepare(four_file_config, progress=False)
     manifest = read_manifest(folder)
     (folder / "manifest.json").write_text(json.dumps({**manifest, "format": FORMAT_VERSION - 1}))
-    from soma_pl.data.datamodule import ByteDataModule
+    from soma_pl.data.training.datamodule import ByteDataModule
 
     with pytest.raises(DataError, match=f"prepared by another soma_pl version .*format {FORMAT_VERSION - 1}"):
         ByteDataModule(prepared=str(folder)).setup()
@@ -161,7 +163,7 @@ def test_a_folder_from_another_version_is_refused_with_one_line(four_file_config
 
 
 def test_a_dataset_block_beside_a_prepared_folder_is_refused_not_ignored(tmp_path):
-    from soma_pl.data.datamodule import ByteDataModule
+    from soma_pl.data.training.datamodule import ByteDataModule
 
     with pytest.raises(ConfigError, match=r"data.init_args.dataset is set but data.init_args.prepared="):
         ByteDataModule(dataset=PrepareConfig(output_dir=str(tmp_path / "elsewhere")), prepared=str(tmp_path / "x"))

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from soma_pl.data.readers import CorpusConfig, corpus_files, iter_corpus
+from soma_pl.data.corpus.readers import CorpusConfig, corpus_files, iter_corpus
 from soma_pl.errors import DataError
 
 TEXTS = ["Photosynthesis converts light — énergie — into sugar.", "Ωmega and ασπίδα", "plain ascii text", "x"]

@@ -15,12 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.data.expert_sets import read_expert_shards
-from soma_pl.data.prepare import MANIFEST, PrepareConfig, prepare, read_manifest
-from soma_pl.data.readers import CorpusConfig
-from soma_pl.data.sharding import ShardConfig, read_shard_manifest, shard
-from soma_pl.data.tar_shards import ShardRecord, iter_shard_documents
+from soma_pl.data.corpus.readers import CorpusConfig
+from soma_pl.data.formats.expert_sets import read_expert_shards, read_experts_manifest
+from soma_pl.data.formats.manifest import MANIFEST, read_manifest
+from soma_pl.data.formats.tar_shards import ShardRecord, iter_shard_documents
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.prepare import prepare
+from soma_pl.data.sharding.config import ShardConfig
+from soma_pl.data.sharding.shard import shard
+from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.errors import DataError
 
 from .corpora import write_jsonl_corpus
@@ -70,7 +73,7 @@ def test_experts_hold_exactly_the_prepared_training_and_expert_validation_docume
         assert all(experts), f"an expert has no {split} document"
         total = sum(n for e in experts for n in e.values())
         assert total == sum(prepared_split.values()) == manifest[entry]["bytes"]
-    record = read_shard_manifest(folder)
+    record = read_experts_manifest(folder)
     for entry, split, documents in (("train", "train", train), ("expert_val", "val", expert_val)):
         experts = _experts(folder, split)
         assert [s[split] for s in record["expert_sizes"]] == [
@@ -119,7 +122,7 @@ def test_fewer_expert_validation_documents_than_experts_is_one_line(prepared, tm
 
 
 def test_an_expert_that_no_expert_validation_document_is_nearest_takes_its_nearest_one():
-    from soma_pl.data.sharding import assign_expert_val
+    from soma_pl.data.sharding.assign import assign_expert_val
 
     config = ShardConfig(num_experts=3, min_expert_fraction=0.25)
     centroids = np.array([[0, 0], [10, 0], [0, 10]], dtype=np.float32)

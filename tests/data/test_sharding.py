@@ -17,13 +17,17 @@ import torch
 import yaml
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.expert_sets import read_expert_shards
-from soma_pl.data.prepare import PrepareConfig, prepare, read_manifest
-from soma_pl.data.readers import CorpusConfig
-from soma_pl.data.sharding import ROUTER_FILE, ShardConfig, read_shard_manifest, rebalance, shard
-from soma_pl.data.tar_shards import ShardRecord, iter_shard_documents
+from soma_pl.data.corpus.readers import CorpusConfig
+from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.formats.expert_sets import ROUTER_FILE, read_expert_shards, read_experts_manifest
+from soma_pl.data.formats.manifest import read_manifest
+from soma_pl.data.formats.tar_shards import ShardRecord, iter_shard_documents
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.prepare import prepare
+from soma_pl.data.sharding.assign import rebalance
+from soma_pl.data.sharding.config import ShardConfig
+from soma_pl.data.sharding.shard import shard
+from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.models.router import Router, prefix_batch
 
@@ -94,7 +98,7 @@ def test_semantic_shards_recover_the_sources(semantic):
     table = [Counter(_source(d) for d in e["train"]) for e in experts]  # the contingency counts training documents
     purity = sum(max(row.values()) for row in table) / sum(sum(row.values()) for row in table)
     assert purity > 0.9 and {row.most_common(1)[0][0] for row in table} == set(VOCABULARIES)
-    manifest = read_shard_manifest(semantic)
+    manifest = read_experts_manifest(semantic)
     assert manifest["purity"] > 0.9 and manifest["num_experts"] == 3
     recorded = [Counter({Path(s).stem: n for s, n in row.items() if n}) for row in manifest["contingency"]]
     assert recorded == table
@@ -119,19 +123,19 @@ def test_random_sharding_is_balanced_and_mixes_sources(dataset, tmp_path):
     for split in ("train", "val"):  # each split is dealt round-robin
         sizes = [len(e[split]) for e in _expert_documents(folder)]
         assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
-    assert read_shard_manifest(folder)["purity"] < 0.6
+    assert read_experts_manifest(folder)["purity"] < 0.6
 
 
 def test_sharding_is_deterministic_and_an_identical_rerun_is_a_no_op(dataset, semantic, tmp_path):
     again = shard(_config(dataset, tmp_path / "again"), progress=False)
-    first, second = read_shard_manifest(semantic), read_shard_manifest(again)
+    first, second = read_experts_manifest(semantic), read_experts_manifest(again)
     assert first["experts"] == second["experts"]  # every shard's sha256, size and count
     before = (again / "experts.json").stat().st_mtime_ns
     assert shard(_config(dataset, tmp_path / "again"), progress=False) == again
     assert (again / "experts.json").stat().st_mtime_ns == before
     with pytest.warns(UserWarning, match="rebuilding"):
         shard(_config(dataset, tmp_path / "again", seed=1), progress=False)
-    assert read_shard_manifest(again)["config"]["seed"] == 1
+    assert read_experts_manifest(again)["config"]["seed"] == 1
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary folder is left"
 
 
@@ -159,7 +163,7 @@ def test_one_and_two_tasks_give_the_same_experts_splits_and_router(tmp_path, sam
         config = _config(dataset, tmp_path / f"experts-{tasks}", kmeans_sample=sample)
         config.executor.tasks = tasks
         built[tasks] = shard(config, progress=False)
-    one, two = (read_shard_manifest(built[t]) for t in (1, 2))
+    one, two = (read_experts_manifest(built[t]) for t in (1, 2))
     assert (one["tasks"], two["tasks"]) == (1, 2) and one["kmeans_sample"] == min(sample, one["documents"])
     assert _placement(built[1]) == _placement(built[2])
     assert one["contingency"] == two["contingency"] and one["purity"] == two["purity"] > 0.9
@@ -237,7 +241,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
 
 
 def test_shard_reader_shows_each_tasks_progress_over_its_files(dataset, capsys):
-    from soma_pl.data.shard_steps import PreparedShardsReader
+    from soma_pl.data.sharding.steps import PreparedShardsReader
 
     root = Path(dataset.output_dir)
     paths = [root / ShardRecord(**r).path for r in read_manifest(root)["train"]["shards"]]
@@ -257,9 +261,9 @@ def test_shard_reader_shows_each_tasks_progress_over_its_files(dataset, capsys):
 
 @pytest.mark.parametrize("tasks, workers", [(1, None), (2, None), (4, None), (4, 1)])
 def test_local_tasks_split_the_cores_between_them(tmp_path, tasks, workers):
-    from soma_pl.data.pipeline import ExecutorConfig
-    from soma_pl.data.shard_steps import EmbedDocuments, WriteExperts
-    from soma_pl.data.sharding import _stages
+    from soma_pl.data.runner.pipeline import ExecutorConfig
+    from soma_pl.data.sharding.shard import _stages
+    from soma_pl.data.sharding.steps import EmbedDocuments, WriteExperts
 
     config = ShardConfig(executor=ExecutorConfig(tasks=tasks, workers=workers))
     paths = [tmp_path / f"train-{i}.tar" for i in range(tasks)]

@@ -12,7 +12,7 @@ import torch
 
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind
-from soma_pl.evaluate import load_module
+from soma_pl.evaluate_text import load_module
 from soma_pl.lit import BPTTModule, EGGROLLArgs, EpsSchedule, ModelShape, PlateauConfig, SPSAArgs, ZOModule
 from soma_pl.models.checkpoints import load_checkpoint
 

@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from soma_pl.data.prepare import PrepareConfig, prepare
-from soma_pl.data.readers import CorpusConfig
-from soma_pl.data.sharding import ShardConfig, shard
-from soma_pl.data.stream import WindowStream
+from soma_pl.data.corpus.readers import CorpusConfig
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.prepare import prepare
+from soma_pl.data.sharding.config import ShardConfig
+from soma_pl.data.sharding.shard import shard
+from soma_pl.data.training.stream import WindowStream
 from soma_pl.distributed import rank_share
 from soma_pl.errors import ConfigError
 from soma_pl.lightning_cli import make_cli
@@ -47,7 +49,7 @@ def sharded(corpus_dir, tmp_path_factory):
 
 
 def test_a_rank_reads_for_its_experts_what_one_process_reads(sharded):
-    from soma_pl.data.expert_sets import read_expert_shards
+    from soma_pl.data.formats.expert_sets import read_expert_shards
 
     _, experts = sharded
     shard_sets = [[experts / r.path for r in e.train] for e in read_expert_shards(experts)]

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.prepare import PrepareConfig, prepare
-from soma_pl.data.readers import CorpusConfig
-from soma_pl.data.sharding import ShardConfig, shard
+from soma_pl.data.corpus.readers import CorpusConfig
+from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.prepare import prepare
+from soma_pl.data.sharding.config import ShardConfig
+from soma_pl.data.sharding.shard import shard
 from soma_pl.lightning_cli import make_cli
 from soma_pl.lit import ZOModule
 from soma_pl.lit.args import ModelShape

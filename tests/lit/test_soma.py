@@ -57,9 +57,11 @@ def test_expert_plateau_decays_only_the_expert_that_stalls():
 
 from pathlib import Path  # noqa: E402
 
-from soma_pl.data.prepare import PrepareConfig, prepare  # noqa: E402
-from soma_pl.data.readers import CorpusConfig  # noqa: E402
-from soma_pl.data.sharding import ShardConfig, shard  # noqa: E402
+from soma_pl.data.corpus.readers import CorpusConfig  # noqa: E402
+from soma_pl.data.preparation.config import PrepareConfig  # noqa: E402
+from soma_pl.data.preparation.prepare import prepare  # noqa: E402
+from soma_pl.data.sharding.config import ShardConfig  # noqa: E402
+from soma_pl.data.sharding.shard import shard  # noqa: E402
 from soma_pl.lightning_cli import make_cli  # noqa: E402
 from soma_pl.models.router import Router  # noqa: E402
 

@@ -120,7 +120,7 @@ def _write_variance(results: Path) -> None:
 def _write_routing(results: Path) -> None:
     """A 3-expert SOMA checkpoint with its router, six validation windows, then `analyze topk` and
     `analyze error-correlation` on them."""
-    from soma_pl.data.evalsets import EvalSet
+    from soma_pl.data.formats.evalsets import EvalSet
     from soma_pl.lit import ModelShape, ZOModule
     from soma_pl.models.router import HashedNgramEncoder, Router
 

@@ -85,7 +85,7 @@ def test_table9_scores_each_checkpoint_once_and_checks_soma_against_every_other(
     scores = methods.external_scores(run, str(text))
     assert scores["windows"] == 4 and scores["documents_scored"] == 2 and len(scores["window_losses"]) == 4
     assert scores["loss"] == pytest.approx(statistics.fmean(scores["window_losses"]))
-    monkeypatch.setattr("soma_pl.evaluate.evaluate", lambda *_: pytest.fail("evaluated twice"))
+    monkeypatch.setattr("soma_pl.evaluate_text.evaluate", lambda *_: pytest.fail("evaluated twice"))
     assert methods.external_scores(run, str(text)) == scores
 
     per_seed, folders = [], {}

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from soma_pl.cli import main
-from soma_pl.data.prepare import PrepareConfig, prepare
-from soma_pl.data.readers import CorpusConfig
+from soma_pl.data.corpus.readers import CorpusConfig
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.prepare import prepare
 from tests.data.corpora import write_jsonl_corpus
 
 

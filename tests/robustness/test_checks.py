@@ -210,7 +210,7 @@ def test_weights_only_false_still_loads_a_pickle_and_warns_naming_the_file(root,
 
 # --- one line for an --out that cannot be written, before the work -----------------------------------------------
 
-WORK = {"evaluate": "soma_pl.evaluate.evaluate", "analyze topk": "soma_pl.analysis.topk.load_experts",
+WORK = {"evaluate": "soma_pl.evaluate_text.evaluate", "analyze topk": "soma_pl.analysis.topk.load_experts",
         "bench zo": "soma_pl.bench.zo.bench_zo", "bench inference": "soma_pl.bench.inference.bench_inference",
         "bench kernels": "soma_pl.bench.kernels.bench_kernels", "bench memory": "soma_pl.bench.memory.bench_memory"}
 """Each command's work: replaced by a failure, so a check made after it would show."""

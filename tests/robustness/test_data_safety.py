@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from soma_pl.cli import main
-from soma_pl.data.tar_shards import ShardWriter
+from soma_pl.data.formats.tar_shards import ShardWriter
 from soma_pl.errors import ConfigError
 from soma_pl.lit import ZOModule
 from soma_pl.lit.args import ModelShape
@@ -135,7 +135,7 @@ def test_leftovers_of_dead_processes_are_removed_and_live_ones_kept(capsys, corp
 
 
 def test_a_corpus_file_vanishing_between_the_passes_stops_prepare(capsys, corpus, tmp_path, monkeypatch):
-    from soma_pl.data.prepare_steps import PlanHeldOut
+    from soma_pl.data.preparation.steps import PlanHeldOut
 
     original = PlanHeldOut.run
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.data.prepare import PrepareConfig, prepare
-from soma_pl.data.readers import CorpusConfig
+from soma_pl.data.corpus.readers import CorpusConfig
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.prepare import prepare
+from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.spsa import SPSAConfig
 from soma_pl.lit import BPTTModule, ZOModule

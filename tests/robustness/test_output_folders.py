@@ -103,7 +103,7 @@ def test_bench_data_reads_an_existing_dataset_as_it_is(capsys, built, tmp_path):
 
 
 def test_a_resume_at_another_task_count_gives_the_data_of_a_clean_build(capsys, built, tmp_path, monkeypatch):
-    from soma_pl.data.prepare_steps import PlanHeldOut
+    from soma_pl.data.preparation.steps import PlanHeldOut
 
     corpus, _, _ = built
     output, clean = tmp_path / "resumed", tmp_path / "clean"
@@ -129,7 +129,7 @@ def test_a_finished_build_whose_output_was_removed_is_rebuilt(capsys, built, tmp
     corpus, data, _ = built
     output = tmp_path / "out"
     args = prepare_args(corpus, output) if command == "prepare" else shard_args(data, output)
-    module = "soma_pl.data.prepare" if command == "prepare" else "soma_pl.data.sharding"
+    module = "soma_pl.data.preparation.prepare" if command == "prepare" else "soma_pl.data.sharding.shard"
     with monkeypatch.context() as patch:  # killed after the finish stage's marker, before the cleanup
         patch.setattr(f"{module}.remove_staging", lambda *args: None)
         assert cli(capsys, *args) == (0, [])

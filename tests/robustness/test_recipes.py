@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from soma_pl.data.datamodule import ByteDataModule
-from soma_pl.data.prepare import existing_fingerprint
+from soma_pl.data.formats.manifest import existing_fingerprint
+from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.errors import ConfigError
 from soma_pl.io import read_marker
 from tests.data.corpora import write_jsonl_corpus

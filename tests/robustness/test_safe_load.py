@@ -13,8 +13,9 @@ import yaml
 
 from soma_pl.callbacks.checkpoint_io import AtomicCheckpointIO
 from soma_pl.cli import main
-from soma_pl.data.prepare import PrepareConfig, prepare
-from soma_pl.data.readers import CorpusConfig
+from soma_pl.data.corpus.readers import CorpusConfig
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.prepare import prepare
 from soma_pl.errors import DataError
 from soma_pl.lit import BPTTModule, ZOModule
 from soma_pl.models.checkpoints import load_checkpoint

@@ -2,7 +2,7 @@
 
 A comparison's sides are the grid choices of a sweep file (each composed as the runner composes it:
 the choice's config layers, merged in order, then the sweep's and the choice's overrides) and the two
-sides of the main job (`soma_pl.demo`). A side starts from random weights or from a seed model; a
+sides of the main job (`soma_pl.main_job`). A side starts from random weights or from a seed model; a
 seed model is named by its checkpoint path, and the fit command that trains it is written in a config
 or sweep file's header. Two seed starts are alike when their commands are one recipe (the same
 layers and settings) apart from the width, and each seed has its side's own width.
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from soma_pl import lit
-from soma_pl.demo import DemoConfig, DemoSide
+from soma_pl.main_job import DemoConfig, DemoSide
 from soma_pl.sweeps.space import SweepSpec, load_sweep, point_params, trial_overrides
 
 ROOT = Path(__file__).resolve().parents[2]

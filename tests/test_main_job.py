@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from soma_pl.cli import main
-from soma_pl.demo import DemoConfig, thread_count
+from soma_pl.main_job import DemoConfig, thread_count
 from tests.data.corpora import write_jsonl_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def test_equal_token_forwards_gives_soma_half_the_updates(demo_run, monkeypatch)
 
 
 def test_a_finished_run_is_reused_only_on_the_data_it_was_trained_on(tmp_path):
-    from soma_pl.demo import DemoConfig, DemoSide, _data_fingerprints
+    from soma_pl.main_job import DemoConfig, DemoSide, _data_fingerprints
 
     for folder, name, value in (("data", "manifest.json", "a" * 64), ("experts", "experts.json", "b" * 64)):
         (tmp_path / folder).mkdir()

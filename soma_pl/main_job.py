@@ -17,10 +17,10 @@ The two sides run side by side, one intra-op thread each unless `--demo.threads`
 `OMP_NUM_THREADS` says otherwise: on a CPU shared with other jobs, more threads per process mostly
 spin in OpenMP waits. A finished step is reused when the command runs again with the same settings
 (its record is `<step>.json`); an interrupted fit resumes from its last checkpoint. The children
-die with the demo, and Ctrl-C stops them (`soma_pl.demo_steps`). While a fit runs, a bar per side
+die with the demo, and Ctrl-C stops them (`soma_pl.main_job_steps`). While a fit runs, a bar per side
 counts its updates and shows its latest ensemble-validation loss (the fit's
 `soma_pl.callbacks.progress.ProgressFile` writes them, the demo reads them). The command
-prints a side-by-side table on both compute bases (`soma_pl.demo_bases`): equal arithmetic (the same
+prints a side-by-side table on both compute bases (`soma_pl.main_job_bases`): equal arithmetic (the same
 updates of the equal-size pair) and equal measured update time (Table 3's U·Σₑ t̄ₑ, with the load
 average it was measured under), and writes `main_job.json` (the same figures), `main_job.md` and
 `main_job.png` (ensemble-validation loss against updates, multiply-adds and update time) into
@@ -43,10 +43,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from soma_pl.analysis.time_basis import equal_time_point, measured_curve, versions
-from soma_pl.demo_bases import LoadSampler
-from soma_pl.demo_steps import Follow, Steps
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_atomic, write_json_atomic
+from soma_pl.main_job_bases import LoadSampler
+from soma_pl.main_job_steps import Follow, Steps
 
 SELECTION = "sweeps/demo/table7_pair.yaml"
 
@@ -226,7 +226,7 @@ class SideResult:
     (token-forwards × parameters per expert), `device_seconds` (measured update time so far), `val_loss`."""
     run_dir: str
     equal_time: dict = field(default_factory=dict)
-    """At the equal-time budget (`soma_pl.demo_bases`): `TimePoint`'s fields, and `val`, `test`,
+    """At the equal-time budget (`soma_pl.main_job_bases`): `TimePoint`'s fields, and `val`, `test`,
     `test_final` of the checkpoint at its `updates`."""
 
 

@@ -1,14 +1,16 @@
 """The `prepare` command: build a prepared dataset folder, then print a JSON summary of it.
 
 It imports no torch (nor `shard`, which does): a `prepare` process and its forked tasks start in
-about half a second. `shard`'s command is `soma_pl.data.sharding.shard_dataset`.
+about half a second. `shard`'s command is `soma_pl.data.sharding.command.shard_dataset`.
 """
 
 from __future__ import annotations
 
 import json
 
-from soma_pl.data.prepare import MANIFEST, PrepareConfig, prepare, read_manifest
+from soma_pl.data.formats.manifest import MANIFEST, read_manifest
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.prepare import prepare
 
 
 def prepare_dataset(dataset: PrepareConfig = PrepareConfig(), progress: bool = True) -> None:

@@ -13,7 +13,7 @@ import yaml
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.cli import main
 from soma_pl.eval.ensemble import score_top_k, score_windows
-from soma_pl.evaluate import DocumentSplit, read_windows
+from soma_pl.evaluate_text import DocumentSplit, read_windows
 from soma_pl.lit import ZOModule
 from soma_pl.models.router import HashedNgramEncoder, Router
 from soma_pl.models.stacked import HeadMode, StackedExperts

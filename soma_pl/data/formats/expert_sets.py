@@ -14,12 +14,16 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from soma_pl.data.documents import Document
-from soma_pl.data.tar_shards import ShardRecord, ShardWriter
+from soma_pl.data.corpus.documents import Document
+from soma_pl.data.formats.tar_shards import ShardRecord, ShardWriter
 from soma_pl.errors import DataError
 from soma_pl.io import close_quietly, write_json_atomic
 
 EXPERTS_MANIFEST = "experts.json"
+ROUTER_FILE = "router.pt"
+FORMAT_VERSION = 2
+KIND = "sharded dataset"
+"""What the output folder's marker calls it (`soma_pl.io.OUTPUT_MARKER`)."""
 
 
 @dataclass
@@ -82,6 +86,15 @@ def read_experts_manifest(folder: str | Path) -> dict:
     if not isinstance(payload, dict):
         raise DataError(f"unreadable {path}: not a JSON object")
     return payload
+
+
+def experts_fingerprint(folder: Path) -> str | None:
+    """The fingerprint recorded in the `experts.json` of `folder`, or None (none there, or unreadable:
+    a rebuild replaces it)."""
+    try:
+        return read_experts_manifest(folder).get("fingerprint")
+    except DataError:
+        return None
 
 
 def expert_shards(folder: str | Path, payload: dict) -> list[ExpertShards]:

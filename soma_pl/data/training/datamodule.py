@@ -23,11 +23,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.contracts import SplitsRanks
-from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.expert_sets import check_sharded_from, expert_shards, read_experts_manifest
-from soma_pl.data.prepare import PrepareConfig, open_prepared, prepare, prepare_recipe, read_manifest
-from soma_pl.data.stream import WindowStream, fixed_windows
-from soma_pl.data.tar_shards import ShardRecord, Verify, verify_shards
+from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.formats.expert_sets import check_sharded_from, expert_shards, read_experts_manifest
+from soma_pl.data.formats.manifest import open_prepared, read_manifest
+from soma_pl.data.formats.tar_shards import ShardRecord, Verify, verify_shards
+from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.prepare import prepare, prepare_recipe
+from soma_pl.data.training.stream import WindowStream, fixed_windows
 from soma_pl.distributed import RankSplit, rank_share
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.models.checkpoints import check_same_data

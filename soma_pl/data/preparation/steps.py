@@ -1,4 +1,4 @@
-"""The four datatrove stages of `prepare` (see `soma_pl.data.prepare` for the folder they build).
+"""The four datatrove stages of `prepare` (see `soma_pl.data.preparation.prepare` for the folder they build).
 
 ```
 select  (N tasks)  each task: its documents' held-out candidates (smallest seeded id hashes: the
@@ -23,31 +23,34 @@ documents are grouped and ordered into tars) depend on the task count.
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import time
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.documents import Document
-from soma_pl.data.evalsets import EvalSet
-from soma_pl.data.heldout import ExpertValChoice, HeldOutSelector, OverlapScreen, document_rank, validation_windows
-from soma_pl.data.pipeline import read_documents
-from soma_pl.data.readers import corpus_change, corpus_changed, corpus_fingerprint
-from soma_pl.data.tar_shards import ShardRecord, ShardWriter, sha256_file
+from soma_pl.data.corpus.documents import Document
+from soma_pl.data.corpus.readers import corpus_change, corpus_changed, corpus_fingerprint, corpus_inputs
+from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.formats.manifest import FORMAT_VERSION, KIND, MANIFEST, existing_fingerprint
+from soma_pl.data.formats.tar_shards import ShardRecord, ShardWriter, sha256_file
+from soma_pl.data.preparation.config import PrepareConfig, config_json
+from soma_pl.data.preparation.heldout import (
+    ExpertValChoice,
+    HeldOutSelector,
+    OverlapScreen,
+    document_rank,
+    validation_windows,
+)
+from soma_pl.data.runner.pipeline import read_documents
+from soma_pl.data.runner.task_files import link_or_copy, peak_rss_mib, save_npy
 from soma_pl.errors import DataError
 from soma_pl.io import atomic_folder, close_quietly, write_atomic, write_json_atomic
-
-if TYPE_CHECKING:
-    from soma_pl.data.prepare import PrepareConfig
 
 SCREEN_BATCH_BYTES = 4_000_000
 """Training bytes screened at once (one vectorised lookup)."""
@@ -245,8 +248,6 @@ class FinishPrepare(_Stage):
         self.tasks, self.fingerprint, self.corpus, self.started = tasks, fingerprint, corpus, started
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from soma_pl.data.prepare import KIND, MANIFEST, corpus_inputs, existing_fingerprint
-
         output = Path(self.config.output_dir).expanduser()
         if existing_fingerprint(output) == self.fingerprint:
             return  # finished before a kill stopped the task from marking itself complete
@@ -267,8 +268,6 @@ class FinishPrepare(_Stage):
             raise corpus_changed(change)
 
     def _merge(self, work: Path) -> dict:
-        from soma_pl.data.prepare import FORMAT_VERSION, config_json
-
         config = self.config
         plan = json.loads((self.stage / "plan.json").read_text())
         parts = [json.loads((self.stage / "write" / f"{task:05d}.json").read_text()) for task in range(self.tasks)]
@@ -365,25 +364,6 @@ class FinishPrepare(_Stage):
         return json.loads((self.stage / "select" / f"{task:05d}.json").read_text())
 
 
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far, MiB (the process that ran the task)."""
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
-
-
-def link_or_copy(source: Path, target: Path) -> None:
-    """A hard link (no copy of a shard's bytes); a copy where the file system refuses links."""
-    try:
-        os.link(source, target)
-    except OSError:
-        import shutil
-
-        shutil.copyfile(source, target)
-
-
 def describe(config: PrepareConfig) -> str:
     kind = str(getattr(config.corpus.kind, "value", config.corpus.kind))
     return "the demo corpus" if kind == "demo" else ", ".join(config.corpus.paths)
@@ -423,19 +403,3 @@ def load_documents(path: Path) -> list[Document]:
     return [Document(text[a:b], source, doc_id, title)
             for a, b, source, doc_id, title in zip(starts, ends, meta["sources"], meta["ids"], meta["titles"],
                                                    strict=False)]
-
-
-def save_npy(path: Path, array: np.ndarray) -> None:
-    """`np.save` written atomically, the array's memory written as it is (no copy into a buffer)."""
-    array = np.ascontiguousarray(array)
-    header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
-    write_atomic([header.getvalue(), memoryview(array).cast("B")], path)
-
-
-def save_npz(path: Path, **arrays: np.ndarray) -> None:
-    """`np.savez` written atomically (in a folder made on demand)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    write_atomic(buffer.getvalue(), path)

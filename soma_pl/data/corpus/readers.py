@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from soma_pl.data.documents import Document
+from soma_pl.data.corpus.documents import Document
 from soma_pl.errors import DataError
 
 
@@ -174,7 +174,7 @@ def iter_corpus(config: CorpusConfig) -> Iterator[Document]:
     """Yield every document of the configured corpus, in a deterministic order."""
     kind = CorpusKind(config.kind)
     if kind is CorpusKind.demo:
-        from soma_pl.data.demo import iter_demo_documents
+        from soma_pl.data.corpus.demo import iter_demo_documents
 
         yield from iter_demo_documents(tuple(config.demo_sources))
         return
@@ -201,7 +201,7 @@ def corpus_fingerprint(config: CorpusConfig) -> dict:
     """
     kind = CorpusKind(config.kind)
     if kind is CorpusKind.demo:
-        from soma_pl.data.demo import demo_fingerprint
+        from soma_pl.data.corpus.demo import demo_fingerprint
 
         return {"kind": kind.value, "demo": demo_fingerprint(tuple(config.demo_sources))}
     files = corpus_files(kind, config.paths)
@@ -237,3 +237,8 @@ def corpus_changed(change: str) -> DataError:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip() or type(error).__name__
     return text.splitlines()[0]
+
+
+def corpus_inputs(corpus: CorpusConfig) -> list[str]:
+    """The paths a corpus is read from (none for the demo corpus): no output may hold them."""
+    return [] if CorpusKind(corpus.kind) is CorpusKind.demo else list(corpus.paths)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.documents import Document
+from soma_pl.data.corpus.documents import Document
 from soma_pl.errors import DataError
 
 

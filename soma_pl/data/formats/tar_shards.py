@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
-from soma_pl.data.documents import Document
+from soma_pl.data.corpus.documents import Document
 from soma_pl.errors import DataError
 
 

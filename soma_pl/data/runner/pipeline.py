@@ -7,8 +7,8 @@ stage, chained by dependencies) or `ray` (`RayPipelineExecutor`). A task reads i
 corpus files (datatrove deals them out: file i goes to task i mod tasks) and writes only files named
 by its rank; datatrove writes a completion marker per finished task, so a killed run started again
 skips the finished tasks and redoes the others. All of it happens in a staging folder beside the
-output (`soma_pl.data.staging`); the output appears only when the last stage renames the finished
-folder into place.
+output (`soma_pl.data.runner.staging`); the output appears only when the last stage renames the
+finished folder into place.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.readers import JsonlReader, ParquetReader
 from datatrove.pipeline.readers.base import BaseDiskReader
 
-from soma_pl.data.documents import Document
-from soma_pl.data.readers import CorpusConfig, CorpusKind, corpus_changed, corpus_files, iter_file
+from soma_pl.data.corpus.documents import Document
+from soma_pl.data.corpus.readers import CorpusConfig, CorpusKind, corpus_changed, corpus_files, iter_file
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import die_with_parent
 
@@ -316,8 +316,9 @@ def _close_task_logger(logfile) -> None:
 
 
 # datatrove sets up a task's logging with these two functions and offers no other hook; every
-# process that runs a soma_pl step imports this module (the steps are defined here and beside it),
-# so local, forked, spawned and Slurm tasks all log the same way.
+# process that runs a soma_pl step imports this module (the steps are defined here or in modules
+# that import it: `preparation.steps`, `sharding.steps`), so local, forked, spawned and Slurm tasks
+# all log the same way.
 datatrove_executor_base.add_task_logger = _task_logger
 datatrove_executor_base.close_task_logger = _close_task_logger
 
@@ -334,7 +335,7 @@ def from_pipeline(document: PipelineDocument) -> Document:
 
 
 class _CorpusFileReader:
-    """Reads one corpus file with soma_pl's reader of its kind (`soma_pl.data.readers`): the same
+    """Reads one corpus file with soma_pl's reader of its kind (`soma_pl.data.corpus.readers`): the same
     documents, ids and one-line errors as a single-process read."""
 
     corpus: CorpusConfig
@@ -372,7 +373,7 @@ class DemoReader(PipelineStep):
         self.corpus = corpus
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from soma_pl.data.demo import iter_demo_documents
+        from soma_pl.data.corpus.demo import iter_demo_documents
 
         for number, document in enumerate(iter_demo_documents(tuple(self.corpus.demo_sources))):
             if number % world_size == rank:

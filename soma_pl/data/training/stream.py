@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from soma_pl import WINDOW_BYTES
-from soma_pl.data.tar_shards import iter_shard_documents
+from soma_pl.data.formats.tar_shards import iter_shard_documents
 from soma_pl.errors import DataError
 
 

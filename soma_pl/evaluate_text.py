@@ -27,8 +27,8 @@ import torch
 from tqdm import tqdm
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
-from soma_pl.data.documents import Document
-from soma_pl.data.readers import CorpusKind, corpus_files, iter_text
+from soma_pl.data.corpus.documents import Document
+from soma_pl.data.corpus.readers import CorpusKind, corpus_files, iter_text
 from soma_pl.errors import DataError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.checks import check_counts, check_finite

@@ -1,0 +1,50 @@
+"""What the tasks of a `prepare` or `shard` stage write into the staging folder, and how the finished
+files reach the output: hand-off arrays written atomically (a killed task leaves nothing that reads
+as finished), hard links from the staging folder into the output, and a task's peak memory (which
+the manifests record).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+
+from soma_pl.io import write_atomic
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, MiB (the process that ran the task)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """A hard link (no copy of a shard's bytes); a copy where the file system refuses links."""
+    try:
+        os.link(source, target)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(source, target)
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """`np.save` written atomically, the array's memory written as it is (no copy into a buffer)."""
+    array = np.ascontiguousarray(array)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    write_atomic([header.getvalue(), memoryview(array).cast("B")], path)
+
+
+def save_npz(path: Path, **arrays: np.ndarray) -> None:
+    """`np.savez` written atomically (in a folder made on demand)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(buffer.getvalue(), path)
