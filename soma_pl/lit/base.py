@@ -8,8 +8,9 @@ Validation has two parts. The ensemble-validation windows (dataloader 0) are onl
 logged as `val/loss`: they give the scaling curves and the sweep selection, never a training
 decision. Each expert's own expert-validation split, the held-out 1% of its training documents
 (dataloader 1; N = 1 is one expert), is logged as `expert/<e>/val_loss` and handed to
-`after_validation`, where every module decays its learning rate: one `ReduceLROnPlateau` on expert
-0's loss, or (`per_expert_decay`: SOMA, BPTT) one multiplier per expert on its own loss.
+`after_validation`, where every module decays its learning rate: one `ReduceLROnPlateau` on a
+monolithic zero-order model's loss, or (`decays_per_expert`: N > 1 experts, and BPTT) one multiplier
+per expert on its own loss.
 
 Evaluation of several experts routes each window on its first 256 bytes and averages the top-k
 experts' probabilities (`Routing`, the field `routing`); one expert is scored alone.

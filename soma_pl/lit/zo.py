@@ -37,6 +37,7 @@ from soma_pl.distributed import RankSplit
 from soma_pl.errors import ConfigError
 from soma_pl.lit.args import KEY, ModelShape
 from soma_pl.lit.base import ByteLMModule
+from soma_pl.lit.ddpp import Exchange
 from soma_pl.lit.estimators import EGGROLLArgs, EpsSchedule, Estimator, SPSAArgs
 from soma_pl.lit.parallel import ExpertParallel, keep_buffers_local
 from soma_pl.lit.plateau import PlateauConfig
@@ -161,7 +162,7 @@ class ZOModule(ByteLMModule):
         return "soma" if self.model.num_experts > 1 else "spsa"
 
     @property
-    def exchange(self):
+    def exchange(self) -> Exchange | None:
         """The DDPP exchange of an SPSA estimator (None: none)."""
         return getattr(self.estimator, "exchange", None)
 

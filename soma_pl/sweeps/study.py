@@ -43,7 +43,7 @@ from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryHeartb
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
 
 from soma_pl.errors import ConfigError
 from soma_pl.io import write_json_atomic
@@ -119,6 +119,10 @@ def check_storage(url: str, setting: str = "storage") -> None:
         _check_folder(Path(parsed.database).expanduser(), f"{setting} {shown}")
 
 
+CREATE_ATTEMPTS = 5
+"""Openings of a database storage when another process is creating its tables at the same moment."""
+
+
 def open_storage(url: str, setting: str = "storage", spec: SweepSpec | None = None) -> BaseStorage:
     """An Optuna RDB URL (`sqlite:///...`, `postgresql://...`) or a journal file path, checked by
     `check_storage` (`setting` names where the URL came from in its error). With the sweep's `spec`
@@ -135,9 +139,18 @@ def open_storage(url: str, setting: str = "storage", spec: SweepSpec | None = No
         kwargs.update(heartbeat_interval=max(1, math.ceil(spec.heartbeat_seconds)),
                       grace_period=max(1, math.ceil(spec.stale_seconds)),
                       heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ExperimentalWarning)  # the heartbeat arguments are marked experimental
-        return optuna.storages.get_storage(RDBStorage(url, **kwargs))
+    for attempt in range(CREATE_ATTEMPTS):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ExperimentalWarning)  # the heartbeat arguments are marked experimental
+                return optuna.storages.get_storage(RDBStorage(url, **kwargs))
+        except OperationalError as error:
+            # Processes opening one new database at once (a sweep's workers, `reproduce` polling them)
+            # race to create its tables; the one that loses finds them made when it opens it again.
+            if "already exists" not in str(error) or attempt == CREATE_ATTEMPTS - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def optuna_heartbeat(storage: BaseStorage) -> bool:

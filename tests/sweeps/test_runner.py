@@ -262,3 +262,34 @@ def test_a_study_whose_trials_searched_the_seed_is_refused_with_one_line(tmp_pat
              "seed": optuna.distributions.CategoricalDistribution([0])})
     one_error(cli(capsys, "sweep", "--sweep", str(sweep), "--storage", storage, "--progress", "false"),
               "study 'unit' was started by an older soma_pl", "new study")
+
+
+def test_a_process_that_loses_the_race_to_create_a_new_database_opens_it_again(tmp_path, monkeypatch):
+    """Workers and `reproduce` open one new SQLite file at once: the loser of the race to create its
+    tables gets "table studies already exists" from SQLAlchemy, and opens the database again."""
+    from sqlalchemy.exc import OperationalError
+
+    from soma_pl.sweeps import study
+
+    calls, real = [], study.RDBStorage
+
+    def racing(url, **kwargs):
+        calls.append(url)
+        if len(calls) == 1:
+            real(url)  # another process makes the tables first ...
+            raise OperationalError("CREATE TABLE studies", {}, Exception("table studies already exists"))
+        return real(url, **kwargs)  # ... and this one finds them
+
+    monkeypatch.setattr(study, "RDBStorage", racing)
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    storage = open_storage(url)
+    assert len(calls) == 2 and storage.get_all_studies() == []
+
+    def locked(url, **kwargs):
+        calls.append(url)
+        raise OperationalError("SELECT 1", {}, Exception("database is locked"))
+
+    monkeypatch.setattr(study, "RDBStorage", locked)
+    with pytest.raises(OperationalError, match="database is locked"):  # any other error is not retried
+        open_storage(url)
+    assert len(calls) == 3
