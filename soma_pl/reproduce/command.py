@@ -100,6 +100,7 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
 def _run_workers(spec: SweepSpec, storage: str, workers: int, logs: Path) -> None:
     """`workers` sweep workers (one thread each) until the study is done, with one progress bar."""
     logs.mkdir(parents=True, exist_ok=True)
+    open_storage(storage)  # a new database's tables made here, before the workers race to make them
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "soma_pl.cli", "sweep", "--sweep", str(spec.path), f"--storage={storage}",
                "--progress=false"]

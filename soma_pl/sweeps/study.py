@@ -43,7 +43,7 @@ from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryHeartb
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError, SQLAlchemyError
 
 from soma_pl.errors import ConfigError
 from soma_pl.io import write_json_atomic
@@ -144,10 +144,12 @@ def open_storage(url: str, setting: str = "storage", spec: SweepSpec | None = No
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ExperimentalWarning)  # the heartbeat arguments are marked experimental
                 return optuna.storages.get_storage(RDBStorage(url, **kwargs))
-        except OperationalError as error:
+        except (OperationalError, IntegrityError) as error:
             # Processes opening one new database at once (a sweep's workers, `reproduce` polling them)
-            # race to create its tables; the one that loses finds them made when it opens it again.
-            if "already exists" not in str(error) or attempt == CREATE_ATTEMPTS - 1:
+            # race to create its tables and record its schema version; the one that loses finds them
+            # made when it opens it again.
+            racing = "already exists" in str(error) or "alembic_version" in str(error)
+            if not racing or attempt == CREATE_ATTEMPTS - 1:
                 raise
             time.sleep(0.1 * (attempt + 1))
     raise AssertionError("unreachable")

@@ -99,7 +99,12 @@ def test_final_test_scores_the_selected_runs_once_and_only_them(tmp_path, monkey
         assert row["difference"]["0.02"] == pytest.approx(row["test"]["0.01"] - row["test"]["0.02"])
     assert final["difference"]["0.02"]["n"] == 2
     # Both compute bases: the same selections at equal measured update time, T the faster one's total.
-    for entry, row in zip(t7["per_seed"], t7["equal_time"]["per_seed"], strict=True):
+    # With 4 updates T can fall before the slower run's first validation (the machine's load sets the
+    # update times): then the report says so instead of comparing.
+    timed = t7["equal_time"]
+    if "unavailable" in timed:
+        assert "falls before a selected run's first validation" in timed["unavailable"]
+    for entry, row in zip(t7["per_seed"], timed.get("per_seed", []), strict="unavailable" not in timed):
         totals = {}
         for label, trial in entry["trial"].items():
             (summary,) = (spec.output_dir / f"trial-{trial:04d}").glob("**/summary.json")
