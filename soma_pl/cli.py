@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
 
-from soma_pl.config_files import parse_error_line, read_layers
+from soma_pl.config_files import expand_configs, parse_error_line, read_layers
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import check_output_file
 
@@ -206,10 +206,11 @@ def _arguments(name: str, config: Namespace) -> dict:
 def run_command(name: str, argv: Sequence[str]) -> object:
     """Parse `argv` for the function command `name` and call its function."""
     parser = command_parser(name)
-    if "config" not in inspect.signature(COMMANDS[name].load()).parameters:
+    layered = "config" not in inspect.signature(COMMANDS[name].load()).parameters
+    if layered:  # `--config` is the parser's: layers, with the files their `base:` names
         read_layers(argv)  # a `--config` file that is not a YAML mapping: one line naming it
     try:
-        config = parser.instantiate(parser.parse_args(list(argv)))
+        config = parser.instantiate(parser.parse_args(expand_configs(argv) if layered else list(argv)))
     except SomaError:
         raise
     except Exception as error:  # jsonargparse's ArgumentError (often several lines), or a bad value

@@ -9,9 +9,11 @@ naming each setting it changes.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,11 @@ def config_paths(argv: Sequence[str]) -> list[str]:
     return paths
 
 
+def config_args(paths: Sequence[str]) -> list[str]:
+    """`paths` as repeated `--config` arguments."""
+    return [arg for path in paths for arg in ("--config", str(path))]
+
+
 def flatten(settings: dict, prefix: str = "") -> dict[str, Any]:
     """`{"data": {"init_args": {"batch_size": 2}}}` → `{"data.init_args.batch_size": 2}`."""
     flat = {}
@@ -77,10 +84,129 @@ def flatten(settings: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+BASE = "base"
+"""A layer's key naming the layers it builds on (`base: [../trainer/cpu.yaml, ../datamodule/demo.yaml]`,
+relative to the layer's own file), read before it: one file names a whole run."""
+
+SUBCLASS_SECTIONS = ("model", "data")
+"""Top-level sections whose every key other than `class_path` is an argument of the class."""
+
+_CLASS_KEYS = ("class_path", "init_args", "dict_kwargs")
+
+
+def nested_form(value: Any, what: str, subclass: bool = False) -> Any:
+    """A layer's settings in the parser's form: a class's arguments written beside its `class_path`
+    (`optimizer: {class_path: torch.optim.SGD, lr: 0.05}`, and any key of `model:` or `data:`) are
+    moved under `init_args`; settings already there are left as they are."""
+    if isinstance(value, list):
+        return [nested_form(item, what) for item in value]
+    if not isinstance(value, dict):
+        return value
+    value = {key: nested_form(item, what, subclass=False) for key, item in value.items()}
+    if not (subclass or "class_path" in value):
+        return value
+    shallow = {key: item for key, item in value.items() if key not in _CLASS_KEYS}
+    if not shallow:
+        return value
+    init_args = value.get("init_args") or {}
+    if not isinstance(init_args, dict):
+        raise ConfigError(f"{what}: init_args must be a mapping of settings, got {init_args!r}")
+    both = sorted(set(shallow) & set(init_args))
+    if both:
+        raise ConfigError(f"{what}: {both[0]} is set both beside class_path and under its init_args: keep one")
+    return {**{key: item for key, item in value.items() if key in _CLASS_KEYS}, "init_args": {**init_args, **shallow}}
+
+
+@dataclass(frozen=True)
+class Layer:
+    path: str
+    bases: list[str]
+    """The files its `base:` names, resolved against its folder."""
+    settings: dict
+    """Its own settings in the parser's form, without `base:`."""
+    as_written: bool
+    """Whether the file itself can go to the parser (no `base:`, no shallow class arguments)."""
+
+
+def read_layer(path: str | Path) -> Layer:
+    """A `--config` layer, read and checked."""
+    what = f"--config {path}"
+    raw = read_settings(path, what)
+    base = raw.get(BASE)
+    if base is None:
+        bases = []
+    elif isinstance(base, str):
+        bases = [base]
+    elif isinstance(base, list) and base and all(isinstance(item, str) for item in base):
+        bases = list(base)
+    else:
+        raise ConfigError(f"{what}: base must be a file or a list of files, got {base!r}")
+    folder = Path(path).parent
+    bases = [item if Path(item).is_absolute() else os.path.normpath(folder / item) for item in bases]
+    for item in bases:
+        if not Path(item).is_file():
+            raise ConfigError(f"{what}: its base {item} does not exist (a base is relative to the layer's folder)")
+    settings = {key: nested_form(item, what, subclass=key in SUBCLASS_SECTIONS)
+                for key, item in raw.items() if key != BASE}
+    return Layer(str(path), bases, settings, settings == raw)
+
+
+def _layers(paths: Sequence[str]) -> list[Layer]:
+    """The layers of `paths`, each file's bases before it (depth first), a file read once, at its
+    first place."""
+    done: dict[str, Layer] = {}
+
+    def visit(path: str, chain: tuple[str, ...]) -> None:
+        key = os.path.realpath(path)
+        if key in chain:
+            cycle = " → ".join(os.path.relpath(name) for name in (*chain[chain.index(key):], key))
+            raise ConfigError(f"--config {path}: its bases lead back to it ({cycle})")
+        if key in done:
+            return
+        layer = read_layer(path)
+        for base in layer.bases:
+            visit(base, (*chain, key))
+        done[key] = layer
+
+    for path in paths:
+        if Path(path).is_file():
+            visit(path, ())
+    return list(done.values())
+
+
 def read_layers(argv: Sequence[str]) -> list[tuple[str, dict]]:
-    """Each `--config` file of `argv` that exists, read and checked, as `(path, settings)`; a
-    missing file is left to the parser, which names it."""
-    return [(path, read_settings(path, f"--config {path}")) for path in config_paths(argv) if Path(path).is_file()]
+    """Each `--config` file of `argv` that exists, with the bases it names before it, read and
+    checked, as `(path, settings)` in the order the parser reads them; a missing file is left to
+    the parser, which names it."""
+    return [(layer.path, layer.settings) for layer in _layers(config_paths(argv))]
+
+
+def expand_configs(argv: Sequence[str]) -> list[str]:
+    """`argv` with every `--config FILE` preceded by the layers its `base:` names (a file given
+    once), and a layer the parser cannot read as written (a `base:` key, a class's arguments beside
+    its `class_path`) handed to it as its settings in the parser's form."""
+    out, seen = [], set()
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg in CONFIG_FLAGS and index + 1 < len(argv):
+            path, index = argv[index + 1], index + 2
+        elif arg.startswith("--config="):
+            path, index = arg.split("=", 1)[1], index + 1
+        else:
+            out.append(arg)
+            index += 1
+            continue
+        if not Path(path).is_file():
+            out += ["--config", path]  # the parser names a missing file, or reads YAML text
+            continue
+        for layer in _layers([path]):
+            key = os.path.realpath(layer.path)
+            if key in seen and key != os.path.realpath(path):
+                continue  # a base given earlier is not read twice
+            seen.add(key)
+            out += ["--config", layer.path if layer.as_written else yaml.safe_dump(layer.settings, sort_keys=False)]
+    return out
 
 
 def _shown(items: list[str], most: int = 3) -> str:
@@ -142,5 +268,9 @@ def parse_error_line(message: str, argv: Sequence[str] = ()) -> str:
     # settings sit directly under it (`model.init_args.spsa.eps`).
     line = re.sub(r"\.(spsa|eggroll)\.init_args\.", r".\1.", line)
     option = re.search(r"option '([^']+)'", line, re.IGNORECASE)
-    source = setting_source(option[1], read_layers(argv)) if option else None
+    source = None
+    if option:
+        layers = read_layers(argv)
+        within = f"{'.init_args.'.join(keys)}.init_args.{option[1]}" if keys else None  # a class's argument
+        source = (within and setting_source(within, layers)) or setting_source(option[1], layers)
     return f"{line}, set in {source}" if source else line

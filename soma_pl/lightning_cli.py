@@ -33,6 +33,7 @@ import warnings
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -50,7 +51,7 @@ from soma_pl.callbacks.final import EndStateCheckpoint
 from soma_pl.callbacks.predictions import WindowLossWriter
 from soma_pl.callbacks.run_identity import ContinuedCSVLogger, RecordRunIdentity, RunIdentity, wandb_disabled
 from soma_pl.callbacks.summary import RunSummary
-from soma_pl.config_files import read_layers, warn_on_layer_order
+from soma_pl.config_files import expand_configs, read_layers, warn_on_layer_order
 from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.errors import ConfigError, DataError, SomaError
 from soma_pl.lit.base import ByteLMModule
@@ -368,6 +369,7 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
     # follows beside the scheduler for readers; Lightning warns that it will not use that key.
     warnings.filterwarnings("ignore", message=r"The lr scheduler dict contains the key\(s\) \['monitor'\]")
     warn_on_layer_order(read_layers(argv))
+    argv = expand_configs(argv)  # a layer's `base:` files before it
     try:
         cli = SomaCLI(
             model_class=ByteLMModule,
@@ -396,7 +398,24 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
         raise
     if run:
         finish_wandb()
+        close_process_group()
     return cli
+
+
+def close_process_group() -> None:
+    """Destroy the gloo process group a multi-process fit opened. Lightning destroys only NCCL's at
+    exit; a gloo group left to the interpreter's teardown can end a finished rank with
+    `terminate called without an active exception` and a non-zero status."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    with contextlib.suppress(RuntimeError):  # a rank that died is not waited for
+        if dist.get_backend() == "gloo":  # no rank tears down while another still waits on it
+            dist.monitored_barrier(timeout=timedelta(seconds=120))
+        else:
+            dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_lightning(argv: Sequence[str]) -> None:

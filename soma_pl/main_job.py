@@ -43,16 +43,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from soma_pl.analysis.time_basis import equal_time_point, measured_curve, versions
+from soma_pl.config_files import config_args, read_layers
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_atomic, write_json_atomic
 from soma_pl.main_job_bases import LoadSampler
 from soma_pl.main_job_steps import Follow, Steps
 
 SELECTION = "sweeps/demo/table7_pair.yaml"
-
-
-DEMO_LAYERS = ("configs/trainer/cpu.yaml", "configs/datamodule/demo.yaml")
-"""The trainer base and data layer under both sides' method configs."""
 
 
 @dataclass
@@ -62,15 +59,15 @@ class DemoSide:
     Attributes:
         name: folder and key of this side in the outputs.
         label: its name in the table and the figure.
-        config: its fit config's layers, passed in order as repeated `--config` (trainer base, data
-            layer, method layer).
-        lr: its learning rate (`model.init_args.optimizer.init_args.lr`): the Table 6 selection's.
+        config: its fit config: the method layer (which names its trainer base and data layer under
+            `base:`), and any further layers, passed in order as repeated `--config`.
+        lr: its learning rate (`model.optimizer.lr`): the Table 6 selection's.
         overrides: extra arguments for this side's fit, validate and test.
     """
 
     name: str = "spsa"
     label: str = "SPSA, N = 1"
-    config: list[str] = field(default_factory=lambda: [*DEMO_LAYERS, "configs/demo/spsa.yaml"])
+    config: list[str] = field(default_factory=lambda: ["configs/demo/spsa.yaml"])
     lr: float = 0.025
     overrides: list[str] = field(default_factory=list)
 
@@ -80,7 +77,7 @@ def _spsa() -> DemoSide:
 
 
 def _soma() -> DemoSide:
-    return DemoSide(name="soma", label="SOMA, N = 2", config=[*DEMO_LAYERS, "configs/demo/soma_n2.yaml"], lr=0.025)
+    return DemoSide(name="soma", label="SOMA, N = 2", config=["configs/demo/soma_n2.yaml"], lr=0.025)
 
 
 @dataclass
@@ -149,14 +146,12 @@ def _settings_key(args: list[str], data: list[str]) -> str:
 def _data_fingerprints(demo: DemoConfig, side: DemoSide) -> list[str]:
     """The fingerprints of the prepared dataset and expert shards the side's config reads: a run is
     reused only on the data it was trained on."""
-    import yaml
-
     data = {}
-    for layer in side.config:  # a later layer's keys win, as in the CLI
-        data.update(((yaml.safe_load(Path(layer).read_text()) or {}).get("data") or {}).get("init_args") or {})
+    for _, settings in read_layers(config_args(side.config)):
+        data.update((settings.get("data") or {}).get("init_args") or {})  # a later layer's keys win, as in the CLI
     for argument in [*demo.overrides, *side.overrides]:  # the last override of a folder wins
         key, _, value = argument.partition("=")
-        if key in ("--data.init_args.prepared", "--data.init_args.experts_dir"):
+        if key.replace(".init_args.", ".") in ("--data.prepared", "--data.experts_dir"):
             data[key.rsplit(".", 1)[1]] = value
     found = []
     for folder, name in ((data.get("prepared"), "manifest.json"), (data.get("experts_dir"), "experts.json")):
@@ -168,7 +163,7 @@ def _data_fingerprints(demo: DemoConfig, side: DemoSide) -> list[str]:
 
 def _side_args(demo: DemoConfig, side: DemoSide) -> list[str]:
     """Arguments shared by the side's fit, validate and test."""
-    layers = [arg for layer in side.config for arg in ("--config", layer)]
+    layers = config_args(side.config)
     return [*layers, f"--model.init_args.optimizer.init_args.lr={side.lr}",
             "--trainer.enable_progress_bar=false", "--wandb.group=main_job", *demo.overrides, *side.overrides]
 

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from soma_pl.cli import command_parser
+from soma_pl.config_files import config_args, read_layer
 from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.lightning_cli import make_cli
 from soma_pl.lit.base import ByteLMModule
@@ -30,8 +31,19 @@ def _name(path: Path) -> str:
 
 
 def _bases(path: Path) -> tuple[str, ...]:
-    """The trainer base and data layer a method layer is composed over (its comment's command)."""
+    """The trainer base and data layer a method layer is composed over."""
     return CPU if path.parent.name == "demo" or path.stem in ON_CPU else GPU
+
+
+def _settings(path: Path | str) -> dict:
+    """A layer's own settings in the parser's form (`init_args` under each class)."""
+    return read_layer(ROOT / path).settings
+
+
+def _dump(cli) -> dict:
+    config = yaml.safe_load(cli.parser.dump(cli.config, format="yaml", skip_unset=False, skip_check=True))
+    config.pop("config", None)
+    return config
 
 
 LAYERS = {ROOT / layer for layer in CPU + GPU}
@@ -53,30 +65,34 @@ def test_command_config_parses(path):
 
 
 @pytest.mark.parametrize("path", METHODS, ids=_name)
-def test_method_layer_composes_over_its_bases(path, monkeypatch):
+def test_method_layer_is_one_run(path, monkeypatch):
+    """A method layer names its trainer base and data layer under `base:`, so `fit --config LAYER`
+    is the whole run, the same config as the three layers given one by one; its comment's command
+    is that one file."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     bases = _bases(path)
-    layers = [arg for layer in (*bases, _name(path)) for arg in ("--config", str(ROOT / layer))]
-    cli = make_cli(layers, run=False)
+    assert [str(Path(b).relative_to(ROOT)) for b in read_layer(path).bases] == list(bases)
+    cli = make_cli(["--config", _name(path)], run=False)
     assert isinstance(cli.model, ByteLMModule) and isinstance(cli.datamodule, ByteDataModule)
     assert cli.trainer.max_steps > 0
     root = cli.config["trainer"]["default_root_dir"]
     assert root.startswith("runs/") and cli.config["checkpoint"]["dirpath"] == f"{root}/checkpoints"
-    prepared = yaml.safe_load((ROOT / bases[1]).read_text())["data"]["init_args"]["prepared"]
-    assert cli.datamodule.prepared == prepared
-    # Comments give the command that runs the layer, and it names the same bases.
-    assert f"--config {bases[0]} --config {bases[1]}" in " ".join(path.read_text().replace("\\\n", " ").split())
+    assert cli.datamodule.prepared == _settings(bases[1])["data"]["init_args"]["prepared"]
+    layered = make_cli(config_args([*bases, _name(path)]), run=False)
+    assert _dump(layered) == _dump(cli)
+    assert f"fit --config {_name(path)}" in " ".join(path.read_text().replace("\\\n", " ").split())
 
 
 @pytest.mark.parametrize("path", METHODS, ids=_name)
 def test_no_block_is_copied_from_a_base(path):
     """A method layer sets only what differs from its trainer base and data layer; no checkpoint folder
-    (it defaults to `<default_root_dir>/checkpoints`)."""
-    content = yaml.safe_load(path.read_text())
-    trainer, data = (yaml.safe_load((ROOT / layer).read_text()) for layer in _bases(path))
+    (it defaults to `<default_root_dir>/checkpoints`); its classes' arguments sit beside `class_path`."""
+    content = _settings(_name(path))
+    trainer, data = (_settings(layer) for layer in _bases(path))
     assert "checkpoint" not in content and "seed_everything" not in content
     assert "class_path" not in (content.get("data") or {})
     repeated = {k: v for k, v in content["trainer"].items() if trainer["trainer"].get(k, object()) == v}
     data_args = (content.get("data") or {}).get("init_args") or {}
     repeated |= {k: v for k, v in data_args.items() if data["data"]["init_args"].get(k, object()) == v}
     assert repeated == {}
+    assert "init_args" not in path.read_text(), "write a class's arguments beside its class_path"

@@ -29,7 +29,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 from tqdm import tqdm
 
-from soma_pl.config_files import read_yaml
+from soma_pl.config_files import config_args, read_layers
 from soma_pl.errors import ConfigError
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, override_args, trial_overrides
 from soma_pl.sweeps.study import (
@@ -72,8 +72,8 @@ def takes_seed(config: tuple[str, ...], overrides: dict) -> bool:
     seed); BPTT's randomness is `seed_everything`'s alone. The module is the last `model.class_path`
     of the config layers, or the overrides' (True when none names one)."""
     class_path = overrides.get("model.class_path")
-    for layer in config if class_path is None else ():
-        model = (read_yaml(layer, "--config") or {}).get("model") or {}
+    for _, settings in read_layers(config_args(config)) if class_path is None else ():
+        model = settings.get("model") or {}
         class_path = model.get("class_path", class_path) if isinstance(model, dict) else class_path
     if not isinstance(class_path, str) or "." not in class_path:
         return True
@@ -100,7 +100,7 @@ def fit_command(spec: SweepSpec, trial: optuna.Trial, params: dict, seed: int, r
         "pruner": spec.pruner.kind.value, "n_startup_trials": spec.pruner.n_startup_trials,
         "n_warmup_steps": spec.pruner.n_warmup_steps, "report": report, "runner_pid": os.getpid()}}
     return [sys.executable, "-m", "soma_pl.sweeps.trial", str(run_dir / "trial_result.json"),
-            *(arg for layer in config for arg in ("--config", layer)), *override_args(overrides),
+            *config_args(config), *override_args(overrides),
             f"--trainer.callbacks+={json.dumps(reporter)}"]
 
 

@@ -2,8 +2,8 @@
 
 ```yaml
 study: table6_lr_eps_demo                # Optuna study name (default: the file name)
-config:                                  # the fit config's layers, passed as repeated --config
-  [configs/trainer/cpu.yaml, configs/datamodule/demo.yaml, configs/demo/spsa.yaml]
+config: configs/demo/spsa.yaml           # the fit config (its `base:` layers come with it); a list
+                                         # of layers is passed as repeated --config
 output_dir: runs/sweeps/table6_lr_eps_demo
 seeds: [0, 1]                            # repetitions, not a searched parameter: every configuration runs
                                          # once per seed (--seed_everything, and --model.init_args.seed
@@ -14,8 +14,8 @@ grid:                                    # categorical factors: every combinatio
   lr: {key: model.init_args.optimizer.init_args.lr, values: [0.00125, 0.0025]}
   N:
     choices:                             # a label -> overrides; `config` swaps the base config's layers
-      1: {config: [configs/trainer/cpu.yaml, configs/datamodule/demo.yaml, configs/demo/spsa.yaml]}
-      2: {config: [configs/trainer/cpu.yaml, configs/datamodule/demo.yaml, configs/demo/soma_n2.yaml]}
+      1: {config: configs/demo/spsa.yaml}
+      2: {config: configs/demo/soma_n2.yaml}
 ranges:                                  # continuous factors: sampled by TPE (then `trials` is the count)
   eps: {key: model.init_args.spsa.eps, low: 0.001, high: 0.01, log: true}
 trials: 20

@@ -82,9 +82,8 @@ def test_checkpoint_of_another_shape_names_both_shapes(corpus_dir, tmp_path, cap
 
 @pytest.mark.network
 def test_quickstart_fast_dev_run_on_the_demo_corpus(tmp_path):
-    run_cli(["fit", "--config", "configs/trainer/cpu.yaml", "--config", "configs/datamodule/demo.yaml",
-             "--config", "configs/quickstart.yaml", "--trainer.fast_dev_run=2",
-             f"--data.init_args.prepared={tmp_path / 'demo'}", f"--trainer.default_root_dir={tmp_path}"])
+    run_cli(["fit", "--config", "configs/quickstart.yaml", "--trainer.fast_dev_run=2",
+             f"--data.prepared={tmp_path / 'demo'}", f"--trainer.default_root_dir={tmp_path}"])
     manifest = json.loads((tmp_path / "demo" / "manifest.json").read_text())
     assert set(manifest["train"]["sources"]) == {"wikipedia", "sotu", "python_docs"}
 

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from soma_pl.cli import main
+from soma_pl.config_files import config_args, read_layer
 from soma_pl.lightning_cli import make_cli
 from tests.lit.conftest import fit_args
 from tests.robustness.cli import cli, one_error, tiny_dataset
@@ -34,7 +35,7 @@ TRAINER, DATA, METHOD = (ROOT / "configs" / "trainer" / "cpu.yaml", ROOT / "conf
 
 
 def _layers(*paths: Path) -> list[str]:
-    return [arg for path in paths for arg in ("--config", str(path))]
+    return config_args(paths)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def four_steps(dataset, tmp_path_factory) -> Path:
 
 def test_a_base_layer_after_the_method_layer_warns_naming_what_it_changes(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    method = yaml.safe_load(METHOD.read_text())
+    method = read_layer(METHOD).settings  # without its `base:`: the test gives the layers itself
     method["data"]["init_args"]["batch_size"] = 2
     layer = tmp_path / "method.yaml"
     layer.write_text(yaml.safe_dump(method))

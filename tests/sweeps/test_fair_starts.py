@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from soma_pl import lit
+from soma_pl.config_files import config_args, read_layers
 from soma_pl.main_job import DemoConfig, DemoSide
 from soma_pl.sweeps.space import SweepSpec, load_sweep, point_params, trial_overrides
 
@@ -63,8 +64,8 @@ def _get(config: dict, dotted: str, default=None):
 def compose(layers: tuple[str, ...] | list[str], overrides: dict) -> dict:
     """The fit config of `layers` (merged in order) with dotted `overrides` set."""
     config: dict = {}
-    for layer in layers:
-        _merge(config, yaml.safe_load((ROOT / layer).read_text()) or {})
+    for _, settings in read_layers(config_args([ROOT / layer for layer in layers])):
+        _merge(config, settings)
     for key, value in overrides.items():
         _set(config, key, value)
     return config
@@ -117,6 +118,9 @@ def _options(arguments: list[str]) -> tuple[tuple[str, ...], dict]:
     while rest:
         key, _, value = rest.pop(0).removeprefix("--").partition("=")
         value = value or rest.pop(0)
+        section, _, rest_of_key = key.partition(".")
+        if section in ("model", "data") and rest_of_key.split(".")[0] not in ("class_path", "init_args"):
+            key = f"{section}.init_args.{rest_of_key}"  # `--model.shape.width`: the CLI's short form
         if key == "config":
             layers.append(value)
         else:
@@ -240,7 +244,7 @@ def test_the_main_jobs_sides_start_the_same_way_with_the_same_kind_of_head():
                          ids=_name)
 def test_every_zero_order_method_config_says_how_it_starts(path):
     """An explicit `init`; a seed start names a seed of the model's own width whose command is written down."""
-    content = yaml.safe_load(path.read_text())
+    [*_, (_, content)] = read_layers(["--config", str(path)])
     _, defaults = _arguments(content)
     if not {"seed_checkpoint"} & set(defaults):  # BPTT: no warm start, random weights
         assert seed_checkpoint(content) is None

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from soma_pl.cli import main
+from soma_pl.config_files import config_args, read_layers
 from soma_pl.errors import ConfigError
 from soma_pl.sweeps.space import cli_value, load_sweep, override_args, trial_overrides
 
@@ -40,7 +41,8 @@ def test_sweep_loads(path, monkeypatch):
     for point in spec.grid_points()[:3]:
         config, overrides = trial_overrides(spec, point)
         assert all((ROOT / layer).is_file() for layer in config) and "config" not in overrides
-        assert [Path(layer).parent.name for layer in config[:2]] == ["trainer", "datamodule"]
+        layers = read_layers(config_args(config))
+        assert [Path(layer).parent.name for layer, _ in layers[:2]] == ["trainer", "datamodule"]
 
 
 def test_table6_grids_match_the_paper(monkeypatch):
