@@ -23,7 +23,7 @@ class UpdateRecord:
     """What one update cost on this process; compute accounting and budgets read it."""
 
     seconds: float
-    """Wall time of the update (CUDA synchronised before the clock is read)."""
+    """Wall time of the update (on CUDA, between two events on the stream)."""
     token_forwards: int
     """Token forward passes the update evaluated: ``2 · n_pert · E · B · T`` for SPSA, ``E · B · T``
     for BPTT (its backward is not counted)."""
@@ -32,23 +32,37 @@ class UpdateRecord:
 
 
 class UpdateClock:
-    """Wall time of one update, synchronising CUDA first so the clock sees finished work."""
+    """Wall time of one update, with no host synchronisation of its own.
+
+    On CUDA two events bracket the update on the stream, and `seconds` is read once the step's one
+    host read (the finiteness check) has waited for the stream: the time from the device reaching
+    the update's start to its finishing the update. On the CPU, `time.perf_counter`.
+    """
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.started = 0.0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.cuda = device.type == "cuda"
+        self.started = self.elapsed = 0.0
+        if self.cuda:
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
     def start(self) -> None:
-        self._sync()
-        self.started = time.perf_counter()
+        if self.cuda:
+            self.events[0].record()
+        else:
+            self.started = time.perf_counter()
 
-    def stop(self) -> float:
-        self._sync()
-        return time.perf_counter() - self.started
+    def stop(self) -> None:
+        if self.cuda:
+            self.events[1].record()
+        else:
+            self.elapsed = time.perf_counter() - self.started
+
+    def seconds(self) -> float:
+        """The update's seconds; on CUDA read after the stream has passed `stop` (it waits otherwise)."""
+        if self.cuda:
+            self.events[1].synchronize()
+            return self.events[0].elapsed_time(self.events[1]) / 1000
+        return self.elapsed
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from soma_pl import VOCAB_SIZE
-from soma_pl.bench.memory import machine, round_robin
+from soma_pl.bench.memory import PEAK_SIZE, forward_flops_per_token, machine, matmul_peak_gflops, round_robin
 from soma_pl.bench.zo import median_seconds
 from soma_pl.errors import ConfigError
 from soma_pl.io import emit_json
@@ -39,6 +39,9 @@ from soma_pl.models.recurrence import Kernel
 from soma_pl.models.stacked import StackedExperts
 
 KINDS = ("inference", "bptt", "grouped")
+BACKWARD_FACTOR = 3
+"""A forward and backward through time, counted as three forwards' multiply-adds (the backward
+computes the gradients of both the activations and the weights)."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,8 @@ def measure_pair(kind: str, shape: KernelShape, settings: KernelSettings) -> dic
     with torch.set_grad_enabled(kind == "bptt"):
         kernel = recurrence.resolve_kernel(model.kernel, {"w_hh": model.w_hh.expand(groups, *model.w_hh.shape[1:])})
     return {"max_abs_diff": difference, "tokens": tokens, "kernel": kernel.value, "threads": torch.get_num_threads(),
-            "seconds": seconds}
+            "seconds": seconds,
+            "flops_per_token": forward_flops_per_token(model) * (BACKWARD_FACTOR if kind == "bptt" else 1)}
 
 
 def bench_kernels(shapes: Sequence[KernelShape] = DEFAULT_SHAPES, settings: KernelSettings = KernelSettings()) -> dict:
@@ -236,7 +240,8 @@ def bench_kernels(shapes: Sequence[KernelShape] = DEFAULT_SHAPES, settings: Kern
         raise ConfigError("context and grouped_context must be >= 2 bytes")
     configs = [(kind, shape) for shape in shapes for kind in settings.kinds]
     recurrence.grouped_extension()  # build the native kernel once, before any child needs it
-    before = machine()
+    before = {**machine(), "peak_gflops": matmul_peak_gflops(settings.device, threads=settings.threads),
+              "peak_gemm": f"torch.mm {PEAK_SIZE}x{PEAK_SIZE} float32, the children's threads"}
     runs = round_robin(measure_pair, [(kind, shape, settings) for kind, shape in configs], settings.rounds,
                        "bench kernels", lambda config: f"d_t={config[1].width} {config[0]}")
     results = [_summary(kind, shape, settings, runs[index]) for index, (kind, shape) in enumerate(configs)]
@@ -255,6 +260,8 @@ def _summary(kind: str, shape: KernelShape, settings: KernelSettings, runs: list
             "windows": shape.groups * shape.group_batch if kind == "grouped" else shape.batch,
             "context": settings.grouped_context if kind == "grouped" else settings.context,
             "ours_tokens_per_s": round(tokens / ours, 1), "nn_lstm_tokens_per_s": round(tokens / theirs, 1),
+            "ours_gflops": round(tokens * runs[0]["flops_per_token"] / ours / 1e9, 3),
+            "nn_lstm_gflops": round(tokens * runs[0]["flops_per_token"] / theirs / 1e9, 3),
             "ratio": round(theirs / ours, 3), "ratio_per_round": [round(ratio, 3) for ratio in ratios],
             "max_abs_diff": max(run["max_abs_diff"] for run in runs), "threads": runs[0]["threads"]}
 

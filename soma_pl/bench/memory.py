@@ -115,6 +115,49 @@ def machine() -> dict:
             "load_average": os.getloadavg()}
 
 
+PEAK_SIZE = 2048
+"""Side of the square float32 GEMM whose speed is read as the machine's peak."""
+
+
+def matmul_peak_gflops(device: torch.device | str = "cpu", size: int = PEAK_SIZE, repeats: int = 5,
+                       threads: int | None = None) -> float:
+    """This machine's attainable float32 GFLOP/s on `threads` threads (None: the current setting):
+    the median of `repeats` products of two `size × size` matrices through `torch.mm` (the library
+    our kernels and `torch.nn.LSTM` call), after one untimed call."""
+    import statistics
+
+    if threads:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return matmul_peak_gflops(device, size, repeats)
+        finally:
+            torch.set_num_threads(previous)
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator).to(device) for _ in range(2))
+
+    def timed() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - started
+
+    timed()
+    return round(2 * size**3 / statistics.median(timed() for _ in range(repeats)) / 1e9, 2)
+
+
+def forward_flops_per_token(model) -> int:
+    """Floating-point operations of one byte's forward through one expert: two per multiply-add of
+    each weight matrix (input and recurrent gates, projections, output head; the embedding is a
+    lookup and the norm gains an elementwise scale)."""
+    return 2 * sum(param[0].numel() if not model.is_shared(name) else param.numel()
+                   for name, param in model.named_parameters() if name != "norm_gains")
+
+
 class TrainingMethod(str, Enum):
     """What one measured update is."""
 

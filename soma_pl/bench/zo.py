@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from soma_pl.bench.memory import PEAK_SIZE, forward_flops_per_token, matmul_peak_gflops
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind, directions
 from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, eggroll_estimate
@@ -230,6 +231,13 @@ def _throughput(tokens: int, seconds: float) -> float:
     return round(tokens / seconds, 1)
 
 
+def _gflops(model: StackedExperts, tokens: int, seconds: Mapping[str, float]) -> dict[str, float]:
+    """Achieved GFLOP/s of each timed side: `tokens` byte forwards of one expert each (an update's
+    ± evaluations; its direction draws and SGD step are not counted as work)."""
+    flops = tokens * forward_flops_per_token(model)
+    return {name: round(flops / value / 1e9, 3) for name, value in seconds.items()}
+
+
 def zo_record(width: int, settings: ZOBenchSettings) -> dict:
     """One expert of width d_t: batched SPSA updates vs inference and vs a naive MeZO loop.
 
@@ -264,6 +272,7 @@ def zo_record(width: int, settings: ZOBenchSettings) -> dict:
         "naive_directions_timed": timed,
         "zo_tokens_per_s": zo_speed, "inference_tokens_per_s": inference_speed,
         "efficiency": round(zo_speed / inference_speed, 4), "naive_speedup": round(naive / update, 2),
+        "gflops": _gflops(model, tokens, {"update": update, "inference": inferred, "naive": naive}),
     }
 
 
@@ -299,6 +308,7 @@ def soma_record(experts: int, width: int, settings: ZOBenchSettings) -> dict:
         "batched_tokens_per_s": _throughput(tokens, together),
         "sequential_tokens_per_s": _throughput(tokens, sequential),
         "speedup": round(sequential / together, 2),
+        "gflops": _gflops(batched.model, tokens, {"batched": together, "sequential": sequential}),
     }
 
 
@@ -330,6 +340,7 @@ def eggroll_record(width: int, settings: ZOBenchSettings) -> dict:
         "update_seconds": update, "inference_seconds": inferred,
         "eggroll_tokens_per_s": eggroll_speed, "inference_tokens_per_s": inference_speed,
         "efficiency": round(eggroll_speed / inference_speed, 4),
+        "gflops": _gflops(model, tokens, {"update": update, "inference": inferred}),
     }
 
 
@@ -342,6 +353,7 @@ def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBe
     average before and after shows whether other jobs shared the CPU.
     """
     load_before = os.getloadavg()
+    peak = matmul_peak_gflops(settings.device)
     records = [(f"zo d_t={width}", lambda width=width: zo_record(width, settings)) for width in widths]
     if soma_experts:
         records.append((f"soma N={soma_experts}", lambda: soma_record(soma_experts, soma_width, settings)))
@@ -356,6 +368,7 @@ def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBe
         "benchmark": "zo",
         "machine": {"processor": platform.processor() or platform.machine(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "load_average_before": load_before,
+                    "peak_gflops": peak, "peak_gemm": f"torch.mm {PEAK_SIZE}x{PEAK_SIZE} float32",
                     "load_average_after": os.getloadavg()},
         "settings": asdict(settings),
         "results": results,

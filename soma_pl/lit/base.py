@@ -42,7 +42,7 @@ from soma_pl.eval.metrics import NatsPerByte, PerExpertNats
 from soma_pl.io import write_json_atomic
 from soma_pl.lit.args import KEY, Group, ModelShape, arg_group, plain, require
 from soma_pl.lit.optim import LR_KEY, check_positive_lr, optimizer_factory, optimizer_spec
-from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig, scale_updates
+from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig, scale_gradients, scale_updates, steps_with_gradient
 from soma_pl.lit.routing import Routing
 from soma_pl.models.checkpoints import first_nonfinite
 from soma_pl.models.stacked import HeadMode, StackedExperts
@@ -170,10 +170,11 @@ class ByteLMModule(L.LightningModule):
         """Global indices of the experts this process trains (expert-parallel SOMA: its share)."""
         return range(self.model.num_experts)
 
-    def current_lr(self) -> float:
-        """The learning rate now (per-expert decay: the optimizer's times the experts' mean multiplier)."""
+    def current_lr(self) -> float | Tensor:
+        """The learning rate now (per-expert decay: the optimizer's times the experts' mean multiplier,
+        a tensor, read by the loggers when they write, not at every step)."""
         lr = self.optimizers().param_groups[0]["lr"]
-        return lr if self.plateau is None else lr * float(self.plateau.scale.mean())
+        return lr if self.plateau is None else lr * self.plateau.scale.mean()
 
     def step_optimizer(self) -> None:
         """Step the optimizer on the `.grad`s just set and clear them; under per-expert decay each
@@ -181,11 +182,15 @@ class ByteLMModule(L.LightningModule):
         optimizer = self.optimizers()
         experts = {} if self.plateau is None else \
             {n: p for n, p in self.trained_model.expert_parameters().items() if p.requires_grad}
+        scale = None if self.plateau is None else self.plateau.scale[self.experts.start : self.experts.stop]
+        if experts and steps_with_gradient(getattr(optimizer, "optimizer", optimizer)):
+            scale_gradients(experts, scale)  # plain SGD: sₑ·gₑ is the scaled step, with no copy of the weights
+            experts = {}
         before = {name: param.detach().clone() for name, param in experts.items()}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if experts:
-            scale_updates(experts, before, self.plateau.scale[self.experts.start : self.experts.stop])
+            scale_updates(experts, before, scale)
 
     def log_update(self, losses: Tensor, seconds: float, forwards: int, **extra: float | Tensor) -> None:
         """Record one update's cost in `last_update` and log it.

@@ -58,7 +58,7 @@ class BPTTModule(ByteLMModule):
         losses = self.model.loss_per_group({}, tokens)  # [E]: each expert's own loss
         self.manual_backward(losses.sum())  # experts share no weight: each gets its own loss's gradient
         self.step_optimizer()
-        seconds = clock.stop()
-        self.check_finite(step, losses)
+        clock.stop()
+        self.check_finite(step, losses)  # the step's one host read
         count, windows, length = tokens.shape
-        self.log_update(losses, seconds, count * windows * (length - 1))
+        self.log_update(losses, clock.seconds(), count * windows * (length - 1))

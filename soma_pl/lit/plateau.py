@@ -88,6 +88,21 @@ class ExpertPlateau(nn.Module):
         self.bad = torch.where(decay, torch.zeros_like(self.bad), self.bad)
 
 
+def steps_with_gradient(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's step is `-lr · grad` (SGD without momentum or weight decay), so that
+    scaling an expert's gradient scales its update exactly."""
+    return type(optimizer) is torch.optim.SGD and all(
+        group["momentum"] == 0 and group["weight_decay"] == 0 for group in optimizer.param_groups)
+
+
+@torch.no_grad()
+def scale_gradients(params: dict[str, Tensor], scale: Tensor) -> None:
+    """Each expert's gradient times its own learning-rate multiplier, in place. params: name →
+    `[E, ...]` weights with their `.grad`; scale: `[E]`."""
+    for param in params.values():
+        param.grad.mul_(scale.to(param.dtype).view(-1, *[1] * (param.dim() - 1)))
+
+
 @torch.no_grad()
 def scale_updates(params: dict[str, Tensor], before: dict[str, Tensor], scale: Tensor) -> None:
     """Each expert's update times its own learning-rate multiplier.

@@ -49,3 +49,22 @@ def test_zo_memory_is_flat_in_context_while_bptt_grows():
     zo, bptt = (report["curves"][m]["peak_above_baseline_mib"] for m in ("zo", "bptt"))
     assert bptt[1] - bptt[0] > 50 and bptt[1] > 3 * bptt[0]
     assert abs(zo[1] - zo[0]) < 10
+
+
+@pytest.mark.parametrize("head", ["per_expert", "shared"])
+def test_forward_flops_per_token_count_each_weight_matrix_once_per_expert(head):
+    from soma_pl.models.stacked import StackedExperts
+
+    experts, width, embed, layers = 3, 12, 8, 2
+    model = StackedExperts(experts, width, embed, layers, head=head)
+    # output head 256·d_E, projections d·d_E and d_E·d, gates 4d·d input and recurrent per layer
+    macs = 256 * embed + 2 * width * embed + layers * 2 * 4 * width * width
+    assert memory.forward_flops_per_token(model) == 2 * macs
+
+
+def test_the_peak_is_a_gemms_speed_and_leaves_the_thread_setting_as_it_was():
+    import torch
+
+    before = torch.get_num_threads()
+    assert memory.matmul_peak_gflops(size=256, repeats=3, threads=1) > 0
+    assert torch.get_num_threads() == before

@@ -21,7 +21,7 @@ SECONDS = 0.25  # the patched update clock
 @pytest.fixture
 def fixed_clock(monkeypatch):
     """Every update takes exactly `SECONDS` on the module's clock, so device-hours are closed-form."""
-    monkeypatch.setattr(UpdateClock, "stop", lambda self: SECONDS)
+    monkeypatch.setattr(UpdateClock, "seconds", lambda self: SECONDS)
 
 
 def _compute(run_dir: Path) -> dict:
