@@ -72,7 +72,10 @@ def cancel(job: str) -> str:
     return wait(job, timeout=60)
 
 
-def jobs_named(prefix: str) -> list[str]:
-    """Ids of the queued or running jobs whose name starts with `prefix` (array tasks as `id_task`)."""
-    result = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, timeout=30)
-    return [line.split()[0] for line in result.stdout.splitlines() if line.split()[1].startswith(prefix)]
+def jobs_named(prefix: str) -> dict[str, str]:
+    """The queued or running jobs whose name starts with `prefix`: id (array tasks as `id_task`, a
+    pending array as `id_[range]`) -> state (PENDING, RUNNING, ...)."""
+    result = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return {job: now for job, name, now in (line.split() for line in result.stdout.splitlines())
+            if name.startswith(prefix)}
