@@ -8,9 +8,10 @@
 #   scripts/local_cluster.sh status   # one line per service
 #
 # `up` and `down` are idempotent. Debian/Ubuntu and root only (it writes /etc/slurm/slurm.conf and
-# starts daemons); it refuses with one line elsewhere. ray and psycopg2-binary go into the Python
-# on PATH (activate the project's virtual environment first). A test fixture and a recipe, not a
-# production setup: one node, daemons running as root, no cgroups, no accounting.
+# starts daemons); it refuses with one line elsewhere. ray and psycopg[binary] (the driver of
+# postgresql:// URLs) go into the Python on PATH (activate the project's virtual environment first).
+# A test fixture and a recipe, not a production setup: one node, daemons running as root, no
+# cgroups, no accounting.
 set -uo pipefail
 
 MARK="# written by soma_pl scripts/local_cluster.sh"
@@ -41,7 +42,7 @@ install_packages() {
     fi
     local wheels=()
     "$PYTHON" -c "import ray" 2>/dev/null || wheels+=(ray)
-    "$PYTHON" -c "import psycopg2" 2>/dev/null || wheels+=(psycopg2-binary)
+    "$PYTHON" -c "import psycopg" 2>/dev/null || wheels+=("psycopg[binary]")
     if ((${#wheels[@]})); then
         echo "local_cluster: pip install ${wheels[*]} into $PYTHON"
         "$PYTHON" -m pip install -q "${wheels[@]}" >/dev/null || fail "pip install ${wheels[*]} failed"

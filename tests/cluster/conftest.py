@@ -40,9 +40,9 @@ def postgres_url():
     """A new, empty PostgreSQL database for one test (dropped after it); its URL."""
     sqlalchemy = pytest.importorskip("sqlalchemy")
     try:
-        import psycopg2  # noqa: F401
+        import psycopg  # noqa: F401 (the driver of postgresql:// URLs)
     except ImportError:
-        pytest.skip(f"psycopg2 is not installed ({START})")
+        pytest.skip(f"psycopg is not installed ({START})")
     name = f"soma_pl_test_{uuid.uuid4().hex[:12]}"
     try:
         engine = sqlalchemy.create_engine("postgresql:///soma_pl", isolation_level="AUTOCOMMIT")
