@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.commands import prepare_args, run_cli, shard_args
+from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import corpus_dir  # noqa: F401 (fixtures the fits share)
 from tests.lit.test_expert_parallel import sharded  # noqa: F401
 
@@ -66,3 +68,20 @@ def ray_head() -> None:
     code, answer = _answer([str(Path(sys.executable).parent / "ray"), "status"])
     if code != 0:
         pytest.skip(f"no Ray cluster is running here ({START}): {answer.splitlines()[-1:] }")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A small JSONL corpus of two sources."""
+    folder = tmp_path_factory.mktemp("data_jobs") / "corpus"
+    write_jsonl_corpus(folder, {"alpha": 16, "beta": 16}, min_words=150, max_words=400)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def local_runs(corpus) -> Path:
+    """`prepare` then `shard` on the local executor; their root."""
+    root = corpus.parent
+    run_cli(*prepare_args(corpus, root / "data"))
+    run_cli(*shard_args(root / "data", root / "experts"))
+    return root

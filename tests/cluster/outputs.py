@@ -35,3 +35,12 @@ def recorded_digests(folder: Path) -> dict[str, str]:
         if (folder / name).exists():
             walk(json.loads((folder / name).read_text()))
     return found
+
+
+def assert_same_output(first: Path, second: Path) -> None:
+    files = file_digests(first)
+    assert len(files) >= 4 and any(name.endswith(".tar") for name in files), files
+    assert file_digests(second) == files
+    recorded = recorded_digests(first)
+    assert recorded and recorded_digests(second) == recorded
+    assert {name: files[name] for name in recorded} == recorded  # the record's sha256s are the files'

@@ -6,44 +6,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.outputs import file_digests, recorded_digests
-from tests.cluster.slurm import REPO, job_environment, jobs_named, wait_for
-from tests.data.corpora import write_jsonl_corpus
+from tests.cluster.commands import prepare_args, run_cli, shard_args, slurm_executor
+from tests.cluster.outputs import assert_same_output
+from tests.cluster.slurm import jobs_named, wait_for
 
 pytestmark = pytest.mark.cluster
 
 STAGE_SECONDS = 300
-
-
-def run_cli(*args: str) -> str:
-    """`python -m soma_pl.cli ARGS` in the repository root, as a user types it; its stdout."""
-    result = subprocess.run([sys.executable, "-m", "soma_pl.cli", *args], cwd=REPO, env=job_environment(),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
-def slurm_executor(section: str, partition: str) -> list[str]:
-    options = {"partition": partition, "time": "00:30:00", "cpus_per_task": 1, "mem_per_cpu_gb": 1}
-    return [f"--{section}.executor.kind=slurm", f"--{section}.executor.tasks=2",
-            f"--{section}.executor.options={json.dumps(options)}"]
-
-
-def prepare_args(corpus: Path, output: Path) -> list[str]:
-    return ["prepare", "--dataset.corpus.kind=jsonl", f"--dataset.corpus.paths=[{corpus}]",
-            f"--dataset.output_dir={output}", "--dataset.val_documents=2", "--dataset.val_windows=2",
-            "--dataset.test_windows=2", "--dataset.expert_val_fraction=0.2", "--dataset.shard_max_bytes=20000",
-            "--dataset.executor.tasks=2", "--progress=false"]
-
-
-def shard_args(prepared: Path, output: Path) -> list[str]:
-    return ["shard", f"--shard.prepared={prepared}", "--shard.num_experts=2", f"--shard.output_dir={output}",
-            "--shard.shard_max_bytes=20000", "--shard.executor.tasks=2", "--progress=false"]
 
 
 def queue_empties(prefix: str = "soma_pl-") -> None:
@@ -59,31 +32,6 @@ def on_slurm(args: list[str], output: Path, partition: str) -> None:
     queue_empties()
     run_cli(*args, *slurm_executor(args[0] if args[0] == "shard" else "dataset", partition))
     assert output.exists()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("data_jobs") / "corpus"
-    write_jsonl_corpus(folder, {"alpha": 16, "beta": 16}, min_words=150, max_words=400)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def local_runs(corpus) -> Path:
-    """`prepare` then `shard` on the local executor; their root."""
-    root = corpus.parent
-    run_cli(*prepare_args(corpus, root / "data"))
-    run_cli(*shard_args(root / "data", root / "experts"))
-    return root
-
-
-def assert_same_output(first: Path, second: Path) -> None:
-    files = file_digests(first)
-    assert len(files) >= 4 and any(name.endswith(".tar") for name in files), files
-    assert file_digests(second) == files
-    recorded = recorded_digests(first)
-    assert recorded and recorded_digests(second) == recorded
-    assert {name: files[name] for name in recorded} == recorded  # the record's sha256s are the files'
 
 
 def test_prepare_and_shard_on_slurm_give_the_local_executors_files(slurm, local_runs, corpus, tmp_path):
@@ -105,7 +53,7 @@ def test_a_cancelled_prepare_on_slurm_resumes_to_the_local_executors_files(slurm
     done = {stage.name: len(list((stage / "completions").glob("*"))) for stage in (staging / "logs").iterdir()}
     assert done.get("finish", 0) == 0, done  # the run was cut short
 
-    out = run_cli(*args)  # submits the tasks that did not finish
+    out = run_cli(*args).stdout  # submits the tasks that did not finish
     assert json.loads(out)["submitted"] is True, out
     assert not (tmp_path / "data").exists()
     queue_empties()
