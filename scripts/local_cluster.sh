@@ -163,7 +163,11 @@ postgres_down() {
 }
 
 # --- ray ---------------------------------------------------------------------------------------
-ray_bin() { [[ -n "$PYTHON" ]] && "$PYTHON" -c "import ray" 2>/dev/null && echo "$(dirname "$PYTHON")/ray"; }
+# The `ray` command of $PYTHON's installation: beside it in a virtual environment, else on PATH.
+ray_bin() {
+    [[ -n "$PYTHON" ]] && "$PYTHON" -c "import ray" 2>/dev/null || return 1
+    if [[ -x "$(dirname "$PYTHON")/ray" ]]; then echo "$(dirname "$PYTHON")/ray"; else command -v ray; fi
+}
 
 ray_up() {
     local ray

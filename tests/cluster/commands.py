@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 from tests.cluster.slurm import REPO, job_environment
 
@@ -18,10 +21,28 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return result
 
 
-def slurm_executor(section: str, partition: str) -> list[str]:
-    options = {"partition": partition, "time": "00:30:00", "cpus_per_task": 1, "mem_per_cpu_gb": 1}
-    return [f"--{section}.executor.kind=slurm", f"--{section}.executor.tasks=2",
-            f"--{section}.executor.options={json.dumps(options)}"]
+def docs_executor(kind: str) -> dict[str, str]:
+    """The `--dataset.executor.*` settings of docs/data.md's `prepare` command for executor `kind`
+    (`slurm`, `ray`): setting -> value."""
+    text = (REPO / "docs" / "data.md").read_text()
+    for block in text.split("```")[1::2]:
+        words = shlex.split(block.replace("\\\n", " "))
+        pairs = zip(words[:-1], words[1:], strict=True)
+        settings = {word.removeprefix("--dataset.executor."): value for word, value in pairs
+                    if word.startswith("--dataset.executor.")}
+        if words[:4] == ["python", "-m", "soma_pl.cli", "prepare"] and settings.get("kind") == kind:
+            return settings
+    raise AssertionError(f"docs/data.md has no prepare command with --dataset.executor.kind {kind}")
+
+
+def executor(section: str, kind: str, partition: str | None = None) -> list[str]:
+    """docs/data.md's executor settings of `kind` for `section` (`dataset`, `shard`), at 2 tasks,
+    on `partition` where the docs name another."""
+    settings = {**docs_executor(kind), "tasks": "2"}
+    if partition is not None:
+        options = yaml.safe_load(settings["options"])
+        settings["options"] = json.dumps({**options, "partition": partition})
+    return [f"--{section}.executor.{key}={value}" for key, value in settings.items()]
 
 
 def prepare_args(corpus: Path, output: Path) -> list[str]:

@@ -4,13 +4,13 @@ its service is not running."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.cluster.commands import prepare_args, run_cli, shard_args
+from tests.cluster.slurm import ray_command
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import corpus_dir  # noqa: F401 (fixtures the fits share)
 from tests.lit.test_expert_parallel import sharded  # noqa: F401
@@ -65,7 +65,7 @@ def ray_head() -> None:
         import ray  # noqa: F401
     except ImportError:
         pytest.skip(f"ray is not installed ({START})")
-    code, answer = _answer([str(Path(sys.executable).parent / "ray"), "status"])
+    code, answer = _answer([ray_command() or "ray", "status"])
     if code != 0:
         pytest.skip(f"no Ray cluster is running here ({START}): {answer.splitlines()[-1:] }")
 

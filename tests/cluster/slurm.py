@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +23,13 @@ def job_environment() -> dict[str, str]:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["WANDB_MODE"] = "offline"
     return env
+
+
+def ray_command() -> str | None:
+    """The `ray` command of this interpreter's installation: beside it (a virtual environment), else
+    on PATH; None when there is none."""
+    beside = Path(sys.executable).with_name("ray")
+    return str(beside) if beside.exists() else shutil.which("ray")
 
 
 def submit(script: str, *args: str, options: tuple[str, ...] = (), output: Path) -> str:

@@ -1,6 +1,7 @@
-"""`prepare` and `shard` with `executor.kind: slurm` on a real SLURM cluster: the stages are
-submitted as job arrays, complete, and give the files (sha256 for sha256) the local executor gives;
-a run whose jobs are cancelled with `scancel` finishes when the command is run again."""
+"""`prepare` and `shard` with `executor.kind: slurm` (docs/data.md's settings, at 2 tasks) on a real
+SLURM cluster: the stages are submitted as job arrays, complete, and give the files (sha256 for
+sha256) the local executor gives; a run whose jobs are cancelled with `scancel` finishes when the
+command is run again."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.commands import prepare_args, run_cli, shard_args, slurm_executor
+from tests.cluster.commands import executor, prepare_args, run_cli, shard_args
 from tests.cluster.outputs import assert_same_output
 from tests.cluster.slurm import jobs_named, wait_for
 
@@ -26,11 +27,12 @@ def queue_empties(prefix: str = "soma_pl-") -> None:
 def on_slurm(args: list[str], output: Path, partition: str) -> None:
     """Run a `prepare` or `shard` command on the Slurm executor as its docs say: once to submit,
     then, when the jobs are done, again to finish; the output must then exist."""
-    run_cli(*args, *slurm_executor(args[0] if args[0] == "shard" else "dataset", partition))
+    section = "shard" if args[0] == "shard" else "dataset"
+    run_cli(*args, *executor(section, "slurm", partition))
     assert not output.exists(), "the command should return once the jobs are submitted"
     assert jobs_named("soma_pl-"), "nothing was submitted"
     queue_empties()
-    run_cli(*args, *slurm_executor(args[0] if args[0] == "shard" else "dataset", partition))
+    run_cli(*args, *executor(section, "slurm", partition))
     assert output.exists()
 
 
@@ -42,7 +44,7 @@ def test_prepare_and_shard_on_slurm_give_the_local_executors_files(slurm, local_
 
 
 def test_a_cancelled_prepare_on_slurm_resumes_to_the_local_executors_files(slurm, local_runs, corpus, tmp_path):
-    args = [*prepare_args(corpus, tmp_path / "data"), *slurm_executor("dataset", slurm)]
+    args = [*prepare_args(corpus, tmp_path / "data"), *executor("dataset", "slurm", slurm)]
     run_cli(*args)
     running = wait_for(lambda: [job for job, now in jobs_named("soma_pl-").items() if now == "RUNNING"],
                        STAGE_SECONDS, "a prepare task running", poll=0.2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,9 +98,10 @@ def test_prepare_on_ray_without_ray_is_one_line(tmp_path, monkeypatch, capsys):
 def _ray_cluster_runs_here() -> bool:
     """Whether a Ray cluster runs on this machine (`scripts/local_cluster.sh up` starts one): Ray
     finds it by its processes whatever the temporary folder."""
-    ray = Path(sys.executable).with_name("ray")
+    beside = Path(sys.executable).with_name("ray")
+    ray = str(beside) if beside.exists() else shutil.which("ray")
     try:
-        return ray.exists() and subprocess.run([ray, "status"], capture_output=True, timeout=60).returncode == 0
+        return ray is not None and subprocess.run([ray, "status"], capture_output=True, timeout=60).returncode == 0
     except subprocess.TimeoutExpired:
         return False
 
