@@ -1,7 +1,7 @@
 """`sbatch scripts/slurm/fit.sbatch` on a real SLURM cluster: 2 tasks of 1 CPU (gloo) through
 Lightning's SLURMEnvironment train the weights one process trains, for DDPP and for expert-parallel
 SOMA; a job cancelled with `scancel` and submitted again with `--ckpt_path last` ends with the weights
-of the uninterrupted job."""
+of the uninterrupted job (an expert-parallel one also when it resumes on one task)."""
 
 from __future__ import annotations
 
@@ -86,19 +86,48 @@ def test_a_cancelled_ddpp_job_resubmitted_with_ckpt_path_last_ends_with_the_unin
     assert max_difference(final_weights(ddpp_runs / "job"), resumed["state_dict"]) == 0.0
 
 
-def test_an_expert_parallel_soma_job_of_two_tasks_trains_the_experts_of_one_process(slurm, sharded, corpus_dir,
-                                                                                   tmp_path):
+@pytest.fixture(scope="module")
+def soma_runs(slurm, sharded, corpus_dir, tmp_path_factory):
+    """A one-process SOMA run of 3 experts and the same run as a 2-task expert-parallel job:
+    `(root of both, experts folder, the job's folder)`."""
     root, experts = sharded
+    folder = tmp_path_factory.mktemp("soma_job")
     make_cli(["fit", *_soma_args(corpus_dir, root, experts, "one")])
-    run_job(tmp_path, *_soma_args(corpus_dir, root, experts, "job"), *save_ranks(tmp_path / "ranks"))
+    run_job(folder, *_soma_args(corpus_dir, root, experts, "job"), *save_ranks(folder / "ranks"))
+    return root, experts, folder
+
+
+def test_an_expert_parallel_soma_job_of_two_tasks_trains_the_experts_of_one_process(soma_runs):
+    root, _, folder = soma_runs
     one, job = _checkpoint(root, "one"), _checkpoint(root, "job")
     assert max_difference(one["state_dict"], job["state_dict"]) == 0.0
     assert one["state_dict"]["plateau.scale"].min() < 1, "the test should see an expert's learning rate decay"
     for index, entry in one["optimizer_states"][0]["state"].items():
         assert torch.equal(entry["momentum_buffer"], job["optimizer_states"][0]["state"][index]["momentum_buffer"])
-    ranks = ranks_of(tmp_path / "ranks")
+    ranks = ranks_of(folder / "ranks")
     assert [r["experts"] for r in ranks] == [(0, 1), (1, 3)]  # each rank trained its own share of the 3 experts
     for rank in ranks:
         low, high = rank["experts"]
         for name, weights in rank["weights"].items():
             assert torch.equal(weights, one["state_dict"][f"model.{name}"][low:high]), name
+
+
+def test_a_cancelled_expert_parallel_job_resumes_on_one_task_to_the_uninterrupted_weights(soma_runs, corpus_dir,
+                                                                                         tmp_path):
+    root, experts, _ = soma_runs
+    marker = tmp_path / "paused"
+    args = _soma_args(corpus_dir, root, experts, "cancelled")
+    job = submit("fit.sbatch", *args, *pause_at(5, marker), output=tmp_path / "slurm-%j.out")
+    wait_for(marker.exists, JOB_SECONDS, f"job {job} reaching update 5")
+    assert cancel(job) == "CANCELLED"
+    assert _checkpoint(root, "cancelled")["global_step"] == 4  # the last validation's
+
+    # Its checkpoint holds every expert, so the resumed job may have another number of tasks.
+    resumed = submit("fit.sbatch", *args, "--ckpt_path=last", options=("--ntasks-per-node=1",),
+                     output=tmp_path / "slurm-%j.out")
+    assert wait(resumed, JOB_SECONDS) == "COMPLETED", _log(tmp_path, resumed)
+    job, resumed = _checkpoint(root, "job"), _checkpoint(root, "cancelled")
+    assert resumed["global_step"] == 8
+    assert max_difference(job["state_dict"], resumed["state_dict"]) == 0.0
+    for index, entry in job["optimizer_states"][0]["state"].items():
+        assert torch.equal(entry["momentum_buffer"], resumed["optimizer_states"][0]["state"][index]["momentum_buffer"])
