@@ -37,15 +37,18 @@ install_packages() {
     if ((${#missing[@]})); then
         command -v apt-get >/dev/null || fail "apt-get not found: install ${missing[*]} with this system's package manager"
         echo "local_cluster: apt-get install ${missing[*]}"
-        { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"; } >/dev/null \
-            || fail "apt-get install ${missing[*]} failed"
+        local log=/tmp/local_cluster-apt.log
+        { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"; } >"$log" 2>&1 \
+            || fail "apt-get install ${missing[*]} failed (its output is in $log)"
     fi
     local wheels=()
     "$PYTHON" -c "import ray" 2>/dev/null || wheels+=(ray)
     "$PYTHON" -c "import psycopg" 2>/dev/null || wheels+=("psycopg[binary]")
     if ((${#wheels[@]})); then
         echo "local_cluster: pip install ${wheels[*]} into $PYTHON"
-        "$PYTHON" -m pip install -q "${wheels[@]}" >/dev/null || fail "pip install ${wheels[*]} failed"
+        local log=/tmp/local_cluster-pip.log
+        "$PYTHON" -m pip install -q "${wheels[@]}" >"$log" 2>&1 \
+            || fail "pip install ${wheels[*]} failed (its output is in $log)"
     fi
 }
 
