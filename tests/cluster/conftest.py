@@ -33,7 +33,8 @@ def slurm() -> str:
     ready = [line.split()[0].rstrip("*") for line in answer.splitlines()
              if code == 0 and line.split()[-1].rstrip("*~#") in ("idle", "mixed", "allocated", "completing")]
     if not ready:
-        pytest.skip(f"no SLURM node takes jobs here ({START}): sinfo said {answer.splitlines()[:1]}")
+        said = answer.splitlines()[0] if answer else "no partition"
+        pytest.skip(f"no SLURM node takes jobs here ({START}); sinfo: {said}")
     return ready[0]
 
 
@@ -67,7 +68,8 @@ def ray_head() -> None:
         pytest.skip(f"ray is not installed ({START})")
     code, answer = _answer([ray_command() or "ray", "status"])
     if code != 0:
-        pytest.skip(f"no Ray cluster is running here ({START}): {answer.splitlines()[-1:] }")
+        said = answer.splitlines()[-1] if answer else "no answer"
+        pytest.skip(f"no Ray cluster is running here ({START}); ray status: {said}")
 
 
 @pytest.fixture(scope="session")
