@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from soma_pl.data.formats.expert_sets import read_experts_manifest
+from soma_pl.data.formats.expert_sets import EXPERTS_MANIFEST, read_experts_manifest
 from soma_pl.data.sharding.config import ShardConfig
 from soma_pl.data.sharding.shard import shard as run_shard  # `shard_dataset`'s argument `shard` hides the name
 
@@ -24,6 +24,10 @@ def shard_dataset(shard: ShardConfig = ShardConfig(), progress: bool = True) -> 
         progress: show progress bars.
     """
     output = run_shard(shard, progress=progress)
+    if not (output / EXPERTS_MANIFEST).is_file():  # a Slurm or Ray executor: its jobs are still running
+        print(json.dumps({"output_dir": str(output), "submitted": True,
+                          "note": "run the same command again once the jobs are done"}, indent=2))
+        return
     manifest = read_experts_manifest(output)
     summary = {"output_dir": str(output), "router": str(output / manifest["router"]),
                "embedder": manifest["config"]["embedder"], "sharding": manifest["config"]["sharding"],
