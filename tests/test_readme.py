@@ -46,7 +46,7 @@ def test_ci_runs_the_readme_test_command_then_the_slow_and_the_cluster_checks():
     assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()
     tests = " ".join(README.split("## Tests", 1)[1].split())
     assert "`python -m pytest -q -m 'slow and not cuda'`" in tests
-    assert "CI (`.ci/run`) runs the default command and then this one, with `ruff check .`" in tests
+    assert "CI (`.ci/run`) runs it, `ruff check .`" in tests
     assert "then `scripts/local_cluster.sh up`" in tests and "`python -m pytest -q -m cluster`" in tests
 
 
