@@ -174,11 +174,27 @@ def _layers(paths: Sequence[str]) -> list[Layer]:
     return list(done.values())
 
 
+def _placed(path: str, seen: set[str]) -> list[Layer]:
+    """The layers `--config path` puts before the parser: its bases not given before (`seen`, the
+    real paths placed so far, which it extends), then the file itself, which keeps its place even
+    when it was read before (a base given again after its method layer still wins, and warns)."""
+    placed = []
+    for layer in _layers([path]):
+        key = os.path.realpath(layer.path)
+        if key in seen and key != os.path.realpath(path):
+            continue
+        seen.add(key)
+        placed.append(layer)
+    return placed
+
+
 def read_layers(argv: Sequence[str]) -> list[tuple[str, dict]]:
     """Each `--config` file of `argv` that exists, with the bases it names before it, read and
     checked, as `(path, settings)` in the order the parser reads them; a missing file is left to
     the parser, which names it."""
-    return [(layer.path, layer.settings) for layer in _layers(config_paths(argv))]
+    seen: set[str] = set()
+    return [(layer.path, layer.settings) for path in config_paths(argv) if Path(path).is_file()
+            for layer in _placed(path, seen)]
 
 
 def expand_configs(argv: Sequence[str]) -> list[str]:
@@ -200,11 +216,7 @@ def expand_configs(argv: Sequence[str]) -> list[str]:
         if not Path(path).is_file():
             out += ["--config", path]  # the parser names a missing file, or reads YAML text
             continue
-        for layer in _layers([path]):
-            key = os.path.realpath(layer.path)
-            if key in seen and key != os.path.realpath(path):
-                continue  # a base given earlier is not read twice
-            seen.add(key)
+        for layer in _placed(path, seen):
             out += ["--config", layer.path if layer.as_written else yaml.safe_dump(layer.settings, sort_keys=False)]
     return out
 

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from soma_pl.cli import main
-from soma_pl.config_files import expand_configs, nested_form, read_layers
+from soma_pl.config_files import expand_configs, nested_form, read_layers, warn_on_layer_order
 from soma_pl.errors import ConfigError
 from soma_pl.lightning_cli import make_cli
 
@@ -92,3 +92,15 @@ def test_an_unknown_shallow_key_names_its_file(tmp_path, capsys):
     assert exit_info.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()[-1:]
     assert "widht" in line and f"set in {layer}" in line and str(base) not in line
+
+
+def test_a_base_given_again_after_its_method_layer_keeps_its_place_and_warns(tmp_path):
+    trainer = _write(tmp_path / "t.yaml", "trainer: {max_steps: 1}\n")
+    method = _write(tmp_path / "m.yaml", "base: t.yaml\ntrainer: {max_steps: 5}\nmodel: {class_path: m.A}\n")
+    argv = ["--config", str(method), "--config", str(trainer)]
+    layers = read_layers(argv)
+    assert [path for path, _ in layers] == [str(trainer), str(method), str(trainer)]
+    assert expand_configs(argv)[-2:] == ["--config", str(trainer)]  # the parser reads it last: it wins
+    changed = r"comes after the method layer .*m.yaml and changes its trainer.max_steps=5 → 1"
+    with pytest.warns(UserWarning, match=changed):
+        warn_on_layer_order(layers)
