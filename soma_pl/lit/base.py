@@ -180,17 +180,20 @@ class ByteLMModule(L.LightningModule):
         """Step the optimizer on the `.grad`s just set and clear them; under per-expert decay each
         expert's update is scaled by its own multiplier."""
         optimizer = self.optimizers()
-        experts = {} if self.plateau is None else \
-            {n: p for n, p in self.trained_model.expert_parameters().items() if p.requires_grad}
-        scale = None if self.plateau is None else self.plateau.scale[self.experts.start : self.experts.stop]
-        if experts and steps_with_gradient(getattr(optimizer, "optimizer", optimizer)):
+        if self.plateau is None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return
+        experts = {n: p for n, p in self.trained_model.expert_parameters().items() if p.requires_grad}
+        scale = self.plateau.scale[self.experts.start : self.experts.stop]
+        if steps_with_gradient(getattr(optimizer, "optimizer", optimizer)):
             scale_gradients(experts, scale)  # plain SGD: sₑ·gₑ is the scaled step, with no copy of the weights
-            experts = {}
-        before = {name: param.detach().clone() for name, param in experts.items()}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if experts:
+            optimizer.step()
+        else:  # the step is not proportional to the gradient: scale the update itself
+            before = {name: param.detach().clone() for name, param in experts.items()}
+            optimizer.step()
             scale_updates(experts, before, scale)
+        optimizer.zero_grad(set_to_none=True)
 
     def log_update(self, losses: Tensor, seconds: float, forwards: int, **extra: float | Tensor) -> None:
         """Record one update's cost in `last_update` and log it.

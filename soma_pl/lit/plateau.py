@@ -88,6 +88,11 @@ class ExpertPlateau(nn.Module):
         self.bad = torch.where(decay, torch.zeros_like(self.bad), self.bad)
 
 
+def per_expert(scale: Tensor, param: Tensor) -> Tensor:
+    """`scale [E]` shaped to multiply `param [E, ...]` expert by expert."""
+    return scale.to(param.dtype).view(-1, *[1] * (param.dim() - 1))
+
+
 def steps_with_gradient(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's step is `-lr · grad` (SGD without momentum or weight decay), so that
     scaling an expert's gradient scales its update exactly."""
@@ -100,7 +105,7 @@ def scale_gradients(params: dict[str, Tensor], scale: Tensor) -> None:
     """Each expert's gradient times its own learning-rate multiplier, in place. params: name →
     `[E, ...]` weights with their `.grad`; scale: `[E]`."""
     for param in params.values():
-        param.grad.mul_(scale.to(param.dtype).view(-1, *[1] * (param.dim() - 1)))
+        param.grad.mul_(per_expert(scale, param))
 
 
 @torch.no_grad()
@@ -116,5 +121,5 @@ def scale_updates(params: dict[str, Tensor], before: dict[str, Tensor], scale: T
         scale: `[E]` multipliers.
     """
     for name, param in params.items():
-        view = scale.to(param.dtype).view(-1, *[1] * (param.dim() - 1))
+        view = per_expert(scale, param)
         param.copy_(torch.lerp(before[name], param, view))
