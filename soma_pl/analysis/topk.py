@@ -7,7 +7,8 @@ the loss of the average of the top-k experts' probabilities for every k at once.
 Output (JSON): ``k`` (1..N), ``loss_by_k`` (mean nats/byte over windows), ``loss_by_k_stderr`` and
 ``loss_by_k_bootstrap_95`` (document bootstrap), ``best_k``, ``expert_losses`` (each expert alone on
 every window), ``routed_top1_share`` (how often each expert is ranked first), ``windows``,
-``documents``, ``checkpoint``.
+``documents``, ``checkpoint``; per window, ``window_loss_by_k`` (``[windows][k]``) and its ``doc_ids``,
+so a difference between two k can be bootstrapped over documents.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def topk_curve(scores: EnsembleScores, doc_ids) -> dict:
     return {"k": list(range(1, experts + 1)), "loss_by_k": mean.tolist(), "loss_by_k_stderr": stderr.tolist(),
             "loss_by_k_bootstrap_95": [[i.low, i.high] for i in intervals], "best_k": int(mean.argmin()) + 1,
             "expert_losses": scores.expert_losses.double().mean(1).tolist(), "routed_top1_share": first.tolist(),
-            "windows": windows, "documents": intervals[0].documents}
+            "windows": windows, "documents": intervals[0].documents,
+            "window_loss_by_k": by_k.tolist(), "doc_ids": [str(d) for d in doc_ids]}
 
 
 def main(checkpoint: str, data: str = "data/demo", router: str | None = None, max_windows: int | None = None,

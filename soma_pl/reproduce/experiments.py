@@ -15,6 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from soma_pl.reproduce.ablations import FIG9_PAPER, fig9_figure, fig9_markdown, fig9_result
+from soma_pl.reproduce.allocation import (
+    FIG13_PAPER,
+    TABLE11_PAPER,
+    fig13_figure,
+    fig13_markdown,
+    fig13_result,
+    table11_figure,
+    table11_markdown,
+    table11_result,
+)
 from soma_pl.reproduce.budgets import TABLE5_PAPER, table5_figure, table5_markdown, table5_result
 from soma_pl.reproduce.methods import (
     TABLE4_PAPER,
@@ -25,6 +35,16 @@ from soma_pl.reproduce.methods import (
     table9_figure,
     table9_markdown,
     table9_result,
+)
+from soma_pl.reproduce.scaling import (
+    FIG7_PAPER,
+    FIG7_SETTINGS_PAPER,
+    fig7_figure,
+    fig7_markdown,
+    fig7_result,
+    fig7_settings_figure,
+    fig7_settings_markdown,
+    fig7_settings_result,
 )
 from soma_pl.reproduce.tables import figure, table7_markdown
 from soma_pl.reproduce.verdicts import decide, paired_document_interval
@@ -227,6 +247,86 @@ EXPERIMENTS: dict[str, Experiment] = {
                       ["shard", "--config", "configs/shard/demo_n2_random.yaml"],
                       ["fit", "--config", "configs/demo/seed_w44.yaml", "--trainer.enable_progress_bar=false",
                        "--ckpt_path=last"]]},
+        final_test=False,
+    ),
+    "fig7": Experiment(
+        name="fig7",
+        title="Figs. 7 (left), 8, 16 and 17: fixed-width experts at N = 1, 2, 4 and 8 against elapsed and aggregate "
+              "update time; the largest ensemble's top-k curve and pairwise error correlations",
+        sweeps={"cpu": "sweeps/demo/fig7.yaml", "paper": "sweeps/fig7_experts.yaml"},
+        basis="cpu: equal updates of experts of one width (200 each), so equal elapsed update time per expert "
+              "(Fig. 7: U·t̄ₑ, one device per expert) while the aggregate (Fig. 8: U·Σₑ t̄ₑ) grows with N; both read "
+              "from measured update time, multiply-adds per update recorded beside them; paper: every N to one "
+              "budget of 183.6 aggregate GPU-hours",
+        cost={"cpu": "8 fits of 200 updates (N = 1, 2, 4, 8 experts of width 32; two seeds), then two analyses of each "
+                     "N = 8 checkpoint: 51 core-minutes, 26 minutes on 2 cores (measured)",
+              "paper": "5 runs (N = 1, 2, 8, 32, 256) to the paper's common cutoff of 183.6 estimated GPU-hours; "
+                       "their shards and width-32 seed model by hand first (sweeps/fig7_experts.yaml's header)"},
+        result=fig7_result,
+        table=fig7_markdown,
+        figure=fig7_figure,
+        paper=FIG7_PAPER,
+        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"],
+                      *(["shard", "--config", "configs/shard/demo_n2.yaml", f"--shard.num_experts={n}",
+                         f"--shard.output_dir=data/demo-experts-n{n}"] for n in (4, 8))]},
+        final_test=False,
+    ),
+    "fig7_settings": Experiment(
+        name="fig7_settings",
+        title="Fig. 7 (centre and right): SOMA N = 4 across four n_pert and four effective batches B",
+        sweeps={"cpu": "sweeps/demo/fig7_settings.yaml"},
+        basis="equal updates (120 each; an update's token-forwards grow with n_pert × B), with the same runs "
+              "compared at equal elapsed update time per expert (U·t̄ₑ, the figure's axis) beside it",
+        cost={"cpu": "14 fits of 120 updates (N = 4 experts of width 32; two seeds): 29 core-minutes, 15 minutes on 2 "
+                     "cores (measured)",
+              "paper": "none here: the paper's N = 8 runs reach hundreds of elapsed GPU-hours"},
+        result=fig7_settings_result,
+        table=fig7_settings_markdown,
+        figure=fig7_settings_figure,
+        paper=FIG7_SETTINGS_PAPER,
+        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml", "--shard.num_experts=4",
+                       "--shard.output_dir=data/demo-experts-n4"]]},
+        final_test=False,
+    ),
+    "fig13": Experiment(
+        name="fig13",
+        title="Fig. 13 and Table 10: N = 8 experts, three allocations of equal multiply-adds between n_pert and B, "
+              "the compute to reach a loss threshold and the loss at three budgets",
+        sweeps={"cpu": "sweeps/demo/fig13.yaml"},
+        basis="equal multiply-adds per update (n_pert × B = 32 direction-windows); Fig. 13 reads measured aggregate "
+              "update time (U·Σₑ t̄ₑ) to the threshold, Table 10 the loss at budgets of multiply-adds",
+        cost={"cpu": "6 fits of 80 updates (N = 8 experts of width 32; two seeds): 30 core-minutes, 16 minutes on 2 "
+                     "cores (measured)",
+              "paper": "none here: the paper's 0.272M curves run for tens of GPU-hours each"},
+        result=fig13_result,
+        table=fig13_markdown,
+        figure=fig13_figure,
+        paper=FIG13_PAPER,
+        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml", "--shard.num_experts=8",
+                       "--shard.output_dir=data/demo-experts-n8"]]},
+        final_test=False,
+    ),
+    "table11": Experiment(
+        name="table11",
+        title="Table 11: one N = 8 checkpoint continued under three allocations of equal multiply-adds, test loss",
+        sweeps={"cpu": "sweeps/demo/table11.yaml", "paper": "sweeps/table11_alloc.yaml"},
+        basis="equal multiply-adds: cpu: 40 further updates of n_pert × B = 32 direction-windows each; paper: 512 "
+              "further updates of n_pert × B = 65,536",
+        cost={"cpu": "a 100-update start fit (4 minutes), then 6 continuations of 40 updates (two paired seeds; 15 "
+                     "core-minutes): 13 minutes on 2 cores (measured)",
+              "paper": "6 continuations of 512 updates of an N = 8, 0.272M checkpoint (two paired seeds); give the "
+                       "sweep its `ckpt_path` first (sweeps/table11_alloc.yaml's header)"},
+        result=table11_result,
+        table=table11_markdown,
+        figure=table11_figure,
+        paper=TABLE11_PAPER,
+        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml", "--shard.num_experts=8",
+                       "--shard.output_dir=data/demo-experts-n8"],
+                      ["fit", "--config", "configs/demo/soma_n2.yaml", "--model.num_experts=8",
+                       "--data.experts_dir=data/demo-experts-n8", "--model.shape.width=32",
+                       "--model.optimizer.lr=0.025", "--model.spsa.micro_batch=1", "--trainer.max_steps=100",
+                       "--trainer.val_check_interval=50", "--trainer.default_root_dir=runs/demo_table11_start",
+                       "--trainer.enable_progress_bar=false", "--ckpt_path=last"]]},
         final_test=False,
     ),
 }

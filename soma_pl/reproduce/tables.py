@@ -29,6 +29,12 @@ def interval_text(values: list[float] | tuple[float, float] | None, sign: bool =
     return "—" if values is None else f"[{number(values[0], sign=sign)}, {number(values[1], sign=sign)}]"
 
 
+def heading(result: dict) -> list[str]:
+    """The first lines of every experiment's table: its name, scale and title, then its compute basis."""
+    return [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
+            f"Equal compute: {result['basis']}.", ""]
+
+
 def checks_table(checks: list[dict]) -> list[str]:
     """One line per claim: its basis, verdict, mean difference and the two 95% intervals."""
     lines = table_head(["Claim", "Verdict", "Mean difference", "Seeds", "95% over seeds", "95% over documents"])

@@ -262,12 +262,12 @@ def _full_disk(monkeypatch, cls, after: int) -> None:
 def test_a_read_only_or_full_disk_is_one_line_and_leaves_nothing(capsys, request, tmp_path, monkeypatch, command,
                                                                 failure):
     output = tmp_path / "out" / command
-    # The patched writer below must be the one the tasks use: prepare's tasks are forked from this
-    # process (from one that has imported torch they would start from a fork server, fresh
-    # processes without the patch), and shard's one task runs in this process.
+    # The patched writer below must be the one the tasks use: one worker runs prepare's tasks in this
+    # process, one after another, and shard's one task runs here too. (A fork of this process, which
+    # holds torch's thread pools, can hang on a lock: `default_start_method`.)
     if command == "prepare":
         corpus = request.getfixturevalue("corpus")
-        args = prepare_args(corpus, output, "--dataset.executor.options={start_method: fork}")
+        args = prepare_args(corpus, output, "--dataset.executor.workers=1")
         writer, setting = ShardWriter, "dataset"
     else:
         corpus, data, _, _ = request.getfixturevalue("sharded")

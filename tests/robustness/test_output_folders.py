@@ -21,9 +21,10 @@ from tests.data.corpora import write_jsonl_corpus
 from tests.robustness.cli import cli, one_error
 from tests.robustness.test_data_safety import SMALL, TINY_SOMA, listing, prepare_args, shard_args
 
-FORK = "--dataset.executor.options={start_method: fork}"
-"""Forked tasks see this process's patches (from a torch-importing process they would start from a
-fork server)."""
+IN_PROCESS = "--dataset.executor.workers=1"
+"""One worker runs the tasks one after another in this process, so they see its patches. (Forked
+workers would too, but a fork of this process, which holds torch's thread pools, can hang on a lock
+one of those threads held: `default_start_method`.)"""
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +115,9 @@ def test_a_resume_at_another_task_count_gives_the_data_of_a_clean_build(capsys, 
 
     with monkeypatch.context() as patch:
         patch.setattr(PlanHeldOut, "run", killed)
-        one_error(cli(capsys, *prepare_args(corpus, output, "--dataset.executor.tasks=2", FORK)), "killed after")
-    assert cli(capsys, *prepare_args(corpus, output, "--dataset.executor.tasks=1", FORK)) == (0, [])
-    assert cli(capsys, *prepare_args(corpus, clean, "--dataset.executor.tasks=1", FORK)) == (0, [])
+        one_error(cli(capsys, *prepare_args(corpus, output, "--dataset.executor.tasks=2", IN_PROCESS)), "killed after")
+    assert cli(capsys, *prepare_args(corpus, output, "--dataset.executor.tasks=1", IN_PROCESS)) == (0, [])
+    assert cli(capsys, *prepare_args(corpus, clean, "--dataset.executor.tasks=1", IN_PROCESS)) == (0, [])
     resumed_files, clean_files = listing(output), listing(clean)
     for name in ("ensemble_val.npz", "test.npz"):
         assert resumed_files[name] == clean_files[name]

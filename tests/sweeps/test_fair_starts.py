@@ -227,7 +227,7 @@ def test_each_fig9_condition_changes_exactly_its_one_thing(monkeypatch):
 def test_the_fig7_experts_sweeps_give_every_n_one_shared_frozen_seed_head_at_paper_scale(monkeypatch):
     monkeypatch.chdir(ROOT)
     for name, kind, begins in (("fig7_experts.yaml", "frozen_shared", "seed"),
-                               ("demo/fig7_experts.yaml", "trainable", "random")):
+                               ("demo/fig7.yaml", "trainable", "random")):
         sides = sweep_sides(load_sweep(ROOT / "sweeps" / name))
         assert len(sides) >= 3
         assert {head_kind(config) for config in sides.values()} == {kind}, name

@@ -1,0 +1,271 @@
+"""Fig. 13, Table 10 and Table 11: how N = 8 experts spend a fixed number of direction-window
+evaluations per update, between more directions (n_pert) and more windows (B).
+
+Every allocation evaluates the same n_pert × B direction-windows per update (each window of a batch
+with its own n_pert directions, as the paper's accumulated batches of 64 are), so equal updates are
+equal multiply-adds:
+
+- **Fig. 13**: from random weights, the measured aggregate update time (Table 3's U·Σₑ t̄ₑ) each
+  allocation needs to reach a loss threshold. The paper's 1.90 line is one every curve crosses;
+  the demo's analogue is the highest of the allocations' lowest losses (the lowest loss every run
+  reaches), rounded up to 0.01.
+- **Table 10**: the same curves' loss at three doubling budgets of multiply-adds (a quarter, half
+  and all of `BUDGET_SHARE` of the shortest run's, so that they fall between validations),
+  interpolated there linearly and in log compute: the range of the two.
+- **Table 11**: one checkpoint continued for a fixed number of further updates under each
+  allocation, two paired seeds (the same seeds, data order and start for every allocation), test
+  loss with per-window scores. The paper's claim, nearly equal, is an equivalence: it holds when
+  every pairwise difference's 95% intervals lie inside ±`EQUIVALENT`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from pathlib import Path
+
+from soma_pl.reproduce.scaling import claim_check, mean_sd, run_curve
+from soma_pl.reproduce.tables import (
+    checks_table,
+    heading,
+    interval_text,
+    number,
+    run_footer,
+    save_figure,
+    table_head,
+    table_row,
+)
+from soma_pl.reproduce.verdicts import Verdict, paired_document_interval, seed_interval
+from soma_pl.sweeps.final_test import score_run
+
+ALLOCATION = re.compile(r"p(?P<n_pert>\d+)_b(?P<batch>\d+)$")
+FIG13_PAPER = {"threshold": 1.90, "gpu_hours": {"64x1024": 28.7, "1024x64": 44.5}, "ratio": 1.55,
+               "table10": {"operations": ["2e18", "4e18", "8e18"],
+                           "loss": [[1.8046, 1.8057], [1.7947, 1.8000], [1.7848, 1.7887]],
+                           "favoured": "(N, n_pert, B) = (8, 64, 1024)"},
+               "claims": {"fig13": "Larger batches reach 1.90 with fewer GPU-hours (1.55x fewer for B = 1024 than "
+                                   "B = 64)",
+                          "table10": "The saved curves favour (N, n_pert, B) = (8, 64, 1024) at these budgets"}}
+TABLE11_PAPER = {"rows": [{"n_pert": 64, "B": 1024, "test": 2.376587}, {"n_pert": 256, "B": 256, "test": 2.376575},
+                          {"n_pert": 1024, "B": 64, "test": 2.376625}],
+                 "spread": 5.0e-5, "updates": 512,
+                 "claim": "Nearly equal test loss after 512 further updates at equal arithmetic operations"}
+BUDGET_SHARE = 0.95
+"""Table 10's largest budget as a share of the shortest run's multiply-adds."""
+EQUIVALENT = 0.01
+"""Nats/byte within which two allocations count as equal at CPU scale: about the seed-to-seed spread
+of the demo's test losses (Table 7's sd 0.005-0.009), 250 times the paper's 4e-5 spread, which
+rests on 4,096 test documents and 512 updates of a 0.272M model."""
+
+
+def _allocations(labels: list[str]) -> list[tuple[str, int, int]]:
+    """`(label, n_pert, B)` by increasing B (decreasing n_pert)."""
+    found = [(label, int(m["n_pert"]), int(m["batch"])) for label in labels if (m := ALLOCATION.match(label))]
+    return sorted(found, key=lambda item: item[2])
+
+
+def threshold_of(curves: dict[str, list[dict]]) -> float:
+    """The lowest loss every run reaches (the highest of the runs' minima), rounded up to 0.01."""
+    return math.ceil(max(min(c["loss"]) for runs in curves.values() for c in runs) * 100 - 1e-9) / 100
+
+
+def seconds_to(curve: dict, threshold: float) -> float | None:
+    """The aggregate update time of the first validation at or below `threshold` (as the paper reads
+    the first plotted point at or below 1.90); None when the run never gets there."""
+    return next((s for s, loss in zip(curve["aggregate_seconds"], curve["loss"], strict=True) if loss <= threshold),
+                None)
+
+
+def _at(xs: list[float], ys: list[float], at: float, log: bool) -> float | None:
+    """`ys` at `at`, interpolated between the points around it, linearly in x or in log x."""
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys, strict=True), list(zip(xs, ys, strict=True))[1:], strict=False):
+        if x0 <= at <= x1:
+            if x1 == x0:
+                return y0
+            t = (math.log(at) - math.log(x0)) / (math.log(x1) - math.log(x0)) if log else (at - x0) / (x1 - x0)
+            return y0 + t * (y1 - y0)
+    return ys[-1] if xs and abs(at - xs[-1]) <= 1e-9 * xs[-1] else None
+
+
+def loss_range(curve: dict, operations: float) -> tuple[float, float] | None:
+    """The loss at `operations` multiply-adds, interpolated linearly and in log compute: (low, high)."""
+    xs = [u * curve["multiply_adds_per_update"] for u in curve["updates"]]
+    values = [_at(xs, curve["loss"], operations, log) for log in (False, True)]
+    return None if None in values else (min(values), max(values))
+
+
+def fig13_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+    """Fig. 13 and Table 10 beside the paper."""
+    t7 = report["table7"]
+    per_seed = t7["per_seed"]
+    allocations = _allocations([str(label) for label in t7["column_labels"]])
+    curves = {label: [run_curve(Path(folders[entry["trial"][label]][entry["seed"]])) for entry in per_seed]
+              for label, _, _ in allocations}
+    threshold = threshold_of(curves)
+    reached = {label: [seconds_to(c, threshold) for c in runs] for label, runs in curves.items()}
+    shortest = min(c["updates"][-1] * c["multiply_adds_per_update"] for runs in curves.values() for c in runs)
+    budgets = [BUDGET_SHARE * shortest / 4, BUDGET_SHARE * shortest / 2, BUDGET_SHARE * shortest]
+    table10 = {label: [[loss_range(c, budget) for budget in budgets] for c in runs] for label, runs in curves.items()}
+    checks = []
+    largest, smallest = allocations[-1][0], allocations[0][0]
+    differences = [a - b for a, b in zip(reached[smallest], reached[largest], strict=True)
+                   if a is not None and b is not None]
+    checks.append(claim_check(f"Larger batches reach the loss threshold {threshold:.2f} with less compute (Fig. 13): "
+                              f"{largest} needs less aggregate update time than {smallest} (difference in seconds)",
+                              differences, "measured aggregate update time"))
+    for index, budget in enumerate(budgets):
+        mids = {label: [sum(r[index]) / 2 if r[index] else None for r in ranges] for label, ranges in table10.items()}
+        for label, _, _ in allocations[:-1]:
+            differences = [a - b for a, b in zip(mids[label], mids[largest], strict=True)
+                           if a is not None and b is not None]
+            checks.append(claim_check(f"The curves favour the largest batch at {budget:.3g} multiply-adds (Table 10): "
+                                      f"{largest} below {label} (middle of the interpolation range)", differences,
+                                      "equal multiply-adds"))
+    rows = []
+    for label, n_pert, batch in allocations:
+        runs = curves[label]
+        rows.append({"allocation": label, "n_pert": n_pert, "B": batch,
+                     "multiply_adds_per_update": runs[0]["multiply_adds_per_update"],
+                     "seconds_to_threshold": reached[label],
+                     "table10": [[list(r) if r else None for r in ranges] for ranges in zip(*table10[label],
+                                                                                           strict=True)],
+                     "final": mean_sd([c["loss"][-1] for c in runs]),
+                     "aggregate_seconds": mean_sd([c["aggregate_seconds"][-1] for c in runs])})
+    found = [statistics.fmean(v) for v in (reached[smallest], reached[largest]) if v and None not in v]
+    return {"rows": rows, "curves": curves, "threshold": threshold, "budgets": budgets,
+            "ratio": found[0] / found[1] if len(found) == 2 and found[1] else None, "checks": checks,
+            "seeds": [e["seed"] for e in per_seed], "paper_summary": FIG13_PAPER, "trials": report["trials"],
+            "failed": report["failed"]}
+
+
+def fig13_markdown(result: dict) -> str:
+    paper = result["paper_summary"]
+    seeds = ", ".join(map(str, result["seeds"]))
+    lines = [*heading(result),
+             f"## Fig. 13: aggregate update time to reach {result['threshold']:.2f} nats/byte", "",
+             f"The threshold is the demo's analogue of the paper's {paper['threshold']:.2f}: the highest of the runs' "
+             f"lowest ensemble-validation losses (the lowest loss every run reaches), rounded up to 0.01. Seconds of "
+             f"measured aggregate update time (U·Σₑ t̄ₑ, one thread) at the first validation at or below it, seeds "
+             f"{seeds}. Paper: {paper['gpu_hours']['64x1024']} GPU-hours for (64, 1024) against "
+             f"{paper['gpu_hours']['1024x64']} for (1024, 64), {paper['ratio']}x.", "",
+             *table_head(["allocation", "n_pert", "B", "multiply-adds per update", "s to the threshold",
+                          "final loss", "s aggregate (final)"])]
+    for row in result["rows"]:
+        reached = ", ".join("—" if s is None else f"{s:.0f}" for s in row["seconds_to_threshold"])
+        lines.append(table_row([row["allocation"], str(row["n_pert"]), str(row["B"]),
+                                f"{row['multiply_adds_per_update']:.3g}", reached,
+                                f"{number(row['final']['mean'])} ± {number(row['final']['sd'])}",
+                                f"{row['aggregate_seconds']['mean']:.0f}"]))
+    ratio = result["ratio"]
+    lines += ["", f"Smallest-B over largest-B time to the threshold (seed means): "
+                  f"{'—' if ratio is None else f'{ratio:.2f}x'} (paper: {paper['ratio']}x).", "",
+              "## Table 10: loss at three budgets of multiply-adds", "",
+              "Ensemble-validation loss, per seed, interpolated linearly and in log compute between validations "
+              "(the range of the two). Paper (operations, estimated ensemble-validation loss): " + "; ".join(
+                  f"{ops}: {low}–{high}" for ops, (low, high) in zip(paper["table10"]["operations"],
+                                                                    paper["table10"]["loss"], strict=True)) +
+              f", favouring {paper['table10']['favoured']}.", "",
+              *table_head(["allocation", *(f"{budget:.3g} multiply-adds" for budget in result["budgets"])])]
+    for row in result["rows"]:
+        cells = ["; ".join("—" if r is None else f"{r[0]:.4f}–{r[1]:.4f}" for r in per_budget)
+                 for per_budget in row["table10"]]
+        lines.append(table_row([row["allocation"], *cells]))
+    lines += ["", "## The paper's claims", "", *(f"- {claim}" for claim in paper["claims"].values()), "",
+              *checks_table(result["checks"]), "", run_footer(result)]
+    return "\n".join(lines) + "\n"
+
+
+def fig13_figure(result: dict, path: Path) -> Path:
+    """Loss against aggregate update time per allocation, the threshold dotted (Fig. 13)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7.5, 4.2))
+    for index, (label, runs) in enumerate(result["curves"].items()):
+        for seed, curve in enumerate(runs):
+            axis.plot(curve["aggregate_seconds"], curve["loss"], "-o", markersize=3, color=f"C{index}",
+                      alpha=0.9 if seed == 0 else 0.5, label=label if seed == 0 else None)
+    axis.axhline(result["threshold"], color="black", linestyle=":", linewidth=0.8)
+    axis.set_xscale("log")
+    axis.set_xlabel("aggregate update time, U·Σₑ t̄ₑ (s, one thread)")
+    axis.set_ylabel("ensemble-validation loss (nats/byte)")
+    axis.set_title(f"{result['experiment']} at {result['scale']} scale: N = 8, equal multiply-adds per update",
+                   fontsize=9)
+    axis.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def equivalence(claim: str, differences: list[float], document: tuple[float, float] | None,
+                margin: float = EQUIVALENT) -> dict:
+    """Two sides equal within ±`margin`: holds when the seeds' 95% interval (and the documents', when
+    there is one) lie inside it, does not hold when one lies wholly outside it, inconclusive otherwise."""
+    seeds = seed_interval(differences)
+    mean = statistics.fmean(differences) if differences else None
+    intervals = [i for i in (seeds, document) if i is not None]
+    shown = (f"seeds {interval_text(seeds)}, documents {interval_text(document)}, margin ±{margin:g}")
+    if seeds is None:
+        verdict, why = Verdict.inconclusive, f"{len(differences)} seed(s): no interval over seeds"
+    elif all(-margin < low and high < margin for low, high in intervals):
+        verdict, why = Verdict.holds, f"every 95% interval inside the margin ({shown})"
+    elif any(low >= margin or high <= -margin for low, high in intervals):
+        verdict, why = Verdict.does_not_hold, f"a 95% interval wholly outside the margin ({shown})"
+    else:
+        verdict, why = Verdict.inconclusive, f"a 95% interval reaches past the margin ({shown})"
+    return {"claim": claim, "verdict": verdict.value, "why": why, "mean": mean, "seeds": len(differences),
+            "seed_interval": seeds, "document_interval": document, "basis": "equal multiply-adds", "split": "test"}
+
+
+def table11_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+    """Table 11 beside the paper: each allocation's test loss after the continuation, per seed and mean;
+    each pair of allocations checked for equality within `EQUIVALENT`."""
+    t7 = report["table7"]
+    per_seed = t7["per_seed"]
+    allocations = _allocations([str(label) for label in t7["column_labels"]])
+    scores = {label: [score_run(Path(folders[entry["trial"][label]][entry["seed"]]), "test") for entry in per_seed]
+              for label, _, _ in allocations}
+    checks = []
+    for index, (first, _, _) in enumerate(allocations):
+        for second, _, _ in allocations[index + 1:]:
+            differences = [a["loss"] - b["loss"] for a, b in zip(scores[first], scores[second], strict=True)]
+            checks.append(equivalence(f"{first} and {second} end nearly equal (Table 11: within ±{EQUIVALENT:g} "
+                                      f"nats/byte here; the paper's three within {TABLE11_PAPER['spread']:g})",
+                                      differences, paired_document_interval(scores[first], scores[second])))
+    rows = [{"allocation": label, "n_pert": n_pert, "B": batch,
+             "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
+             "test": mean_sd([s["loss"] for s in scores[label]]),
+             "bootstrap_95": [s["bootstrap_95"] for s in scores[label]]} for label, n_pert, batch in allocations]
+    means = [row["test"]["mean"] for row in rows if row["test"]["mean"] is not None]
+    return {"rows": rows, "spread": max(means) - min(means) if means else None, "checks": checks,
+            "seeds": [e["seed"] for e in per_seed], "paper_summary": TABLE11_PAPER, "trials": report["trials"],
+            "failed": report["failed"]}
+
+
+def table11_markdown(result: dict) -> str:
+    paper = result["paper_summary"]
+    lines = [*heading(result),
+             f"Test loss (nats/byte) after the continuation, per seed ({', '.join(map(str, result['seeds']))}) and "
+             f"mean; the paper's rows ({paper['updates']} further updates, two paired seeds, 4,096 test documents) "
+             "below ours.", "",
+             *table_head(["n_pert", "B", *(f"seed {s}" for s in result["seeds"]), "mean", "paper n_pert", "paper B",
+                          "paper test loss"])]
+    for row, theirs in zip(result["rows"], sorted(paper["rows"], key=lambda r: r["B"]), strict=False):  # by B
+        lines.append(table_row([str(row["n_pert"]), str(row["B"]),
+                                *(number(row["per_seed"][str(s)], 6) for s in result["seeds"]),
+                                number(row["test"]["mean"], 6), str(theirs["n_pert"]), str(theirs["B"]),
+                                number(theirs["test"], 6)]))
+    spread = result["spread"]
+    lines += ["", f"Spread of the means: {'—' if spread is None else f'{spread:.6f}'} nats/byte (paper: "
+                  f"{paper['spread']:g}).", "", "## The paper's claims", "", f"- {paper['claim']}", "",
+              *checks_table(result["checks"]), "", run_footer(result)]
+    return "\n".join(lines) + "\n"
+
+
+def table11_figure(result: dict, path: Path) -> Path:
+    from soma_pl.reproduce.tables import rows_figure
+
+    shown = {**result, "rows": [{**row, "row": row["allocation"]} for row in result["rows"]]}
+    return rows_figure(shown, path, "test", "test loss (nats/byte)",
+                       f"{result['experiment']} at {result['scale']} scale: equal multiply-adds")

@@ -1,0 +1,437 @@
+"""Figures 7 (left), 8, 16 and 17: fixed-width experts at N = 1, 2, 4, 8, against elapsed and
+aggregate compute, and the largest ensemble's top-k curve and pairwise error correlations.
+
+Every N trains the same number of updates of experts of one width, so an expert update costs the
+same at every N. Each run's ensemble-validation curve is read against its measured update time
+(Table 3's U·Σₑ t̄ₑ, `soma_pl.analysis.time_basis.measured_curve`) in two ways:
+
+- **elapsed per expert** (Fig. 7): the aggregate divided by N, the elapsed time with one device per
+  expert (the paper's "average work per expert");
+- **aggregate** (Fig. 8): summed over experts, as one device would spend it.
+
+Multiply-adds per update (token-forwards × parameters per expert) are recorded beside them. The
+largest N's last checkpoint of each seed is analysed by `analyze topk` (Fig. 16) and `analyze
+error-correlation` (Fig. 17), their JSON kept in `<run>/analysis/`. Validation curves keep no
+per-window losses, so Figs. 7 and 8 are decided by the seeds alone; Fig. 16 adds a document
+bootstrap of its per-window difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from soma_pl.analysis.time_basis import interpolate, measured_curve
+from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.reproduce.tables import checks_table, heading, number, run_footer, save_figure, table_head, table_row
+from soma_pl.reproduce.verdicts import Verdict, decide
+
+FIG7_PAPER = {
+    "experts": [1, 2, 8, 32, 256],
+    "cutoff": "183.6 estimated hours (elapsed, one GPU per expert)",
+    "fig7": "Increasing number of experts (and ensemble size) improves training monotonically",
+    "fig8": "More experts do not lower loss at every training budget (aggregate GPU-hours)",
+    "fig16": "Top-k routing with k = 4 captures most of the gain at the same training stage (N = 8 and 256)",
+    "fig17": "Averaging helps more when experts make different errors (about 1,300 pairs per point)",
+}
+"""The paper's claims for these figures; its curves give no table of numbers to set beside ours."""
+FIG8_POINTS = 3
+"""Aggregate budgets per pair of expert counts: log-spaced over the range both curves cover."""
+MOST = 0.5
+"""Fig. 16's "most of the gain": top-k captures more than this share of the best k's gain over k = 1."""
+
+
+def mean_sd(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values) if values else None,
+            "sd": statistics.stdev(values) if len(values) > 1 else None}
+
+
+def _interpolated(points: list[tuple[float, float]], at: float) -> float | None:
+    """The loss at `at` on a (seconds, loss) curve; None outside it."""
+    if not points or not points[0][0] * (1 - 1e-9) <= at <= points[-1][0] * (1 + 1e-9):
+        return None
+    return interpolate(points, min(max(at, points[0][0]), points[-1][0]))
+
+
+def run_curve(run_dir: Path) -> dict:
+    """One run's curve on both time bases, with its size and arithmetic per update."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    compute = summary["compute"]
+    experts = int(compute["experts"])
+    updates = max(int(compute["updates"]), 1)
+    per_expert = summary["parameters"] / experts
+    points = measured_curve(run_dir)
+    return {"experts": experts, "parameters": summary["parameters"], "parameters_per_expert": per_expert,
+            "multiply_adds_per_update": compute["token_forwards"] / updates * per_expert,
+            "updates": [step for step, _, _ in points], "loss": [loss for _, loss, _ in points],
+            "aggregate_seconds": [seconds for _, _, seconds in points],
+            "per_expert_seconds": [seconds / experts for _, _, seconds in points],
+            "last_checkpoint": summary.get("last_checkpoint")}
+
+
+def _points(curve: dict, basis: str) -> list[tuple[float, float]]:
+    return list(zip(curve[f"{basis}_seconds"], curve["loss"], strict=True))
+
+
+def claim_check(claim: str, differences: list[float], basis: str, document=None) -> dict:
+    """`decide`'s verdict as a result's check: with its compute basis, on ensemble validation."""
+    return {**decide(claim, differences, document).as_dict(), "basis": basis, "split": "val"}
+
+
+def elapsed_checks(curves: dict[int, list[dict]]) -> tuple[float, list[dict]]:
+    """Fig. 7 (left): at the common per-expert cutoff (the shortest run's elapsed time, as the paper's
+    common 183.6-hour cutoff), each larger N against the next smaller one, seed by seed."""
+    cutoff = min(c["per_expert_seconds"][-1] for runs in curves.values() for c in runs)
+    counts, checks = sorted(curves), []
+    for smaller, larger in zip(counts, counts[1:], strict=False):
+        differences = [a - b for a, b in zip((_interpolated(_points(c, "per_expert"), cutoff) for c in curves[smaller]),
+                                             (_interpolated(_points(c, "per_expert"), cutoff) for c in curves[larger]),
+                                             strict=True) if a is not None and b is not None]
+        claim = (f"More experts train better against elapsed time (Fig. 7 left): N = {larger} reaches a lower "
+                 f"ensemble-validation loss than N = {smaller} at {cutoff:.0f} s per expert")
+        checks.append(claim_check(claim, differences, "equal elapsed update time per expert"))
+    return cutoff, checks
+
+
+def aggregate_comparisons(curves: dict[int, list[dict]], points: int = FIG8_POINTS) -> list[dict]:
+    """Fig. 8: each larger N against the next smaller one at `points` log-spaced aggregate budgets
+    over the range both cover; the difference is larger − smaller (positive: more experts worse)."""
+    counts, rows = sorted(curves), []
+    for smaller, larger in zip(counts, counts[1:], strict=False):
+        both = curves[smaller] + curves[larger]
+        start = max(c["aggregate_seconds"][0] for c in both)
+        end = min(c["aggregate_seconds"][-1] for c in both)
+        if start > end:
+            continue
+        budgets = [start * (end / start) ** (i / max(points - 1, 1)) for i in range(points)]
+        for budget in budgets:
+            low = [_interpolated(_points(c, "aggregate"), budget) for c in curves[smaller]]
+            high = [_interpolated(_points(c, "aggregate"), budget) for c in curves[larger]]
+            differences = [b - a for a, b in zip(low, high, strict=True) if a is not None and b is not None]
+            check = claim_check(f"N = {larger} is above N = {smaller} at {budget:.0f} s aggregate", differences,
+                                "equal aggregate update time")
+            rows.append({"smaller": smaller, "larger": larger, "budget_seconds": budget, "smaller_loss": low,
+                         "larger_loss": high, "check": check})
+    return rows
+
+
+def aggregate_check(rows: list[dict]) -> dict:
+    """Fig. 8's claim over all comparisons: it holds when more experts are decisively worse at some
+    budget, does not hold when they are decisively better at every one, and is inconclusive
+    otherwise. The numbers shown are the comparison most in the claim's favour (a selection among
+    several: read its interval with that in mind)."""
+    claim = ("More experts do not lower loss at every aggregate budget (Fig. 8): at some budget a larger N is above "
+             "a smaller one")
+    if not rows:
+        return claim_check(claim, [], "equal aggregate update time")
+    verdicts = [Verdict(row["check"]["verdict"]) for row in rows]
+    best = max(rows, key=lambda row: row["check"]["mean"] if row["check"]["mean"] is not None else -math.inf)
+    if Verdict.holds in verdicts:
+        verdict = Verdict.holds
+        best = max((r for r in rows if r["check"]["verdict"] == Verdict.holds.value), key=lambda r: r["check"]["mean"])
+    elif all(v is Verdict.does_not_hold for v in verdicts):
+        verdict = Verdict.does_not_hold
+    else:
+        verdict = Verdict.inconclusive
+    check = best["check"]
+    held = sum(v is Verdict.holds for v in verdicts)
+    why = (f"{held} of {len(rows)} (pair, budget) comparisons hold, "
+           f"{sum(v is Verdict.does_not_hold for v in verdicts)} show the opposite; shown: N = {best['larger']} "
+           f"against N = {best['smaller']} at {best['budget_seconds']:.0f} s ({check['why']})")
+    return {**check, "claim": claim, "verdict": verdict.value, "why": why}
+
+
+def _analysis(run_dir: Path, name: str) -> dict:
+    """`analyze topk` or `analyze error-correlation` of the run's last checkpoint on the ensemble-
+    validation set of the dataset it trained on, once (kept in `<run>/analysis/<name>.json`; its
+    stdout in `<name>.log`)."""
+    import yaml
+
+    from soma_pl.analysis import error_correlation, topk
+
+    saved = run_dir / "analysis" / f"{name}.json"
+    if not saved.is_file():
+        data = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["init_args"]["prepared"]
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        command = topk.main if name == "topk" else error_correlation.main
+        checkpoint = json.loads((run_dir / "summary.json").read_text())["last_checkpoint"]
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            command(checkpoint, data=data, out=str(saved), progress=False)
+        (saved.with_suffix(".log")).write_text(printed.getvalue())
+    return json.loads(saved.read_text())
+
+
+def topk_check(curves: list[dict], k: int) -> dict:
+    """Fig. 16: top-`k` captures most (> `MOST`) of the gain of each seed's best k over k = 1; the
+    per-window difference (L₁ − L_k) − MOST·(L₁ − L_best), averaged over seeds, is bootstrapped
+    over documents."""
+    shares, windows, documents = [], [], None
+    for curve in curves:
+        loss = curve["loss_by_k"]
+        best = int(np.argmin(loss))
+        gain = loss[0] - loss[best]
+        shares.append((loss[0] - loss[k - 1]) / gain - MOST if gain > 0 else -MOST)
+        by_k = np.asarray(curve["window_loss_by_k"])
+        windows.append((by_k[:, 0] - by_k[:, k - 1]) - MOST * (by_k[:, 0] - by_k[:, best]))
+        documents = curve["doc_ids"] if documents is None else documents
+    interval = document_bootstrap(np.mean(windows, axis=0), np.asarray(documents))
+    claim = (f"k = {k} captures most (over {MOST:.0%}) of the best k's gain over k = 1 (Fig. 16; mean difference: "
+             f"share − {MOST:.0%})")
+    return claim_check(claim, shares, "one checkpoint per seed", (interval.low, interval.high))
+
+
+def correlation_check(analyses: list[dict]) -> dict:
+    """Fig. 17: across expert pairs, the gain of averaging a pair falls as their residual error
+    correlation rises (a negative Pearson r); the seeds' −r decide."""
+    return claim_check("Averaging helps more when experts' errors are less correlated (Fig. 17; mean difference: −r, "
+                       "Pearson over expert pairs)", [-a["gain_correlation_pearson"] for a in analyses],
+                       "one checkpoint per seed")
+
+
+def fig7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+    """Figs. 7 (left), 8, 16 and 17 beside the paper's claims."""
+    t7 = report["table7"]
+    per_seed = t7["per_seed"]
+    labels = sorted((str(label) for label in t7["column_labels"]), key=int)
+    run_dirs = {int(label): [Path(folders[entry["trial"][label]][entry["seed"]]) for entry in per_seed]
+                for label in labels}
+    curves = {n: [run_curve(path) for path in paths] for n, paths in run_dirs.items()}
+    cutoff, checks = elapsed_checks(curves)
+    aggregate = aggregate_comparisons(curves)
+    checks.append(aggregate_check(aggregate))
+    largest = max(curves)
+    k = min(4, max(1, largest // 2))
+    topks = [_analysis(path, "topk") for path in run_dirs[largest]]
+    correlations = [_analysis(path, "error_correlation") for path in run_dirs[largest]] if largest >= 3 else []
+    if largest >= 2:
+        checks.append(topk_check(topks, k))
+    if correlations:
+        checks.append(correlation_check(correlations))
+    rows = []
+    for n, runs in curves.items():
+        at_cutoff = [_interpolated(_points(c, "per_expert"), cutoff) for c in runs]
+        first = runs[0]
+        rows.append({"experts": n, "parameters_per_expert": first["parameters_per_expert"],
+                     "parameters": first["parameters"], "multiply_adds_per_update": first["multiply_adds_per_update"],
+                     "updates": first["updates"][-1], "at_cutoff": mean_sd([v for v in at_cutoff if v is not None]),
+                     "final": mean_sd([c["loss"][-1] for c in runs]),
+                     "per_expert_seconds": mean_sd([c["per_expert_seconds"][-1] for c in runs]),
+                     "aggregate_seconds": mean_sd([c["aggregate_seconds"][-1] for c in runs])})
+    return {"rows": rows, "cutoff_seconds": cutoff, "curves": {str(n): runs for n, runs in curves.items()},
+            "aggregate": aggregate, "largest": largest, "top_k": k,
+            "topk": [{key: t[key] for key in ("k", "loss_by_k", "loss_by_k_bootstrap_95", "best_k", "expert_losses",
+                                              "windows", "documents")} for t in topks],
+            "error_correlation": [{key: c[key] for key in ("experts", "tokens", "bins", "gain_correlation_pearson",
+                                                           "pairs")} for c in correlations],
+            "checks": checks, "seeds": [e["seed"] for e in per_seed], "paper_summary": FIG7_PAPER,
+            "trials": report["trials"], "failed": report["failed"]}
+
+
+def fig7_markdown(result: dict) -> str:
+    """Four blocks: the runs at the common elapsed cutoff (Fig. 7), the aggregate comparisons (Fig. 8),
+    the top-k curve (Fig. 16) and the error-correlation bins (Fig. 17); then the claims."""
+    paper = result["paper_summary"]
+    seeds = ", ".join(map(str, result["seeds"]))
+    lines = [*heading(result),
+             "## Fig. 7 (left): ensemble-validation loss against elapsed time per expert", "",
+             f"Mean ± sd over seeds {seeds} (nats/byte), interpolated at the common cutoff of "
+             f"{result['cutoff_seconds']:.1f} s of measured update time per expert (U·t̄ₑ, one thread; the paper's "
+             f"common cutoff: {paper['cutoff']}; its N: {', '.join(map(str, paper['experts']))}). Multiply-adds per "
+             "update: token-forwards × parameters per expert.", "",
+             *table_head(["N", "parameters per expert", "ensemble parameters", "multiply-adds per update", "updates",
+                          "at the cutoff", "final", "s per expert (final)", "s aggregate (final)"])]
+    for row in result["rows"]:
+        stat = row["at_cutoff"]
+        lines.append(table_row([str(row["experts"]), f"{row['parameters_per_expert']:,.0f}", f"{row['parameters']:,}",
+                                f"{row['multiply_adds_per_update']:.3g}", str(row["updates"]),
+                                f"{number(stat['mean'])} ± {number(stat['sd'])}",
+                                f"{number(row['final']['mean'])} ± {number(row['final']['sd'])}",
+                                f"{row['per_expert_seconds']['mean']:.0f}", f"{row['aggregate_seconds']['mean']:.0f}"]))
+    lines += ["", "## Fig. 8: the same runs against aggregate update time", "",
+              "Each larger N against the next smaller one at log-spaced budgets of aggregate measured update time "
+              "(U·Σₑ t̄ₑ) over the range both curves cover; difference = larger N − smaller N (positive: more experts "
+              "worse at that budget).", "",
+              *table_head(["pair", "aggregate budget (s)", "smaller N", "larger N", "difference", "verdict"])]
+    for row in result["aggregate"]:
+        check = row["check"]
+        small, large = ([v for v in row[key] if v is not None] for key in ("smaller_loss", "larger_loss"))
+        lines.append(table_row([f"N = {row['smaller']} → {row['larger']}", f"{row['budget_seconds']:.0f}",
+                                number(statistics.fmean(small) if small else None),
+                                number(statistics.fmean(large) if large else None),
+                                number(check["mean"], sign=True), check["verdict"]]))
+    if result["topk"]:
+        lines += ["", f"## Fig. 16: top-k on N = {result['largest']}'s last checkpoints", "",
+                  f"Ensemble-validation loss (nats/byte) for each k, per seed ({seeds}), with the 95% document-"
+                  f"bootstrap interval; the dashed line of the paper's figure is k = {result['top_k']}.", "",
+                  *table_head(["k", *(f"seed {s}" for s in result["seeds"])])]
+        for index, k in enumerate(result["topk"][0]["k"]):
+            lines.append(table_row([str(k), *(f"{number(t['loss_by_k'][index])} "
+                                              f"[{number(t['loss_by_k_bootstrap_95'][index][0])}, "
+                                              f"{number(t['loss_by_k_bootstrap_95'][index][1])}]"
+                                              for t in result["topk"])]))
+    if result["error_correlation"]:
+        lines += ["", f"## Fig. 17: pairs of N = {result['largest']}'s experts", "",
+                  "Residual error correlation (shared token difficulty removed) against the gain of averaging the pair "
+                  "(mean loss of the two alone − loss of their average, nats/byte), in equal-count bins, per seed; "
+                  "r: Pearson over all pairs.", ""]
+        for seed, analysis in zip(result["seeds"], result["error_correlation"], strict=True):
+            r = analysis["gain_correlation_pearson"]
+            lines += [f"Seed {seed}: {len(analysis['pairs'])} pairs, r = {r:+.3f}.", "",
+                      *table_head(["correlation", "gain", "pairs"])]
+            lines += [table_row([f"{b['correlation']:+.3f}", f"{b['gain']:+.4f} ± {b['gain_stderr']:.4f}",
+                                 str(b["pairs"])]) for b in analysis["bins"]]
+            lines.append("")
+    lines += ["", "## The paper's claims", "", *(f"- {paper[key]} (paper, {key.replace('fig', 'Fig. ')})"
+                                                for key in ("fig7", "fig8", "fig16", "fig17")), "",
+              *checks_table(result["checks"]), "", run_footer(result)]
+    return "\n".join(lines) + "\n"
+
+
+def fig7_figure(result: dict, path: Path) -> Path:
+    """Four panels: loss against elapsed time per expert (Fig. 7) and against aggregate time (Fig. 8),
+    both on log axes; loss against k (Fig. 16); averaging gain against error correlation (Fig. 17)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11.0, 8.0))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (label, runs) in enumerate(result["curves"].items()):
+        for seed, curve in enumerate(runs):
+            for axis, basis in ((axes[0][0], "per_expert"), (axes[0][1], "aggregate")):
+                axis.plot(curve[f"{basis}_seconds"], curve["loss"], "-o", markersize=3, color=colours[index % 10],
+                          alpha=0.9 if seed == 0 else 0.5, label=f"N = {label}" if seed == 0 else None)
+    axes[0][0].axvline(result["cutoff_seconds"], color="black", linestyle=":", linewidth=0.8)
+    for axis, what in ((axes[0][0], "elapsed update time per expert, U·t̄ₑ (s, one thread; one device per expert)"),
+                       (axes[0][1], "aggregate update time, U·Σₑ t̄ₑ (s, one thread)")):
+        axis.set_xscale("log")
+        axis.set_xlabel(what, fontsize=8)
+        axis.set_ylabel("ensemble-validation loss (nats/byte)")
+        axis.legend(fontsize=7)
+    axes[0][0].set_title("Fig. 7 (left): fixed-width experts, elapsed", fontsize=9)
+    axes[0][1].set_title("Fig. 8: the same runs, aggregate", fontsize=9)
+    for seed, topk in zip(result["seeds"], result["topk"], strict=False):
+        axes[1][0].plot(topk["k"], topk["loss_by_k"], "-o", markersize=3, label=f"seed {seed}")
+    axes[1][0].axvline(result["top_k"], color="black", linestyle="--", linewidth=0.8)
+    axes[1][0].set_xlabel("k (experts averaged per window)")
+    axes[1][0].set_ylabel("ensemble-validation loss (nats/byte)")
+    axes[1][0].set_title(f"Fig. 16: top-k, N = {result['largest']}", fontsize=9)
+    for seed, analysis in zip(result["seeds"], result["error_correlation"], strict=False):
+        axes[1][1].scatter([p["correlation"] for p in analysis["pairs"]], [p["gain"] for p in analysis["pairs"]], s=10,
+                           label=f"seed {seed} (r = {analysis['gain_correlation_pearson']:+.2f})")
+    axes[1][1].set_xlabel("residual error correlation of a pair")
+    axes[1][1].set_ylabel("gain of averaging the pair (nats/byte)")
+    axes[1][1].set_title(f"Fig. 17: pairs of N = {result['largest']}'s experts", fontsize=9)
+    for axis in axes[1]:
+        axis.legend(fontsize=7)
+    fig.suptitle(f"{result['experiment']} at {result['scale']} scale, seeds {', '.join(map(str, result['seeds']))}",
+                 fontsize=10)
+    return save_figure(fig, path)
+
+
+SETTING = re.compile(r"p(?P<n_pert>\d+)_b(?P<batch>\d+)$")
+"""A settings run's label: `p<n_pert>_b<B>`."""
+FIG7_SETTINGS_PAPER = {
+    "n_pert": [16, 64, 256, 1024], "B": [16, 64, 256, 1024], "experts": 8,
+    "claim": "SOMA N = 8 improves loss with more n_pert and B (Fig. 7 centre and right, wall-clock axes)",
+}
+
+
+def _series(labels: list[str]) -> dict[str, list[str]]:
+    """The n_pert series (at the smallest B) and the B series (at the smallest n_pert), each in order."""
+    parsed = {label: (int(m["n_pert"]), int(m["batch"])) for label in labels if (m := SETTING.match(label))}
+    if not parsed:
+        return {}
+    base_pert, base_batch = min(p for p, _ in parsed.values()), min(b for _, b in parsed.values())
+    return {"n_pert": sorted((x for x, (_, b) in parsed.items() if b == base_batch), key=lambda x: parsed[x][0]),
+            "B": sorted((x for x, (p, _) in parsed.items() if p == base_pert), key=lambda x: parsed[x][1])}
+
+
+def settings_checks(name: str, order: list[str], curves: dict[str, list[dict]]) -> list[dict]:
+    """Each setting against the next smaller one, difference = smaller − larger: at equal updates (the
+    last validation), and at equal elapsed time per expert, where the cheaper run ends (the pair's
+    shorter final time, with the costlier run interpolated on its curve there)."""
+    checks = []
+    for smaller, larger in zip(order, order[1:], strict=False):
+        final = [a["loss"][-1] - b["loss"][-1] for a, b in zip(curves[smaller], curves[larger], strict=True)]
+        checks.append(claim_check(f"SOMA improves with larger {name} (Fig. 7): {larger} below {smaller} after "
+                                  f"{curves[larger][0]['updates'][-1]} updates", final, "equal updates"))
+        cutoff = min(c["per_expert_seconds"][-1] for label in (smaller, larger) for c in curves[label])
+        timed = [a - b for a, b in zip((_interpolated(_points(c, "per_expert"), cutoff) for c in curves[smaller]),
+                                       (_interpolated(_points(c, "per_expert"), cutoff) for c in curves[larger]),
+                                       strict=True) if a is not None and b is not None]
+        checks.append(claim_check(f"SOMA improves with larger {name} (Fig. 7): {larger} below {smaller} at "
+                                  f"{cutoff:.1f} s per expert (where the cheaper run ends)", timed,
+                                  "equal elapsed update time per expert"))
+    return checks
+
+
+def fig7_settings_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+    """Fig. 7 (centre, right) beside the paper's claim: each series of settings at equal updates
+    and at equal elapsed time per expert."""
+    t7 = report["table7"]
+    per_seed = t7["per_seed"]
+    labels = [str(label) for label in t7["column_labels"]]
+    curves = {label: [run_curve(Path(folders[entry["trial"][label]][entry["seed"]])) for entry in per_seed]
+              for label in labels}
+    series = _series(labels)
+    checks = [check for name, order in series.items() for check in settings_checks(name, order, curves)]
+    rows = []
+    for label, runs in curves.items():
+        n_pert, batch = (int(v) for v in SETTING.match(label).groups())
+        rows.append({"setting": label, "n_pert": n_pert, "B": batch, "directions": n_pert * batch,
+                     "multiply_adds_per_update": runs[0]["multiply_adds_per_update"],
+                     "updates": runs[0]["updates"][-1], "final": mean_sd([c["loss"][-1] for c in runs]),
+                     "per_expert_seconds": mean_sd([c["per_expert_seconds"][-1] for c in runs])})
+    return {"rows": rows, "series": series, "curves": curves, "checks": checks,
+            "seeds": [e["seed"] for e in per_seed], "paper_summary": FIG7_SETTINGS_PAPER,
+            "trials": report["trials"], "failed": report["failed"]}
+
+
+def fig7_settings_markdown(result: dict) -> str:
+    """One row per setting; then the claims, at equal updates and at equal elapsed time."""
+    paper = result["paper_summary"]
+    lines = [*heading(result),
+             f"Ensemble-validation loss (nats/byte), mean ± sd over seeds {', '.join(map(str, result['seeds']))}. "
+             f"Directions per update: n_pert × B (each window of a batch has its own n_pert directions). The paper "
+             f"(N = {paper['experts']}): n_pert {', '.join(map(str, paper['n_pert']))} at B = 64 and B "
+             f"{', '.join(map(str, paper['B']))} at n_pert = 64; its curves give no table of numbers.", "",
+             *table_head(["setting", "n_pert", "B", "directions per update", "multiply-adds per update", "updates",
+                          "final loss", "s per expert (final)"])]
+    for row in result["rows"]:
+        lines.append(table_row([row["setting"], str(row["n_pert"]), str(row["B"]), str(row["directions"]),
+                                f"{row['multiply_adds_per_update']:.3g}", str(row["updates"]),
+                                f"{number(row['final']['mean'])} ± {number(row['final']['sd'])}",
+                                f"{row['per_expert_seconds']['mean']:.0f}"]))
+    lines += ["", "## The paper's claims", "", f"- {paper['claim']}", "", *checks_table(result["checks"]), "",
+              run_footer(result)]
+    return "\n".join(lines) + "\n"
+
+
+def fig7_settings_figure(result: dict, path: Path) -> Path:
+    """Two panels, loss against elapsed time per expert on a log axis: the n_pert series and the B series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.2), sharey=True)
+    for axis, (name, order) in zip(axes, result["series"].items(), strict=False):
+        for index, label in enumerate(order):
+            for seed, curve in enumerate(result["curves"][label]):
+                axis.plot(curve["per_expert_seconds"], curve["loss"], "-o", markersize=3, color=f"C{index}",
+                          alpha=0.9 if seed == 0 else 0.5, label=label if seed == 0 else None)
+        axis.set_xscale("log")
+        axis.set_xlabel("elapsed update time per expert, U·t̄ₑ (s, one thread; one device per expert)", fontsize=8)
+        axis.set_title(f"Fig. 7 ({'centre' if name == 'n_pert' else 'right'}): {name}", fontsize=9)
+        axis.legend(fontsize=7)
+    axes[0].set_ylabel("ensemble-validation loss (nats/byte)")
+    return save_figure(fig, path)

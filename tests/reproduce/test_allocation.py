@@ -1,0 +1,126 @@
+"""Fig. 13, Table 10 and Table 11 drawn from hand-made runs: the threshold and the compute to reach
+it, the linear and log interpolations, and the equivalence verdict, against closed-form values."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from soma_pl.reproduce.allocation import (
+    EQUIVALENT,
+    equivalence,
+    fig13_figure,
+    fig13_markdown,
+    fig13_result,
+    loss_range,
+    seconds_to,
+    table11_figure,
+    table11_markdown,
+    table11_result,
+    threshold_of,
+)
+
+SECONDS = {"p2_b16": 1.0, "p8_b4": 1.5, "p32_b1": 2.0}
+"""Aggregate seconds per update: a larger batch updates faster here, at the same multiply-adds."""
+
+
+def _fit(folder: Path, label: str, seed: int) -> None:
+    """10 updates validated every 2: loss 3 − 0.1·u + 0.01·seed, whatever the allocation."""
+    folder.mkdir(parents=True)
+    rows = ["step,val/loss,compute/aggregate_device_hours"]
+    for update in range(2, 11, 2):
+        rows += [f"{update - 1},{3 - 0.1 * update + 0.01 * seed},", f"{update},,{update * SECONDS[label] / 3600}"]
+    (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
+    (folder / "summary.json").write_text(json.dumps({
+        "parameters": 800, "last_checkpoint": None,
+        "compute": {"experts": 8, "updates": 10, "token_forwards": 8 * 64 * 10}}))
+
+
+def _report(tmp_path: Path, make) -> tuple[dict, dict]:
+    per_seed, folders = [], {}
+    for seed in range(2):
+        trials = {}
+        for index, label in enumerate(SECONDS):
+            trial = 10 * seed + index
+            trials[label], folders[trial] = trial, {seed: str(tmp_path / f"t{trial}")}
+            make(tmp_path / f"t{trial}", label, seed)
+        per_seed.append({"seed": seed, "trial": trials})
+    return {"table7": {"column_labels": list(SECONDS), "per_seed": per_seed}, "trials": {"COMPLETE": 6},
+            "failed": []}, folders
+
+
+def test_the_threshold_is_the_lowest_loss_every_run_reaches():
+    curves = {"a": [{"loss": [3.0, 2.5, 2.123]}], "b": [{"loss": [3.0, 2.2]}, {"loss": [2.9, 2.4]}]}
+    assert threshold_of(curves) == pytest.approx(2.4)
+    curves["b"][1]["loss"][1] = 2.4001
+    assert threshold_of(curves) == pytest.approx(2.41)
+    curve = {"aggregate_seconds": [10.0, 20.0, 40.0], "loss": [3.0, 2.5, 2.4]}
+    assert seconds_to(curve, 2.5) == 20.0 and seconds_to(curve, 2.39) is None
+
+
+def test_table10_brackets_the_linear_and_log_interpolations():
+    curve = {"updates": [10, 40], "loss": [3.0, 2.0], "multiply_adds_per_update": 1.0}
+    low, high = loss_range(curve, 20.0)
+    linear = 3.0 - (20 - 10) / 30
+    logarithmic = 3.0 - math.log(2) / math.log(4)
+    assert (low, high) == pytest.approx((min(linear, logarithmic), max(linear, logarithmic)))
+    assert loss_range(curve, 40.0) == pytest.approx((2.0, 2.0)) and loss_range(curve, 41.0) is None
+
+
+def test_fig13_favours_the_allocation_that_updates_fastest(tmp_path):
+    report, folders = _report(tmp_path, _fit)
+    result = fig13_result(report, folders)
+    # every run ends at 2.0 + 0.01·seed: the threshold is seed 1's 2.01, reached at update 10 by
+    # seed 1 and (2.0 ≤ 2.01) at update 10 by seed 0: 10 updates of each allocation's seconds
+    assert result["threshold"] == pytest.approx(2.01)
+    rows = {row["allocation"]: row for row in result["rows"]}
+    assert rows["p2_b16"]["seconds_to_threshold"] == pytest.approx([10.0, 10.0])
+    assert rows["p32_b1"]["seconds_to_threshold"] == pytest.approx([20.0, 20.0])
+    assert result["ratio"] == pytest.approx(2.0)
+    fig13 = result["checks"][0]
+    assert fig13["verdict"] == "holds" and fig13["mean"] == pytest.approx(10.0)
+    # Table 10: equal multiply-adds per update and equal curves: no allocation is favoured
+    per_update = 8 * 64 * 800 / 8  # token-forwards per update × parameters per expert
+    assert result["budgets"] == pytest.approx([0.95 * 10 * per_update / d for d in (4, 2, 1)])
+    assert all(check["mean"] == pytest.approx(0.0) and check["verdict"] == "inconclusive"
+               for check in result["checks"][1:])
+    text = fig13_markdown({**result, "experiment": "fig13", "scale": "cpu", "title": "t", "basis": "b",
+                           "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2]})
+    assert "| p2_b16 | 2 | 16 | 5.12e+04 | 10, 10 |" in text and "2.00x (paper: 1.55x)" in text
+    assert fig13_figure({**result, "experiment": "fig13", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
+
+
+def test_equivalence_needs_every_interval_inside_the_margin():
+    assert equivalence("c", [0.001, 0.002], (-0.004, 0.005))["verdict"] == "holds"
+    assert equivalence("c", [0.001, 0.002], (-0.004, EQUIVALENT + 0.001))["verdict"] == "inconclusive"
+    assert equivalence("c", [0.03, 0.031], None)["verdict"] == "does not hold"
+    assert equivalence("c", [0.001], None)["verdict"] == "inconclusive"
+
+
+def _scored(folder: Path, label: str, seed: int) -> None:
+    """A continuation's test scores: four windows of two documents, loss 2.0 + offset per allocation."""
+    offset = {"p2_b16": 0.0, "p8_b4": 0.001, "p32_b1": 0.05}[label] + 0.002 * seed
+    losses = [2.0 + offset + 0.1 * (w % 2) for w in range(4)]
+    scores = folder / "test_windows" / "version_0"
+    scores.mkdir(parents=True)
+    (scores / "test_scores.json").write_text(json.dumps({
+        "loss": sum(losses) / 4, "window_losses": losses, "window_index": [0, 1, 2, 3], "doc_ids": ["a", "a", "b", "b"],
+        "bootstrap_95": [2.0, 2.2]}))
+
+
+def test_table11_checks_each_pair_of_allocations_for_equality(tmp_path):
+    report, folders = _report(tmp_path, _scored)
+    result = table11_result(report, folders)
+    rows = {row["allocation"]: row for row in result["rows"]}
+    assert rows["p8_b4"]["test"]["mean"] == pytest.approx(2.05 + 0.001 + 0.001)
+    assert result["spread"] == pytest.approx(0.05)
+    verdicts = {check["claim"].split(" end")[0]: check["verdict"] for check in result["checks"]}
+    assert verdicts == {"p8_b4 and p2_b16": "holds", "p32_b1 and p2_b16": "does not hold",
+                        "p32_b1 and p8_b4": "does not hold"}
+    text = table11_markdown({**result, "experiment": "table11", "scale": "cpu", "title": "t", "basis": "b",
+                             "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2]})
+    assert "| 2 | 16 | 2.050000 | 2.052000 | 2.051000 | 64 | 1024 | 2.376587 |" in text
+    assert table11_figure({**result, "experiment": "table11", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0

@@ -1,0 +1,188 @@
+"""Figs. 7, 8, 16 and 17 drawn from hand-made runs: the two time bases, the comparisons at the
+common elapsed cutoff and at aggregate budgets, and the verdicts, against closed-form values."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from soma_pl.reproduce.scaling import (
+    aggregate_check,
+    aggregate_comparisons,
+    correlation_check,
+    fig7_figure,
+    fig7_markdown,
+    fig7_result,
+    topk_check,
+)
+from soma_pl.reproduce.verdicts import Verdict
+
+START = {1: 3.0, 2: 2.9, 4: 2.8}
+"""Each N's loss at 0 s; it falls by RATE per second of elapsed time per expert, so by RATE / N per
+aggregate second: more experts are lower against elapsed time, and higher at large aggregate budgets."""
+RATE = 0.005
+UPDATES, EVERY, PARAMETERS_PER_EXPERT = 100, 10, 1000
+
+
+def _run(folder: Path, experts: int, seed: int, rate: float = RATE) -> None:
+    """A fit of `UPDATES` updates of 1 s per expert, validated every `EVERY`: loss START − rate·s + 0.01·seed
+    at s seconds per expert; its summary as a fit writes it, and saved analyses of its last checkpoint."""
+    folder.mkdir(parents=True)
+    rows = ["step,val/loss,compute/aggregate_device_hours"]
+    for update in range(EVERY, UPDATES + 1, EVERY):
+        loss = START[experts] - rate * update + 0.01 * seed
+        rows += [f"{update - 1},{loss},", f"{update},,{update * experts / 3600}"]
+    (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
+    summary = {"parameters": PARAMETERS_PER_EXPERT * experts, "last_checkpoint": str(folder / "last.ckpt"),
+               "compute": {"experts": experts, "updates": UPDATES, "token_forwards": 64 * experts * UPDATES}}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    analysis = folder / "analysis"
+    analysis.mkdir()
+    means = [3.0 - 0.1 * min(k, 3) + 0.01 * seed for k in range(1, experts + 1)]  # best from k = 3 on
+    windows = [[m + (0.05 if w % 2 else -0.05) for m in means] for w in range(8)]
+    (analysis / "topk.json").write_text(json.dumps({
+        "k": list(range(1, experts + 1)), "loss_by_k": means,
+        "loss_by_k_bootstrap_95": [[m - 0.1, m + 0.1] for m in means],
+        "best_k": 3, "expert_losses": [3.0] * experts, "windows": 8, "documents": 4, "window_loss_by_k": windows,
+        "doc_ids": [f"doc{w // 2}" for w in range(8)]}))
+    (analysis / "error_correlation.json").write_text(json.dumps({
+        "experts": experts, "tokens": 100, "bins": [{"correlation": 0.1, "correlation_range": [0.0, 0.2], "gain": 0.2,
+                                                     "gain_stderr": 0.01, "pairs": 3}],
+        "gain_correlation_pearson": -0.6 - 0.1 * seed,
+        "pairs": [{"experts": [0, 1], "correlation": 0.1, "gain": 0.2, "losses": [3.0, 3.0], "pair_loss": 2.8}]}))
+
+
+def _report(tmp_path: Path, rate: float = RATE) -> tuple[dict, dict]:
+    per_seed, folders = [], {}
+    for seed in range(2):
+        trials = {}
+        for experts in START:
+            trial = 10 * seed + experts
+            trials[str(experts)] = trial
+            folders[trial] = {seed: str(tmp_path / f"trial-{trial}")}
+            _run(tmp_path / f"trial-{trial}", experts, seed, rate)
+        per_seed.append({"seed": seed, "trial": trials})
+    return {"table7": {"column_labels": [1, 2, 4], "per_seed": per_seed}, "trials": {"COMPLETE": 6}, "failed": []}, \
+        folders
+
+
+def test_fig7_reads_both_time_bases_and_checks_each_claim(tmp_path):
+    report, folders = _report(tmp_path)
+    result = fig7_result(report, folders)
+    rows = {row["experts"]: row for row in result["rows"]}
+    assert result["cutoff_seconds"] == pytest.approx(UPDATES)  # every run: 100 s per expert
+    for experts, row in rows.items():
+        assert row["at_cutoff"]["mean"] == pytest.approx(START[experts] - RATE * UPDATES + 0.005)
+        assert row["aggregate_seconds"]["mean"] == pytest.approx(UPDATES * experts)
+        assert row["multiply_adds_per_update"] == pytest.approx(64 * experts * PARAMETERS_PER_EXPERT)
+    curve = result["curves"]["4"][0]
+    assert curve["per_expert_seconds"][0] == pytest.approx(EVERY) and curve["aggregate_seconds"][0] == pytest.approx(40)
+    checks = {check["claim"]: check for check in result["checks"]}
+    for smaller, larger in ((1, 2), (2, 4)):
+        claim = next(c for c in checks if f"N = {larger} reaches a lower" in c and f"than N = {smaller} at" in c)
+        assert checks[claim]["verdict"] == Verdict.holds.value
+        assert checks[claim]["mean"] == pytest.approx(START[smaller] - START[larger])
+    # Aggregate: N = 2 − N = 1 at X seconds is −0.1 + (RATE/2)·X: below zero at 20 s, above at 100 s.
+    pair = [row for row in result["aggregate"] if (row["smaller"], row["larger"]) == (1, 2)]
+    assert [row["budget_seconds"] for row in pair] == pytest.approx([20.0, math.sqrt(20 * 100), 100.0])
+    for row in pair:
+        assert row["check"]["mean"] == pytest.approx(-0.1 + RATE / 2 * row["budget_seconds"])
+    assert [row["check"]["verdict"] for row in pair] == ["does not hold", "holds", "holds"]
+    fig8 = next(c for c in result["checks"] if "every aggregate budget" in c["claim"])
+    assert fig8["verdict"] == "holds" and fig8["mean"] == pytest.approx(0.15)
+    fig16 = next(c for c in result["checks"] if "Fig. 16" in c["claim"])
+    # k = 2 (N = 4: k = N/2) captures 0.1 of the best k's 0.2: exactly half, so share − 0.5 = 0
+    assert result["top_k"] == 2 and fig16["mean"] == pytest.approx(0.0)
+    assert fig16["document_interval"] == pytest.approx((0.0, 0.0), abs=1e-12)
+    fig17 = next(c for c in result["checks"] if "Fig. 17" in c["claim"])
+    assert fig17["verdict"] == "holds" and fig17["mean"] == pytest.approx(0.65)
+    text = fig7_markdown({**result, "experiment": "fig7", "scale": "cpu", "title": "t", "basis": "b",
+                          "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
+    assert "| 4 | 1,000 | 4,000 | 2.56e+05 | 100 | 2.3050 ± 0.0071 |" in text
+    assert "| N = 1 → 2 | 100 | 2.5050 | 2.6550 | +0.1500 | holds |" in text
+    assert "Seed 1: 1 pairs, r = -0.700." in text
+    assert fig7_figure({**result, "experiment": "fig7", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
+
+
+def test_more_experts_lower_at_every_aggregate_budget_is_the_opposite_of_fig8(tmp_path):
+    report, folders = _report(tmp_path, rate=0.0005)  # N = 2 − N = 1 = −0.1 + 0.00025·X < 0 up to 100 s
+    result = fig7_result(report, folders)
+    assert all(row["check"]["verdict"] == "does not hold" for row in result["aggregate"])
+    fig8 = next(c for c in result["checks"] if "every aggregate budget" in c["claim"])
+    assert fig8["verdict"] == Verdict.does_not_hold.value
+
+
+def test_mixed_aggregate_comparisons_are_inconclusive():
+    rows = [{"smaller": 1, "larger": 2, "budget_seconds": 10.0,
+             "check": {"verdict": "does not hold", "mean": -0.1, "why": "w", "claim": "c"}},
+            {"smaller": 1, "larger": 2, "budget_seconds": 20.0,
+             "check": {"verdict": "inconclusive", "mean": 0.01, "why": "w", "claim": "c"}}]
+    check = aggregate_check(rows)
+    assert check["verdict"] == "inconclusive" and check["mean"] == 0.01
+    assert "0 of 2 (pair, budget) comparisons hold, 1 show the opposite" in check["why"]
+    assert aggregate_check([])["verdict"] == "inconclusive"
+    assert aggregate_comparisons({1: []}) == []
+
+
+def test_topk_and_correlation_claims_go_against_the_paper_when_the_numbers_do():
+    flat = {"k": [1, 2, 3, 4], "loss_by_k": [3.0, 2.99, 2.98, 2.7], "window_loss_by_k": [[3.0, 2.99, 2.98, 2.7]] * 4,
+            "doc_ids": ["a", "b", "c", "d"]}
+    other = {**flat, "loss_by_k": [3.0, 2.98, 2.97, 2.7]}
+    check = topk_check([flat, other], k=2)  # k = 2 captures 1/30 and 2/30 of the gain of k = 4
+    assert check["verdict"] == "does not hold" and check["mean"] == pytest.approx((1 / 30 + 2 / 30) / 2 - 0.5)
+    assert correlation_check([{"gain_correlation_pearson": 0.5},
+                              {"gain_correlation_pearson": 0.52}])["verdict"] == "does not hold"
+
+
+def _settings_run(folder: Path, n_pert: int, batch: int, seed: int) -> None:
+    """120 updates of n_pert·B/8 s per expert each (N = 4), validated every 20: the loss after u updates is
+    3 − 0.001·u·log2(n_pert·B) + 0.01·seed, so more directions are lower at equal updates and, costing
+    proportionally more time, higher at equal elapsed time."""
+    folder.mkdir(parents=True)
+    directions, rows = n_pert * batch, ["step,val/loss,compute/aggregate_device_hours"]
+    for update in range(20, 121, 20):
+        loss = 3.0 - 0.001 * update * math.log2(directions) + 0.01 * seed
+        rows += [f"{update - 1},{loss},", f"{update},,{4 * update * directions / 8 / 3600}"]
+    (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
+    (folder / "summary.json").write_text(json.dumps({
+        "parameters": 4000, "last_checkpoint": None,
+        "compute": {"experts": 4, "updates": 120, "token_forwards": 4 * 2 * directions * 1024 * 120}}))
+
+
+def test_fig7_settings_orders_each_series_and_decides_on_both_bases(tmp_path):
+    from soma_pl.reproduce.scaling import fig7_settings_figure, fig7_settings_markdown, fig7_settings_result
+
+    labels = ["p8_b1", "p16_b1", "p64_b1", "p8_b2", "p8_b8"]
+    per_seed, folders = [], {}
+    for seed in range(2):
+        trials = {}
+        for index, label in enumerate(labels):
+            trial = 10 * seed + index
+            trials[label], folders[trial] = trial, {seed: str(tmp_path / f"t{trial}")}
+            n_pert, batch = (int(v) for v in label[1:].split("_b"))
+            _settings_run(tmp_path / f"t{trial}", n_pert, batch, seed)
+        per_seed.append({"seed": seed, "trial": trials})
+    report = {"table7": {"column_labels": labels, "per_seed": per_seed}, "trials": {"COMPLETE": 10}, "failed": []}
+    result = fig7_settings_result(report, folders)
+    assert result["series"] == {"n_pert": ["p8_b1", "p16_b1", "p64_b1"], "B": ["p8_b1", "p8_b2", "p8_b8"]}
+    checks = {check["claim"]: check for check in result["checks"]}
+    updates = checks["SOMA improves with larger n_pert (Fig. 7): p64_b1 below p16_b1 after 120 updates"]
+    assert updates["verdict"] == "holds" and updates["mean"] == pytest.approx(0.001 * 120 * (6 - 4))
+    # a pair is compared where its cheaper run ends: p8's 120 updates of 1 s per expert
+    timed = checks["SOMA improves with larger n_pert (Fig. 7): p16_b1 below p8_b1 at 120.0 s per expert (where the "
+                   "cheaper run ends)"]
+    # at 120 s per expert p8 made 120 updates (loss 3 − 0.36), p16 60 (3 − 0.24): the opposite holds
+    assert timed["verdict"] == "does not hold" and timed["mean"] == pytest.approx((3 - 0.36) - (3 - 0.24))
+    # p16 ends at 240 s per expert, where p64 (8 s per update) has made 30 updates
+    later = checks["SOMA improves with larger n_pert (Fig. 7): p64_b1 below p16_b1 at 240.0 s per expert (where the "
+                   "cheaper run ends)"]
+    assert later["mean"] == pytest.approx((3 - 0.001 * 120 * 4) - (3 - 0.001 * 30 * 6))
+    assert {row["setting"]: row["directions"] for row in result["rows"]}["p8_b8"] == 64
+    text = fig7_settings_markdown({**result, "experiment": "fig7_settings", "scale": "cpu", "title": "t", "basis": "b",
+                                   "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2]})
+    assert "| p8_b8 | 8 | 64 | 64 |" not in text and "| p8_b8 | 8 | 8 | 64 |" in text
+    assert fig7_settings_figure({**result, "experiment": "fig7_settings", "scale": "cpu"},
+                                tmp_path / "f.png").stat().st_size > 0
