@@ -256,8 +256,9 @@ EXPERIMENTS: dict[str, Experiment] = {
         sweeps={"cpu": "sweeps/demo/fig7.yaml", "paper": "sweeps/fig7_experts.yaml"},
         basis="cpu: equal updates of experts of one width (200 each), so equal elapsed update time per expert "
               "(Fig. 7: U·t̄ₑ, one device per expert) while the aggregate (Fig. 8: U·Σₑ t̄ₑ) grows with N; both read "
-              "from measured update time, multiply-adds per update recorded beside them; paper: every N to one "
-              "budget of 183.6 aggregate GPU-hours",
+              "from measured update time, multiply-adds per update recorded beside them; paper: "
+              "sweeps/fig7_experts.yaml stops every N at one budget of 183.6 aggregate GPU-hours (the figure's "
+              "common cutoff is elapsed)",
         cost={"cpu": "8 fits of 200 updates (N = 1, 2, 4, 8 experts of width 32; two seeds), then two analyses of each "
                      "N = 8 checkpoint: 51 core-minutes, 26 minutes on 2 cores (measured)",
               "paper": "5 runs (N = 1, 2, 8, 32, 256) to the paper's common cutoff of 183.6 estimated GPU-hours; "

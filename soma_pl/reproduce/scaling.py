@@ -29,9 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from soma_pl.analysis.time_basis import interpolate, measured_curve
+from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.reproduce.tables import checks_table, heading, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import Verdict, decide
+from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide
 
 FIG7_PAPER = {
     "experts": [1, 2, 8, 32, 256],
@@ -54,10 +55,13 @@ def mean_sd(values: list[float]) -> dict:
 
 
 def _interpolated(points: list[tuple[float, float]], at: float) -> float | None:
-    """The loss at `at` on a (seconds, loss) curve; None outside it."""
+    """The loss at `at` seconds on a (seconds, loss) curve, interpolated linearly in log time (the
+    figures' axes: on a falling convex curve a chord in linear time would overstate the loss between
+    validations); None outside the curve."""
     if not points or not points[0][0] * (1 - 1e-9) <= at <= points[-1][0] * (1 + 1e-9):
         return None
-    return interpolate(points, min(max(at, points[0][0]), points[-1][0]))
+    logged = [(math.log(seconds), loss) for seconds, loss in points]
+    return interpolate(logged, min(max(math.log(at), logged[0][0]), logged[-1][0]))
 
 
 def run_curve(run_dir: Path) -> dict:
@@ -80,9 +84,9 @@ def _points(curve: dict, basis: str) -> list[tuple[float, float]]:
     return list(zip(curve[f"{basis}_seconds"], curve["loss"], strict=True))
 
 
-def claim_check(claim: str, differences: list[float], basis: str, document=None) -> dict:
+def claim_check(claim: str, differences: list[float], basis: str, document=None, level: float = LEVEL) -> dict:
     """`decide`'s verdict as a result's check: with its compute basis, on ensemble validation."""
-    return {**decide(claim, differences, document).as_dict(), "basis": basis, "split": "val"}
+    return {**decide(claim, differences, document, level).as_dict(), "basis": basis, "split": "val"}
 
 
 def elapsed_checks(curves: dict[int, list[dict]]) -> tuple[float, list[dict]]:
@@ -102,8 +106,14 @@ def elapsed_checks(curves: dict[int, list[dict]]) -> tuple[float, list[dict]]:
 
 def aggregate_comparisons(curves: dict[int, list[dict]], points: int = FIG8_POINTS) -> list[dict]:
     """Fig. 8: each larger N against the next smaller one at `points` log-spaced aggregate budgets
-    over the range both cover; the difference is larger − smaller (positive: more experts worse)."""
+    over the range both cover; the difference is larger − smaller (positive: more experts worse).
+    One claim rests on all the comparisons, so each seed interval is at the Bonferroni level
+    1 − 0.05 / comparisons. At equal aggregate time a larger N has made fewer updates per expert
+    (smaller/larger as many), so early budgets favour fewer experts by construction; where the
+    curves cross (the last budgets) is what the figure shows."""
     counts, rows = sorted(curves), []
+    pairs = sum(1 for smaller, larger in zip(counts, counts[1:], strict=False))
+    level = 1 - (1 - LEVEL) / max(pairs * points, 1)
     for smaller, larger in zip(counts, counts[1:], strict=False):
         both = curves[smaller] + curves[larger]
         start = max(c["aggregate_seconds"][0] for c in both)
@@ -116,7 +126,7 @@ def aggregate_comparisons(curves: dict[int, list[dict]], points: int = FIG8_POIN
             high = [_interpolated(_points(c, "aggregate"), budget) for c in curves[larger]]
             differences = [b - a for a, b in zip(low, high, strict=True) if a is not None and b is not None]
             check = claim_check(f"N = {larger} is above N = {smaller} at {budget:.0f} s aggregate", differences,
-                                "equal aggregate update time")
+                                "equal aggregate update time", level=level)
             rows.append({"smaller": smaller, "larger": larger, "budget_seconds": budget, "smaller_loss": low,
                          "larger_loss": high, "check": check})
     return rows
@@ -180,10 +190,13 @@ def topk_check(curves: list[dict], k: int) -> dict:
         shares.append((loss[0] - loss[k - 1]) / gain - MOST if gain > 0 else -MOST)
         by_k = np.asarray(curve["window_loss_by_k"])
         windows.append((by_k[:, 0] - by_k[:, k - 1]) - MOST * (by_k[:, 0] - by_k[:, best]))
+        if documents is not None and list(curve["doc_ids"]) != list(documents):
+            raise SomaError("Fig. 16: the seeds' top-k analyses scored different windows; run them on one dataset")
         documents = curve["doc_ids"] if documents is None else documents
     interval = document_bootstrap(np.mean(windows, axis=0), np.asarray(documents))
-    claim = (f"k = {k} captures most (over {MOST:.0%}) of the best k's gain over k = 1 (Fig. 16; mean difference: "
-             f"share − {MOST:.0%})")
+    claim = (f"k = {k} captures most (over {MOST:.0%}) of the best k's gain over k = 1 (Fig. 16; mean difference and "
+             f"seed interval: share − {MOST:.0%}; document interval, in nats/byte: (L₁ − L_k) − "
+             f"{MOST:g}·(L₁ − L_best) per window)")
     return claim_check(claim, shares, "one checkpoint per seed", (interval.low, interval.high))
 
 
@@ -241,7 +254,7 @@ def fig7_markdown(result: dict) -> str:
     seeds = ", ".join(map(str, result["seeds"]))
     lines = [*heading(result),
              "## Fig. 7 (left): ensemble-validation loss against elapsed time per expert", "",
-             f"Mean ± sd over seeds {seeds} (nats/byte), interpolated at the common cutoff of "
+             f"Mean ± sd over seeds {seeds} (nats/byte), interpolated in log time at the common cutoff of "
              f"{result['cutoff_seconds']:.1f} s of measured update time per expert (U·t̄ₑ, one thread; the paper's "
              f"common cutoff: {paper['cutoff']}; its N: {', '.join(map(str, paper['experts']))}). Multiply-adds per "
              "update: token-forwards × parameters per expert.", "",
@@ -256,8 +269,11 @@ def fig7_markdown(result: dict) -> str:
                                 f"{row['per_expert_seconds']['mean']:.0f}", f"{row['aggregate_seconds']['mean']:.0f}"]))
     lines += ["", "## Fig. 8: the same runs against aggregate update time", "",
               "Each larger N against the next smaller one at log-spaced budgets of aggregate measured update time "
-              "(U·Σₑ t̄ₑ) over the range both curves cover; difference = larger N − smaller N (positive: more experts "
-              "worse at that budget).", "",
+              "(U·Σₑ t̄ₑ) over the range both curves cover, interpolated in log time; difference = larger N − smaller "
+              "N (positive: more experts worse at that budget). At equal aggregate time a larger N has made fewer "
+              "updates per expert, so the early budgets favour fewer experts by construction; the last budget of "
+              "each pair is where the curves cross, if they do. One claim rests on all the comparisons, so each "
+              "seed interval is at the Bonferroni level (95% shared among them).", "",
               *table_head(["pair", "aggregate budget (s)", "smaller N", "larger N", "difference", "verdict"])]
     for row in result["aggregate"]:
         check = row["check"]

@@ -83,10 +83,12 @@ def _side(interval: tuple[float, float]) -> int:
     return 1 if interval[0] > 0 else -1 if interval[1] < 0 else 0
 
 
-def decide(claim: str, differences: list[float], document: tuple[float, float] | None = None) -> Check:
+def decide(claim: str, differences: list[float], document: tuple[float, float] | None = None,
+           level: float = LEVEL) -> Check:
     """The verdict on `claim` from per-seed differences `worse − better` (positive: the claim's way)
-    and the paired document-bootstrap interval of their mean."""
-    seeds = seed_interval(differences)
+    and the paired document-bootstrap interval of their mean; `level` for the seeds' interval (above
+    0.95 where one claim is decided by several comparisons)."""
+    seeds = seed_interval(differences, level)
     mean = statistics.fmean(differences) if differences else None
     if seeds is None:
         return Check(claim, Verdict.inconclusive, f"{len(differences)} seed(s): no interval over seeds", mean,

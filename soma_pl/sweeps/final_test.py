@@ -27,7 +27,11 @@ FOLDERS = {"final": "final_test", "test": "test_windows"}
 
 def scored(run_dir: Path, split: str = "final") -> dict | None:
     """The run's scores on `split` (`final` or `test`), when it has been scored."""
-    found = sorted((run_dir / FOLDERS[split]).glob("**/test_scores.json"))
+    return _scores_in(run_dir / FOLDERS[split])
+
+
+def _scores_in(folder: Path) -> dict | None:
+    found = sorted(folder.glob("**/test_scores.json"))
     return json.loads(found[-1].read_text()) if found else None
 
 
@@ -43,17 +47,26 @@ def score_run(run_dir: Path, split: str = "final") -> dict:
     checkpoint = json.loads(summary.read_text()).get("last_checkpoint")
     if not checkpoint or not Path(checkpoint).is_file():
         raise SomaError(f"selected run {run_dir}: its last checkpoint {checkpoint} is gone")
-    folder = run_dir / FOLDERS[split]
+    return score_checkpoint(config, checkpoint, run_dir / FOLDERS[split], split)
+
+
+def score_checkpoint(config: Path, checkpoint: str, folder: Path, split: str = "test") -> dict:
+    """`test` of `checkpoint` under the run config `config` on `split`, as its own process, its
+    scores kept in `folder` (once; later calls read them)."""
+    done = _scores_in(folder)
+    if done is not None:
+        return done
     log = folder.with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "soma_pl.cli", "test", "--config", str(config), f"--ckpt_path={checkpoint}",
                f"--data.init_args.test_split={split}", f"--trainer.default_root_dir={folder}",
                "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false"]  # no trial reporter
     with log.open("w") as output:
         code = subprocess.call(command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ})
-    done = scored(run_dir, split)
+    done = _scores_in(folder)
     if code != 0 or done is None:
         tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-2:])
-        raise SomaError(f"{split}-split test of {run_dir} failed ({log}): {tail}")
+        raise SomaError(f"{split}-split test of {checkpoint} failed ({log}): {tail}")
     return done
 
 

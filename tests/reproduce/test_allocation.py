@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from soma_pl.reproduce.allocation import (
-    EQUIVALENT,
     equivalence,
     fig13_figure,
     fig13_markdown,
@@ -52,13 +51,15 @@ def _report(tmp_path: Path, make) -> tuple[dict, dict]:
             "failed": []}, folders
 
 
-def test_the_threshold_is_the_lowest_loss_every_run_reaches():
-    curves = {"a": [{"loss": [3.0, 2.5, 2.123]}], "b": [{"loss": [3.0, 2.2]}, {"loss": [2.9, 2.4]}]}
-    assert threshold_of(curves) == pytest.approx(2.4)
-    curves["b"][1]["loss"][1] = 2.4001
-    assert threshold_of(curves) == pytest.approx(2.41)
+def test_the_threshold_is_crossed_mid_curve_by_every_run_and_the_crossing_interpolated_in_log_time():
+    curves = {"a": [{"updates": [10, 20, 30, 40], "loss": [4.0, 3.0, 2.5, 2.4]}],
+              "b": [{"updates": [10, 20, 30, 40], "loss": [4.0, 3.2, 2.6, 2.2]}]}
+    assert threshold_of(curves) == pytest.approx(3.2)  # the higher of 3.0 and 3.2 at 20 updates
+    curves["b"][0]["loss"][1] = 3.2001
+    assert threshold_of(curves) == pytest.approx(3.21)
     curve = {"aggregate_seconds": [10.0, 20.0, 40.0], "loss": [3.0, 2.5, 2.4]}
-    assert seconds_to(curve, 2.5) == 20.0 and seconds_to(curve, 2.39) is None
+    assert seconds_to(curve, 2.75) == pytest.approx(10 * 2 ** 0.5)  # halfway down, halfway in log time
+    assert seconds_to(curve, 3.5) == 10.0 and seconds_to(curve, 2.39) is None
 
 
 def test_table10_brackets_the_linear_and_log_interpolations():
@@ -73,15 +74,16 @@ def test_table10_brackets_the_linear_and_log_interpolations():
 def test_fig13_favours_the_allocation_that_updates_fastest(tmp_path):
     report, folders = _report(tmp_path, _fit)
     result = fig13_result(report, folders)
-    # every run ends at 2.0 + 0.01·seed: the threshold is seed 1's 2.01, reached at update 10 by
-    # seed 1 and (2.0 ≤ 2.01) at update 10 by seed 0: 10 updates of each allocation's seconds
-    assert result["threshold"] == pytest.approx(2.01)
+    # at half the updates (5) every run is at 2.5 + 0.01·seed: the threshold is 2.51; seed 0 crosses
+    # it 0.45 of the way from update 4 (2.6) to 6 (2.4), seed 1 halfway, in log time
+    assert result["threshold"] == pytest.approx(2.51)
+    crossings = [4 * 1.5 ** 0.45, 4 * 1.5 ** 0.5]  # in updates
     rows = {row["allocation"]: row for row in result["rows"]}
-    assert rows["p2_b16"]["seconds_to_threshold"] == pytest.approx([10.0, 10.0])
-    assert rows["p32_b1"]["seconds_to_threshold"] == pytest.approx([20.0, 20.0])
+    assert rows["p2_b16"]["seconds_to_threshold"] == pytest.approx(crossings)
+    assert rows["p32_b1"]["seconds_to_threshold"] == pytest.approx([2 * c for c in crossings])
     assert result["ratio"] == pytest.approx(2.0)
     fig13 = result["checks"][0]
-    assert fig13["verdict"] == "holds" and fig13["mean"] == pytest.approx(10.0)
+    assert fig13["verdict"] == "holds" and fig13["mean"] == pytest.approx(sum(crossings) / 2)
     # Table 10: equal multiply-adds per update and equal curves: no allocation is favoured
     per_update = 8 * 64 * 800 / 8  # token-forwards per update × parameters per expert
     assert result["budgets"] == pytest.approx([0.95 * 10 * per_update / d for d in (4, 2, 1)])
@@ -89,19 +91,27 @@ def test_fig13_favours_the_allocation_that_updates_fastest(tmp_path):
                for check in result["checks"][1:])
     text = fig13_markdown({**result, "experiment": "fig13", "scale": "cpu", "title": "t", "basis": "b",
                            "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2]})
-    assert "| p2_b16 | 2 | 16 | 5.12e+04 | 10, 10 |" in text and "2.00x (paper: 1.55x)" in text
+    assert "| p2_b16 | 2 | 16 | 5.12e+04 | 5, 5 |" in text and "2.00x (paper: 1.55x)" in text
     assert fig13_figure({**result, "experiment": "fig13", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
 
 
 def test_equivalence_needs_every_interval_inside_the_margin():
-    assert equivalence("c", [0.001, 0.002], (-0.004, 0.005))["verdict"] == "holds"
-    assert equivalence("c", [0.001, 0.002], (-0.004, EQUIVALENT + 0.001))["verdict"] == "inconclusive"
-    assert equivalence("c", [0.03, 0.031], None)["verdict"] == "does not hold"
-    assert equivalence("c", [0.001], None)["verdict"] == "inconclusive"
+    assert equivalence("c", [0.001, 0.002], (-0.004, 0.005), 0.01)["verdict"] == "holds"
+    assert equivalence("c", [0.001, 0.002], (-0.004, 0.011), 0.01)["verdict"] == "inconclusive"
+    assert equivalence("c", [0.03, 0.031], None, 0.01)["verdict"] == "does not hold"
+    assert equivalence("c", [0.001], None, 0.01)["verdict"] == "inconclusive"
 
 
 def _scored(folder: Path, label: str, seed: int) -> None:
-    """A continuation's test scores: four windows of two documents, loss 2.0 + offset per allocation."""
+    """A continuation's test scores: four windows of two documents, loss 2.0 + offset per allocation;
+    its config names the start checkpoint, whose own scores (test loss 2.5) lie beside it."""
+    start = folder.parent / "start"
+    (folder / "config.yaml").parent.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(f"ckpt_path: {start / 'checkpoints' / 'last.ckpt'}\n")
+    if not (start / "start_test").is_dir():
+        (start / "start_test" / "version_0").mkdir(parents=True)
+        (start / "start_test" / "version_0" / "test_scores.json").write_text(json.dumps({
+            "loss": 2.5, "bootstrap_95": [2.4, 2.6]}))
     offset = {"p2_b16": 0.0, "p8_b4": 0.001, "p32_b1": 0.05}[label] + 0.002 * seed
     losses = [2.0 + offset + 0.1 * (w % 2) for w in range(4)]
     scores = folder / "test_windows" / "version_0"
@@ -117,6 +127,9 @@ def test_table11_checks_each_pair_of_allocations_for_equality(tmp_path):
     rows = {row["allocation"]: row for row in result["rows"]}
     assert rows["p8_b4"]["test"]["mean"] == pytest.approx(2.05 + 0.001 + 0.001)
     assert result["spread"] == pytest.approx(0.05)
+    # the allocations' mean is 2.068, 0.432 below the start: the margin is a tenth of that
+    assert result["gain"] == pytest.approx(2.5 - (2.051 + 2.052 + 2.101) / 3)
+    assert result["margin"] == pytest.approx(0.1 * result["gain"])
     verdicts = {check["claim"].split(" end")[0]: check["verdict"] for check in result["checks"]}
     assert verdicts == {"p8_b4 and p2_b16": "holds", "p32_b1 and p2_b16": "does not hold",
                         "p32_b1 and p8_b4": "does not hold"}

@@ -69,6 +69,10 @@ def _report(tmp_path: Path, rate: float = RATE) -> tuple[dict, dict]:
         folders
 
 
+def _log_between(x0: float, y0: float, x1: float, y1: float, x: float) -> float:
+    return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+
+
 def test_fig7_reads_both_time_bases_and_checks_each_claim(tmp_path):
     report, folders = _report(tmp_path)
     result = fig7_result(report, folders)
@@ -85,11 +89,14 @@ def test_fig7_reads_both_time_bases_and_checks_each_claim(tmp_path):
         claim = next(c for c in checks if f"N = {larger} reaches a lower" in c and f"than N = {smaller} at" in c)
         assert checks[claim]["verdict"] == Verdict.holds.value
         assert checks[claim]["mean"] == pytest.approx(START[smaller] - START[larger])
-    # Aggregate: N = 2 − N = 1 at X seconds is −0.1 + (RATE/2)·X: below zero at 20 s, above at 100 s.
+    # Aggregate: N = 2 − N = 1 at X seconds is −0.1 + (RATE/2)·X at validations: below zero at 20 s,
+    # above at 100 s; between validations (√2000 s) each curve is interpolated in log time.
     pair = [row for row in result["aggregate"] if (row["smaller"], row["larger"]) == (1, 2)]
-    assert [row["budget_seconds"] for row in pair] == pytest.approx([20.0, math.sqrt(20 * 100), 100.0])
-    for row in pair:
-        assert row["check"]["mean"] == pytest.approx(-0.1 + RATE / 2 * row["budget_seconds"])
+    middle = math.sqrt(20 * 100)
+    assert [row["budget_seconds"] for row in pair] == pytest.approx([20.0, middle, 100.0])
+    one = _log_between(40, START[1] - RATE * 40, 50, START[1] - RATE * 50, middle)
+    two = _log_between(40, START[2] - RATE * 20, 60, START[2] - RATE * 30, middle)
+    assert [row["check"]["mean"] for row in pair] == pytest.approx([-0.05, two - one, 0.15])
     assert [row["check"]["verdict"] for row in pair] == ["does not hold", "holds", "holds"]
     fig8 = next(c for c in result["checks"] if "every aggregate budget" in c["claim"])
     assert fig8["verdict"] == "holds" and fig8["mean"] == pytest.approx(0.15)
@@ -176,10 +183,11 @@ def test_fig7_settings_orders_each_series_and_decides_on_both_bases(tmp_path):
                    "cheaper run ends)"]
     # at 120 s per expert p8 made 120 updates (loss 3 − 0.36), p16 60 (3 − 0.24): the opposite holds
     assert timed["verdict"] == "does not hold" and timed["mean"] == pytest.approx((3 - 0.36) - (3 - 0.24))
-    # p16 ends at 240 s per expert, where p64 (8 s per update) has made 30 updates
+    # p16 ends at 240 s per expert, between p64's validations at 160 and 320 s (8 s per update)
     later = checks["SOMA improves with larger n_pert (Fig. 7): p64_b1 below p16_b1 at 240.0 s per expert (where the "
                    "cheaper run ends)"]
-    assert later["mean"] == pytest.approx((3 - 0.001 * 120 * 4) - (3 - 0.001 * 30 * 6))
+    p64 = _log_between(160, 3 - 0.001 * 20 * 6, 320, 3 - 0.001 * 40 * 6, 240)
+    assert later["mean"] == pytest.approx((3 - 0.001 * 120 * 4) - p64)
     assert {row["setting"]: row["directions"] for row in result["rows"]}["p8_b8"] == 64
     text = fig7_settings_markdown({**result, "experiment": "fig7_settings", "scale": "cpu", "title": "t", "basis": "b",
                                    "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2]})
