@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 
 from soma_pl.errors import SomaError
-from soma_pl.reproduce.scaling import claim_check, mean_sd, run_curve
+from soma_pl.reproduce.scaling import claim_check, curve_value, mean_sd, run_curve
 from soma_pl.reproduce.tables import (
     checks_table,
     heading,
@@ -75,7 +75,7 @@ def threshold_of(curves: dict[str, list[dict]]) -> float:
     for runs in curves.values():
         for curve in runs:
             half = max(curve["updates"][-1] / 2, curve["updates"][0])
-            levels.append(_at(curve["updates"], curve["loss"], half, log=False))
+            levels.append(curve_value(curve["updates"], curve["loss"], half, log=False))
     return math.ceil(max(levels) * 100 - 1e-9) / 100
 
 
@@ -93,21 +93,10 @@ def seconds_to(curve: dict, threshold: float) -> float | None:
     return None
 
 
-def _at(xs: list[float], ys: list[float], at: float, log: bool) -> float | None:
-    """`ys` at `at`, interpolated between the points around it, linearly in x or in log x."""
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys, strict=True), list(zip(xs, ys, strict=True))[1:], strict=False):
-        if x0 <= at <= x1:
-            if x1 == x0:
-                return y0
-            t = (math.log(at) - math.log(x0)) / (math.log(x1) - math.log(x0)) if log else (at - x0) / (x1 - x0)
-            return y0 + t * (y1 - y0)
-    return ys[-1] if xs and abs(at - xs[-1]) <= 1e-9 * xs[-1] else None
-
-
 def loss_range(curve: dict, operations: float) -> tuple[float, float] | None:
     """The loss at `operations` multiply-adds, interpolated linearly and in log compute: (low, high)."""
     xs = [u * curve["multiply_adds_per_update"] for u in curve["updates"]]
-    values = [_at(xs, curve["loss"], operations, log) for log in (False, True)]
+    values = [curve_value(xs, curve["loss"], operations, log) for log in (False, True)]
     return None if None in values else (min(values), max(values))
 
 
@@ -235,16 +224,15 @@ def equivalence(claim: str, differences: list[float], document: tuple[float, flo
             "seed_interval": seeds, "document_interval": document, "basis": "equal multiply-adds", "split": "test"}
 
 
-def start_scores(run_dir: Path) -> tuple[str, dict]:
-    """The checkpoint a continuation trial resumed (its config's `ckpt_path`) and that checkpoint's
-    test scores (once: kept beside it, in `<its run folder>/start_test/`)."""
+def start_checkpoint(run_dir: Path) -> str:
+    """The checkpoint a continuation trial resumed: its config's `ckpt_path`."""
     import yaml
 
     config = run_dir / "config.yaml"
     checkpoint = yaml.safe_load(config.read_text()).get("ckpt_path")
     if not checkpoint:
         raise SomaError(f"{config}: no ckpt_path; Table 11's trials continue one checkpoint")
-    return checkpoint, score_checkpoint(config, checkpoint, Path(checkpoint).parent.parent / "start_test")
+    return checkpoint
 
 
 def table11_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
@@ -256,12 +244,14 @@ def table11_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
     allocations = _allocations([str(label) for label in t7["column_labels"]])
     run_dirs = {label: [Path(folders[entry["trial"][label]][entry["seed"]]) for entry in per_seed]
                 for label, _, _ in allocations}
-    scores = {label: [score_run(path, "test") for path in paths] for label, paths in run_dirs.items()}
-    starts = {start_scores(path)[0] for paths in run_dirs.values() for path in paths}
+    starts = {start_checkpoint(path) for paths in run_dirs.values() for path in paths}
     if len(starts) != 1:
         raise SomaError(f"Table 11's trials continue {len(starts)} checkpoints ({', '.join(sorted(starts))}); "
                         "they must continue one")
-    start_path, start = start_scores(next(iter(run_dirs.values()))[0])
+    scores = {label: [score_run(path, "test") for path in paths] for label, paths in run_dirs.items()}
+    first = next(iter(run_dirs.values()))[0]
+    start_path = start_checkpoint(first)
+    start = score_checkpoint(first / "config.yaml", start_path, Path(start_path).parent.parent / "start_test")
     rows = [{"allocation": label, "n_pert": n_pert, "B": batch,
              "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
              "test": mean_sd([s["loss"] for s in scores[label]]),

@@ -54,14 +54,27 @@ def mean_sd(values: list[float]) -> dict:
             "sd": statistics.stdev(values) if len(values) > 1 else None}
 
 
-def _interpolated(points: list[tuple[float, float]], at: float) -> float | None:
-    """The loss at `at` seconds on a (seconds, loss) curve, interpolated linearly in log time (the
-    figures' axes: on a falling convex curve a chord in linear time would overstate the loss between
-    validations); None outside the curve."""
-    if not points or not points[0][0] * (1 - 1e-9) <= at <= points[-1][0] * (1 + 1e-9):
+def curve_value(xs: list[float], ys: list[float], at: float, log: bool = True) -> float | None:
+    """`ys` at `x = at` on a curve, interpolated linearly in log x (`log`; the figures' time axes: on a
+    falling convex curve a chord in linear time would overstate the loss between validations) or in
+    x; None outside the curve."""
+    if not xs or not xs[0] * (1 - 1e-9) <= at <= xs[-1] * (1 + 1e-9):
         return None
-    logged = [(math.log(seconds), loss) for seconds, loss in points]
-    return interpolate(logged, min(max(math.log(at), logged[0][0]), logged[-1][0]))
+    scale = math.log if log else float
+    points = [(scale(x), y) for x, y in zip(xs, ys, strict=True)]
+    return interpolate(points, min(max(scale(at), points[0][0]), points[-1][0]))
+
+
+def _loss_at(curve: dict, basis: str, seconds: float) -> float | None:
+    """A run's loss at `seconds` of update time on `basis` (`per_expert` or `aggregate`)."""
+    return curve_value(curve[f"{basis}_seconds"], curve["loss"], seconds)
+
+
+def _differences_at(smaller: list[dict], larger: list[dict], basis: str, seconds: float) -> list[float]:
+    """Seed by seed, `smaller`'s loss − `larger`'s at `seconds` on `basis`, where both curves reach it."""
+    pairs = zip((_loss_at(c, basis, seconds) for c in smaller), (_loss_at(c, basis, seconds) for c in larger),
+                strict=True)
+    return [a - b for a, b in pairs if a is not None and b is not None]
 
 
 def run_curve(run_dir: Path) -> dict:
@@ -80,10 +93,6 @@ def run_curve(run_dir: Path) -> dict:
             "last_checkpoint": summary.get("last_checkpoint")}
 
 
-def _points(curve: dict, basis: str) -> list[tuple[float, float]]:
-    return list(zip(curve[f"{basis}_seconds"], curve["loss"], strict=True))
-
-
 def claim_check(claim: str, differences: list[float], basis: str, document=None, level: float = LEVEL) -> dict:
     """`decide`'s verdict as a result's check: with its compute basis, on ensemble validation."""
     return {**decide(claim, differences, document, level).as_dict(), "basis": basis, "split": "val"}
@@ -95,9 +104,7 @@ def elapsed_checks(curves: dict[int, list[dict]]) -> tuple[float, list[dict]]:
     cutoff = min(c["per_expert_seconds"][-1] for runs in curves.values() for c in runs)
     counts, checks = sorted(curves), []
     for smaller, larger in zip(counts, counts[1:], strict=False):
-        differences = [a - b for a, b in zip((_interpolated(_points(c, "per_expert"), cutoff) for c in curves[smaller]),
-                                             (_interpolated(_points(c, "per_expert"), cutoff) for c in curves[larger]),
-                                             strict=True) if a is not None and b is not None]
+        differences = _differences_at(curves[smaller], curves[larger], "per_expert", cutoff)
         claim = (f"More experts train better against elapsed time (Fig. 7 left): N = {larger} reaches a lower "
                  f"ensemble-validation loss than N = {smaller} at {cutoff:.0f} s per expert")
         checks.append(claim_check(claim, differences, "equal elapsed update time per expert"))
@@ -122,8 +129,8 @@ def aggregate_comparisons(curves: dict[int, list[dict]], points: int = FIG8_POIN
             continue
         budgets = [start * (end / start) ** (i / max(points - 1, 1)) for i in range(points)]
         for budget in budgets:
-            low = [_interpolated(_points(c, "aggregate"), budget) for c in curves[smaller]]
-            high = [_interpolated(_points(c, "aggregate"), budget) for c in curves[larger]]
+            low = [_loss_at(c, "aggregate", budget) for c in curves[smaller]]
+            high = [_loss_at(c, "aggregate", budget) for c in curves[larger]]
             differences = [b - a for a, b in zip(low, high, strict=True) if a is not None and b is not None]
             check = claim_check(f"N = {larger} is above N = {smaller} at {budget:.0f} s aggregate", differences,
                                 "equal aggregate update time", level=level)
@@ -229,7 +236,7 @@ def fig7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
         checks.append(correlation_check(correlations))
     rows = []
     for n, runs in curves.items():
-        at_cutoff = [_interpolated(_points(c, "per_expert"), cutoff) for c in runs]
+        at_cutoff = [_loss_at(c, "per_expert", cutoff) for c in runs]
         first = runs[0]
         rows.append({"experts": n, "parameters_per_expert": first["parameters_per_expert"],
                      "parameters": first["parameters"], "multiply_adds_per_update": first["multiply_adds_per_update"],
@@ -381,9 +388,7 @@ def settings_checks(name: str, order: list[str], curves: dict[str, list[dict]]) 
         checks.append(claim_check(f"SOMA improves with larger {name} (Fig. 7): {larger} below {smaller} after "
                                   f"{curves[larger][0]['updates'][-1]} updates", final, "equal updates"))
         cutoff = min(c["per_expert_seconds"][-1] for label in (smaller, larger) for c in curves[label])
-        timed = [a - b for a, b in zip((_interpolated(_points(c, "per_expert"), cutoff) for c in curves[smaller]),
-                                       (_interpolated(_points(c, "per_expert"), cutoff) for c in curves[larger]),
-                                       strict=True) if a is not None and b is not None]
+        timed = _differences_at(curves[smaller], curves[larger], "per_expert", cutoff)
         checks.append(claim_check(f"SOMA improves with larger {name} (Fig. 7): {larger} below {smaller} at "
                                   f"{cutoff:.1f} s per expert (where the cheaper run ends)", timed,
                                   "equal elapsed update time per expert"))
