@@ -153,6 +153,20 @@ def _prepare_data(experiment: Experiment, scale: str, logs: Path) -> None:
             raise SomaError(f"{' '.join(arguments)} failed ({log}): {tail}")
 
 
+def busy_seconds(trials: list) -> float:
+    """The wall time during which at least one of `trials` ran (the union of their start-to-complete
+    intervals): the sweep's own wall time, the same when a later run reuses every trial, and free of
+    the gaps between sessions of a study resumed over several."""
+    total, end = 0.0, None
+    for start, stop in sorted((t.datetime_start, t.datetime_complete) for t in trials
+                              if t.datetime_start and t.datetime_complete):
+        if end is None or start > end:
+            total, end = total + (stop - start).total_seconds(), stop
+        elif stop > end:
+            total, end = total + (stop - end).total_seconds(), stop
+    return total
+
+
 def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, workers: int, results: Path) -> dict:
     """Run the experiment's sweep to the end, then write and print its result."""
     folder = results / (experiment.name if scale == "cpu" else f"{experiment.name}_{scale}")
@@ -171,7 +185,8 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
     result = {"experiment": experiment.name, "scale": scale, "title": experiment.title, "basis": experiment.basis,
               "sweep": str(spec.path), "study": spec.name, "unit": "nats/byte", "workers": workers,
               "wall_seconds": round(time.time() - started, 1), "load_average": [load_before, os.getloadavg()[0]],
-              "trial_minutes": round(trial_minutes, 1), **measured}
+              "sweep_wall_seconds": round(busy_seconds(finished), 1), "trial_minutes": round(trial_minutes, 1),
+              **measured}
     text = experiment.table(result)
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(folder / "result.json", result)

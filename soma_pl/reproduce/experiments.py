@@ -9,7 +9,6 @@ figure draws).
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,14 @@ from soma_pl.reproduce.allocation import (
     table11_result,
 )
 from soma_pl.reproduce.budgets import TABLE5_PAPER, table5_figure, table5_markdown, table5_result
+from soma_pl.reproduce.inference import (
+    FIG14_PAPER,
+    FIG15_PAPER,
+    TABLE13_PAPER,
+    fig14_figure,
+    fig14_markdown,
+    fig14_result,
+)
 from soma_pl.reproduce.methods import (
     TABLE4_PAPER,
     TABLE9_PAPER,
@@ -47,7 +54,7 @@ from soma_pl.reproduce.scaling import (
     fig7_settings_result,
 )
 from soma_pl.reproduce.tables import figure, table7_markdown
-from soma_pl.reproduce.verdicts import decide, paired_document_interval
+from soma_pl.reproduce.verdicts import decide, mean_sd, paired_document_interval
 from soma_pl.sweeps.final_test import score_run
 
 
@@ -81,17 +88,20 @@ class Experiment:
     """At most this many sweep workers (None: one per core); 1 where a trial takes every core."""
 
 
+def demo_shards(*counts: int) -> list[list[str]]:
+    """The `shard` commands of the demo corpus's N-way semantic shardings (N = 2 is
+    configs/shard/demo_n2.yaml's own folder; others go to data/demo-experts-n<N>)."""
+    return [["shard", "--config", "configs/shard/demo_n2.yaml",
+             *([] if n == 2 else [f"--shard.num_experts={n}", f"--shard.output_dir=data/demo-experts-n{n}"])]
+            for n in counts]
+
+
 # Table 7 (the paper's Table 6 caption and rows): test loss after each seed's selection on ensemble
 # validation, monolithic SPSA against SOMA N = 2, three optimization seeds (1, 2, 3), nats/byte.
 TABLE7_PAPER = {"seeds": [1, 2, 3], "spsa": [2.2641, 2.2666, 2.2576], "soma": [2.2273, 2.2204, 2.2218],
                 "difference": [0.0368, 0.0462, 0.0358], "mean": {"spsa": 2.2628, "soma": 2.2232, "difference": 0.0396},
                 "sd": {"spsa": 0.0047, "soma": 0.0036, "difference": 0.0057}}
 TABLE7_CLAIM = "SOMA (N = 2) reaches a lower test loss than monolithic SPSA after selection on ensemble validation"
-
-
-def _mean_sd(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values) if values else None,
-            "sd": statistics.stdev(values) if len(values) > 1 else None}
 
 
 def _selected_scores(per_seed: list[dict], folders: dict[int, dict[int, str]], label: str, split: str) -> list[dict]:
@@ -114,7 +124,7 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
         rows.append({"seed": entry["seed"], "ours": {"spsa": entry["test"][base], "soma": entry["test"][other],
                                                      "difference": entry["difference"][other]},
                      "paper": paper, "selected": entry["selected"], "at_grid_edge": entry["at_grid_edge"]})
-    summary = {key: _mean_sd([row["ours"][key] for row in rows]) for key in ("spsa", "soma", "difference")}
+    summary = {key: mean_sd([row["ours"][key] for row in rows]) for key in ("spsa", "soma", "difference")}
     checks, blocks = [], {}
     for split, label in (("test", "test split"), ("final", "final test split (used once)")):
         if split == "final" and "final_test" not in t7:
@@ -126,7 +136,7 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                                                        "soma_95": b["bootstrap_95"]}
                                                       for e, a, b, d in zip(per_seed, spsa, soma, differences,
                                                                             strict=True)],
-                         **{key: _mean_sd(values) for key, values in
+                         **{key: mean_sd(values) for key, values in
                             (("spsa", [a["loss"] for a in spsa]), ("soma", [b["loss"] for b in soma]),
                              ("difference", differences))}}
         check = decide(f"{TABLE7_CLAIM} ({label}, equal multiply-adds)", differences,
@@ -140,7 +150,7 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                                               "total_seconds": row["total_seconds"], "spsa": row["val"][base],
                                               "soma": row["val"][other], "difference": row["difference"][other]}
                                              for row in timed["per_seed"]],
-                                "difference": _mean_sd(differences)}
+                                "difference": mean_sd(differences)}
         check = decide("SOMA (N = 2) reaches a lower ensemble-validation loss than monolithic SPSA at equal measured "
                        "update time (Table 3's basis; validation curves, no per-window scores)", differences)
         checks.append({**check.as_dict(), "basis": "equal measured update time", "split": "val"})
@@ -169,7 +179,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         table=table7_markdown,
         figure=figure,
         paper=TABLE7_PAPER,
-        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"]],
+        data={"cpu": demo_shards(2),
               "paper": [["shard", "--config", "configs/shard/fineweb_n8.yaml", "--shard.num_experts=2",
                          "--shard.output_dir=data/fineweb_edu-experts-n2"]]},
     ),
@@ -186,7 +196,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         table=table4_markdown,
         figure=table4_figure,
         paper=TABLE4_PAPER,
-        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"]]},
+        data={"cpu": demo_shards(2)},
         final_test=False,
         workers=1,
     ),
@@ -205,7 +215,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         table=table9_markdown,
         figure=table9_figure,
         paper=TABLE9_PAPER,
-        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"], ["external-text"]],
+        data={"cpu": [*demo_shards(2), ["external-text"]],
               "paper": [["external-text"]]},
         final_test=False,
         workers=1,
@@ -224,9 +234,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         table=table5_markdown,
         figure=table5_figure,
         paper=TABLE5_PAPER,
-        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"],
-                      ["shard", "--config", "configs/shard/demo_n2.yaml", "--shard.num_experts=4",
-                       "--shard.output_dir=data/demo-experts-n4"]]},
+        data={"cpu": demo_shards(2, 4)},
         final_test=False,
     ),
     "fig9": Experiment(
@@ -243,8 +251,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         table=fig9_markdown,
         figure=fig9_figure,
         paper=FIG9_PAPER,
-        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"],
-                      ["shard", "--config", "configs/shard/demo_n2_random.yaml"],
+        data={"cpu": [*demo_shards(2), ["shard", "--config", "configs/shard/demo_n2_random.yaml"],
                       ["fit", "--config", "configs/demo/seed_w44.yaml", "--trainer.enable_progress_bar=false",
                        "--ckpt_path=last"]]},
         final_test=False,
@@ -267,9 +274,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         table=fig7_markdown,
         figure=fig7_figure,
         paper=FIG7_PAPER,
-        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml"],
-                      *(["shard", "--config", "configs/shard/demo_n2.yaml", f"--shard.num_experts={n}",
-                         f"--shard.output_dir=data/demo-experts-n{n}"] for n in (4, 8))]},
+        data={"cpu": demo_shards(2, 4, 8)},
         final_test=False,
     ),
     "fig7_settings": Experiment(
@@ -285,8 +290,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         table=fig7_settings_markdown,
         figure=fig7_settings_figure,
         paper=FIG7_SETTINGS_PAPER,
-        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml", "--shard.num_experts=4",
-                       "--shard.output_dir=data/demo-experts-n4"]]},
+        data={"cpu": demo_shards(4)},
         final_test=False,
     ),
     "fig13": Experiment(
@@ -303,8 +307,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         table=fig13_markdown,
         figure=fig13_figure,
         paper=FIG13_PAPER,
-        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml", "--shard.num_experts=8",
-                       "--shard.output_dir=data/demo-experts-n8"]]},
+        data={"cpu": demo_shards(8)},
         final_test=False,
     ),
     "table11": Experiment(
@@ -321,13 +324,30 @@ EXPERIMENTS: dict[str, Experiment] = {
         table=table11_markdown,
         figure=table11_figure,
         paper=TABLE11_PAPER,
-        data={"cpu": [["shard", "--config", "configs/shard/demo_n2.yaml", "--shard.num_experts=8",
-                       "--shard.output_dir=data/demo-experts-n8"],
+        data={"cpu": [*demo_shards(8),
                       ["fit", "--config", "configs/demo/soma_n2.yaml", "--model.num_experts=8",
                        "--data.experts_dir=data/demo-experts-n8", "--model.shape.width=32",
                        "--model.optimizer.lr=0.025", "--model.spsa.micro_batch=1", "--trainer.max_steps=100",
                        "--trainer.val_check_interval=50", "--trainer.default_root_dir=runs/demo_table11_start",
                        "--trainer.enable_progress_bar=false", "--ckpt_path=last"]]},
+        final_test=False,
+    ),
+    "fig14": Experiment(
+        name="fig14",
+        title="Figs. 14 and 15 and Table 13: fixed-size ensembles of about 144k parameters at N = 1, 2, 4 and 8, the "
+              "budget map of their checkpoints and inference arithmetic against test loss",
+        sweeps={"cpu": "sweeps/demo/fig14.yaml"},
+        basis="equal measured aggregate update time (Table 3's U·Σₑ t̄ₑ): every run stopped at 240 s (N = 8 also at "
+              "480 s, about N = 4's elapsed time per expert); Fig. 14 places each checkpoint at its aggregate and "
+              "per-expert (aggregate / N) time, Fig. 15 at its multiply-adds per token at inference",
+        cost={"cpu": "10 fits (N = 1, 2, 4, 8 to 240 s and N = 8 to 480 s of update time; two seeds): about 60 "
+                     "core-minutes, 30 minutes on 2 cores",
+              "paper": "none here: the paper's fixed-size N = 256 runs reach 41.9k GPU-hours"},
+        result=fig14_result,
+        table=fig14_markdown,
+        figure=fig14_figure,
+        paper={"fig14": FIG14_PAPER, "fig15": FIG15_PAPER, "table13": TABLE13_PAPER},
+        data={"cpu": demo_shards(2, 4, 8)},
         final_test=False,
     ),
 }

@@ -10,13 +10,12 @@ against each other row.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.ablations import run_test_scores
 from soma_pl.reproduce.tables import checks_table, interval_text, number, rows_figure, run_footer, table_head, table_row
-from soma_pl.reproduce.verdicts import decide, paired_document_interval
+from soma_pl.reproduce.verdicts import decide, mean_sd, paired_document_interval
 
 SOMA = "soma_n2"
 """The row the claim is about."""
@@ -51,10 +50,6 @@ def _compute(run_dir: Path) -> dict:
             "physical_seconds": report["physical_device_hours"] * 3600}
 
 
-def _mean_sd(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else None}
-
-
 def table4_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
     """Table 4 beside the paper: per row, each seed's test loss (with its 95% document interval),
     updates and measured compute; one check per other row that SOMA N = 2's test loss is lower."""
@@ -71,11 +66,11 @@ def table4_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
     rows = []
     for label in labels:
         rows.append({"row": label, "configuration": NAMES.get(label, label),
-                     "test": _mean_sd([s["loss"] for s in scores[label]]),
+                     "test": mean_sd([s["loss"] for s in scores[label]]),
                      "test_95": [s["bootstrap_95"] for s in scores[label]],
-                     "updates": _mean_sd([c["updates"] for c in compute[label]]),
-                     "seconds": _mean_sd([c["seconds"] for c in compute[label]]),
-                     "physical_seconds": _mean_sd([c["physical_seconds"] for c in compute[label]]),
+                     "updates": mean_sd([c["updates"] for c in compute[label]]),
+                     "seconds": mean_sd([c["seconds"] for c in compute[label]]),
+                     "physical_seconds": mean_sd([c["physical_seconds"] for c in compute[label]]),
                      "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
                      "paper": TABLE4_PAPER.get(PAPER_ROW.get(label, label))})
     checks = []
@@ -142,7 +137,7 @@ def table9_result(report: dict, folders: dict[int, dict[int, str]], text: str = 
                       for entry in per_seed] for label in labels}
     first = next(iter(scores.values()))[0] if scores and per_seed else {}
     rows = [{"row": label, "configuration": NAMES.get(label, label),
-             "external": _mean_sd([s["loss"] for s in scores[label]]),
+             "external": mean_sd([s["loss"] for s in scores[label]]),
              "external_95": [s["bootstrap_95"] for s in scores[label]],
              "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
              "paper": TABLE9_PAPER.get(PAPER_ROW.get(label, label))} for label in labels]

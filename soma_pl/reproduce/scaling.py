@@ -32,7 +32,7 @@ from soma_pl.analysis.time_basis import interpolate, measured_curve
 from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.reproduce.tables import checks_table, heading, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide
+from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide, mean_sd
 
 FIG7_PAPER = {
     "experts": [1, 2, 8, 32, 256],
@@ -47,11 +47,6 @@ FIG8_POINTS = 3
 """Aggregate budgets per pair of expert counts: log-spaced over the range both curves cover."""
 MOST = 0.5
 """Fig. 16's "most of the gain": top-k captures more than this share of the best k's gain over k = 1."""
-
-
-def mean_sd(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values) if values else None,
-            "sd": statistics.stdev(values) if len(values) > 1 else None}
 
 
 def curve_value(xs: list[float], ys: list[float], at: float, log: bool = True) -> float | None:

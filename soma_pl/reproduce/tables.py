@@ -101,6 +101,8 @@ def run_footer(result: dict, reused: str = "finished trials reused") -> str:
              f"{result['load_average'][1]:.2f} after")
     if "trial_minutes" in result:
         line += f"; the study's trials took {result['trial_minutes']:.0f} minutes in all (summed over trials)"
+    if "sweep_wall_seconds" in result:
+        line += f", {result['sweep_wall_seconds']:.0f} s of wall time while any ran (the sweep's own, kept on a rerun)"
     if "trials" in result:
         line += ". Trials: " + ", ".join(f"{k} {v}" for k, v in sorted(result["trials"].items()))
     return line + "."

@@ -51,6 +51,12 @@ class Check:
         return {**asdict(self), "verdict": self.verdict.value}
 
 
+def mean_sd(values: list[float]) -> dict:
+    """`mean` and sample `sd` of per-seed values (None where there are too few)."""
+    return {"mean": statistics.fmean(values) if values else None,
+            "sd": statistics.stdev(values) if len(values) > 1 else None}
+
+
 def seed_interval(differences: list[float], level: float = LEVEL) -> tuple[float, float] | None:
     """The two-sided Student-t interval of the mean of `differences` (None below two values)."""
     if len(differences) < 2:

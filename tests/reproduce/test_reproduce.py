@@ -177,9 +177,27 @@ def test_a_tiny_experiment_runs_scores_checks_and_reuses_its_trials(tmp_path, mo
     stamps = {p: p.stat().st_mtime_ns for p in spec.output_dir.glob("trial-*/version_0/*/**/test_scores.json")}
     again = command.run(tiny, "cpu", spec, storage, workers=2, results=tmp_path / "results")
     assert again["trials"] == {"COMPLETE": 4} and again["checks"] == result["checks"]
+    assert again["sweep_wall_seconds"] == result["sweep_wall_seconds"] > 0  # the sweep's, not the rerun's
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     main(["reproduce", "docs", "--results", str(tmp_path / "results"), "--out", str(tmp_path / "reproduction.md")])
     assert check["claim"] in (tmp_path / "reproduction.md").read_text()
+
+
+def test_the_sweeps_wall_time_is_the_union_of_its_trials_intervals():
+    from datetime import datetime, timedelta
+    from types import SimpleNamespace
+
+    start = datetime(2026, 1, 1)
+
+    def trial(begin: float, end: float | None) -> SimpleNamespace:
+        return SimpleNamespace(datetime_start=start + timedelta(seconds=begin),
+                               datetime_complete=None if end is None else start + timedelta(seconds=end))
+
+    # two workers overlap on [0, 100] and [50, 120]; a session later [1000, 1030] inside which [1010, 1020];
+    # a running trial (no end) counts nothing
+    trials = [trial(50, 120), trial(0, 100), trial(1000, 1030), trial(1010, 1020), trial(2000, None)]
+    assert command.busy_seconds(trials) == 120 + 30
+    assert command.busy_seconds([]) == 0
 
 
 def _selected(spec, result: dict, label: str) -> list[int]:

@@ -1,0 +1,127 @@
+"""Fig. 14, Fig. 15 and Table 13 drawn from hand-made fixed-size runs: the budget map's selection,
+the per-expert checks, the inference arithmetic and Table 13's pairing, against closed-form values."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from soma_pl.reproduce.inference import (
+    budget_map,
+    fig14_figure,
+    fig14_markdown,
+    fig14_result,
+    per_expert_checks,
+    select,
+)
+
+SLOPE = {"n1": 0.10, "n2": 0.09, "n4": 0.08, "n8": 0.07, "n8_long": 0.07}
+"""Validation loss falls by this much per update; every update costs 1 s of aggregate time."""
+UPDATES = {"n1": 10, "n2": 10, "n4": 10, "n8": 10, "n8_long": 20}
+TEST = {"n1": 2.50, "n2": 2.40, "n4": 2.30, "n8": 2.45, "n8_long": 2.35}
+"""Each run's test loss per window before the seed's offset."""
+WINDOWS, DOCUMENTS = 6, [0, 0, 1, 1, 2, 2]
+
+
+def _experts(label: str) -> int:
+    return int(label[1:].split("_")[0])
+
+
+def _fit(folder: Path, label: str, seed: int, trial: int) -> str:
+    """A run validated every 2 updates at loss 3 − slope·u + 0.01·seed, 1 s of aggregate time per
+    update; 800 parameters split over its experts; its test record per window."""
+    folder.mkdir(parents=True)
+    rows = ["step,val/loss,compute/aggregate_device_hours"]
+    for update in range(2, UPDATES[label] + 1, 2):
+        rows += [f"{update - 1},{3 - SLOPE[label] * update + 0.01 * seed},", f"{update},,{update / 3600}"]
+    (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
+    experts = _experts(label)
+    (folder / "summary.json").write_text(json.dumps({
+        "parameters": 800, "last_checkpoint": None,
+        "compute": {"experts": experts, "updates": UPDATES[label], "token_forwards": 64 * experts * UPDATES[label]}}))
+    # windows alternate ±0.1 around the loss, so their mean is the loss itself
+    losses = [TEST[label] + 0.01 * seed + (0.1 if i % 2 else -0.1) for i in range(WINDOWS)]
+    record = folder / "test_scores.json"
+    record.write_text(json.dumps({"loss": sum(losses) / WINDOWS, "bootstrap_95": [0.0, 9.0],
+                                  "window_index": list(range(WINDOWS)), "window_losses": losses,
+                                  "doc_ids": DOCUMENTS}))
+    return str(record)
+
+
+def _report(tmp_path: Path) -> tuple[dict, dict]:
+    per_seed, folders, files = [], {}, {}
+    for seed in range(2):
+        trials = {}
+        for index, label in enumerate(SLOPE):
+            trial = 10 * seed + index
+            trials[label], folders[trial] = trial, {seed: str(tmp_path / f"t{trial}")}
+            files[trial] = {seed: _fit(tmp_path / f"t{trial}", label, seed, trial)}
+        per_seed.append({"seed": seed, "trial": trials})
+    return {"table7": {"column_labels": list(SLOPE), "per_seed": per_seed}, "test_score_files": files,
+            "trials": {"COMPLETE": 10}, "failed": []}, folders
+
+
+def test_the_map_selects_the_lowest_loss_checkpoint_within_both_budgets():
+    points = [{"run": "n1", "experts": 1, "aggregate": 4.0, "per_expert": 4.0, "loss": 2.6},
+              {"run": "n2", "experts": 2, "aggregate": 4.0, "per_expert": 2.0, "loss": 2.7},
+              {"run": "n2", "experts": 2, "aggregate": 8.0, "per_expert": 4.0, "loss": 2.3}]
+    assert select(points, 4.0, 4.0)["loss"] == 2.6  # N = 2's better point costs 8 s in all
+    assert select(points, 8.0, 4.0)["loss"] == 2.3
+    assert select(points, 8.0, 3.0)["loss"] == 2.7  # N = 1's point costs 4 s of one expert
+    assert select(points, 3.0, 3.0) is None
+    assert budget_map(points, [3.0, 4.0, 8.0], [3.0, 4.0]) == [[None, 2, 2], [None, 1, 2]]
+
+
+def test_under_a_per_expert_budget_n1_is_compared_with_the_best_other_run_in_closed_form():
+    # two seeds of N = 1 (loss 3 − 0.1·a) and N = 2 (3.05 − 0.1·a) validated at a = 2, 4, ..., 10
+    seeds = [[{"run": label, "experts": n, "aggregate": a, "per_expert": a / n, "loss": base - 0.1 * a + 0.01 * s}
+              for label, n, base in (("n1", 1, 3.0), ("n2", 2, 3.05)) for a in range(2, 11, 2)] for s in range(2)]
+    checks, rows = per_expert_checks(seeds, [1.0, 4.0, 5.0])
+    assert rows[0]["check"] is None and rows[0]["single"] == [None, None]  # nothing of N = 1 fits within 1 s
+    # 4 s per expert: N = 1's best is a = 4 (2.6), N = 2's a = 8 (2.25): 0.35 in each seed
+    assert [round(v, 12) for v in rows[1]["single"]] == [2.6, 2.61] and rows[1]["rival"] == "n2"
+    assert checks[0]["mean"] == pytest.approx(0.35) and checks[0]["verdict"] == "holds"
+    assert checks[1]["mean"] == pytest.approx((3 - 0.4) - (3.05 - 1.0))  # 5 s: a = 4 against a = 10
+    assert len(checks) == 2
+
+
+def test_fig14_result_counts_arithmetic_pairs_table13_and_draws(tmp_path):
+    report, folders = _report(tmp_path)
+    result = fig14_result(report, folders)
+    rows = {row["run"]: row for row in result["rows"]}
+    assert {label: rows[label]["arithmetic_per_token"] for label in rows} == \
+        {"n1": 800, "n2": 800, "n4": 800, "n8": 400, "n8_long": 400}  # top-4 of 8 experts of 100
+    assert rows["n8_long"]["per_expert_seconds"]["mean"] == pytest.approx(20 / 8)
+    assert rows["n4"]["test"]["mean"] == pytest.approx(2.305)
+    assert rows["n2"]["val"]["mean"] == pytest.approx(3 - 0.9 + 0.005)
+    # Table 13: N = 8's longer run (2.5 s per expert) beside N = 4 (2.5 s), not N = 2 (5 s)
+    assert [row["run"] for row in result["table13"]] == ["n4", "n8_long"]
+    checks = {check["claim"].split(" (")[0]: check for check in result["checks"]}
+    arithmetic = next(c for claim, c in checks.items() if claim.startswith("More shards"))
+    assert arithmetic["mean"] == 400 and arithmetic["verdict"] == "holds"
+    later = next(c for claim, c in checks.items() if claim.startswith("At about n4"))
+    assert later["mean"] == pytest.approx(2.35 - 2.30) and later["verdict"] == "holds"
+    assert later["document_interval"] == pytest.approx((0.05, 0.05))  # the same windows move by the same 0.05
+    # the per-expert budgets are where N = 2, 4, 8's runs end: 5, 2.5, 1.25 s
+    assert [row["per_expert_budget"] for row in result["tight"]] == pytest.approx([1.25, 2.5, 5.0])
+    # at 2.5 s per expert: N = 1's best is a = 2 (2.8); N = 8's longer run's is a = 20 (1.6)
+    at = result["tight"][1]
+    assert at["rival"] == "n8_long" and at["check"]["mean"] == pytest.approx(2.8 - 1.6)
+    assert result["tight"][0]["check"] is None  # N = 1's first checkpoint costs 2 s
+    # every cell of the map either selects a run's N or has nothing that fits
+    cells = result["map"]["cells"]
+    assert sum(cells.values()) <= 2 * 48 * 48 and set(cells) == {"1", "2", "4", "8"}
+    assert result["map"]["checkpoints"] == [5 * 4 + 10, 5 * 4 + 10]
+    # N = 1 (the steepest curve at equal aggregate time) wins only where the aggregate budget binds
+    # and it has a checkpoint: from its first, 2 s, and where the per-expert budget is most of the aggregate
+    for where in result["map"]["single"]:
+        assert where["min_per_expert_seconds"] >= 2 and where["min_share"] > 0.5
+    result.update(experiment="fig14", scale="cpu", title="t", basis="b", wall_seconds=1.0, load_average=[0.0, 0.0],
+                  workers=2)
+    text = fig14_markdown(result)
+    assert "| n8 | 8 | 4 | 800 | 100 | 400 |" in text and "## Table 13" in text
+    assert fig14_figure(result, tmp_path / "f.png").stat().st_size > 0
+    assert math.isfinite(result["map"]["aggregate_seconds"][-1])
