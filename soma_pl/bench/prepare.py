@@ -1,12 +1,14 @@
 """`bench prepare`: `prepare` throughput (MB/s of document text) and peak memory per task, at 1 and
-N tasks, on a generated corpus in the FineWeb-Edu parquet schema.
+N tasks, on a corpus in the FineWeb-Edu parquet schema: generated, or real text (`--corpus stdlib`:
+this interpreter's standard-library sources, present on every machine).
 
 Each measurement runs the whole command (`python -m soma_pl.cli prepare`) in a fresh process and
 times it from start to exit. Peak RSS is reported per task, as each task's process recorded it
 (`manifest.json: peak_rss_mib`). The corpus has the columns of FineWeb-Edu (`text`, `id`, `dump`,
 `url`, `file_path`, `language`, `language_score`, `token_count`, `score`, `int_score`); its text is
 words drawn from a fixed vocabulary, and a small share of documents repeat a passage of another, so
-the overlap screen has something to exclude.
+the overlap screen has something to exclude. Real text repeats itself far more (licence headers,
+imports, docstring boilerplate), which is what the overlap screen's confirmation of each hit meets.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from tqdm import tqdm
@@ -31,7 +34,6 @@ from soma_pl.io import emit_json
 
 def write_fineweb_corpus(folder: Path, total_bytes: int, files: int, seed: int = 0) -> dict:
     """Write `files` parquet files holding about `total_bytes` of text; return what was written."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(seed)
@@ -51,17 +53,70 @@ def write_fineweb_corpus(folder: Path, total_bytes: int, files: int, seed: int =
             rows.append(text)
             size += len(text)
         ids = [f"<urn:uuid:{documents + i:012d}>" for i in range(len(rows))]
-        table = pa.table({
-            "text": rows, "id": ids, "dump": ["CC-MAIN-2024-10"] * len(rows),
-            "url": [f"https://example.org/{documents + i}" for i in range(len(rows))],
-            "file_path": [f"s3://commoncrawl/{index:05d}.warc.gz"] * len(rows), "language": ["en"] * len(rows),
-            "language_score": rng.uniform(0.65, 1.0, len(rows)), "token_count": [len(t) // 4 for t in rows],
-            "score": rng.uniform(2.5, 5.0, len(rows)), "int_score": rng.integers(3, 6, len(rows)),
-        })
+        table = _fineweb_table(rows, ids, [f"https://example.org/{documents + i}" for i in range(len(rows))],
+                               f"s3://commoncrawl/{index:05d}.warc.gz", rng)
         pq.write_table(table, folder / f"{index:03d}_00000.parquet")
         written += size
         documents += len(rows)
     return {"files": files, "documents": documents, "text_bytes": written,
+            "parquet_bytes": sum(f.stat().st_size for f in folder.glob("*.parquet"))}
+
+
+def _fineweb_table(rows: list[str], ids: list[str], urls: list[str], file_path: str, rng: np.random.Generator):
+    import pyarrow as pa
+
+    return pa.table({
+        "text": rows, "id": ids, "dump": ["CC-MAIN-2024-10"] * len(rows), "url": urls,
+        "file_path": [file_path] * len(rows), "language": ["en"] * len(rows),
+        "language_score": rng.uniform(0.65, 1.0, len(rows)), "token_count": [len(t) // 4 for t in rows],
+        "score": rng.uniform(2.5, 5.0, len(rows)), "int_score": rng.integers(3, 6, len(rows)),
+    })
+
+
+def source_documents(root: Path, document_bytes: int) -> list[tuple[str, str]]:
+    """`(id, text)` of the `*.py` files under `root` (sorted), each cut at blank lines into documents
+    of at least `document_bytes` (a file's short tail joins its last document)."""
+    documents = []
+    for path in sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()):
+        name = path.relative_to(root).as_posix()
+        pieces, current = [], ""
+        for paragraph in path.read_text(encoding="utf-8", errors="replace").split("\n\n"):
+            current = f"{current}\n\n{paragraph}" if current else paragraph
+            if len(current.encode()) >= document_bytes:
+                pieces.append(current)
+                current = ""
+        if current:
+            if pieces and len(current.encode()) < document_bytes // 2:
+                pieces[-1] = f"{pieces[-1]}\n\n{current}"
+            else:
+                pieces.append(current)
+        documents += [(f"<stdlib:{name}#{k}>", text) for k, text in enumerate(pieces)]
+    return documents
+
+
+def write_source_corpus(folder: Path, files: int, root: Path | None = None, document_bytes: int = 2000,
+                        seed: int = 0) -> dict:
+    """This interpreter's standard-library sources (`root`: another folder of `*.py`) as documents in
+    the FineWeb-Edu schema, dealt over `files` parquet files in order; return what was written."""
+    import sysconfig
+
+    import pyarrow.parquet as pq
+
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    documents = source_documents(root, document_bytes)
+    if not documents:
+        raise ConfigError(f"bench prepare --corpus stdlib: no *.py files under {root}")
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    per_file = -(-len(documents) // files)
+    for index in range(files):
+        part = documents[index * per_file : (index + 1) * per_file]
+        ids, rows = [d for d, _ in part], [t for _, t in part]
+        table = _fineweb_table(rows, ids, [f"file://{root.as_posix()}/{d.split(':', 1)[1].split('#')[0]}"
+                                           for d in ids], f"stdlib/{index:05d}", rng)
+        pq.write_table(table, folder / f"{index:03d}_00000.parquet")
+    return {"files": files, "documents": len(documents), "source": str(root),
+            "text_bytes": sum(len(t.encode()) for _, t in documents),
             "parquet_bytes": sum(f.stat().st_size for f in folder.glob("*.parquet"))}
 
 
@@ -137,7 +192,8 @@ def time_task_counts(tasks: tuple[int, ...], rounds: int, measure: Callable[[int
 
 def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 2),
                   workdir: str | None = None, extra: tuple[str, ...] = (), rounds: int = 3,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, corpus: Literal["generated", "stdlib"] = "generated",
+                  source: str | None = None) -> dict:
     """Generate the corpus, then time `prepare` at each task count (`time_task_counts`), a fresh
     output folder each time.
 
@@ -147,9 +203,11 @@ def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ..
         stage, ...; the parallel stages are the slowest select task plus the slowest write task
         (start-up, the planning task and the merge run once whatever the task count).
     """
+    kind = corpus
     with tempfile.TemporaryDirectory(dir=workdir) as scratch:
         root = Path(scratch)
-        corpus = write_fineweb_corpus(root / "corpus", int(megabytes * 1e6), files)
+        corpus = write_source_corpus(root / "corpus", files, Path(source) if source else None) \
+            if kind == "stdlib" else write_fineweb_corpus(root / "corpus", int(megabytes * 1e6), files)
 
         def measure(count: int, round_: int) -> dict:
             output = root / f"prepared-{count}-{round_}"
@@ -158,13 +216,15 @@ def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ..
             return run
 
         timing = time_task_counts(tasks, rounds, measure, corpus["text_bytes"], "bench prepare", progress)
-    return {"bench": "prepare", "corpus": corpus, "rounds": rounds, **timing}
+    return {"bench": "prepare", "corpus": {"kind": kind, **corpus}, "rounds": rounds, **timing}
 
 
 def main(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 2), workdir: str | None = None,
          prepare_args: tuple[str, ...] = (), rounds: int = 3, progress: bool = True,
-         out: str = "bench_prepare.json") -> None:
-    """`prepare` throughput and peak memory per task at 1 and N tasks, on a generated corpus.
+         out: str = "bench_prepare.json", corpus: Literal["generated", "stdlib"] = "generated",
+         source: str | None = None) -> None:
+    """`prepare` throughput and peak memory per task at 1 and N tasks, on a generated corpus or on
+    real text.
 
     Args:
         megabytes: text in the generated corpus (MB), in the FineWeb-Edu parquet schema.
@@ -175,7 +235,12 @@ def main(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 
         rounds: times each task count runs, taking turns.
         progress: show a progress bar.
         out: where to write the JSON.
+        corpus: `generated` (words from a fixed vocabulary, `megabytes` of them) or `stdlib` (this
+            interpreter's standard-library `*.py` sources, about 31 MB on CPython 3.11, cut at blank lines into
+            documents of at least 2,000 bytes; `megabytes` is ignored).
+        source: with `stdlib`, another folder of `*.py` sources to read instead.
     """
     if megabytes <= 0 or files < 1 or not tasks or min(tasks) < 1 or rounds < 1:
         raise ConfigError("bench prepare: --megabytes must be > 0, --files, --rounds and every --tasks >= 1")
-    emit_json(bench_prepare(megabytes, files, tuple(tasks), workdir, tuple(prepare_args), rounds, progress), out)
+    emit_json(bench_prepare(megabytes, files, tuple(tasks), workdir, tuple(prepare_args), rounds, progress, corpus,
+                            source), out)

@@ -69,3 +69,26 @@ def test_a_prepare_run_reads_its_figures_off_the_manifest(monkeypatch, tmp_path)
     assert run["parallel_stage_seconds"] == 3.25 + 1.5
     assert run["task_seconds"] == manifest["task_seconds"] and run["peak_rss_mib_per_task"] == manifest["peak_rss_mib"]
     assert (run["train_documents"], run["test_excluded"], run["shards"]) == (120, 2, 3)
+
+
+def test_a_source_corpus_cuts_each_file_at_blank_lines_into_documents_of_a_least_the_size(tmp_path):
+    import pyarrow.parquet as pq
+
+    from soma_pl.bench.prepare import source_documents, write_source_corpus
+
+    source = tmp_path / "src"
+    (source / "pkg").mkdir(parents=True)
+    paragraphs = [f"def f{i}():\n    return {i}" for i in range(6)]  # 22 bytes each
+    (source / "pkg" / "a.py").write_text("\n\n".join(paragraphs))
+    (source / "b.py").write_text("x = 1")
+    (source / "notes.txt").write_text("not python")
+    documents = source_documents(source, 50)
+    # a.py: three paragraphs joined are the first to reach 50 bytes (70), twice; b.py's one paragraph is its document
+    assert [doc_id for doc_id, _ in documents] == ["<stdlib:b.py#0>", "<stdlib:pkg/a.py#0>", "<stdlib:pkg/a.py#1>"]
+    assert [len(text) for _, text in documents] == [5, 70, 70]
+    assert "\n\n".join(text for _, text in documents[1:]) == (source / "pkg" / "a.py").read_text()
+    written = write_source_corpus(tmp_path / "corpus", 2, source, document_bytes=50)
+    table = pq.read_table(sorted((tmp_path / "corpus").glob("*.parquet")))
+    assert written["documents"] == table.num_rows == 3
+    assert written["text_bytes"] == sum(len(t.encode()) for _, t in documents)
+    assert set(table.column_names) >= {"text", "id", "dump", "url", "language", "int_score"}

@@ -19,6 +19,7 @@ from soma_pl.data.corpus.readers import CorpusConfig
 from soma_pl.data.formats.evalsets import EvalSet
 from soma_pl.data.formats.manifest import FORMAT_VERSION, read_manifest
 from soma_pl.data.formats.tar_shards import ShardWriter, iter_shard_documents
+from soma_pl.data.preparation import heldout
 from soma_pl.data.preparation.config import PrepareConfig
 from soma_pl.data.preparation.heldout import OverlapScreen
 from soma_pl.data.preparation.prepare import prepare
@@ -109,8 +110,14 @@ def _shingles(data: bytes, size: int) -> set[bytes]:
     return {data[i : i + size] for i in range(len(data) - size + 1)}
 
 
+@pytest.mark.parametrize("mode", ["grams", "shingles", "colliding-shingles"])
 @pytest.mark.parametrize("size", [1, 7, 49, 50, 51])
-def test_screen_is_exact_against_independent_shingles(size):
+def test_screen_is_exact_against_independent_shingles(size, mode, monkeypatch):
+    # grams: every batch by its gram lookups; shingles: every batch with a hit by the full-shingle index
+    monkeypatch.setattr(heldout, "HITS_PER_BYTE", float("inf") if mode == "grams" else 0.0)
+    if mode == "colliding-shingles":  # 256 hash values: most shingles share one with different ones
+        hashes = heldout.shingle_hashes
+        monkeypatch.setattr(heldout, "shingle_hashes", lambda data, width: hashes(data, width) & np.uint64(0xFF << 56))
     rng = np.random.default_rng(size)
     for _ in range(30):
         # Three letters: long shared substrings are common, so both answers occur often.
@@ -123,6 +130,9 @@ def test_screen_is_exact_against_independent_shingles(size):
         expected = [bool(_shingles(w, size) & training) for w in windows]
         assert screen.contaminated.tolist() == expected
         assert expected[0]
+        assert (screen._shingles is None) == (mode == "grams")
+        if mode == "colliding-shingles" and size > 7:  # shared hashes of different shingles, one by one
+            assert (screen._shingles._places >> np.uint64(63)).any()
 
 
 def test_screen_sees_a_shared_passage_one_byte_short_as_clean():

@@ -150,6 +150,66 @@ def hashes_at(data: np.ndarray, starts: np.ndarray | None, width: int,
     return hashes
 
 
+def shingle_hashes(data: np.ndarray, width: int) -> np.ndarray:
+    """64-bit hashes of every `width`-byte string of `data` (uint8, 1-D): `[len(data) - width + 1]`,
+    equal for equal strings wherever they lie.
+
+    Each string is read 8 bytes at a time (the last word masked to its bytes) as unaligned little-endian
+    words: for all positions at once, word j of every string is one contiguous view of the data shifted by
+    8·j bytes, folded in place with a xor-multiply-xorshift step, then mixed so that the top bits the screen's filter
+    reads depend on every byte. Equal strings always hash equal, which is all the screen needs: a collision
+    only costs a byte comparison.
+    """
+    count = data.size - width + 1
+    if count <= 0:
+        return np.empty(0, dtype=np.uint64)
+    padded = np.concatenate([data, np.zeros(8, dtype=np.uint8)])
+    words = np.ndarray((padded.size - 7,), dtype="<u8", buffer=padded, strides=(1,))  # a word at every byte
+    hashes = np.full(count, _MIX[0], dtype=np.uint64)
+    scratch = np.empty(count, dtype=np.uint64)
+    for lane in range(-(-width // 8)):
+        word = words[8 * lane : 8 * lane + count]
+        left = width - 8 * lane
+        if left < 8:
+            word = np.bitwise_and(word, np.uint64((1 << (8 * left)) - 1), out=scratch)
+        np.bitwise_xor(hashes, word, out=hashes)
+        np.multiply(hashes, _MIX[1], out=hashes)
+        np.right_shift(hashes, np.uint64(29), out=scratch)  # a product carries differences only upward:
+        np.bitwise_xor(hashes, scratch, out=hashes)  # fold the high bits back down before the next word
+    for shift, factor in ((31, _MIX[2]), (29, _MIX[1]), (32, None)):
+        np.right_shift(hashes, np.uint64(shift), out=scratch)
+        np.bitwise_xor(hashes, scratch, out=hashes)
+        if factor is not None:
+            np.multiply(hashes, factor, out=hashes)
+    return hashes
+
+
+def filter_size(keys: int) -> int:
+    """Bits of hash a key filter is indexed by: about 16 slots per key (10 to 27 bits)."""
+    return int(min(27, max(10, np.ceil(np.log2(max(keys, 1))) + 4)))
+
+
+def key_filter(keys: np.ndarray, bits: int) -> np.ndarray:
+    """A filter in front of sorted 64-bit keys, as packed bits: bit i is set when some key has top
+    bits i, so most hashes that are no key are dismissed by one lookup (`passes`)."""
+    table = np.zeros(1 << bits, dtype=bool)
+    table[keys >> np.uint64(64 - bits)] = True  # sorted keys: a sequential scatter
+    return np.packbits(table)
+
+
+def passes(filter_bits: np.ndarray, hashes: np.ndarray, bits: int) -> np.ndarray:
+    """`[n] bool`: whether each hash's top `bits` bits are set in `key_filter`'s packed bits."""
+    slot = hashes >> np.uint64(64 - bits)
+    return ((filter_bits[slot >> np.uint64(3)] >> (7 - (slot & np.uint64(7))).astype(np.uint8)) & 1).astype(bool)
+
+
+CONFIRM_BLOCK = 1 << 14
+"""Lookup hits confirmed on the bytes at once (each compares 2·shingle_bytes − gram bytes)."""
+HITS_PER_BYTE = 0.125
+"""Above this many gram hits per screened byte (repetitive text: indentation, licence headers,
+markup), a batch is screened by the full-shingle index instead (`ShingleIndex`), built on first need."""
+
+
 class OverlapScreen:
     """Exact overlap screen: marks the test candidate windows that share any `shingle_bytes`-long
     substring with a screened (training) document.
@@ -157,8 +217,14 @@ class OverlapScreen:
     Any shared substring of s bytes contains, at a document position that is a multiple of
     g = ceil(s / 2), a whole g-byte gram. So the screen indexes every g-gram of the candidate
     windows (all offsets) and looks up only the document's grams at multiples of g, 1/g of its
-    positions. Each lookup hit is verified on the bytes: the match is extended left and right and
-    counts when it reaches s bytes. Hash collisions cost a comparison, never a wrong answer.
+    positions. Each lookup hit is verified on the bytes, `CONFIRM_BLOCK` hits at once: the match is
+    extended left and right and counts when it reaches s bytes. Hash collisions cost a comparison,
+    never a wrong answer.
+
+    Text that repeats itself makes many hits per position, each a comparison; a batch with more
+    than `HITS_PER_BYTE` per byte is screened by `ShingleIndex` instead, which looks up every
+    position's whole s-byte shingle and confirms a shingle once however many windows hold it. Both
+    are exact, so the switch changes the time, never the answer.
 
     Attributes:
         contaminated: `[n] bool`, per candidate window, set by `screen`.
@@ -171,6 +237,10 @@ class OverlapScreen:
         screening task)."""
         self.windows = [bytes(w) for w in windows]
         self.shingle_bytes = shingle_bytes
+        self._bytes = np.frombuffer(b"".join(self.windows), dtype=np.uint8)
+        self._lengths = np.fromiter(map(len, self.windows), dtype=np.int64, count=len(self.windows))
+        self._starts = np.cumsum(self._lengths) - self._lengths
+        self._shingles: ShingleIndex | None = None
         self.gram = (shingle_bytes + 1) // 2
         # Each indexed gram is one uint64 key: the top bits of its hash, then its window, then its
         # offset in the window; sorting the keys sorts by hash (np.sort: no argsort and gathers).
@@ -181,7 +251,7 @@ class OverlapScreen:
                             "leave the overlap screen under 32 hash bits")
         self._keys = self._build_index() if index is None else np.asarray(index, dtype=np.uint64)
         self._filter = filter_bits
-        self._bits = int(min(27, max(10, np.ceil(np.log2(max(self._keys.size, 1))) + 4)))
+        self._bits = filter_size(self._keys.size)
         self.contaminated = np.zeros(len(self.windows), dtype=bool)
 
     def filter_bits(self) -> np.ndarray:
@@ -189,9 +259,7 @@ class OverlapScreen:
         hash has top bits i; about 16 slots per gram, so most of a document's grams are dismissed by
         one lookup. Built on first use, or given (`filter_bits` of a screen of the same windows)."""
         if self._filter is None:
-            table = np.zeros(1 << self._bits, dtype=bool)
-            table[self._keys >> np.uint64(64 - self._bits)] = True  # sorted keys: a sequential scatter
-            self._filter = np.packbits(table)
+            self._filter = key_filter(self._keys, self._bits)
         return self._filter
 
     def _build_index(self) -> np.ndarray:
@@ -230,9 +298,7 @@ class OverlapScreen:
         first = np.repeat(np.cumsum(counts) - counts, counts)
         positions = np.repeat(starts, counts) + self.gram * (np.arange(counts.sum()) - first)
         queries = hashes_at(np.frombuffer(text, dtype=np.uint8), positions, self.gram)
-        slot = queries >> np.uint64(64 - self._bits)
-        maybe = ((self.filter_bits()[slot >> np.uint64(3)] >> (7 - (slot & np.uint64(7))).astype(np.uint8))
-                 & 1).astype(bool)
+        maybe = passes(self.filter_bits(), queries, self._bits)
         positions, queries = positions[maybe], queries[maybe]
         source = np.repeat(np.arange(len(documents)), counts)[maybe]  # each query's document
         # The keys of a hash lie in [its top bits, then zeros; its top bits, then ones].
@@ -244,34 +310,182 @@ class OverlapScreen:
         if not found.any():
             return
         spans = right[found] - left[found]
+        if spans.sum() > HITS_PER_BYTE * len(text):
+            if self._shingles is None:
+                self._shingles = ShingleIndex(self.windows, self.shingle_bytes, self.contaminated)
+            self._shingles.screen_many(documents)
+            return
         entries = np.repeat(left[found] - (np.cumsum(spans) - spans), spans) + np.arange(spans.sum())
         where = np.repeat(positions[found], spans)
         document = np.repeat(source[found], spans)
         keys = self._keys[entries]
         owners = (keys >> np.uint64(self._offset_bits)) & np.uint64((1 << (self._low - self._offset_bits)) - 1)
         offsets = keys & np.uint64((1 << self._offset_bits) - 1)
-        keep = ~self.contaminated[owners]
-        for owner, offset, position, doc in zip(owners[keep].tolist(), offsets[keep].tolist(),
-                                                where[keep].tolist(), document[keep].tolist(), strict=False):
-            if not self.contaminated[owner]:
-                self.contaminated[owner] = self._extends(text, int(starts[doc]), int(starts[doc] + lengths[doc]),
-                                                         position, self.windows[owner], offset)
+        data = np.frombuffer(text, dtype=np.uint8)
+        owners, offsets = owners.astype(np.int64), offsets.astype(np.int64)
+        for first in range(0, owners.size, CONFIRM_BLOCK):
+            block = slice(first, first + CONFIRM_BLOCK)
+            live = ~self.contaminated[owners[block]]  # a window already marked needs no more hits
+            owner, doc = owners[block][live], document[block][live]
+            begin = starts[doc]
+            hit = self._confirm(data, begin, begin + lengths[doc], where[block][live].astype(np.int64), owner,
+                                offsets[block][live])
+            self.contaminated[owner[hit]] = True
 
-    def _extends(self, text: bytes, begin: int, end: int, position: int, window: bytes, offset: int) -> bool:
-        """Whether the gram at `text[position]` == `window[offset]` lies inside a common substring
-        of `shingle_bytes` bytes (the document spans `text[begin:end]`)."""
+    def _confirm(self, text: np.ndarray, begin: np.ndarray, end: np.ndarray, position: np.ndarray,
+                 owner: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        """`[hits] bool`: whether the gram at `text[position]`, found at `offset` in window `owner`,
+        lies inside a common substring of `shingle_bytes` bytes (each document spans `text[begin:end]`).
+
+        The bytes from `shingle_bytes − gram` before the gram to as many after it are compared at
+        once for every hit: the gram itself must match (else a hash collision), and the runs of equal
+        bytes reaching out from it on each side, inside both the document and the window, must make
+        up `shingle_bytes` with it."""
         gram, need = self.gram, self.shingle_bytes
-        if text[position : position + gram] != window[offset : offset + gram]:
-            return False  # a hash collision
-        left = 0
-        while (left < need - gram and position - left > begin and offset - left > 0
-               and text[position - left - 1] == window[offset - left - 1]):
-            left += 1
-        right, tail, stop = 0, position + gram, offset + gram
-        while (left + gram + right < need and tail + right < end and stop + right < len(window)
-               and text[tail + right] == window[stop + right]):
-            right += 1
-        return left + gram + right >= need
+        reach = need - gram
+        span = np.arange(-reach, gram + reach, dtype=np.int64)
+        at_text = position[:, None] + span  # [hits, span]
+        at_window = offset[:, None] + span
+        inside = ((at_text >= begin[:, None]) & (at_text < end[:, None]) & (at_window >= 0)
+                  & (at_window < self._lengths[owner][:, None]))
+        ours = text[np.clip(at_text, 0, text.size - 1)]
+        theirs = self._bytes[np.clip(self._starts[owner][:, None] + at_window, 0, self._bytes.size - 1)]
+        same = inside & (ours == theirs)
+        left = np.cumprod(same[:, :reach][:, ::-1], axis=1, dtype=np.int32).sum(1)
+        right = np.cumprod(same[:, reach + gram :], axis=1, dtype=np.int32).sum(1)
+        return same[:, reach : reach + gram].all(1) & (left + gram + right >= need)
+
+
+QUERY_BLOCK = 1 << 20
+"""Document positions looked up and confirmed at once (each confirmation compares `shingle_bytes` bytes)."""
+IMPURE = np.uint64(1 << 63)
+"""Flag on an index entry whose hash other, different shingles of the windows share."""
+
+
+class ShingleIndex:
+    """The exact screen for repetitive text (`OverlapScreen` switches a batch to it): marks the
+    candidate windows that share any `shingle_bytes`-long substring with a screened document.
+
+    Every s-byte shingle of the windows is indexed by its 64-bit hash (sorted, each entry beside its
+    window and offset); every s-byte shingle of a screened document is looked up (most are dismissed
+    by a filter of packed bits in front of the keys). A found shingle is confirmed on the bytes
+    against one occurrence of the indexed shingle, and then marks every window holding it: a
+    shingle repeated across many windows (indentation, licence headers, rules of dashes) costs one
+    comparison per document position, not one per window. Where different shingles of the windows
+    share a hash (found when the index is built, and flagged), the document's shingle is confirmed
+    against each of them. Hash collisions cost comparisons, never a wrong answer.
+    """
+
+    def __init__(self, windows: list[bytes], shingle_bytes: int, contaminated: np.ndarray):
+        """Index `windows` (built here, in the task that needs it); matches are marked in
+        `contaminated` (`[len(windows)] bool`, the screen's own)."""
+        self.shingle_bytes = shingle_bytes
+        self._bytes = np.frombuffer(b"".join(windows), dtype=np.uint8)
+        self._lengths = np.fromiter(map(len, windows), dtype=np.int64, count=len(windows))
+        self._starts = np.cumsum(self._lengths) - self._lengths
+        self._keys, self._places = self._build_index()
+        self._filter = None
+        self._bits = filter_size(self._keys.size)
+        self.contaminated = contaminated
+
+    def filter_bits(self) -> np.ndarray:
+        """A filter in front of the sorted keys, as `OverlapScreen.filter_bits` is in front of its."""
+        if self._filter is None:
+            self._filter = key_filter(self._keys, self._bits)
+        return self._filter
+
+    def _build_index(self) -> np.ndarray:
+        """`[2, m] uint64`: every shingle's hash (sorted), and where it starts in the windows' bytes
+        (`IMPURE` set where different shingles share the hash)."""
+        need = self.shingle_bytes
+        counts = np.maximum(self._lengths - need + 1, 0)  # the shingles of each window
+        if not counts.sum():
+            return np.empty((2, 0), dtype=np.uint64)
+        if (counts == counts[0]).all():  # windows of one length: one broadcast
+            where = (self._starts[:, None] + np.arange(counts[0], dtype=np.int64)[None, :]).reshape(-1)
+        else:
+            where = np.repeat(self._starts, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts,
+                                                                                          counts))
+        keys = shingle_hashes(self._bytes, need)[where]
+        order = np.argsort(keys)
+        index = np.empty((2, keys.size), dtype=np.uint64)
+        keys = np.take(keys, order, out=index[0])
+        where = where[order]
+        repeated = np.flatnonzero(keys[1:] == keys[:-1]) + 1  # entries after their hash's first
+        if repeated.size:
+            first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+            representative = first[np.searchsorted(first, repeated, side="right") - 1]
+            differs = representative[~self._same(where[repeated], where[representative])]
+            if differs.size:  # every entry of such a hash is flagged
+                spans = np.searchsorted(keys, keys[np.unique(differs)], side="right")
+                marks = np.zeros(keys.size + 1, dtype=np.int64)
+                np.add.at(marks, np.unique(differs), 1)
+                np.add.at(marks, spans, -1)
+                where = where.astype(np.uint64) | (np.cumsum(marks[:-1]).astype(np.uint64) << np.uint64(63))
+        index[1] = where
+        return index
+
+    def _same(self, ours: np.ndarray, theirs: np.ndarray, text: np.ndarray | None = None) -> np.ndarray:
+        """Whether the shingles at `ours` (in `text`, else in the windows' bytes) equal those at
+        `theirs` in the windows' bytes, `QUERY_BLOCK` at a time."""
+        source = self._bytes if text is None else text
+        span = np.arange(self.shingle_bytes, dtype=np.int64)
+        same = np.empty(ours.size, dtype=bool)
+        for first in range(0, ours.size, QUERY_BLOCK // 16):
+            block = slice(first, first + QUERY_BLOCK // 16)
+            same[block] = (source[ours[block, None] + span] == self._bytes[theirs[block, None] + span]).all(1)
+        return same
+
+    def screen_many(self, documents: list[bytes]) -> None:
+        """Mark every candidate window sharing `shingle_bytes` bytes with one of `documents`."""
+        need = self.shingle_bytes
+        text = b"".join(documents)
+        if self._keys.size == 0 or len(text) < need:
+            return
+        data = np.frombuffer(text, dtype=np.uint8)
+        ends = np.cumsum(np.fromiter(map(len, documents), dtype=np.int64, count=len(documents)))
+        hashes = shingle_hashes(data, need)
+        positions = np.flatnonzero(passes(self.filter_bits(), hashes, self._bits))
+        # a shingle counts only inside one document: it must end at or before its document's end
+        positions = positions[positions + need <= ends[np.searchsorted(ends, positions, side="right")]]
+        for first in range(0, positions.size, QUERY_BLOCK):
+            block = positions[first : first + QUERY_BLOCK]
+            self._look_up(data, block, hashes[block])
+
+    def _look_up(self, data: np.ndarray, positions: np.ndarray, queries: np.ndarray) -> None:
+        """Find the shingles at `positions` of `data` (hashed `queries`) among the windows' and mark
+        the windows that hold them."""
+        # each distinct hash searched once, in order: repeated text repeats hashes, and sorted needles
+        # keep the binary searches in one part of the keys
+        distinct, back = np.unique(queries, return_inverse=True)
+        at = np.searchsorted(self._keys, distinct, side="left")
+        hit = at < self._keys.size
+        hit[hit] = self._keys[at[hit]] == distinct[hit]
+        found = hit[back]
+        positions, queries, left = positions[found], queries[found], at[back][found]
+        if not positions.size:
+            return
+        places = self._places[left]
+        impure = (places & IMPURE) != 0
+        pure = ~impure
+        confirmed = self._same(positions[pure], (places[pure] & ~IMPURE).astype(np.int64), data)
+        groups = np.unique(left[pure][confirmed])
+        if impure.any():  # each entry of a shared hash on its own
+            right = np.searchsorted(self._keys, queries[impure], side="right")
+            spans = right - left[impure]
+            entries = np.repeat(left[impure] - (np.cumsum(spans) - spans), spans) + np.arange(spans.sum())
+            at = np.repeat(positions[impure], spans)
+            starts = (self._places[entries] & ~IMPURE).astype(np.int64)
+            self._mark(starts[self._same(at, starts, data)])
+        if groups.size:
+            right = np.searchsorted(self._keys, self._keys[groups], side="right")
+            spans = right - groups
+            entries = np.repeat(groups - (np.cumsum(spans) - spans), spans) + np.arange(spans.sum())
+            self._mark((self._places[entries] & ~IMPURE).astype(np.int64))
+
+    def _mark(self, starts: np.ndarray) -> None:
+        """Mark the windows holding the shingles that start at `starts` in the windows' bytes."""
+        self.contaminated[np.searchsorted(self._starts, starts, side="right") - 1] = True
 
 
 class ExpertValChoice:
