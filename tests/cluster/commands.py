@@ -1,4 +1,5 @@
-"""`prepare` and `shard` as a user types them, on a small corpus."""
+"""`prepare` and `shard` as a user types them, on the demo corpus (docs/data.md's first commands,
+into the test's folders)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,11 @@ def executor(section: str, kind: str, partition: str | None = None) -> list[str]
     return [f"--{section}.executor.{key}={value}" for key, value in settings.items()]
 
 
-def prepare_args(corpus: Path, output: Path) -> list[str]:
-    return ["prepare", "--dataset.corpus.kind=jsonl", f"--dataset.corpus.paths=[{corpus}]",
-            f"--dataset.output_dir={output}", "--dataset.val_documents=2", "--dataset.val_windows=2",
-            "--dataset.test_windows=2", "--dataset.expert_val_fraction=0.2", "--dataset.shard_max_bytes=20000",
+def prepare_args(output: Path) -> list[str]:
+    return ["prepare", "--config", "configs/data/demo.yaml", f"--dataset.output_dir={output}",
             "--dataset.executor.tasks=2", "--progress=false"]
 
 
 def shard_args(prepared: Path, output: Path) -> list[str]:
-    return ["shard", f"--shard.prepared={prepared}", "--shard.num_experts=2", f"--shard.output_dir={output}",
-            "--shard.shard_max_bytes=20000", "--shard.executor.tasks=2", "--progress=false"]
+    return ["shard", "--config", "configs/shard/demo_n2.yaml", f"--shard.prepared={prepared}",
+            f"--shard.output_dir={output}", "--shard.executor.tasks=2", "--progress=false"]

@@ -11,7 +11,6 @@ import pytest
 
 from tests.cluster.commands import prepare_args, run_cli, shard_args
 from tests.cluster.slurm import ray_command
-from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import corpus_dir  # noqa: F401 (fixtures the fits share)
 from tests.lit.test_expert_parallel import sharded  # noqa: F401
 
@@ -73,17 +72,9 @@ def ray_head() -> None:
 
 
 @pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Path:
-    """A small JSONL corpus of two sources."""
-    folder = tmp_path_factory.mktemp("data_jobs") / "corpus"
-    write_jsonl_corpus(folder, {"alpha": 16, "beta": 16}, min_words=150, max_words=400)
-    return folder
-
-
-@pytest.fixture(scope="session")
-def local_runs(corpus) -> Path:
-    """`prepare` then `shard` on the local executor; their root."""
-    root = corpus.parent
-    run_cli(*prepare_args(corpus, root / "data"))
+def local_runs(tmp_path_factory) -> Path:
+    """`prepare` then `shard` of the demo corpus on the local executor; their root."""
+    root = tmp_path_factory.mktemp("data_jobs")
+    run_cli(*prepare_args(root / "data"))
     run_cli(*shard_args(root / "data", root / "experts"))
     return root

@@ -1,7 +1,7 @@
 """`prepare` and `shard` with `executor.kind: slurm` (docs/data.md's settings, at 2 tasks) on a real
-SLURM cluster: the stages are submitted as job arrays, complete, and give the files (sha256 for
-sha256) the local executor gives; a run whose jobs are cancelled with `scancel` finishes when the
-command is run again."""
+SLURM cluster, on the demo corpus: the stages are submitted as job arrays, complete, and give the
+files (sha256 for sha256) the local executor gives; a run whose jobs are cancelled with `scancel`
+finishes when the command is run again."""
 
 from __future__ import annotations
 
@@ -36,15 +36,15 @@ def on_slurm(args: list[str], output: Path, partition: str) -> None:
     assert output.exists()
 
 
-def test_prepare_and_shard_on_slurm_give_the_local_executors_files(slurm, local_runs, corpus, tmp_path):
-    on_slurm(prepare_args(corpus, tmp_path / "data"), tmp_path / "data", slurm)
+def test_prepare_and_shard_on_slurm_give_the_local_executors_files(slurm, local_runs, tmp_path):
+    on_slurm(prepare_args(tmp_path / "data"), tmp_path / "data", slurm)
     assert_same_output(local_runs / "data", tmp_path / "data")
     on_slurm(shard_args(local_runs / "data", tmp_path / "experts"), tmp_path / "experts", slurm)
     assert_same_output(local_runs / "experts", tmp_path / "experts")
 
 
-def test_a_cancelled_prepare_on_slurm_resumes_to_the_local_executors_files(slurm, local_runs, corpus, tmp_path):
-    args = [*prepare_args(corpus, tmp_path / "data"), *executor("dataset", "slurm", slurm)]
+def test_a_cancelled_prepare_on_slurm_resumes_to_the_local_executors_files(slurm, local_runs, tmp_path):
+    args = [*prepare_args(tmp_path / "data"), *executor("dataset", "slurm", slurm)]
     run_cli(*args)
     running = wait_for(lambda: [job for job, now in jobs_named("soma_pl-").items() if now == "RUNNING"],
                        STAGE_SECONDS, "a prepare task running", poll=0.2)

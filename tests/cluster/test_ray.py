@@ -14,8 +14,8 @@ from tests.cluster.outputs import assert_same_output
 pytestmark = pytest.mark.cluster
 
 
-def test_prepare_on_ray_gives_the_local_executors_files(ray_head, local_runs, corpus, tmp_path):
-    result = run_cli(*prepare_args(corpus, tmp_path / "data"), *executor("dataset", "ray"))
+def test_prepare_on_ray_gives_the_local_executors_files(ray_head, local_runs, tmp_path):
+    result = run_cli(*prepare_args(tmp_path / "data"), *executor("dataset", "ray"))
     assert "Connected to Ray cluster" in result.stderr, result.stderr[-2000:]  # the running one, not a new one
     assert json.loads(result.stdout)["output_dir"] == str(tmp_path / "data")
     assert_same_output(local_runs / "data", tmp_path / "data")
