@@ -67,7 +67,8 @@ COMMANDS: dict[str, Command] = {
     "bench data": Command("Training-stream throughput from shards (windows/s, MB/s).", "soma_pl.bench.data"),
     "bench zo": Command("Zero-order update throughput: batched SPSA vs inference and a naive loop.",
                         "soma_pl.bench.zo", flatten="settings"),
-    "bench prepare": Command("`prepare` throughput and peak memory per task at 1 and N tasks, on a generated corpus.",
+    "bench prepare": Command("`prepare` throughput and peak memory per task at 1 and N tasks, on a generated or a "
+                             "real-text corpus.",
                              "soma_pl.bench.prepare"),
     "bench shard": Command("`shard` throughput and peak memory per task at 1 and N tasks, on a generated corpus.",
                            "soma_pl.bench.shard"),

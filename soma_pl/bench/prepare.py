@@ -75,7 +75,8 @@ def _fineweb_table(rows: list[str], ids: list[str], urls: list[str], file_path: 
 
 def source_documents(root: Path, document_bytes: int) -> list[tuple[str, str]]:
     """`(id, text)` of the `*.py` files under `root` (sorted), each cut at blank lines into documents
-    of at least `document_bytes` (a file's short tail joins its last document)."""
+    of about `document_bytes`: paragraphs are joined until they reach it; a file's tail under half of
+    it joins its last document, and a file shorter than it is one document."""
     documents = []
     for path in sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()):
         name = path.relative_to(root).as_posix()
@@ -223,8 +224,7 @@ def main(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 
          prepare_args: tuple[str, ...] = (), rounds: int = 3, progress: bool = True,
          out: str = "bench_prepare.json", corpus: Literal["generated", "stdlib"] = "generated",
          source: str | None = None) -> None:
-    """`prepare` throughput and peak memory per task at 1 and N tasks, on a generated corpus or on
-    real text.
+    """`prepare` throughput and peak memory per task at 1 and N tasks, on a generated or a real-text corpus.
 
     Args:
         megabytes: text in the generated corpus (MB), in the FineWeb-Edu parquet schema.
@@ -237,7 +237,7 @@ def main(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 
         out: where to write the JSON.
         corpus: `generated` (words from a fixed vocabulary, `megabytes` of them) or `stdlib` (this
             interpreter's standard-library `*.py` sources, about 31 MB on CPython 3.11, cut at blank lines into
-            documents of at least 2,000 bytes; `megabytes` is ignored).
+            documents of about 2,000 bytes, short files and tails shorter; `megabytes` is ignored).
         source: with `stdlib`, another folder of `*.py` sources to read instead.
     """
     if megabytes <= 0 or files < 1 or not tasks or min(tasks) < 1 or rounds < 1:

@@ -185,7 +185,8 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
     result = {"experiment": experiment.name, "scale": scale, "title": experiment.title, "basis": experiment.basis,
               "sweep": str(spec.path), "study": spec.name, "unit": "nats/byte", "workers": workers,
               "wall_seconds": round(time.time() - started, 1), "load_average": [load_before, os.getloadavg()[0]],
-              "sweep_wall_seconds": round(busy_seconds(finished), 1), "trial_minutes": round(trial_minutes, 1),
+              "sweep_wall_seconds": round(busy_seconds(study.get_trials(deepcopy=False)), 1),
+              "trial_minutes": round(trial_minutes, 1),
               **measured}
     text = experiment.table(result)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,20 +1,26 @@
 """Fig. 14, Fig. 15 and Table 13: fixed-size ensembles (about one total parameter count split over
 N = 1, 2, 4, 8 experts), what each checkpoint cost to train and what it costs at inference.
 
-- **Fig. 14, the budget map.** Every validation of every run is a saved checkpoint with a measured
-  aggregate update time A (Table 3's U·Σₑ t̄ₑ) and an average per-expert time A/N (the elapsed time
-  with one device per expert). For an aggregate budget and a per-expert budget, the map shows the
-  expert count of the lowest-loss checkpoint that fits both (`select`); no interpolation, so its
-  region boundaries come from the checkpoints, as the paper's do. The claim, N = 1 never selected
-  under a tight per-expert budget, is checked at the per-expert budgets where the 240 s runs of
-  N = 2, 4, 8 end (A/N): N = 1's best checkpoint within that per-expert time against the best of the
-  others, seed by seed (`per_expert_checks`).
+- **Fig. 14, the budget map.** Every validation of every run is a validated state (the paper's
+  saved checkpoints) with a measured aggregate update time A (Table 3's U·Σₑ t̄ₑ) and an average
+  per-expert time A/N (the elapsed time with one device per expert). For an aggregate budget and a
+  per-expert budget, the map shows the expert count of the lowest-loss state that fits both
+  (`select`); no interpolation, so its region boundaries come from the states, as the paper's do.
+  Cells whose per-expert budget exceeds the aggregate are left out: there only the aggregate binds.
+  The paper's claim, N = 1 never selected, is checked on the map's cells (`never_single`); "more
+  shards lower loss under a tight per-expert budget" at the per-expert budgets where the 240 s runs
+  of N = 2, 4, 8 end (A/N), the aggregate unlimited: N = 1's best state within that per-expert time
+  against the best of the others, seed by seed (`per_expert_checks`; the other run is chosen by its
+  seed-mean loss on the same numbers, which favours the claim a little).
 - **Fig. 15, inference cost against loss.** Each run's last checkpoint, scored on the test split
   (route on the first 256 bytes, average the top k = 4 where N ≥ 4), against the multiply-adds per
   token of the experts it evaluates (min(k, N) × parameters per expert; routing excluded, as the
-  paper's). The runs stop at the budget (their first update past it), so no loss is interpolated.
+  paper's; a count, reported beside the losses, not a verdict: at a fixed total size it cannot rise
+  with N). The runs stop at the budget (their first update past it), so no loss is interpolated.
+  "Training progress changes their ranking" is checked as: N = 8 trails N = 4 at the common budget,
+  and Table 13's row says whether it still does at N = 4's elapsed time.
 - **Table 13**: the smaller ensemble at its budget beside the larger one at about the same elapsed
-  time per expert (twice the aggregate) and at its own 240 s.
+  time per expert (twice the aggregate).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from soma_pl.reproduce.tables import (
     table_head,
     table_row,
 )
-from soma_pl.reproduce.verdicts import decide, mean_sd, paired_document_interval
+from soma_pl.reproduce.verdicts import Verdict, decide, mean_sd, paired_document_interval
 
 RUN = re.compile(r"n(?P<experts>\d+)(?P<long>_long)?$")
 """A run's label: `n<N>` at the common budget, `n<N>_long` at a longer one."""
@@ -120,12 +126,28 @@ def per_expert_checks(seeds: list[list[dict]], budgets: list[float]) -> tuple[li
                "check": None}
         if None not in best[single]:
             differences = [a - b for a, b in zip(best[single], others[rival], strict=True)]
-            claim = (f"N = 1 is not selected under a per-expert budget of {budget:.1f} s (Fig. 14): its best "
-                     f"checkpoint within it is above {rival}'s")
+            claim = (f"More shards lower loss under a tight per-expert budget (Fig. 14): at {budget:.1f} s per expert, "
+                     f"the aggregate unlimited, N = 1's best state within it is above {rival}'s")
             row["check"] = claim_check(claim, differences, "equal per-expert update time, aggregate unlimited")
             checks.append(row["check"])
         rows.append(row)
     return checks, rows
+
+
+def never_single(maps: list[list[list[int | None]]], per_experts: list[float], aggregates: list[float],
+                 seeds: int) -> dict:
+    """Fig. 14's "N = 1 is never selected", on the map's cells where the per-expert budget can bind
+    (per-expert ≤ aggregate): holds when no seed's map selects N = 1 there, does not hold when every
+    seed's does; a count, not an interval."""
+    counts = [sum(n == 1 for p, line in zip(per_experts, grid, strict=True)
+                  for a, n in zip(aggregates, line, strict=True) if p <= a) for grid in maps]
+    cells = sum(1 for p in per_experts for a in aggregates if p <= a)
+    verdict = Verdict.holds if not any(counts) else Verdict.does_not_hold if all(counts) else Verdict.inconclusive
+    return {"claim": "N = 1 is never selected (Fig. 14): no cell of the budget map (per-expert budget ≤ aggregate) "
+                     "chooses an N = 1 state (mean difference: N = 1's cells per seed)",
+            "verdict": verdict.value, "why": f"N = 1 selected in {', '.join(map(str, counts))} of {cells} cells per "
+                                             "seed", "mean": statistics.fmean(counts), "seeds": seeds,
+            "seed_interval": None, "document_interval": None, "basis": "the budget map's cells", "split": "val"}
 
 
 def arithmetic_per_token(curve: dict, top_k: int = TOP_K) -> float:
@@ -157,8 +179,8 @@ def fig14_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
     aggregates = log_grid(min(p["aggregate"] for p in every), max(p["aggregate"] for p in every))
     per_experts = log_grid(min(p["per_expert"] for p in every), max(p["per_expert"] for p in every))
     maps = [budget_map(points, aggregates, per_experts) for points in seeds]
-    ends = sorted({statistics.fmean(c["per_expert_seconds"][-1] for c in curves[label]) for label in labels
-                   if label_experts(label)[0] > 1 and not label_experts(label)[1]})
+    ends = sorted({max(c["per_expert_seconds"][-1] for c in curves[label]) for label in labels
+                   if label_experts(label)[0] > 1 and not label_experts(label)[1]})  # every seed's last state fits
     checks, tight = per_expert_checks(seeds, ends)
     rows = []
     for label in labels:
@@ -173,16 +195,17 @@ def fig14_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                      "test": mean_sd([s["loss"] for s in scores[label]]),
                      "test_95": seed_mean_interval(scores[label]),
                      "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)}})
-    base = [row for row in rows if not label_experts(row["run"])[1]]
-    smallest, largest = min(base, key=lambda r: r["experts"]), max(base, key=lambda r: r["experts"])
-    if largest["arithmetic_per_token"] != smallest["arithmetic_per_token"]:
-        checks.append(claim_check(
-            f"More shards reduce inference arithmetic (Fig. 15): N = {largest['experts']} with top-"
-            f"{largest['top_k']} evaluates fewer multiply-adds per token than N = {smallest['experts']} (difference "
-            "in multiply-adds per token, a count: the same in every seed)",
-            [smallest["arithmetic_per_token"] - largest["arithmetic_per_token"]] * len(per_seed),
-            "parameter count of the selected experts"))
+    checks.insert(0, never_single(maps, per_experts, aggregates, len(per_seed)))
     table13 = table13_rows(rows)
+    if len(table13) == 2:
+        near, large = table13[0]["run"], next(r["run"] for r in rows if r["experts"] == table13[1]["experts"]
+                                               and not label_experts(r["run"])[1])
+        differences = [a["loss"] - b["loss"] for a, b in zip(scores[large], scores[near], strict=True)]
+        check = decide(f"Training progress changes the ranking (Fig. 15): at the common aggregate budget {large} "
+                       f"(the fewest multiply-adds per token) trails {near} (difference: {large} − {near}; Table 13's "
+                       "row below compares them at equal elapsed time per expert)", differences,
+                       paired_document_interval(scores[large], scores[near]))
+        checks.append({**check.as_dict(), "basis": "equal aggregate update time", "split": "test"})
     if len(table13) == 2:
         near, longer = table13[0]["run"], table13[1]["run"]
         differences = [a["loss"] - b["loss"] for a, b in zip(scores[longer], scores[near], strict=True)]
@@ -190,10 +213,11 @@ def fig14_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                        "at 100 h, 1.75, against N = 8 at 104 h, 1.71; difference: larger − smaller)", differences,
                        paired_document_interval(scores[longer], scores[near]))
         checks.append({**check.as_dict(), "basis": "about equal elapsed update time per expert", "split": "test"})
-    selected = {str(n): sum(cell == n for grid in maps for line in grid for cell in line)
+    selected = {str(n): sum(cell == n for grid in maps for p, line in zip(per_experts, grid, strict=True)
+                            for a, cell in zip(aggregates, line, strict=True) if p <= a)
                 for n in sorted({row["experts"] for row in rows})}
     single = [[(p, a) for p, line in zip(per_experts, grid, strict=True) for a, n in zip(aggregates, line, strict=True)
-               if n == 1] for grid in maps]
+               if n == 1 and p <= a] for grid in maps]
     where_single = [{"min_per_expert_seconds": min(p for p, _ in cells), "min_share": min(p / a for p, a in cells)}
                     if cells else None for cells in single]
     return {"rows": rows, "table13": table13, "tight": tight, "checks": checks,
@@ -239,7 +263,8 @@ def fig14_markdown(result: dict) -> str:
              "## Fig. 15: inference arithmetic against test loss", "",
              f"Each run's last checkpoint (the budget stops it at its first update past the budget), seeds {seeds}: "
              "test loss mean ± sd and the 95% document-bootstrap interval of the seed-mean per-window loss. "
-             f"Multiply-adds per token: min(k, N) × parameters per expert, k = {TOP_K} (routing excluded). Paper: "
+             f"Multiply-adds per token: min(k, N) × parameters per expert, k = {TOP_K} (routing excluded; a count, "
+             "which at a fixed total size cannot rise with N). Paper: "
              f"{paper['fig15']['left']}.", "",
              *table_head(["run", "N", "k", "parameters", "per expert", "multiply-adds per token", "updates",
                           "aggregate (s)", "per expert (s)", "ensemble validation", "test loss", "95% documents"])]
@@ -251,15 +276,17 @@ def fig14_markdown(result: dict) -> str:
                                 f"{number(row['test']['mean'])} ± {number(row['test']['sd'])}",
                                 interval_text(row["test_95"], sign=False)]))
     lines += ["", "## Fig. 14: the budget map", "",
-              f"Checkpoints: every validation of every run ({', '.join(map(str, grid['checkpoints']))} per seed; the "
-              f"paper: {paper['fig14']['checkpoints']} from N = {', '.join(map(str, paper['fig14']['experts']))}). "
-              f"Over a {MAP_CELLS} × {MAP_CELLS} log grid of aggregate budgets "
-              f"({grid['aggregate_seconds'][0]:.0f}–{grid['aggregate_seconds'][-1]:.0f} s) and per-expert budgets "
-              f"({grid['per_expert_seconds'][0]:.1f}–{grid['per_expert_seconds'][-1]:.0f} s), summed over seeds, the "
-              "cells each N is selected in: " + ", ".join(f"N = {n}: {count}" for n, count in grid["cells"].items())
-              + " (the rest: no checkpoint fits). " + single_text(grid.get("single", []), result["seeds"]), "",
+              f"States: every validation of every run ({', '.join(map(str, grid['checkpoints']))} per seed; the "
+              f"paper: {paper['fig14']['checkpoints']} saved checkpoints from N = "
+              f"{', '.join(map(str, paper['fig14']['experts']))}). Over a {MAP_CELLS} × {MAP_CELLS} log grid of "
+              f"aggregate budgets ({grid['aggregate_seconds'][0]:.0f}–{grid['aggregate_seconds'][-1]:.0f} s) and "
+              f"per-expert budgets ({grid['per_expert_seconds'][0]:.1f}–{grid['per_expert_seconds'][-1]:.0f} s), the "
+              "cells with a per-expert budget at most the aggregate (elsewhere only the aggregate binds), summed over "
+              "seeds, each N is selected in: " + ", ".join(f"N = {n}: {count}" for n, count in grid["cells"].items())
+              + " (the rest: no state fits). " + single_text(grid.get("single", []), result["seeds"]), "",
               "At the per-expert budgets where the other ensembles' common-budget runs end (aggregate unlimited): "
-              "N = 1's best checkpoint within the budget and the best other run's, per seed.", "",
+              "N = 1's best state within the budget and the best other run's, per seed (the other run chosen by "
+              "its seed-mean loss on these same numbers).", "",
               *table_head(["per-expert budget (s)", "N = 1", "best other run", "its loss", "difference", "verdict"])]
     for row in result["tight"]:
         check = row["check"]
@@ -305,14 +332,17 @@ def fig14_figure(result: dict, path: Path) -> Path:
     panels = len(grid["selected"]) + 2
     fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 4.0))
     for axis, seed, selected in zip(axes, result["seeds"], grid["selected"], strict=False):
-        index = np.array([[np.nan if n is None else counts.index(n) for n in line] for line in selected])
+        index = np.array([[np.nan if n is None or p > a else counts.index(n)
+                           for a, n in zip(grid["aggregate_seconds"], line, strict=True)]
+                          for p, line in zip(grid["per_expert_seconds"], selected, strict=True)])
         mesh = axis.pcolormesh(grid["aggregate_seconds"], grid["per_expert_seconds"], np.ma.masked_invalid(index),
                                cmap=colours, norm=norm, shading="nearest")
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.set_xlabel("aggregate update-time budget, U·Σₑ t̄ₑ (s)", fontsize=8)
         axis.set_ylabel("per-expert budget, U·Σₑ t̄ₑ / N (s)", fontsize=8)
-        axis.set_title(f"Fig. 14: selected N, seed {seed}", fontsize=9)
+        axis.set_title(f"Fig. 14: selected N, seed {seed} (blank: nothing fits, or per-expert > aggregate)",
+                       fontsize=8)
         colourbar = fig.colorbar(mesh, ax=axis, ticks=range(len(counts)))
         colourbar.ax.set_yticklabels([f"N = {n}" for n in counts], fontsize=7)
     largest = max(row["experts"] for row in result["rows"])

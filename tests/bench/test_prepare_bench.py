@@ -71,7 +71,7 @@ def test_a_prepare_run_reads_its_figures_off_the_manifest(monkeypatch, tmp_path)
     assert (run["train_documents"], run["test_excluded"], run["shards"]) == (120, 2, 3)
 
 
-def test_a_source_corpus_cuts_each_file_at_blank_lines_into_documents_of_a_least_the_size(tmp_path):
+def test_a_source_corpus_cuts_each_file_at_blank_lines_into_documents_of_about_the_size(tmp_path):
     import pyarrow.parquet as pq
 
     from soma_pl.bench.prepare import source_documents, write_source_corpus
