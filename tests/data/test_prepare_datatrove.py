@@ -130,9 +130,22 @@ def test_screen_is_exact_against_independent_shingles(size, mode, monkeypatch):
         expected = [bool(_shingles(w, size) & training) for w in windows]
         assert screen.contaminated.tolist() == expected
         assert expected[0]
-        assert (screen._shingles is None) == (mode == "grams")
+        assert ("shingles" not in screen._shared) == (mode == "grams")
         if mode == "colliding-shingles" and size > 7:  # shared hashes of different shingles, one by one
-            assert (screen._shingles._places >> np.uint64(63)).any()
+            assert (screen._shared["shingles"]._places >> np.uint64(63)).any()
+
+
+def test_two_screens_of_the_same_windows_share_one_shingle_index_and_keep_their_own_marks(monkeypatch):
+    monkeypatch.setattr(heldout, "HITS_PER_BYTE", 0.0)  # every batch with a gram hit goes to the shingle index
+    rng = np.random.default_rng(0)
+    windows = [rng.integers(128, 256, 1025, dtype=np.uint8).tobytes() for _ in range(3)]
+    first = OverlapScreen(windows, 50)
+    second = OverlapScreen(windows, 50, first.index_keys(), first.filter_bits(), share_with=first)
+    first.screen_many([b"a" * 9 + windows[1][100:150]])
+    second.screen_many([windows[2][500:560]])
+    assert first._shared["shingles"] is second._shared["shingles"]
+    assert first.contaminated.tolist() == [False, True, False]
+    assert second.contaminated.tolist() == [False, False, True]
 
 
 def test_screen_sees_a_shared_passage_one_byte_short_as_clean():

@@ -231,16 +231,17 @@ class OverlapScreen:
     """
 
     def __init__(self, windows: list[bytes], shingle_bytes: int, index: np.ndarray | None = None,
-                 filter_bits: np.ndarray | None = None):
+                 filter_bits: np.ndarray | None = None, share_with: OverlapScreen | None = None):
         """`index`, `filter_bits`: `index_keys()` and `filter_bits()` of a screen built on the same
         windows and `shingle_bytes` (built once, e.g. saved by a planning task and loaded by every
-        screening task)."""
+        screening task). `share_with`: a screen of the same windows in this process whose
+        `ShingleIndex`, once either needs it, serves both (each keeps its own marks)."""
         self.windows = [bytes(w) for w in windows]
         self.shingle_bytes = shingle_bytes
         self._bytes = np.frombuffer(b"".join(self.windows), dtype=np.uint8)
         self._lengths = np.fromiter(map(len, self.windows), dtype=np.int64, count=len(self.windows))
         self._starts = np.cumsum(self._lengths) - self._lengths
-        self._shingles: ShingleIndex | None = None
+        self._shared: dict[str, ShingleIndex] = {} if share_with is None else share_with._shared
         self.gram = (shingle_bytes + 1) // 2
         # Each indexed gram is one uint64 key: the top bits of its hash, then its window, then its
         # offset in the window; sorting the keys sorts by hash (np.sort: no argsort and gathers).
@@ -311,9 +312,9 @@ class OverlapScreen:
             return
         spans = right[found] - left[found]
         if spans.sum() > HITS_PER_BYTE * len(text):
-            if self._shingles is None:
-                self._shingles = ShingleIndex(self.windows, self.shingle_bytes, self.contaminated)
-            self._shingles.screen_many(documents)
+            if "shingles" not in self._shared:
+                self._shared["shingles"] = ShingleIndex(self.windows, self.shingle_bytes)
+            self.contaminated[self._shared["shingles"].find(documents)] = True
             return
         entries = np.repeat(left[found] - (np.cumsum(spans) - spans), spans) + np.arange(spans.sum())
         where = np.repeat(positions[found], spans)
@@ -373,12 +374,12 @@ class ShingleIndex:
     shingle repeated across many windows (indentation, licence headers, rules of dashes) costs one
     comparison per document position, not one per window. Where different shingles of the windows
     share a hash (found when the index is built, and flagged), the document's shingle is confirmed
-    against each of them. Hash collisions cost comparisons, never a wrong answer.
+    against each of them. Hash collisions cost comparisons, never a wrong answer. It holds no marks,
+    so two screens of the same windows share one (`OverlapScreen(share_with=...)`).
     """
 
-    def __init__(self, windows: list[bytes], shingle_bytes: int, contaminated: np.ndarray):
-        """Index `windows` (built here, in the task that needs it); matches are marked in
-        `contaminated` (`[len(windows)] bool`, the screen's own)."""
+    def __init__(self, windows: list[bytes], shingle_bytes: int):
+        """Index `windows` (built here, in the task that needs it)."""
         self.shingle_bytes = shingle_bytes
         self._bytes = np.frombuffer(b"".join(windows), dtype=np.uint8)
         self._lengths = np.fromiter(map(len, windows), dtype=np.int64, count=len(windows))
@@ -386,7 +387,6 @@ class ShingleIndex:
         self._keys, self._places = self._build_index()
         self._filter = None
         self._bits = filter_size(self._keys.size)
-        self.contaminated = contaminated
 
     def filter_bits(self) -> np.ndarray:
         """A filter in front of the sorted keys, as `OverlapScreen.filter_bits` is in front of its."""
@@ -436,25 +436,28 @@ class ShingleIndex:
             same[block] = (source[ours[block, None] + span] == self._bytes[theirs[block, None] + span]).all(1)
         return same
 
-    def screen_many(self, documents: list[bytes]) -> None:
-        """Mark every candidate window sharing `shingle_bytes` bytes with one of `documents`."""
+    def find(self, documents: list[bytes]) -> np.ndarray:
+        """The windows (indices, possibly repeated) sharing `shingle_bytes` bytes with one of `documents`."""
         need = self.shingle_bytes
         text = b"".join(documents)
         if self._keys.size == 0 or len(text) < need:
-            return
+            return np.empty(0, dtype=np.int64)
         data = np.frombuffer(text, dtype=np.uint8)
         ends = np.cumsum(np.fromiter(map(len, documents), dtype=np.int64, count=len(documents)))
         hashes = shingle_hashes(data, need)
         positions = np.flatnonzero(passes(self.filter_bits(), hashes, self._bits))
         # a shingle counts only inside one document: it must end at or before its document's end
         positions = positions[positions + need <= ends[np.searchsorted(ends, positions, side="right")]]
+        held = [np.empty(0, dtype=np.int64)]
         for first in range(0, positions.size, QUERY_BLOCK):
             block = positions[first : first + QUERY_BLOCK]
-            self._look_up(data, block, hashes[block])
+            held.append(self._look_up(data, block, hashes[block]))
+        held = np.concatenate(held)
+        return np.searchsorted(self._starts, held, side="right") - 1  # the window each shingle starts in
 
-    def _look_up(self, data: np.ndarray, positions: np.ndarray, queries: np.ndarray) -> None:
-        """Find the shingles at `positions` of `data` (hashed `queries`) among the windows' and mark
-        the windows that hold them."""
+    def _look_up(self, data: np.ndarray, positions: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        """Where, in the windows' bytes, the shingles at `positions` of `data` (hashed `queries`) also
+        start: every occurrence of each one found."""
         # each distinct hash searched once, in order: repeated text repeats hashes, and sorted needles
         # keep the binary searches in one part of the keys
         distinct, back = np.unique(queries, return_inverse=True)
@@ -463,8 +466,9 @@ class ShingleIndex:
         hit[hit] = self._keys[at[hit]] == distinct[hit]
         found = hit[back]
         positions, queries, left = positions[found], queries[found], at[back][found]
+        held = [np.empty(0, dtype=np.int64)]
         if not positions.size:
-            return
+            return held[0]
         places = self._places[left]
         impure = (places & IMPURE) != 0
         pure = ~impure
@@ -476,16 +480,13 @@ class ShingleIndex:
             entries = np.repeat(left[impure] - (np.cumsum(spans) - spans), spans) + np.arange(spans.sum())
             at = np.repeat(positions[impure], spans)
             starts = (self._places[entries] & ~IMPURE).astype(np.int64)
-            self._mark(starts[self._same(at, starts, data)])
+            held.append(starts[self._same(at, starts, data)])
         if groups.size:
             right = np.searchsorted(self._keys, self._keys[groups], side="right")
             spans = right - groups
             entries = np.repeat(groups - (np.cumsum(spans) - spans), spans) + np.arange(spans.sum())
-            self._mark((self._places[entries] & ~IMPURE).astype(np.int64))
-
-    def _mark(self, starts: np.ndarray) -> None:
-        """Mark the windows holding the shingles that start at `starts` in the windows' bytes."""
-        self.contaminated[np.searchsorted(self._starts, starts, side="right") - 1] = True
+            held.append((self._places[entries] & ~IMPURE).astype(np.int64))
+        return np.concatenate(held)
 
 
 class ExpertValChoice:

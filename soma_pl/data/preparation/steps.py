@@ -201,8 +201,9 @@ class WriteShards(_Stage):
         # Mapped, not read: the 40 MB of keys come from the page cache, shared by the tasks.
         index = np.load(self.stage / "screen_keys.npy", mmap_mode="r")
         filter_bits = np.load(self.stage / "screen_filter.npy", mmap_mode="r")
-        screen, by_final = (_BatchedScreen(OverlapScreen(windows, config.shingle_bytes, index, filter_bits))
-                            for _ in range(2))
+        screen = OverlapScreen(windows, config.shingle_bytes, index, filter_bits)
+        by_final = OverlapScreen(windows, config.shingle_bytes, index, filter_bits, share_with=screen)
+        screen, by_final = _BatchedScreen(screen), _BatchedScreen(by_final)
         writers = {"train": ShardWriter(self.stage / "train", f"train-{rank:05d}", config.shard_max_bytes),
                    "expert_val": ShardWriter(self.stage / "expert_val", f"val-{rank:05d}", config.shard_max_bytes)}
         counts = {split: Counter() for split in ("documents", "bytes", "val_documents", "val_bytes")}
