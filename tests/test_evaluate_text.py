@@ -12,7 +12,7 @@ import yaml
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.cli import main
-from soma_pl.eval.ensemble import score_top_k, score_windows
+from soma_pl.eval.ensemble import score_top_k, score_windows, slot_layout
 from soma_pl.evaluate_text import DocumentSplit, read_windows
 from soma_pl.lit import ZOModule
 from soma_pl.models.router import HashedNgramEncoder, Router
@@ -84,13 +84,21 @@ def test_wikitext_articles_are_bootstrap_documents(tmp_path):
     assert len(set(data.doc_ids)) == 2
 
 
-def test_routed_top_k_equals_score_windows_for_every_k():
+@pytest.mark.parametrize(("head", "skewed"), [(HeadMode.shared, False), (HeadMode.per_expert, True)])
+def test_routed_top_k_equals_score_windows_for_every_k(head, skewed):
+    """Skewed: every window ranks expert 3 first and expert 5 second, so those two run several slots
+    of rows each while most experts run none."""
     torch.manual_seed(1)
-    model = StackedExperts(16, 8, 8, 1, HeadMode.shared, time_chunk=7)
+    model = StackedExperts(16, 8, 8, 1, head, time_chunk=7)
     with torch.no_grad():
         model.head.mul_(30)
     windows = torch.randint(0, 256, (6, 41), dtype=torch.uint8)
     ranking = torch.stack([torch.randperm(16) for _ in range(6)])
+    if skewed:
+        rest = [e for e in range(16) if e not in (3, 5)]
+        ranking = torch.stack([torch.tensor([3, 5, *torch.tensor(rest)[torch.randperm(14)].tolist()])
+                               for _ in range(6)])
+        assert slot_layout(ranking[:, :2], 16).expert.tolist() == [3] * 6 + [5] * 6  # rows = ceil(12 / 16)
     full = score_windows(model, ranking, windows, max_k=4, score_from=20)
     for k in (1, 2, 4):
         routed = score_top_k(model, ranking[:, :k], windows, score_from=20)

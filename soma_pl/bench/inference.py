@@ -14,8 +14,9 @@ do not change the speed): N = 1 (d_t = 509), N = 2 (361), N = 8 (181) and N = 25
 head). The router is the real :class:`~soma_pl.models.router.Router`: a seed-model encoder of the
 experts' width (the paper's semantic embedding) and N centroids, each the encoding of a random
 window. On random bytes its load is uneven (N = 256, k = 4, 256 windows: up to ~6× the mean on
-one expert), and the routed forward pads every expert to the busiest one, so these timings are
-conservative for SOMA; the record reports the load. Default batch sizes fit a 2-core CPU; the
+one expert); the routed forward runs each expert's windows in slots of the mean load
+(:func:`~soma_pl.eval.ensemble.slot_layout`), so padding costs at most one slot per expert; the
+record reports the load. Default batch sizes fit a 2-core CPU; the
 paper's GPU batches are 768, 768, 1,024 and 4,096.
 """
 

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from soma_pl import VOCAB_SIZE
-from soma_pl.bench.memory import PEAK_SIZE, forward_flops_per_token, machine, matmul_peak_gflops, round_robin
+from soma_pl.bench.memory import (PEAK_SIZE, fma_peak_gflops, forward_flops_per_token, machine, matmul_peak_gflops,
+                                  round_robin)
 from soma_pl.bench.zo import median_seconds
 from soma_pl.errors import ConfigError
 from soma_pl.io import emit_json
@@ -241,7 +242,8 @@ def bench_kernels(shapes: Sequence[KernelShape] = DEFAULT_SHAPES, settings: Kern
     configs = [(kind, shape) for shape in shapes for kind in settings.kinds]
     recurrence.grouped_extension()  # build the native kernel once, before any child needs it
     before = {**machine(), "peak_gflops": matmul_peak_gflops(settings.device, threads=settings.threads),
-              "peak_gemm": f"torch.mm {PEAK_SIZE}x{PEAK_SIZE} float32, the children's threads"}
+              "peak_gemm": f"torch.mm {PEAK_SIZE}x{PEAK_SIZE} float32, the children's threads",
+              "fma_peak_gflops_one_core": fma_peak_gflops() if settings.device == "cpu" else None}
     runs = round_robin(measure_pair, [(kind, shape, settings) for kind, shape in configs], settings.rounds,
                        "bench kernels", lambda config: f"d_t={config[1].width} {config[0]}")
     results = [_summary(kind, shape, settings, runs[index]) for index, (kind, shape) in enumerate(configs)]

@@ -119,6 +119,22 @@ PEAK_SIZE = 2048
 """Side of the square float32 GEMM whose speed is read as the machine's peak."""
 
 
+def fma_peak_gflops(seconds: float = 0.5) -> float | None:
+    """One core's float32 multiply-add throughput (GFLOP/s), measured by the native kernel's
+    register-only loop (12 independent 16-lane chains, no memory traffic): the arithmetic limit
+    that a GEMM peak (:func:`matmul_peak_gflops`) and every kernel fall short of. None where the
+    native kernel cannot be built. Roughly ``seconds`` long."""
+    from soma_pl.models import recurrence
+
+    extension = recurrence.grouped_extension()
+    if extension is None:
+        return None
+    probe = 1_000_000
+    rate = extension.fma_gflops(probe)
+    iterations = max(probe, int(seconds * rate * 1e9 / (12 * 16 * 2)))
+    return round(max(extension.fma_gflops(iterations) for _ in range(3)), 1)
+
+
 def matmul_peak_gflops(device: torch.device | str = "cpu", size: int = PEAK_SIZE, repeats: int = 5,
                        threads: int | None = None) -> float:
     """This machine's attainable float32 GFLOP/s on `threads` threads (None: the current setting):

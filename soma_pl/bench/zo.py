@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from soma_pl.bench.memory import PEAK_SIZE, forward_flops_per_token, matmul_peak_gflops
+from soma_pl.bench.memory import PEAK_SIZE, fma_peak_gflops, forward_flops_per_token, matmul_peak_gflops
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind, directions
 from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, eggroll_estimate
@@ -369,6 +369,7 @@ def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBe
         "machine": {"processor": platform.processor() or platform.machine(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "load_average_before": load_before,
                     "peak_gflops": peak, "peak_gemm": f"torch.mm {PEAK_SIZE}x{PEAK_SIZE} float32",
+                    "fma_peak_gflops_one_core": fma_peak_gflops() if settings.device == "cpu" else None,
                     "load_average_after": os.getloadavg()},
         "settings": asdict(settings),
         "results": results,

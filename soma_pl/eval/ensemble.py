@@ -94,36 +94,56 @@ class TopKScores:
     expert_losses: Tensor
 
 
-def _pair_layout(top: Tensor, experts: int) -> tuple[Tensor, Tensor, int]:
-    """Slot of every (window, selected expert) pair in an expert-major batch.
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where every (window, selected expert) pair runs: slots of ``rows`` rows, each one expert's.
+
+    Attributes:
+        slot: ``[b·k]`` the pair's slot (pairs in ``top.reshape(-1)`` order).
+        row: ``[b·k]`` its row within the slot.
+        expert: ``[S]`` the expert whose weights each slot runs, ascending.
+        rows: rows per slot.
+    """
+
+    slot: Tensor
+    row: Tensor
+    expert: Tensor
+    rows: int
+
+
+def slot_layout(top: Tensor, experts: int) -> SlotLayout:
+    """Each expert's pairs in slots of the mean load (``ceil(b·k / E)`` rows), as many slots as it
+    needs: at most ``b·k + E·(rows − 1)`` rows in all, however uneven the routing, where padding
+    every expert to the busiest one costs ``E ·`` its load (N = 256, k = 4 on random bytes: about
+    6× the mean).
 
     Args:
         top: ``[b, k]`` selected experts of each window.
         experts: E.
-
-    Returns:
-        ``expert [b·k]`` and ``row [b·k]`` (the pair's row within its expert's group, pairs in
-        ``top.reshape(-1)`` order), and the largest group size (rows per expert).
     """
     expert = top.reshape(-1)
+    rows = max(1, -(-expert.numel() // experts))
     order = torch.sort(expert, stable=True).indices
     counts = torch.bincount(expert, minlength=experts)
     starts = torch.cumsum(counts, 0) - counts
-    row = torch.empty_like(expert)
-    row[order] = torch.arange(expert.numel(), device=top.device) - starts[expert[order]]
-    return expert, row, int(counts.max())
+    rank = torch.empty_like(expert)
+    rank[order] = torch.arange(expert.numel(), device=top.device) - starts[expert[order]]
+    slots = -(-counts // rows)
+    first_slot = torch.cumsum(slots, 0) - slots
+    slot_expert = torch.repeat_interleave(torch.arange(experts, device=top.device), slots)
+    return SlotLayout(first_slot[expert] + rank // rows, rank % rows, slot_expert, rows)
 
 
 @torch.no_grad()
 def score_top_k(model: StackedExperts, top: Tensor, windows: Tensor, score_from: int) -> TopKScores:
     """Score `windows: [b, T] uint8` with the average of each window's routed experts only.
 
-    Every expert runs once on the windows routed to it: the (window, expert) pairs are laid out
-    expert-major as ``[E, rows, T]`` (``rows`` = the busiest expert's pair count, shorter groups
-    padded) and evaluated as one batched forward, so no expert weight is copied and the work is
-    ``E · rows ≤ E · b`` windows instead of ``E · b`` for :func:`score_windows`. For N = 256 and
-    k = 4 under balanced routing that is about 4 b windows. The loss equals
-    ``score_windows(...).loss_by_k[:, k - 1]`` for the same experts.
+    The (window, expert) pairs are laid out in slots of a few rows, each slot one expert's
+    (:func:`slot_layout`), and evaluated as one batched forward: every expert runs only on the
+    windows routed to it, its weights gathered once per slot, and the work is at most
+    ``b·k + E·(rows − 1)`` windows, about ``2 b·k`` at worst, instead of ``E · b`` for
+    :func:`score_windows`. The loss equals ``score_windows(...).loss_by_k[:, k - 1]`` for the same
+    experts.
 
     Args:
         model: E stacked experts.
@@ -132,12 +152,16 @@ def score_top_k(model: StackedExperts, top: Tensor, windows: Tensor, score_from:
         score_from: first scored target (256 in the paper's protocol).
     """
     batch, k = top.shape
-    expert, row, rows = _pair_layout(top, model.num_experts)
-    tokens = windows.new_zeros(model.num_experts, rows, windows.shape[1])
-    tokens[expert, row] = windows.repeat_interleave(k, dim=0)
+    layout = slot_layout(top, model.num_experts)
+    slots = layout.expert.numel()
+    tokens = windows.new_zeros(slots, layout.rows, windows.shape[1])
+    tokens[layout.slot, layout.row] = windows.repeat_interleave(k, dim=0)
+    one_slot_each = torch.equal(layout.expert, torch.arange(model.num_experts, device=top.device))
+    params = {} if one_slot_each else {name: param.index_select(0, layout.expert)
+                                       for name, param in model.expert_parameters().items()}
     ensemble_nats, expert_nats = 0.0, 0.0
-    for chunk in model.target_log_probs({}, tokens, score_from):  # [E, rows, Tc]
-        pairs = chunk[expert, row].view(batch, k, -1)
+    for chunk in model.target_log_probs(params, tokens, score_from):  # [S, rows, Tc]
+        pairs = chunk[layout.slot, layout.row].view(batch, k, -1)
         expert_nats = expert_nats - pairs.sum(2)
         mixture = mixture_log_probs(pairs, dim=1)
         ensemble_nats = ensemble_nats - mixture.sum(1)

@@ -1,22 +1,41 @@
 // Grouped bias-free LSTM layer over a chunk of time steps, on the CPU, for zero-order evaluation.
 //
-// G groups (experts x perturbed copies) each carry their own recurrent weights. The time loop runs
-// here instead of in Python: per step one batched GEMM (ATen's baddbmm, so MKL / oneDNN) adds the
-// recurrent term to the precomputed input projections, then one fused pass computes the four gate
-// activations, the cell and the hidden state in place. Groups are taken in blocks whose recurrent
-// weights fit in the core's cache, so each block's weights stay resident across the chunk's steps.
+// G groups (experts x perturbed copies) each carry their own recurrent weights and a few rows
+// (windows). Each group runs all of the chunk's steps in turn, so its recurrent weights stay in the
+// core's cache across them, and groups are shared among threads without any per-step barrier.
+// A step is one register-blocked micro-kernel per block of 16 hidden units and up to 4 rows: the
+// four gates' pre-activations for those units accumulate in 16 vector registers (input
+// projection + h_prev @ W_hh^T), then the gate activations, the cell and the hidden state are
+// computed from them before anything is written back. No gate buffer and no library call per step:
+// with a few rows per weight set a general GEMM call spends more on its set-up than on the product.
 //
-// Gate rows are ordered (input, forget, output, cell), as in soma_pl.models.stacked. No autograd:
-// the Python caller uses this only when gradients are off (zero-order losses, evaluation).
+// The recurrent weights come packed by the caller (soma_pl.models.recurrence.pack_recurrent):
+// [G, nb, d, 4, 16], for each block of 16 hidden units and each input k the 16 weights of each
+// gate, zero beyond d, so a step reads them contiguously. Gate order (input, forget, output, cell),
+// as in soma_pl.models.stacked. No autograd: used only when gradients are off.
+//
+// Also here: the tied head's next-byte cross entropy (grouped_head_nll), its logits formed in
+// registers and reduced at once, and the core's multiply-add throughput (fma_gflops), the limit
+// every ratio of the benchmarks can be read against.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kGates = 4;
+constexpr int64_t kMaxRows = 4;
+
+// Sixteen floats; the compiler maps it to one 512-bit register or two / four narrower ones.
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float vec_unaligned __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
 
 // exp(x) by Cody-Waite range reduction and a degree-6 minimax polynomial (the Cephes expf
 // coefficients): within 2 ulp of expf on [-87.3, 88.3], inputs clamped to that range. Branch-free
@@ -42,67 +61,229 @@ inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 
 inline float tanh_(float x) { return 2.0f / (1.0f + fast_exp(-2.0f * x)) - 1.0f; }
 
-// One step's gate activations, cell and hidden state for `groups` x `batch` rows of width `width`.
-// gates: [groups * batch, 4 * width] pre-activations; c: [groups * batch, width], updated in place;
-// h: the step's slice of the output, row (g, i) at h + g * group_stride + i * width.
-void cell_rows(const float* gates, float* c, float* h, int64_t groups, int64_t batch, int64_t width,
-               int64_t group_stride) {
-  at::parallel_for(0, groups * batch, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* gi = gates + row * 4 * width;
-      const float* gf = gi + width;
-      const float* go = gi + 2 * width;
-      const float* gg = gi + 3 * width;
-      float* cr = c + row * width;
-      float* hr = h + (row / batch) * group_stride + (row % batch) * width;
+inline vec load(const float* from, int64_t lanes) {
+  if (lanes == kLanes) return *reinterpret_cast<const vec_unaligned*>(from);
+  vec v = {};
+  for (int64_t l = 0; l < lanes; ++l) v[l] = from[l];
+  return v;
+}
+
+inline void store(float* to, const float* from, int64_t lanes) {
+  if (lanes == kLanes) {
+    *reinterpret_cast<vec_unaligned*>(to) = *reinterpret_cast<const vec*>(from);
+    return;
+  }
+  for (int64_t l = 0; l < lanes; ++l) to[l] = from[l];
+}
+
+// acc[r][q] += h[r][k] * w[k][q] for k in [k0, k1): `Rows` rows of h at stride `width`, four
+// vectors of w at w + k * w_stride.
+template <int Rows>
+inline void accumulate(vec (*acc)[kGates], const float* w, const float* h, int64_t width, int64_t k0, int64_t k1,
+                       int64_t w_stride = kGates * kLanes) {
+  for (int64_t k = k0; k < k1; ++k) {
+    const vec_unaligned* wk = reinterpret_cast<const vec_unaligned*>(w + k * w_stride);
+    const vec w0 = wk[0], w1 = wk[1], w2 = wk[2], w3 = wk[3];
+    for (int r = 0; r < Rows; ++r) {
+      const float s = h[r * width + k];
+      acc[r][0] += s * w0;
+      acc[r][1] += s * w1;
+      acc[r][2] += s * w2;
+      acc[r][3] += s * w3;
+    }
+  }
+}
+
+// One step of `Rows` rows for hidden units [j0, j0 + lanes) of one group.
+//   w: the packed weights of this unit block, [d][4][16];
+//   gates_in: row r's input projections at gates_in + r * 4d (gate q of unit j at q * d + j);
+//   h_prev, h_next, c: row r at + r * d.
+template <int Rows>
+void unit_block(const float* w, const float* gates_in, const float* h_prev, float* h_next, float* c,
+                int64_t width, int64_t j0, int64_t lanes) {
+  vec acc[Rows][kGates];
+  for (int r = 0; r < Rows; ++r)
+    for (int q = 0; q < kGates; ++q) acc[r][q] = load(gates_in + r * kGates * width + q * width + j0, lanes);
+  if (Rows == 1) {
+    // One row has four independent sums, too few to cover the FMA latency: a second set takes
+    // the second half of k.
+    vec second[1][kGates] = {};
+    accumulate<1>(acc, w, h_prev, width, 0, width / 2);
+    accumulate<1>(second, w, h_prev, width, width / 2, width);
+    for (int q = 0; q < kGates; ++q) acc[0][q] += second[0][q];
+  } else {
+    accumulate<Rows>(acc, w, h_prev, width, 0, width);
+  }
+  for (int r = 0; r < Rows; ++r) {
+    alignas(64) float g[kGates][kLanes];
+    alignas(64) float cell[kLanes];
+    alignas(64) float hidden[kLanes];
+    std::memcpy(g, acc[r], sizeof(g));
+    float* cr = c + r * width + j0;
+    *reinterpret_cast<vec*>(cell) = load(cr, lanes);
 #pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
-        const float cell = sigmoid(gf[j]) * cr[j] + sigmoid(gi[j]) * tanh_(gg[j]);
-        cr[j] = cell;
-        hr[j] = sigmoid(go[j]) * tanh_(cell);
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float next = sigmoid(g[1][l]) * cell[l] + sigmoid(g[0][l]) * tanh_(g[3][l]);
+      cell[l] = next;
+      hidden[l] = sigmoid(g[2][l]) * tanh_(next);
+    }
+    store(cr, cell, lanes);
+    store(h_next + r * width + j0, hidden, lanes);
+  }
+}
+
+// One step of `rows` rows of one group, all hidden units.
+void group_step(const float* packed, const float* gates_in, const float* h_prev, float* h_next, float* c,
+                int64_t rows, int64_t width) {
+  const int64_t blocks = (width + kLanes - 1) / kLanes;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* w = packed + b * width * kGates * kLanes;
+    const int64_t j0 = b * kLanes, lanes = std::min(kLanes, width - j0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+      const int64_t n = std::min(kMaxRows, rows - r0);
+      const float* gi = gates_in + r0 * kGates * width;
+      const float* hp = h_prev + r0 * width;
+      float* hn = h_next + r0 * width;
+      float* cr = c + r0 * width;
+      switch (n) {
+        case 4: unit_block<4>(w, gi, hp, hn, cr, width, j0, lanes); break;
+        case 3: unit_block<3>(w, gi, hp, hn, cr, width, j0, lanes); break;
+        case 2: unit_block<2>(w, gi, hp, hn, cr, width, j0, lanes); break;
+        default: unit_block<1>(w, gi, hp, hn, cr, width, j0, lanes); break;
       }
     }
-  });
+  }
+}
+
+
+constexpr int64_t kVocab = 256;
+constexpr int64_t kVocabPart = kGates * kLanes;  // 64 logits per pass: 4 vectors per row
+
+// Logits of `Rows` rows for one quarter of the vocabulary: logits[r][part * 64 + j].
+template <int Rows>
+void logit_part(const float* head_t, const float* features, int64_t dim, int64_t part, float (*logits)[kVocab]) {
+  vec acc[Rows][kGates] = {};
+  accumulate<Rows>(acc, head_t + part * kVocabPart, features, dim, 0, dim, kVocab);
+  for (int r = 0; r < Rows; ++r) std::memcpy(logits[r] + part * kVocabPart, acc[r], sizeof(acc[r]));
+}
+
+// -log softmax(logits)[target], from the logits of one row.
+float row_nll(const float* logits, int64_t target) {
+  float top = logits[0];
+#pragma omp simd reduction(max : top)
+  for (int64_t v = 1; v < kVocab; ++v) top = logits[v] > top ? logits[v] : top;
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t v = 0; v < kVocab; ++v) total += fast_exp(logits[v] - top);
+  if (target < 0 || target >= kVocab) return NAN;
+  return top + std::log(total) - logits[target];
+}
+
+template <int Rows>
+void nll_rows(const float* head_t, const float* features, const int64_t* targets, float* nll, int64_t dim) {
+  alignas(64) float logits[Rows][kVocab];
+  for (int64_t part = 0; part < kVocab / kVocabPart; ++part) logit_part<Rows>(head_t, features, dim, part, logits);
+  for (int r = 0; r < Rows; ++r) nll[r] = row_nll(logits[r], targets[r]);
 }
 
 }  // namespace
 
-// gates_in: [G, T, b, 4d] input projections (contiguous); w_hh_t: [G, d, 4d] transposed recurrent
-// weights (contiguous); h0, c0: [G, b, d]; block: groups per cache block.
-// Returns (out [G, T, b, d], h [G, b, d], c [G, b, d]).
-std::vector<at::Tensor> grouped_lstm_chunk(const at::Tensor& gates_in, const at::Tensor& w_hh_t,
-                                           const at::Tensor& h0, const at::Tensor& c0, int64_t block) {
-  TORCH_CHECK(gates_in.dim() == 4 && w_hh_t.dim() == 3 && h0.dim() == 3 && c0.dim() == 3, "bad ranks");
-  TORCH_CHECK(gates_in.scalar_type() == at::kFloat && w_hh_t.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(gates_in.is_contiguous() && w_hh_t.is_contiguous(), "gates_in and w_hh_t must be contiguous");
-  const int64_t groups = gates_in.size(0), steps = gates_in.size(1), batch = gates_in.size(2);
-  const int64_t width = w_hh_t.size(1);
-  TORCH_CHECK(gates_in.size(3) == 4 * width && w_hh_t.size(2) == 4 * width && w_hh_t.size(0) == groups,
+// gates_in: [G, T, b, 4d] input projections (contiguous); packed: [G, nb, d, 4, 16] recurrent
+// weights (nb = ceil(d / 16)); h0, c0: [G, b, d]. Returns (out [G, T, b, d], h [G, b, d], c [G, b, d]).
+std::vector<at::Tensor> grouped_lstm_chunk(const at::Tensor& gates_in, const at::Tensor& packed,
+                                           const at::Tensor& h0, const at::Tensor& c0) {
+  TORCH_CHECK(gates_in.dim() == 4 && packed.dim() == 5 && h0.dim() == 3 && c0.dim() == 3, "bad ranks");
+  TORCH_CHECK(gates_in.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(gates_in.is_contiguous() && packed.is_contiguous(), "gates_in and packed must be contiguous");
+  const int64_t groups = gates_in.size(0), steps = gates_in.size(1), rows = gates_in.size(2);
+  const int64_t width = packed.size(2);
+  TORCH_CHECK(gates_in.size(3) == kGates * width && packed.size(0) == groups &&
+                  packed.size(1) == (width + kLanes - 1) / kLanes && packed.size(3) == kGates &&
+                  packed.size(4) == kLanes && h0.size(0) == groups && h0.size(1) == rows && h0.size(2) == width,
               "shape mismatch");
-  auto out = at::empty({groups, steps, batch, width}, gates_in.options());
+  auto out = at::empty({groups, steps, rows, width}, gates_in.options());
   auto c = c0.contiguous().clone();
   auto h_first = h0.contiguous();
-  auto gates = at::empty({std::min(block, groups), batch, 4 * width}, gates_in.options());
-  for (int64_t g0 = 0; g0 < groups; g0 += block) {
-    const int64_t size = std::min(block, groups - g0);
-    auto weights = w_hh_t.narrow(0, g0, size);
-    auto block_in = gates_in.narrow(0, g0, size);
-    auto block_out = out.narrow(0, g0, size);
-    auto block_c = c.narrow(0, g0, size);
-    auto step_gates = gates.narrow(0, 0, size);
-    at::Tensor h = h_first.narrow(0, g0, size);
-    for (int64_t t = 0; t < steps; ++t) {
-      at::baddbmm_out(step_gates, block_in.select(1, t), h, weights);
-      auto h_next = block_out.select(1, t);  // [size, b, d]; one group's rows are contiguous
-      cell_rows(step_gates.data_ptr<float>(), block_c.data_ptr<float>(), h_next.data_ptr<float>(), size,
-                batch, width, steps * batch * width);
-      h = h_next;
+  const float* in = gates_in.data_ptr<float>();
+  const float* weights = packed.data_ptr<float>();
+  const float* h_start = h_first.data_ptr<float>();
+  float* h_all = out.data_ptr<float>();
+  float* c_all = c.data_ptr<float>();
+  const int64_t state = rows * width, group_weights = packed[0].numel();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const float* h_prev = h_start + g * state;
+      for (int64_t t = 0; t < steps; ++t) {
+        float* h_next = h_all + (g * steps + t) * state;
+        group_step(weights + g * group_weights, in + (g * steps + t) * kGates * state, h_prev, h_next,
+                   c_all + g * state, rows, width);
+        h_prev = h_next;
+      }
     }
-  }
+  });
   auto h_last = out.select(1, steps - 1).clone();
   return {out, h_last, c};
 }
 
+// features: [G, n, dE] (contiguous); head_t: [G or 1, dE, 256] transposed tied head (contiguous; one
+// shared by every group when its first size is 1); targets: [G, n] int64 bytes. Returns the
+// next-byte cross entropy of every row, [G, n]: the logits are formed 4 rows x 64 at a time in
+// registers and reduced at once, never written out.
+at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t, const at::Tensor& targets) {
+  TORCH_CHECK(features.dim() == 3 && head_t.dim() == 3 && targets.dim() == 2, "bad ranks");
+  TORCH_CHECK(features.scalar_type() == at::kFloat && head_t.scalar_type() == at::kFloat &&
+                  targets.scalar_type() == at::kLong, "float32 features and head, int64 targets");
+  TORCH_CHECK(features.is_contiguous() && head_t.is_contiguous() && targets.is_contiguous(), "must be contiguous");
+  const int64_t groups = features.size(0), rows = features.size(1), dim = features.size(2);
+  TORCH_CHECK(head_t.size(1) == dim && head_t.size(2) == kVocab && (head_t.size(0) == 1 || head_t.size(0) == groups) &&
+                  targets.size(0) == groups && targets.size(1) == rows, "shape mismatch");
+  auto nll = at::empty({groups, rows}, features.options());
+  const float* f = features.data_ptr<float>();
+  const float* head = head_t.data_ptr<float>();
+  const int64_t* t = targets.data_ptr<int64_t>();
+  float* out = nll.data_ptr<float>();
+  const int64_t per_group = (rows + kMaxRows - 1) / kMaxRows, head_stride = head_t.size(0) == 1 ? 0 : dim * kVocab;
+  at::parallel_for(0, groups * per_group, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / per_group, r0 = (item % per_group) * kMaxRows, n = std::min(kMaxRows, rows - r0);
+      const float* h = head + g * head_stride;
+      const float* fr = f + (g * rows + r0) * dim;
+      const int64_t* tr = t + g * rows + r0;
+      float* o = out + g * rows + r0;
+      switch (n) {
+        case 4: nll_rows<4>(h, fr, tr, o, dim); break;
+        case 3: nll_rows<3>(h, fr, tr, o, dim); break;
+        case 2: nll_rows<2>(h, fr, tr, o, dim); break;
+        default: nll_rows<1>(h, fr, tr, o, dim); break;
+      }
+    }
+  });
+  return nll;
+}
+
+// GFLOP/s of one thread running `iterations` x 12 independent 16-lane multiply-adds (12 chains
+// cover the latency of two FMA pipes): the core's arithmetic peak, with no memory traffic.
+double fma_gflops(int64_t iterations) {
+  vec b = {}, c = {};
+  for (int64_t l = 0; l < kLanes; ++l) {
+    b[l] = 0.999f;
+    c[l] = 0.001f;
+  }
+  vec a0 = c, a1 = c + 1, a2 = c + 2, a3 = c + 3, a4 = c + 4, a5 = c + 5;
+  vec a6 = c + 6, a7 = c + 7, a8 = c + 8, a9 = c + 9, a10 = c + 10, a11 = c + 11;
+  const auto started = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {
+    a0 = a0 * b + c; a1 = a1 * b + c; a2 = a2 * b + c; a3 = a3 * b + c; a4 = a4 * b + c; a5 = a5 * b + c;
+    a6 = a6 * b + c; a7 = a7 * b + c; a8 = a8 * b + c; a9 = a9 * b + c; a10 = a10 * b + c; a11 = a11 * b + c;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const vec total = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
+  TORCH_CHECK(total[0] == total[0], "fma_gflops: non-finite sum");  // keeps the chains live
+  return iterations * 12.0 * kLanes * 2.0 / seconds / 1e9;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_lstm_chunk", &grouped_lstm_chunk, "Grouped bias-free LSTM chunk (CPU, no autograd)");
+  m.def("fma_gflops", &fma_gflops, "One thread's multiply-add throughput, GFLOP/s");
+  m.def("grouped_head_nll", &grouped_head_nll, "Tied-head next-byte cross entropy per row (CPU, no autograd)");
 }

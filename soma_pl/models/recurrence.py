@@ -9,8 +9,8 @@ One layer, one time chunk, ``G`` groups of weights (experts × perturbed copies)
 - ``native``: many weight sets without gradients (the zero-order hot path and routed evaluation) on
   the CPU run the C++ loop in ``grouped_lstm.cpp``, built on first use with the system compiler
   (about a minute; cached in ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
-  per step one batched GEMM and one fused, vectorised gate/cell pass, groups taken in blocks whose
-  recurrent weights fit in cache. Where it cannot be built, ``python`` is used with one warning.
+  each group runs the chunk's steps in turn (its recurrent weights stay in cache), a step one
+  register-blocked product fused with the gate activations and the cell, no library call per step. Where it cannot be built, ``python`` is used with one warning.
 - ``python``: the batched PyTorch loop over time (one ``baddbmm`` and a few elementwise kernels per
   step); the reference the others are tested against, and what grouped training under autograd
   (BPTT with ``N > 1`` experts) and GPUs run.
@@ -39,10 +39,6 @@ log = logging.getLogger(__name__)
 
 KERNEL_ENV = "SOMA_PL_LSTM_KERNEL"
 """Environment variable that overrides :class:`Kernel` for every model in the process."""
-CACHE_BYTES = 2**20
-"""Recurrent weights per block of groups in the native kernel: one core's L2 cache on current x86
-servers, so a block's weights stay resident across a chunk's time steps (measured on a 1 MiB L2:
-d_t = 181 runs best 2 groups at a time, d_t = 509 one at a time, d_t = 32 any 8 or more)."""
 LIBRARY_ROW_STEPS = 4096
 """Window-steps (batch × time steps) per library-kernel call without gradients: enough that the
 weight re-packing each call does is small next to the call's work, few enough that activations
@@ -118,21 +114,62 @@ def library_chunk(x: Tensor, weights: tuple[Tensor, Tensor], state: tuple[Tensor
     return out[None], (h, c)
 
 
-def native_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor]
+UNITS_PER_BLOCK = 16
+"""Hidden units per block of the native kernel's packed recurrent weights (one vector of floats)."""
+
+
+def pack_recurrent(w_hh: Tensor) -> Tensor:
+    """Recurrent weights ``[G, 4d, d]`` in the native kernel's layout ``[G, nb, d, 4, 16]``: for each
+    block of 16 hidden units and each input k, the 16 weights of each gate (zero beyond d), so that
+    a step reads them contiguously. ``nb = ceil(d / 16)``."""
+    groups, gates, width = w_hh.shape
+    blocks = -(-width // UNITS_PER_BLOCK)
+    by_gate = w_hh.reshape(groups, 4, width, width)
+    padded = torch.nn.functional.pad(by_gate, (0, 0, 0, blocks * UNITS_PER_BLOCK - width))
+    return padded.view(groups, 4, blocks, UNITS_PER_BLOCK, width).permute(0, 2, 4, 1, 3).contiguous()
+
+
+def native_chunk(gates_in: Tensor, packed: Tensor, state: tuple[Tensor, Tensor]
                  ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """One layer over a chunk with the native kernel.
 
     Args:
         gates_in: ``[G, Tc, b, 4d]`` input projections, contiguous.
-        w_hh_t: ``[G, d, 4d]`` transposed recurrent weights, contiguous.
+        packed: :func:`pack_recurrent` of the recurrent weights.
         state: ``(h, c)``, each ``[G, b, d]``.
 
     Returns:
         out: ``[G, b, Tc, d]`` (a view); the final ``(h, c)``.
     """
-    block = max(1, CACHE_BYTES // (w_hh_t[0].numel() * w_hh_t.element_size()))
-    out, h, c = grouped_extension().grouped_lstm_chunk(gates_in, w_hh_t, state[0], state[1], block)
+    out, h, c = grouped_extension().grouped_lstm_chunk(gates_in, packed, state[0], state[1])
     return out.transpose(1, 2), (h, c)
+
+
+def uses_native_head(kernel: Kernel | str, head_t: Tensor, features: Tensor) -> bool:
+    """Whether the tied head's cross entropy runs the native kernel: the same rule as the layers'
+    (not ``python``, no gradients, CPU, float32, the kernel built), for any number of weight sets."""
+    chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
+    grad = torch.is_grad_enabled() and (head_t.requires_grad or features.requires_grad)
+    return (chosen is not Kernel.python and not grad and features.device.type == "cpu"
+            and features.dtype == head_t.dtype == torch.float32 and grouped_extension() is not None)
+
+
+def native_head_nll(head_t: Tensor, features: Tensor, targets: Tensor) -> Tensor:
+    """Next-byte cross entropy of every position under the tied head, the logits never written out.
+
+    Args:
+        head_t: ``[G, d_E, 256]`` per group or shared ``[d_E, 256]``.
+        features: ``[G, b, T, d_E]``.
+        targets: ``[G, b, T]`` bytes.
+
+    Returns:
+        ``[G, b, T]`` nats.
+    """
+    groups, batch, steps, dim = features.shape
+    head = head_t.reshape(-1, *head_t.shape[-2:]).contiguous()
+    nll = grouped_extension().grouped_head_nll(features.reshape(groups, -1, dim).contiguous(), head,
+                                               targets.reshape(groups, -1).long().contiguous())
+    return nll.view(groups, batch, steps)
 
 
 def _build_tag() -> str:

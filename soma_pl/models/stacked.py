@@ -113,7 +113,8 @@ class _Layers:
     """The LSTM layers of one forward pass, each run by the kernel chosen for it once per pass.
 
     Per-pass weight preparation (PyTorch's gate order for ``library``, contiguous transposed
-    weights for ``native`` and ``python``) happens here, not once per time chunk.
+    weights for ``python``, packed recurrent weights for ``native``) happens here, not once per
+    time chunk.
     """
 
     def __init__(self, kernel: Kernel, params: Mapping[str, Tensor]) -> None:
@@ -126,7 +127,10 @@ class _Layers:
             # Batched GEMMs read contiguous [in, out] operands about 1.7x faster than transposed
             # views (MKL, d_t = 181); one copy per pass, not per chunk or step.
             self.w_ih_t = [_transposed(w_ih[:, layer]) for layer in range(w_ih.shape[1])]
-            self.w_hh_t = [_transposed(w_hh[:, layer]) for layer in range(w_hh.shape[1])]
+            if self.kernel is Kernel.native:
+                self.packed = [recurrence.pack_recurrent(w_hh[:, layer]) for layer in range(w_hh.shape[1])]
+            else:
+                self.w_hh_t = [_transposed(w_hh[:, layer]) for layer in range(w_hh.shape[1])]
 
     def span(self, chunk: int, batch: int, steps: int) -> int:
         """Time steps per layer call. The library kernel re-packs its weights on every call, so it
@@ -143,7 +147,7 @@ class _Layers:
             return recurrence.library_chunk(x, self.library[layer], state)
         if self.kernel is Kernel.native:
             gates_in = _group_matmul(x.transpose(1, 2), self.w_ih_t[layer])
-            return recurrence.native_chunk(gates_in, self.w_hh_t[layer], state)
+            return recurrence.native_chunk(gates_in, self.packed[layer], state)
         return _lstm_chunk(x, self.w_ih_t[layer], self.w_hh_t[layer], state)
 
 
@@ -268,7 +272,8 @@ class StackedExperts(nn.Module):
         """Complete ``params`` (``[G, ...]`` each) with this module's own weights.
 
         A missing expert parameter is repeated expert-major over the ``G = E·C`` groups (group
-        ``g`` belongs to expert ``g // C``); the shared head is used as it is. An ``EMBED_HEAD``
+        ``g`` belongs to expert ``g // C``; with every expert parameter given, G is free); the
+        shared head is used as it is. An ``EMBED_HEAD``
         entry (``[G, 256, d_E]``) embeds the input bytes instead of ``head``, which then only
         decodes: perturbing ``head`` alone then probes the tied head through the decoder only.
         """
@@ -276,7 +281,8 @@ class StackedExperts(nn.Module):
         unknown = set(params) - set(own) - {EMBED_HEAD}
         if unknown:
             raise KeyError(f"unknown parameter names {sorted(unknown)}; expected {sorted(own)}")
-        if groups % self.num_experts:
+        missing = [name for name in own if name not in params and not self.is_shared(name)]
+        if missing and groups % self.num_experts:
             raise ValueError(f"{groups} groups is not a multiple of {self.num_experts} experts")
         copies = groups // self.num_experts
         full = {}
@@ -361,11 +367,19 @@ class StackedExperts(nn.Module):
             stop = start + features.shape[2]
             first = max(score_from, start)
             if first < stop:
-                logits = _logits(head_t, features[:, :, first - start :])
-                targets = tokens[:, :, first + 1 : stop + 1].long()
-                nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="none")
-                yield -nll.view(groups, batch, -1)
+                yield -self._cross_entropy(head_t, features[:, :, first - start :],
+                                           tokens[:, :, first + 1 : stop + 1])
             start = stop
+
+    def _cross_entropy(self, head_t: Tensor, features: Tensor, targets: Tensor) -> Tensor:
+        """Next-byte cross entropy ``[G, b, Tc]`` of features ``[G, b, Tc, d_E]``: the native fused
+        head where the layers' kernel rule allows it (no logits written out), else the logits and
+        ``F.cross_entropy``."""
+        if recurrence.uses_native_head(self.kernel, head_t, features):
+            return recurrence.native_head_nll(head_t, features, targets)
+        logits = _logits(head_t, features)
+        nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.long().reshape(-1), reduction="none")
+        return nll.view(targets.shape)
 
     def window_losses(
         self, tokens: Tensor, score_from: int = 0, params: Mapping[str, Tensor] | None = None

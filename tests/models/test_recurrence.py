@@ -58,6 +58,36 @@ def test_every_kernel_matches_the_reference_loop(kernel, experts, width, groups)
     assert (got - alone).abs().max().item() <= TOLERANCE
 
 
+@pytest.mark.parametrize(("width", "rows"), [(16, 4), (33, 5), (20, 11)])
+def test_native_kernel_matches_the_reference_across_unit_blocks_and_row_blocks(width, rows):
+    """The native kernel takes 16 hidden units and up to 4 rows at a time: widths of one whole
+    block, of two blocks and a 1-unit tail, of a 4-unit tail; rows that leave a tail of 1 and 3."""
+    tokens = torch.randint(0, 256, (4, rows, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    reference, model = _model(2, width, "python"), _model(2, width, "native")
+    params = _copies(model, 4)
+    with torch.no_grad():
+        expected = reference.forward_with(params, tokens)
+        got = model.forward_with(params, tokens)
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_native_head_cross_entropy_matches_the_logits_path(shared):
+    """The fused head (logits 4 rows × 64 at a time, never written out) against logits and
+    `F.cross_entropy`, per-group and shared heads, 7 positions per row (a tail of 3 rows)."""
+    generator = torch.Generator().manual_seed(7)
+    head = torch.randn((256, 12) if shared else (3, 256, 12), generator=generator)
+    features = 3 * torch.randn(3, 2, 7, 12, generator=generator)
+    targets = torch.randint(0, 256, (3, 2, 7), dtype=torch.uint8, generator=generator)
+    head_t = head.t() if shared else head.transpose(1, 2)
+    logits = features @ head_t if shared else torch.einsum("gbtk,gkv->gbtv", features, head_t)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.long().reshape(-1), reduction="none")
+    assert recurrence.uses_native_head(Kernel.auto, head_t, features)
+    got = recurrence.native_head_nll(head_t, features, targets)
+    assert got.shape == targets.shape
+    assert (got.reshape(-1) - expected).abs().max().item() <= TOLERANCE * expected.abs().max().item()
+
+
 def test_library_kernel_backpropagates_the_same_gradients():
     tokens = torch.randint(0, 256, (1, 4, 30), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     gradients = {}
@@ -80,6 +110,7 @@ def test_the_choice_follows_groups_grad_mode_and_the_override(monkeypatch):
     assert resolve_kernel(Kernel.auto, many) is Kernel.python  # gradients: the native kernel has no backward
     monkeypatch.setenv(recurrence.KERNEL_ENV, "python")
     assert resolve_kernel(Kernel.auto, one) is Kernel.python
+    assert not recurrence.uses_native_head(Kernel.auto, model.head.detach(), model.head.detach())
 
 
 def test_the_native_kernel_is_built_here_and_is_deterministic():
