@@ -29,8 +29,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from soma_pl import VOCAB_SIZE
-from soma_pl.bench.memory import (PEAK_SIZE, fma_peak_gflops, forward_flops_per_token, machine, matmul_peak_gflops,
-                                  round_robin)
+from soma_pl.bench.memory import (
+    PEAK_SIZE,
+    fma_peak_gflops,
+    forward_flops_per_token,
+    machine,
+    matmul_peak_gflops,
+    round_robin,
+)
 from soma_pl.bench.zo import median_seconds
 from soma_pl.errors import ConfigError
 from soma_pl.io import emit_json

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -98,12 +99,16 @@ inline void accumulate(vec (*acc)[kGates], const float* w, const float* h, int64
 //   w: the packed weights of this unit block, [d][4][16];
 //   gates_in: row r's input projections at gates_in + r * 4d (gate q of unit j at q * d + j);
 //   h_prev, h_next, c: row r at + r * d.
+//   extra_w, extra_h, extra_k: a further product of extra_k inputs (EGGROLL's rank-r terms), the
+//   packed [extra_k][4][16] weights of this unit block and row r's inputs at extra_h + r * extra_k.
 template <int Rows>
 void unit_block(const float* w, const float* gates_in, const float* h_prev, float* h_next, float* c,
-                int64_t width, int64_t j0, int64_t lanes) {
+                int64_t width, int64_t j0, int64_t lanes, const float* extra_w, const float* extra_h,
+                int64_t extra_k) {
   vec acc[Rows][kGates];
   for (int r = 0; r < Rows; ++r)
     for (int q = 0; q < kGates; ++q) acc[r][q] = load(gates_in + r * kGates * width + q * width + j0, lanes);
+  if (extra_k) accumulate<Rows>(acc, extra_w, extra_h, extra_k, 0, extra_k);
   if (Rows == 1) {
     // One row has four independent sums, too few to cover the FMA latency: a second set takes
     // the second half of k.
@@ -132,12 +137,33 @@ void unit_block(const float* w, const float* gates_in, const float* h_prev, floa
   }
 }
 
-// One step of `rows` rows of one group, all hidden units.
+// EGGROLL's rank-r terms of one group, when given: thin_in [T, b, r] (x_t · B_ih), b_hh [d, r] and
+// the packed joint factor [nb, 2r, 4, 16] of [A_ih, A_hh]; the gates gain [x_t · B_ih, h · B_hh] · [A_ih, A_hh]^T.
+struct LowRank {
+  const float* thin_in;
+  const float* b_hh;
+  const float* a_packed;
+  int64_t rank;
+};
+
+// One step of `rows` rows of one group, all hidden units. thin: scratch of rows x 2r floats.
 void group_step(const float* packed, const float* gates_in, const float* h_prev, float* h_next, float* c,
-                int64_t rows, int64_t width) {
-  const int64_t blocks = (width + kLanes - 1) / kLanes;
+                int64_t rows, int64_t width, const LowRank* low, const float* thin_in, float* thin) {
+  const int64_t blocks = (width + kLanes - 1) / kLanes, extra_k = low ? 2 * low->rank : 0;
+  if (low) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = thin + r * extra_k;
+      std::memcpy(row, thin_in + r * low->rank, low->rank * sizeof(float));
+      for (int64_t j = 0; j < low->rank; ++j) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < width; ++k) sum += h_prev[r * width + k] * low->b_hh[k * low->rank + j];
+        row[low->rank + j] = sum;
+      }
+    }
+  }
   for (int64_t b = 0; b < blocks; ++b) {
     const float* w = packed + b * width * kGates * kLanes;
+    const float* extra_w = low ? low->a_packed + b * extra_k * kGates * kLanes : nullptr;
     const int64_t j0 = b * kLanes, lanes = std::min(kLanes, width - j0);
     for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
       const int64_t n = std::min(kMaxRows, rows - r0);
@@ -145,16 +171,16 @@ void group_step(const float* packed, const float* gates_in, const float* h_prev,
       const float* hp = h_prev + r0 * width;
       float* hn = h_next + r0 * width;
       float* cr = c + r0 * width;
+      const float* eh = thin + r0 * extra_k;
       switch (n) {
-        case 4: unit_block<4>(w, gi, hp, hn, cr, width, j0, lanes); break;
-        case 3: unit_block<3>(w, gi, hp, hn, cr, width, j0, lanes); break;
-        case 2: unit_block<2>(w, gi, hp, hn, cr, width, j0, lanes); break;
-        default: unit_block<1>(w, gi, hp, hn, cr, width, j0, lanes); break;
+        case 4: unit_block<4>(w, gi, hp, hn, cr, width, j0, lanes, extra_w, eh, extra_k); break;
+        case 3: unit_block<3>(w, gi, hp, hn, cr, width, j0, lanes, extra_w, eh, extra_k); break;
+        case 2: unit_block<2>(w, gi, hp, hn, cr, width, j0, lanes, extra_w, eh, extra_k); break;
+        default: unit_block<1>(w, gi, hp, hn, cr, width, j0, lanes, extra_w, eh, extra_k); break;
       }
     }
   }
 }
-
 
 constexpr int64_t kVocab = 256;
 constexpr int64_t kVocabPart = kGates * kLanes;  // 64 logits per pass: 4 vectors per row
@@ -188,19 +214,40 @@ void nll_rows(const float* head_t, const float* features, const int64_t* targets
 
 }  // namespace
 
-// gates_in: [G, T, b, 4d] input projections (contiguous); packed: [G, nb, d, 4, 16] recurrent
-// weights (nb = ceil(d / 16)); h0, c0: [G, b, d]. Returns (out [G, T, b, d], h [G, b, d], c [G, b, d]).
+// gates_in: [G, T, b, 4d] input projections (contiguous); packed: [P, nb, d, 4, 16] recurrent
+// weights (nb = ceil(d / 16)), P dividing G, group g running packed[g / (G / P)] (P = G: a weight
+// set per group; P = E: EGGROLL's members share their expert's); h0, c0: [G, b, d]. With EGGROLL's
+// rank-r terms: thin_in [G, T, b, r], b_hh [G, d, r], a_packed [G, nb, 2r, 4, 16].
+// Returns (out [G, T, b, d], h [G, b, d], c [G, b, d]).
 std::vector<at::Tensor> grouped_lstm_chunk(const at::Tensor& gates_in, const at::Tensor& packed,
-                                           const at::Tensor& h0, const at::Tensor& c0) {
+                                           const at::Tensor& h0, const at::Tensor& c0,
+                                           const std::optional<at::Tensor>& thin_in,
+                                           const std::optional<at::Tensor>& b_hh,
+                                           const std::optional<at::Tensor>& a_packed) {
   TORCH_CHECK(gates_in.dim() == 4 && packed.dim() == 5 && h0.dim() == 3 && c0.dim() == 3, "bad ranks");
   TORCH_CHECK(gates_in.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(gates_in.is_contiguous() && packed.is_contiguous(), "gates_in and packed must be contiguous");
   const int64_t groups = gates_in.size(0), steps = gates_in.size(1), rows = gates_in.size(2);
-  const int64_t width = packed.size(2);
-  TORCH_CHECK(gates_in.size(3) == kGates * width && packed.size(0) == groups &&
-                  packed.size(1) == (width + kLanes - 1) / kLanes && packed.size(3) == kGates &&
-                  packed.size(4) == kLanes && h0.size(0) == groups && h0.size(1) == rows && h0.size(2) == width,
+  const int64_t width = packed.size(2), blocks = (width + kLanes - 1) / kLanes;
+  TORCH_CHECK(gates_in.size(3) == kGates * width && packed.size(0) > 0 && groups % packed.size(0) == 0 &&
+                  packed.size(1) == blocks && packed.size(3) == kGates && packed.size(4) == kLanes &&
+                  h0.size(0) == groups && h0.size(1) == rows && h0.size(2) == width,
               "shape mismatch");
+  const bool low_rank = thin_in.has_value();
+  TORCH_CHECK(low_rank == b_hh.has_value() && low_rank == a_packed.has_value(), "thin_in, b_hh, a_packed go together");
+  int64_t rank = 0;
+  if (low_rank) {
+    rank = thin_in->size(3);
+    TORCH_CHECK(thin_in->is_contiguous() && b_hh->is_contiguous() && a_packed->is_contiguous() &&
+                    thin_in->scalar_type() == at::kFloat && b_hh->scalar_type() == at::kFloat &&
+                    a_packed->scalar_type() == at::kFloat, "low-rank factors: contiguous float32");
+    TORCH_CHECK(thin_in->dim() == 4 && thin_in->size(0) == groups && thin_in->size(1) == steps &&
+                    thin_in->size(2) == rows && b_hh->dim() == 3 && b_hh->size(0) == groups &&
+                    b_hh->size(1) == width && b_hh->size(2) == rank && a_packed->dim() == 5 &&
+                    a_packed->size(0) == groups && a_packed->size(1) == blocks && a_packed->size(2) == 2 * rank &&
+                    a_packed->size(3) == kGates && a_packed->size(4) == kLanes,
+                "low-rank shape mismatch");
+  }
   auto out = at::empty({groups, steps, rows, width}, gates_in.options());
   auto c = c0.contiguous().clone();
   auto h_first = h0.contiguous();
@@ -209,14 +256,21 @@ std::vector<at::Tensor> grouped_lstm_chunk(const at::Tensor& gates_in, const at:
   const float* h_start = h_first.data_ptr<float>();
   float* h_all = out.data_ptr<float>();
   float* c_all = c.data_ptr<float>();
-  const int64_t state = rows * width, group_weights = packed[0].numel();
+  const int64_t state = rows * width, group_weights = packed[0].numel(), sharing = groups / packed.size(0);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> thin(rows * 2 * rank);
     for (int64_t g = begin; g < end; ++g) {
+      LowRank low{};
+      if (low_rank) {
+        low = {nullptr, b_hh->data_ptr<float>() + g * width * rank,
+               a_packed->data_ptr<float>() + g * blocks * 2 * rank * kGates * kLanes, rank};
+      }
       const float* h_prev = h_start + g * state;
       for (int64_t t = 0; t < steps; ++t) {
         float* h_next = h_all + (g * steps + t) * state;
-        group_step(weights + g * group_weights, in + (g * steps + t) * kGates * state, h_prev, h_next,
-                   c_all + g * state, rows, width);
+        const float* step_thin = low_rank ? thin_in->data_ptr<float>() + (g * steps + t) * rows * rank : nullptr;
+        group_step(weights + (g / sharing) * group_weights, in + (g * steps + t) * kGates * state, h_prev, h_next,
+                   c_all + g * state, rows, width, low_rank ? &low : nullptr, step_thin, thin.data());
         h_prev = h_next;
       }
     }
@@ -225,8 +279,8 @@ std::vector<at::Tensor> grouped_lstm_chunk(const at::Tensor& gates_in, const at:
   return {out, h_last, c};
 }
 
-// features: [G, n, dE] (contiguous); head_t: [G or 1, dE, 256] transposed tied head (contiguous; one
-// shared by every group when its first size is 1); targets: [G, n] int64 bytes. Returns the
+// features: [G, n, dE] (contiguous); head_t: [P, dE, 256] transposed tied heads (contiguous), P
+// dividing G, group g reading head_t[g / (G / P)] (P = 1: one shared head); targets: [G, n] int64 bytes. Returns the
 // next-byte cross entropy of every row, [G, n]: the logits are formed 4 rows x 64 at a time in
 // registers and reduced at once, never written out.
 at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t, const at::Tensor& targets) {
@@ -235,18 +289,18 @@ at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t
                   targets.scalar_type() == at::kLong, "float32 features and head, int64 targets");
   TORCH_CHECK(features.is_contiguous() && head_t.is_contiguous() && targets.is_contiguous(), "must be contiguous");
   const int64_t groups = features.size(0), rows = features.size(1), dim = features.size(2);
-  TORCH_CHECK(head_t.size(1) == dim && head_t.size(2) == kVocab && (head_t.size(0) == 1 || head_t.size(0) == groups) &&
+  TORCH_CHECK(head_t.size(1) == dim && head_t.size(2) == kVocab && head_t.size(0) > 0 && groups % head_t.size(0) == 0 &&
                   targets.size(0) == groups && targets.size(1) == rows, "shape mismatch");
   auto nll = at::empty({groups, rows}, features.options());
   const float* f = features.data_ptr<float>();
   const float* head = head_t.data_ptr<float>();
   const int64_t* t = targets.data_ptr<int64_t>();
   float* out = nll.data_ptr<float>();
-  const int64_t per_group = (rows + kMaxRows - 1) / kMaxRows, head_stride = head_t.size(0) == 1 ? 0 : dim * kVocab;
+  const int64_t per_group = (rows + kMaxRows - 1) / kMaxRows, sharing = groups / head_t.size(0);
   at::parallel_for(0, groups * per_group, 16, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / per_group, r0 = (item % per_group) * kMaxRows, n = std::min(kMaxRows, rows - r0);
-      const float* h = head + g * head_stride;
+      const float* h = head + (g / sharing) * dim * kVocab;
       const float* fr = f + (g * rows + r0) * dim;
       const int64_t* tr = t + g * rows + r0;
       float* o = out + g * rows + r0;
@@ -283,7 +337,10 @@ double fma_gflops(int64_t iterations) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("grouped_lstm_chunk", &grouped_lstm_chunk, "Grouped bias-free LSTM chunk (CPU, no autograd)");
+  m.def("grouped_lstm_chunk", &grouped_lstm_chunk, "Grouped bias-free LSTM chunk (CPU, no autograd)",
+        pybind11::arg("gates_in"), pybind11::arg("packed"), pybind11::arg("h0"), pybind11::arg("c0"),
+        pybind11::arg("thin_in") = pybind11::none(), pybind11::arg("b_hh") = pybind11::none(),
+        pybind11::arg("a_packed") = pybind11::none());
   m.def("fma_gflops", &fma_gflops, "One thread's multiply-add throughput, GFLOP/s");
   m.def("grouped_head_nll", &grouped_head_nll, "Tied-head next-byte cross entropy per row (CPU, no autograd)");
 }

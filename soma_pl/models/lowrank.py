@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from soma_pl import VOCAB_SIZE
+from soma_pl.models import recurrence
 from soma_pl.models.stacked import StackedExperts, lstm_cell, rms_norm
 
 LOW_RANK_MATRICES = ("head", "in_proj", "out_proj", "w_ih", "w_hh")
@@ -104,6 +105,33 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
     return torch.stack(outputs, dim=2).view(*shape[:3], steps, width), (h.view(shape), c.view(shape))
 
 
+def _members_lstm_native(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f_hh: Factors | None,
+                         state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """:func:`_members_lstm` on the native kernel: every member a group of its b windows, the
+    members of an expert sharing its packed recurrent weights, the rank-r terms added inside each
+    step (:func:`soma_pl.models.recurrence.pack_recurrent` packs ``[A_ih, A_hh]`` per member)."""
+    experts, members, windows, steps, width = x.shape
+    groups = experts * members
+    member_major = x.transpose(2, 3).reshape(experts, members * steps * windows, width)
+    gates_in = torch.bmm(member_major, w_ih.transpose(1, 2)).view(groups, steps, windows, -1)
+    low_rank = {}
+    if f_ih is not None or f_hh is not None:
+        f_ih = f_ih or tuple(torch.zeros_like(f) for f in f_hh)
+        f_hh = f_hh or tuple(torch.zeros_like(f) for f in f_ih)
+        rank = f_ih[1].shape[-1]
+        low_rank = {
+            "thin_in": torch.bmm(member_major.view(groups, steps * windows, width), f_ih[1].flatten(0, 1))
+            .view(groups, steps, windows, rank),
+            "b_hh": f_hh[1].flatten(0, 1).contiguous(),
+            "a_packed": recurrence.pack_recurrent(torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1)),
+        }
+    h, c = (part.reshape(groups, windows, width) for part in state)
+    out, h, c = recurrence.grouped_extension().grouped_lstm_chunk(
+        gates_in, recurrence.pack_recurrent(w_hh), h, c, **low_rank)
+    shape = (experts, members, windows, width)
+    return out.view(experts, members, steps, windows, width).transpose(2, 3), (h.view(shape), c.view(shape))
+
+
 def _norm(x: Tensor, gains: Tensor) -> Tensor:
     """RMSNorm with a gain per member. x ``[E, M, b, Tc, d]``; gains ``[E, M, d]``."""
     flat = x.flatten(0, 1)
@@ -116,13 +144,16 @@ def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factor
     experts, members, windows, steps = tokens.shape
     zeros = gains.new_zeros(experts, members, windows, model.width)
     states = [(zeros, zeros)] * model.num_layers
+    native = recurrence.native_applies(model.kernel, gains, *params.values(),
+                                       *(f for pair in factors.values() for f in pair))
+    lstm = _members_lstm_native if native else _members_lstm
     for start in range(0, steps, model.time_chunk):
         x = _members_embed(params["head"], factors.get("head"), tokens[..., start : start + model.time_chunk])
         chunk = x.shape[:4]
         if model.has_projections:
             x = _members_linear(x.flatten(2, 3), params["in_proj"], factors.get("in_proj")).view(*chunk, -1)
         for layer in range(model.num_layers):
-            out, states[layer] = _members_lstm(
+            out, states[layer] = lstm(
                 _norm(x, gains[:, :, layer]), params["w_ih"][:, layer], params["w_hh"][:, layer],
                 _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer), states[layer])
             x = x + out
@@ -130,6 +161,36 @@ def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factor
         if model.has_projections:
             x = _members_linear(x.flatten(2, 3), params["out_proj"], factors.get("out_proj")).view(*chunk, -1)
         yield x
+
+
+def _members_cross_entropy(model: StackedExperts, head: Tensor, factors: Factors | None, gains: Tensor):
+    """Each position's next-byte cross entropy under its member's head ``W + A·Bᵀ``, as a function
+    of features ``[E, M, n, d_E]`` and targets ``[E, M, ...]`` → ``[E, M, n]``.
+
+    On the native kernel the logits are never written out: the features gain their rank-r
+    coordinates ``x·B`` and each member's head its rows ``Aᵀ`` (``[x, x·B]·[W, A]ᵀ`` is the same
+    product), or the members read their expert's head as it is; elsewhere the logits and
+    ``F.cross_entropy``."""
+    if not recurrence.native_applies(model.kernel, head, gains, *(factors or ())):
+        def logits_path(scored: Tensor, targets: Tensor) -> Tensor:
+            logits = _members_linear(scored, head, factors)
+            nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.long().reshape(-1), reduction="none")
+            return nll.view(scored.shape[:3])
+        return logits_path
+    experts, members = gains.shape[:2]
+    head_t = head.transpose(1, 2)  # [E, d_E, 256]
+    if factors is not None:
+        a, b = factors  # [E, M, 256, r], [E, M, d_E, r]
+        expanded = head_t[:, None].expand(-1, members, -1, -1)
+        head_t = torch.cat((expanded, a.transpose(2, 3)), dim=2).flatten(0, 1)  # [E·M, d_E + r, 256]
+
+    def native_path(scored: Tensor, targets: Tensor) -> Tensor:
+        features = scored.flatten(0, 1)
+        if factors is not None:
+            features = torch.cat((features, torch.bmm(features, factors[1].flatten(0, 1))), dim=-1)
+        nll = recurrence.native_head_nll(head_t, features[:, None], targets.reshape(features.shape[0], 1, -1))
+        return nll.view(scored.shape[:3])
+    return native_path
 
 
 def population_losses(model: StackedExperts, tokens: Tensor, factors: Mapping[str, Factors],
@@ -159,15 +220,14 @@ def population_losses(model: StackedExperts, tokens: Tensor, factors: Mapping[st
     gains = params[NORM_GAINS][:, None].expand(-1, members, -1, -1)
     if NORM_GAINS in offsets:
         gains = gains + offsets[NORM_GAINS]
+    cross_entropy = _members_cross_entropy(model, params["head"], factors.get("head"), gains)
     total, start = 0.0, 0
     for features in _member_features(model, params, factors, gains, tokens[..., :-1]):
         stop = start + features.shape[3]
         first = max(score_from, start)
         if first < stop:
             scored = features[:, :, :, first - start :].flatten(2, 3)
-            logits = _members_linear(scored, params["head"], factors.get("head"))
-            targets = tokens[..., first + 1 : stop + 1].long()
-            nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1), reduction="none")
+            nll = cross_entropy(scored, tokens[..., first + 1 : stop + 1])
             total = total + nll.view(experts, members, -1).sum(-1)
         start = stop
     return total / (windows * (steps - 1 - score_from))

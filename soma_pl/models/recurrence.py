@@ -10,7 +10,10 @@ One layer, one time chunk, ``G`` groups of weights (experts × perturbed copies)
   the CPU run the C++ loop in ``grouped_lstm.cpp``, built on first use with the system compiler
   (about a minute; cached in ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
   each group runs the chunk's steps in turn (its recurrent weights stay in cache), a step one
-  register-blocked product fused with the gate activations and the cell, no library call per step. Where it cannot be built, ``python`` is used with one warning.
+  register-blocked product fused with the gate activations and the cell, no library call per step.
+  Where it cannot be built, ``python`` is used with one warning. The same library fuses the tied
+  head's cross entropy (:func:`native_head_nll`) and runs EGGROLL's members
+  (:mod:`soma_pl.models.lowrank`) where :func:`native_applies`.
 - ``python``: the batched PyTorch loop over time (one ``baddbmm`` and a few elementwise kernels per
   step); the reference the others are tested against, and what grouped training under autograd
   (BPTT with ``N > 1`` experts) and GPUs run.
@@ -118,15 +121,17 @@ UNITS_PER_BLOCK = 16
 """Hidden units per block of the native kernel's packed recurrent weights (one vector of floats)."""
 
 
-def pack_recurrent(w_hh: Tensor) -> Tensor:
-    """Recurrent weights ``[G, 4d, d]`` in the native kernel's layout ``[G, nb, d, 4, 16]``: for each
-    block of 16 hidden units and each input k, the 16 weights of each gate (zero beyond d), so that
-    a step reads them contiguously. ``nb = ceil(d / 16)``."""
-    groups, gates, width = w_hh.shape
+def pack_recurrent(weights: Tensor) -> Tensor:
+    """Gate weights ``[G, 4d, k]`` (the recurrent ``[G, 4d, d]``, or EGGROLL's joint factor
+    ``[G, 4d, 2r]``) in the native kernel's layout ``[G, nb, k, 4, 16]``: for each block of 16
+    hidden units and each input k, the 16 weights of each gate (zero beyond d), so that a step
+    reads them contiguously. ``nb = ceil(d / 16)``."""
+    groups, gates, inputs = weights.shape
+    width = gates // 4
     blocks = -(-width // UNITS_PER_BLOCK)
-    by_gate = w_hh.reshape(groups, 4, width, width)
+    by_gate = weights.reshape(groups, 4, width, inputs)
     padded = torch.nn.functional.pad(by_gate, (0, 0, 0, blocks * UNITS_PER_BLOCK - width))
-    return padded.view(groups, 4, blocks, UNITS_PER_BLOCK, width).permute(0, 2, 4, 1, 3).contiguous()
+    return padded.view(groups, 4, blocks, UNITS_PER_BLOCK, inputs).permute(0, 2, 4, 1, 3).contiguous()
 
 
 def native_chunk(gates_in: Tensor, packed: Tensor, state: tuple[Tensor, Tensor]
@@ -145,20 +150,23 @@ def native_chunk(gates_in: Tensor, packed: Tensor, state: tuple[Tensor, Tensor]
     return out.transpose(1, 2), (h, c)
 
 
-def uses_native_head(kernel: Kernel | str, head_t: Tensor, features: Tensor) -> bool:
-    """Whether the tied head's cross entropy runs the native kernel: the same rule as the layers'
-    (not ``python``, no gradients, CPU, float32, the kernel built), for any number of weight sets."""
+def native_applies(kernel: Kernel | str, *tensors: Tensor) -> bool:
+    """Whether a pass over ``tensors`` may run a native kernel outside the layers' own choice (the
+    tied head's cross entropy, EGGROLL's members): the same rule as :func:`resolve_kernel` (not
+    ``python``, no gradients, CPU, float32, the kernel built), for any number of weight sets."""
     chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
-    grad = torch.is_grad_enabled() and (head_t.requires_grad or features.requires_grad)
-    return (chosen is not Kernel.python and not grad and features.device.type == "cpu"
-            and features.dtype == head_t.dtype == torch.float32 and grouped_extension() is not None)
+    grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+    return (chosen is not Kernel.python and not grad
+            and all(tensor.device.type == "cpu" and tensor.dtype == torch.float32 for tensor in tensors)
+            and grouped_extension() is not None)
 
 
 def native_head_nll(head_t: Tensor, features: Tensor, targets: Tensor) -> Tensor:
     """Next-byte cross entropy of every position under the tied head, the logits never written out.
 
     Args:
-        head_t: ``[G, d_E, 256]`` per group or shared ``[d_E, 256]``.
+        head_t: ``[P, d_E, 256]``, P dividing G (group g reads head ``g // (G / P)``), or one shared
+            ``[d_E, 256]``.
         features: ``[G, b, T, d_E]``.
         targets: ``[G, b, T]`` bytes.
 

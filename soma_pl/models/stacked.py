@@ -375,7 +375,7 @@ class StackedExperts(nn.Module):
         """Next-byte cross entropy ``[G, b, Tc]`` of features ``[G, b, Tc, d_E]``: the native fused
         head where the layers' kernel rule allows it (no logits written out), else the logits and
         ``F.cross_entropy``."""
-        if recurrence.uses_native_head(self.kernel, head_t, features):
+        if recurrence.native_applies(self.kernel, head_t, features):
             return recurrence.native_head_nll(head_t, features, targets)
         logits = _logits(head_t, features)
         nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.long().reshape(-1), reduction="none")

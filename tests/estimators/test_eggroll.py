@@ -23,7 +23,7 @@ from soma_pl.estimators.eggroll import (
     pair_noise,
     shape_fitness,
 )
-from soma_pl.models import HeadMode, StackedExperts
+from soma_pl.models import HeadMode, StackedExperts, recurrence
 from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
 
 IDS = torch.arange(1)
@@ -66,6 +66,31 @@ def test_lowrank_forward_equals_the_forward_with_materialised_weights(head):
     unperturbed = population_losses(model, tokens, {}, {}, score_from=2)
     base = model.window_losses(tokens.flatten(0, 1), 2, {n: p.repeat_interleave(members, 0) for n, p in params.items()})
     torch.testing.assert_close(unperturbed, base.mean(1).view(experts, members), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(("width", "rank", "perturbed"), [(20, 2, LOW_RANK_MATRICES), (12, 1, ("w_hh",)), (12, 1, ())])
+def test_native_member_forward_equals_the_pytorch_loop_in_float32(width, rank, perturbed):
+    """Float32 on the CPU runs the members' layers on the native kernel (members sharing their
+    expert's packed weights, rank-r terms inside each step); the PyTorch loop is the reference.
+    Width 20: two unit blocks, the second a 4-unit tail; 3 windows: a row tail; only w_hh
+    perturbed: the input factors zero; none: no rank-r terms at all."""
+    experts, members = 2, 4
+    native = _model(experts, width).float()
+    reference = _model(experts, width).float()
+    reference.kernel = reference.kernel.python
+    params = native.expert_parameters()
+    matrices = [name for name in params if name in LOW_RANK_MATRICES]
+    noise = member_noise(pair_noise(params, matrices, rank, 5, 1, torch.arange(experts), torch.arange(2)), 0.3, rank)
+    factors = {name: pair for name, pair in noise.factors.items() if name in perturbed}
+    offsets = noise.offsets if perturbed else {}
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 256, (experts, members, 3, 11), dtype=torch.uint8, generator=generator)
+    with torch.no_grad():
+        assert recurrence.native_applies(native.kernel, *params.values())
+        assert not recurrence.native_applies(reference.kernel, *params.values())
+        got = population_losses(native, tokens, factors, offsets, score_from=2)
+        expected = population_losses(reference, tokens, factors, offsets, score_from=2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_pairs_are_antithetic_and_regenerated_from_counters():

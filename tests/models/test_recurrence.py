@@ -82,7 +82,7 @@ def test_native_head_cross_entropy_matches_the_logits_path(shared):
     head_t = head.t() if shared else head.transpose(1, 2)
     logits = features @ head_t if shared else torch.einsum("gbtk,gkv->gbtv", features, head_t)
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.long().reshape(-1), reduction="none")
-    assert recurrence.uses_native_head(Kernel.auto, head_t, features)
+    assert recurrence.native_applies(Kernel.auto, head_t, features)
     got = recurrence.native_head_nll(head_t, features, targets)
     assert got.shape == targets.shape
     assert (got.reshape(-1) - expected).abs().max().item() <= TOLERANCE * expected.abs().max().item()
@@ -110,7 +110,7 @@ def test_the_choice_follows_groups_grad_mode_and_the_override(monkeypatch):
     assert resolve_kernel(Kernel.auto, many) is Kernel.python  # gradients: the native kernel has no backward
     monkeypatch.setenv(recurrence.KERNEL_ENV, "python")
     assert resolve_kernel(Kernel.auto, one) is Kernel.python
-    assert not recurrence.uses_native_head(Kernel.auto, model.head.detach(), model.head.detach())
+    assert not recurrence.native_applies(Kernel.auto, model.head.detach(), model.head.detach())
 
 
 def test_the_native_kernel_is_built_here_and_is_deterministic():
