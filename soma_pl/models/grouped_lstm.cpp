@@ -77,6 +77,16 @@ inline void store(float* to, const float* from, int64_t lanes) {
   for (int64_t l = 0; l < lanes; ++l) to[l] = from[l];
 }
 
+// Pins four vectors to registers: without it the compiler folds each load into every multiply-add
+// that reads it (a memory operand per row), and the loads, not the multiply-adds, set the pace.
+inline void keep_in_registers(vec& a, vec& b, vec& c, vec& d) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d));
+#else
+  (void)a, (void)b, (void)c, (void)d;
+#endif
+}
+
 // acc[r][q] += h[r][k] * w[k][q] for k in [k0, k1): `Rows` rows of h at stride `width`, four
 // vectors of w at w + k * w_stride.
 template <int Rows>
@@ -84,7 +94,8 @@ inline void accumulate(vec (*acc)[kGates], const float* w, const float* h, int64
                        int64_t w_stride = kGates * kLanes) {
   for (int64_t k = k0; k < k1; ++k) {
     const vec_unaligned* wk = reinterpret_cast<const vec_unaligned*>(w + k * w_stride);
-    const vec w0 = wk[0], w1 = wk[1], w2 = wk[2], w3 = wk[3];
+    vec w0 = wk[0], w1 = wk[1], w2 = wk[2], w3 = wk[3];
+    keep_in_registers(w0, w1, w2, w3);
     for (int r = 0; r < Rows; ++r) {
       const float s = h[r * width + k];
       acc[r][0] += s * w0;
