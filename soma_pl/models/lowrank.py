@@ -108,8 +108,9 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
 def _members_lstm_native(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f_hh: Factors | None,
                          state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """:func:`_members_lstm` on the native kernel: every member a group of its b windows, the
-    members of an expert sharing its packed recurrent weights, the rank-r terms added inside each
-    step (:func:`soma_pl.models.recurrence.pack_recurrent` packs ``[A_ih, A_hh]`` per member)."""
+    members of an expert sharing its packed recurrent weights (``w_hh`` arrives packed,
+    :func:`soma_pl.models.recurrence.pack_recurrent`, once per pass), the rank-r terms added
+    inside each step (``[A_ih, A_hh]`` packed per member)."""
     experts, members, windows, steps, width = x.shape
     groups = experts * members
     member_major = x.transpose(2, 3).reshape(experts, members * steps * windows, width)
@@ -127,7 +128,7 @@ def _members_lstm_native(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | 
         }
     h, c = (part.reshape(groups, windows, width) for part in state)
     out, h, c = recurrence.grouped_extension().grouped_lstm_chunk(
-        gates_in, recurrence.pack_recurrent(w_hh), h, c, **low_rank)
+        gates_in, w_hh, h, c, **low_rank)
     shape = (experts, members, windows, width)
     return out.view(experts, members, steps, windows, width).transpose(2, 3), (h.view(shape), c.view(shape))
 
@@ -147,6 +148,9 @@ def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factor
     native = recurrence.native_applies(model.kernel, gains, *params.values(),
                                        *(f for pair in factors.values() for f in pair))
     lstm = _members_lstm_native if native else _members_lstm
+    recurrent = [params["w_hh"][:, layer] for layer in range(model.num_layers)]
+    if native:
+        recurrent = [recurrence.pack_recurrent(weights) for weights in recurrent]
     for start in range(0, steps, model.time_chunk):
         x = _members_embed(params["head"], factors.get("head"), tokens[..., start : start + model.time_chunk])
         chunk = x.shape[:4]
@@ -154,7 +158,7 @@ def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factor
             x = _members_linear(x.flatten(2, 3), params["in_proj"], factors.get("in_proj")).view(*chunk, -1)
         for layer in range(model.num_layers):
             out, states[layer] = lstm(
-                _norm(x, gains[:, :, layer]), params["w_ih"][:, layer], params["w_hh"][:, layer],
+                _norm(x, gains[:, :, layer]), params["w_ih"][:, layer], recurrent[layer],
                 _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer), states[layer])
             x = x + out
         x = _norm(x, gains[:, :, model.num_layers])
