@@ -74,10 +74,8 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor]) -> Kernel
         chosen = Kernel.library if groups == 1 else Kernel.native
     if chosen is Kernel.library and (groups != 1 or _library_lacks_bf16(weights)):
         return Kernel.python
-    if chosen is Kernel.native:
-        if (needs_grad(params) or weights.device.type != "cpu" or weights.dtype != torch.float32
-                or grouped_extension() is None):
-            return Kernel.python
+    if chosen is Kernel.native and not native_applies(chosen, *params.values()):
+        return Kernel.python
     return chosen
 
 
@@ -152,8 +150,9 @@ def native_chunk(gates_in: Tensor, packed: Tensor, state: tuple[Tensor, Tensor]
 
 def native_applies(kernel: Kernel | str, *tensors: Tensor) -> bool:
     """Whether a pass over ``tensors`` may run a native kernel outside the layers' own choice (the
-    tied head's cross entropy, EGGROLL's members): the same rule as :func:`resolve_kernel` (not
-    ``python``, no gradients, CPU, float32, the kernel built), for any number of weight sets."""
+    tied head's cross entropy, EGGROLL's members) and where the layers' ``native`` choice stands
+    (:func:`resolve_kernel`): not ``python``, no gradients, CPU, float32, the kernel built; for any
+    number of weight sets."""
     chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
     grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
     return (chosen is not Kernel.python and not grad
