@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -73,6 +74,35 @@ def test_shards_open_with_stock_webdataset_and_tar(small_config):
     samples = list(wds.WebDataset(str(first), shardshuffle=False))
     assert len(samples) == manifest["train"]["shards"][0]["documents"] == len(names) // 2
     assert json.loads(samples[0]["json"])["source"].endswith(".jsonl")
+
+
+@pytest.mark.parametrize("cut", [1, 10_000])
+def test_shard_writer_writes_the_bytes_tarfile_writes(tmp_path, cut):
+    from soma_pl.data.formats.tar_shards import ShardWriter
+
+    rng = np.random.default_rng(0)
+    sizes = [0, 1, 511, 512, 513, 1024, 9_999, *rng.integers(0, 5_000, 40).tolist()]
+    documents = [Document(rng.integers(0, 256, n, dtype=np.uint8).tobytes(), f"src{n}", f"id-{i}", "é" * (i % 3))
+                 for i, n in enumerate(sizes)]
+    writer = ShardWriter(tmp_path / "ours", "train", max_bytes=cut)
+    for document in documents:
+        writer.write(document)
+    records = writer.close()
+    expected, key = [], 0  # the same samples through tarfile, cut where the writer cut
+    for record in records:
+        path = tmp_path / f"ref-{len(expected)}.tar"
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for document in documents[key : key + record.documents]:
+                meta = json.dumps({"doc_id": document.doc_id, "source": document.source, "title": document.title})
+                for extension, payload in (("json", meta.encode()), ("txt", document.text)):
+                    member = tarfile.TarInfo(f"{key:09d}.{extension}")
+                    member.size, member.mtime, member.mode = len(payload), 0, 0o444
+                    member.uname = member.gname = "bigdata"
+                    tar.addfile(member, io.BytesIO(payload))
+                key += 1
+        expected.append(path.read_bytes())
+    assert key == len(documents) and 1 < len(records) <= len(documents) and (cut > 1 or len(records) == len(documents))
+    assert [(tmp_path / "ours" / Path(r.path).name).read_bytes() for r in records] == expected
 
 
 def _shingles(data: bytes, size: int) -> set[bytes]:

@@ -132,7 +132,7 @@ def test_screen_is_exact_against_independent_shingles(size, mode, monkeypatch):
         assert expected[0]
         assert ("shingles" not in screen._shared) == (mode == "grams")
         if mode == "colliding-shingles" and size > 7:  # shared hashes of different shingles, one by one
-            assert (screen._shared["shingles"]._places >> np.uint64(63)).any()
+            assert screen._shared["shingles"].impure.size
 
 
 def test_two_screens_of_the_same_windows_share_one_shingle_index_and_keep_their_own_marks(monkeypatch):
@@ -146,6 +146,50 @@ def test_two_screens_of_the_same_windows_share_one_shingle_index_and_keep_their_
     assert first._shared["shingles"] is second._shared["shingles"]
     assert first.contaminated.tolist() == [False, True, False]
     assert second.contaminated.tolist() == [False, False, True]
+
+
+@pytest.mark.parametrize("shingles", [False, True])
+def test_the_planned_shingle_index_screens_as_the_gram_index_does(four_file_config, tmp_path, monkeypatch, shingles):
+    from soma_pl.data.preparation import steps
+
+    for path in Path(four_file_config.corpus.paths[0]).glob("*.jsonl"):  # each document quotes the one before
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "text": r["text"] + " " + rows[i - 1]["text"][:600]}) + "\n"
+                                for i, r in enumerate(rows)))
+    config = replace(four_file_config, executor=ExecutorConfig(tasks=2), test_windows=30)
+    reference = prepare(replace(config, output_dir=str(tmp_path / "reference")), progress=False)
+    assert read_manifest(reference)["test"]["screen_index"] == "grams"  # web-like text: grams
+    monkeypatch.setattr(steps, "prefers_shingles", lambda *args: shingles)  # the forked tasks inherit it
+    monkeypatch.setattr(heldout, "HITS_PER_BYTE", 0.0 if not shingles else float("inf"))  # grams: switch on any hit
+    folder = prepare(replace(config, output_dir=str(tmp_path / "planned")), progress=False)
+    manifest, expected = read_manifest(folder), read_manifest(reference)
+    assert manifest["test"]["screen_index"] == ("shingles" if shingles else "grams")
+    assert manifest["test"]["excluded"] == expected["test"]["excluded"] > 0
+    _same_evaluation_sets(reference, folder)
+    assert [s["sha256"] for s in manifest["train"]["shards"]] == [s["sha256"] for s in expected["train"]["shards"]]
+
+
+def test_held_out_text_that_repeats_itself_prefers_the_shingle_index():
+    rng = np.random.default_rng(0)
+    lines = [b"    " * int(rng.integers(1, 4)) + rng.integers(97, 123, 20, dtype=np.uint8).tobytes() + b"\n"
+             for _ in range(8)]  # a few indented lines, repeated in every window and document: code-like
+    code = [b"".join(lines[i] for i in rng.integers(0, 8, 60)) for _ in range(80)]
+    prose = [rng.integers(32, 127, 1500, dtype=np.uint8).tobytes() for _ in range(80)]
+    assert heldout.prefers_shingles([c[:1025] for c in code[:64]], code[64:], 50)
+    assert not heldout.prefers_shingles([p[:1025] for p in prose[:64]], prose[64:], 50)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 16])
+def test_keys_sort_and_filter_as_numpy_and_a_set_do(threads):
+    rng = np.random.default_rng(threads)
+    keys = rng.integers(0, 1 << 63, 3_000_000, dtype=np.int64).astype(np.uint64) * np.uint64(2)
+    keys[::7] = keys[0]  # repeated keys
+    assert np.array_equal(heldout.sort_keys(keys.copy(), threads), np.sort(keys))
+    bits = heldout.filter_size(keys.size >> 8)
+    queries = np.concatenate([keys[:1000], rng.integers(0, 1 << 63, 100_000, dtype=np.int64).astype(np.uint64)])
+    top = {int(k) >> (64 - bits) for k in keys}
+    expected = [int(q) >> (64 - bits) in top for q in queries]
+    assert heldout.passes(heldout.key_filter(keys, bits), queries, bits).tolist() == expected
 
 
 def test_screen_sees_a_shared_passage_one_byte_short_as_clean():

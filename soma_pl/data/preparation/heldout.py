@@ -150,38 +150,72 @@ def hashes_at(data: np.ndarray, starts: np.ndarray | None, width: int,
     return hashes
 
 
+def word_view(data: np.ndarray) -> np.ndarray:
+    """The little-endian 8-byte word starting at every byte of `data` (uint8, 1-D), zero past its end:
+    `[len(data) + 1] <u8`, a strided view of one padded copy."""
+    padded = np.concatenate([data, np.zeros(8, dtype=np.uint8)])
+    return np.ndarray((padded.size - 7,), dtype="<u8", buffer=padded, strides=(1,))
+
+
+HASH_CHUNK = 1 << 15
+"""Positions hashed (or filtered) at once: the chunk's temporaries stay in a core's cache, which
+made hashing every position of real text 2.5x faster than whole-array passes."""
+
+
 def shingle_hashes(data: np.ndarray, width: int) -> np.ndarray:
     """64-bit hashes of every `width`-byte string of `data` (uint8, 1-D): `[len(data) - width + 1]`,
     equal for equal strings wherever they lie.
 
     Each string is read 8 bytes at a time (the last word masked to its bytes) as unaligned little-endian
-    words: for all positions at once, word j of every string is one contiguous view of the data shifted by
-    8·j bytes, folded in place with a xor-multiply-xorshift step, then mixed so that the top bits the screen's filter
-    reads depend on every byte. Equal strings always hash equal, which is all the screen needs: a collision
-    only costs a byte comparison.
+    words: for all positions of a chunk at once, word j of every string is one contiguous view of the data
+    shifted by 8·j bytes, folded in place with a xor-multiply-xorshift step, then mixed so that the top bits
+    the screen's filter reads depend on every byte. Equal strings always hash equal, which is all the
+    screen needs: a collision only costs a byte comparison.
     """
     count = data.size - width + 1
     if count <= 0:
         return np.empty(0, dtype=np.uint64)
-    padded = np.concatenate([data, np.zeros(8, dtype=np.uint8)])
-    words = np.ndarray((padded.size - 7,), dtype="<u8", buffer=padded, strides=(1,))  # a word at every byte
-    hashes = np.full(count, _MIX[0], dtype=np.uint64)
-    scratch = np.empty(count, dtype=np.uint64)
-    for lane in range(-(-width // 8)):
-        word = words[8 * lane : 8 * lane + count]
-        left = width - 8 * lane
-        if left < 8:
-            word = np.bitwise_and(word, np.uint64((1 << (8 * left)) - 1), out=scratch)
-        np.bitwise_xor(hashes, word, out=hashes)
-        np.multiply(hashes, _MIX[1], out=hashes)
-        np.right_shift(hashes, np.uint64(29), out=scratch)  # a product carries differences only upward:
-        np.bitwise_xor(hashes, scratch, out=hashes)  # fold the high bits back down before the next word
-    for shift, factor in ((31, _MIX[2]), (29, _MIX[1]), (32, None)):
-        np.right_shift(hashes, np.uint64(shift), out=scratch)
-        np.bitwise_xor(hashes, scratch, out=hashes)
-        if factor is not None:
-            np.multiply(hashes, factor, out=hashes)
+    words = word_view(data)
+    lanes = -(-width // 8)
+    tail = np.uint64((1 << (8 * (width - 8 * (lanes - 1)))) - 1)
+    hashes = np.empty(count, dtype=np.uint64)
+    scratch = np.empty(min(count, HASH_CHUNK), dtype=np.uint64)
+    for first in range(0, count, HASH_CHUNK):
+        end = min(count, first + HASH_CHUNK)
+        out, spare = hashes[first:end], scratch[: end - first]
+        out.fill(_MIX[0])
+        for lane in range(lanes):
+            word = words[first + 8 * lane : end + 8 * lane]
+            if lane == lanes - 1 and width % 8:
+                word = np.bitwise_and(word, tail, out=spare)
+            np.bitwise_xor(out, word, out=out)
+            np.multiply(out, _MIX[1], out=out)
+            np.right_shift(out, np.uint64(29), out=spare)  # a product carries differences only upward:
+            np.bitwise_xor(out, spare, out=out)  # fold the high bits back down before the next word
+        for shift, factor in ((31, _MIX[2]), (29, _MIX[1]), (32, None)):
+            np.right_shift(out, np.uint64(shift), out=spare)
+            np.bitwise_xor(out, spare, out=out)
+            if factor is not None:
+                np.multiply(out, factor, out=out)
     return hashes
+
+
+def sort_keys(keys: np.ndarray, threads: int = 1) -> np.ndarray:
+    """`keys` (uint64, 1-D) sorted, in place when `threads` is 1. With more threads (a power of two of
+    them is used), the keys are dealt by their top bits into ranges that are sorted side by side
+    (NumPy's sort releases the GIL) and laid back in order: for the planning task, which runs alone."""
+    parts = 1 << (max(1, min(threads, 16)).bit_length() - 1)
+    if parts == 1 or keys.size < 1 << 20:
+        keys.sort()
+        return keys
+    from concurrent.futures import ThreadPoolExecutor
+
+    top = (keys >> np.uint64(64 - parts.bit_length() + 1)).astype(np.uint8)
+    keys = keys[np.argsort(top, kind="stable")]  # a radix pass: the ranges in order, each contiguous
+    bounds = np.cumsum(np.bincount(top, minlength=parts))
+    with ThreadPoolExecutor(parts) as pool:
+        list(pool.map(np.ndarray.sort, np.split(keys, bounds[:-1])))
+    return keys
 
 
 def filter_size(keys: int) -> int:
@@ -190,17 +224,25 @@ def filter_size(keys: int) -> int:
 
 
 def key_filter(keys: np.ndarray, bits: int) -> np.ndarray:
-    """A filter in front of sorted 64-bit keys, as packed bits: bit i is set when some key has top
-    bits i, so most hashes that are no key are dismissed by one lookup (`passes`)."""
-    table = np.zeros(1 << bits, dtype=bool)
-    table[keys >> np.uint64(64 - bits)] = True  # sorted keys: a sequential scatter
-    return np.packbits(table)
+    """A filter in front of 64-bit keys, as packed bits: bit i is set when some key has top bits i,
+    so most hashes that are no key are dismissed by one lookup (`passes`). Set `HASH_CHUNK` keys at
+    a time (their temporaries stay in cache)."""
+    table = np.zeros(1 << (bits - 3), dtype=np.uint8)
+    for first in range(0, keys.size, HASH_CHUNK):
+        slots = (keys[first : first + HASH_CHUNK] >> np.uint64(64 - bits)).astype(np.uint32)
+        np.bitwise_or.at(table, slots >> 3, np.uint8(128) >> (slots & 7).astype(np.uint8))
+    return table
 
 
 def passes(filter_bits: np.ndarray, hashes: np.ndarray, bits: int) -> np.ndarray:
-    """`[n] bool`: whether each hash's top `bits` bits are set in `key_filter`'s packed bits."""
-    slot = hashes >> np.uint64(64 - bits)
-    return ((filter_bits[slot >> np.uint64(3)] >> (7 - (slot & np.uint64(7))).astype(np.uint8)) & 1).astype(bool)
+    """`[n] bool`: whether each hash's top `bits` bits are set in `key_filter`'s packed bits
+    (`HASH_CHUNK` hashes at a time)."""
+    passed = np.empty(hashes.size, dtype=bool)
+    for first in range(0, hashes.size, HASH_CHUNK):
+        slot = hashes[first : first + HASH_CHUNK] >> np.uint64(64 - bits)
+        byte = filter_bits[slot >> np.uint64(3)]
+        np.greater_equal(byte << (slot & np.uint64(7)).astype(np.uint8), 128, out=passed[first : first + HASH_CHUNK])
+    return passed
 
 
 CONFIRM_BLOCK = 1 << 14
@@ -231,17 +273,27 @@ class OverlapScreen:
     """
 
     def __init__(self, windows: list[bytes], shingle_bytes: int, index: np.ndarray | None = None,
-                 filter_bits: np.ndarray | None = None, share_with: OverlapScreen | None = None):
+                 filter_bits: np.ndarray | None = None, share_with: OverlapScreen | None = None,
+                 shingles: ShingleIndex | None = None, threads: int = 1):
         """`index`, `filter_bits`: `index_keys()` and `filter_bits()` of a screen built on the same
         windows and `shingle_bytes` (built once, e.g. saved by a planning task and loaded by every
         screening task). `share_with`: a screen of the same windows in this process whose
-        `ShingleIndex`, once either needs it, serves both (each keeps its own marks)."""
+        `ShingleIndex`, once either needs it, serves both (each keeps its own marks). `shingles`: a
+        `ShingleIndex` of the same windows (e.g. chosen by the planning task, `prefers_shingles`)
+        that screens every batch; no gram index is built or read. `threads`: for sorting the index
+        (`sort_keys`)."""
         self.windows = [bytes(w) for w in windows]
-        self.shingle_bytes = shingle_bytes
+        self.shingle_bytes, self.threads = shingle_bytes, threads
         self._bytes = np.frombuffer(b"".join(self.windows), dtype=np.uint8)
         self._lengths = np.fromiter(map(len, self.windows), dtype=np.int64, count=len(self.windows))
         self._starts = np.cumsum(self._lengths) - self._lengths
         self._shared: dict[str, ShingleIndex] = {} if share_with is None else share_with._shared
+        if shingles is not None:
+            self._shared["shingles"] = shingles
+        self.contaminated = np.zeros(len(self.windows), dtype=bool)
+        self.only_shingles = shingles is not None
+        if self.only_shingles:
+            return
         self.gram = (shingle_bytes + 1) // 2
         # Each indexed gram is one uint64 key: the top bits of its hash, then its window, then its
         # offset in the window; sorting the keys sorts by hash (np.sort: no argsort and gathers).
@@ -253,7 +305,6 @@ class OverlapScreen:
         self._keys = self._build_index() if index is None else np.asarray(index, dtype=np.uint64)
         self._filter = filter_bits
         self._bits = filter_size(self._keys.size)
-        self.contaminated = np.zeros(len(self.windows), dtype=bool)
 
     def filter_bits(self) -> np.ndarray:
         """A filter in front of the sorted keys, as packed bits: bit i is set when some indexed gram's
@@ -275,7 +326,7 @@ class OverlapScreen:
             owners = np.array([i for i, _ in group], dtype=np.uint64) << np.uint64(self._offset_bits)
             places = (owners[:, None] | np.arange(count, dtype=np.uint64)[None, :]).reshape(-1)  # window, offset
             keys.append((hashes_at(data, None, self.gram, rows=(len(group), length)) & high) | places)
-        return np.sort(np.concatenate(keys)) if keys else np.empty(0, dtype=np.uint64)
+        return sort_keys(np.concatenate(keys), self.threads) if keys else np.empty(0, dtype=np.uint64)
 
     def index_keys(self) -> np.ndarray:
         """The sorted gram keys, to pass as `index` to a screen of the same windows elsewhere."""
@@ -287,30 +338,15 @@ class OverlapScreen:
 
     def screen_many(self, documents: list[bytes]) -> None:
         """Mark every candidate window sharing `shingle_bytes` bytes with one of `documents`."""
-        if self._keys.size == 0 or not documents:
+        if not documents:
             return
-        text = b"".join(documents)
-        lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
-        starts = np.cumsum(lengths) - lengths
-        counts = np.maximum(lengths - self.gram, -1) // self.gram + 1
-        counts[lengths < self.shingle_bytes] = 0
-        if not counts.sum():
+        if self.only_shingles:
+            self.contaminated[self._shared["shingles"].find(documents)] = True
             return
-        first = np.repeat(np.cumsum(counts) - counts, counts)
-        positions = np.repeat(starts, counts) + self.gram * (np.arange(counts.sum()) - first)
-        queries = hashes_at(np.frombuffer(text, dtype=np.uint8), positions, self.gram)
-        maybe = passes(self.filter_bits(), queries, self._bits)
-        positions, queries = positions[maybe], queries[maybe]
-        source = np.repeat(np.arange(len(documents)), counts)[maybe]  # each query's document
-        # The keys of a hash lie in [its top bits, then zeros; its top bits, then ones].
-        low = np.uint64((1 << self._low) - 1)
-        queries &= ~low
-        left = np.searchsorted(self._keys, queries, side="left")
-        right = np.searchsorted(self._keys, queries | low, side="right")
-        found = right > left
-        if not found.any():
+        looked_up = self._look_up_grams(documents)
+        if looked_up is None:
             return
-        spans = right[found] - left[found]
+        text, lengths, starts, positions, source, left, found, spans = looked_up
         if spans.sum() > HITS_PER_BYTE * len(text):
             if "shingles" not in self._shared:
                 self._shared["shingles"] = ShingleIndex(self.windows, self.shingle_bytes)
@@ -332,6 +368,41 @@ class OverlapScreen:
             hit = self._confirm(data, begin, begin + lengths[doc], where[block][live].astype(np.int64), owner,
                                 offsets[block][live])
             self.contaminated[owner[hit]] = True
+
+    def gram_hits(self, documents: list[bytes]) -> int:
+        """How many (document gram, indexed gram) pairs `screen_many` would confirm on the bytes for
+        `documents`: the work of the gram screen, which `HITS_PER_BYTE` weighs against their bytes."""
+        looked_up = None if self.only_shingles else self._look_up_grams(documents)
+        return 0 if looked_up is None else int(looked_up[-1].sum())
+
+    def _look_up_grams(self, documents: list[bytes]) -> tuple | None:
+        """The documents' grams at multiples of `gram` looked up in the sorted keys: `(text, lengths,
+        starts, positions, source, left, found, spans)`, with each found query's first key (`left`)
+        and number of keys (`spans`); None when nothing can be found."""
+        if self._keys.size == 0 or not documents:
+            return None
+        text = b"".join(documents)
+        lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+        starts = np.cumsum(lengths) - lengths
+        counts = np.maximum(lengths - self.gram, -1) // self.gram + 1
+        counts[lengths < self.shingle_bytes] = 0
+        if not counts.sum():
+            return None
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        positions = np.repeat(starts, counts) + self.gram * (np.arange(counts.sum()) - first)
+        queries = hashes_at(np.frombuffer(text, dtype=np.uint8), positions, self.gram)
+        maybe = passes(self.filter_bits(), queries, self._bits)
+        positions, queries = positions[maybe], queries[maybe]
+        source = np.repeat(np.arange(len(documents)), counts)[maybe]  # each query's document
+        # The keys of a hash lie in [its top bits, then zeros; its top bits, then ones].
+        low = np.uint64((1 << self._low) - 1)
+        queries &= ~low
+        left = np.searchsorted(self._keys, queries, side="left")
+        right = np.searchsorted(self._keys, queries | low, side="right")
+        found = right > left
+        if not found.any():
+            return None
+        return text, lengths, starts, positions, source, left, found, right[found] - left[found]
 
     def _confirm(self, text: np.ndarray, begin: np.ndarray, end: np.ndarray, position: np.ndarray,
                  owner: np.ndarray, offset: np.ndarray) -> np.ndarray:
@@ -359,88 +430,92 @@ class OverlapScreen:
 
 QUERY_BLOCK = 1 << 20
 """Document positions looked up and confirmed at once (each confirmation compares `shingle_bytes` bytes)."""
-IMPURE = np.uint64(1 << 63)
-"""Flag on an index entry whose hash other, different shingles of the windows share."""
 
 
 class ShingleIndex:
     """The exact screen for repetitive text (`OverlapScreen` switches a batch to it): marks the
     candidate windows that share any `shingle_bytes`-long substring with a screened document.
 
-    Every s-byte shingle of the windows is indexed by its 64-bit hash (sorted, each entry beside its
-    window and offset); every s-byte shingle of a screened document is looked up (most are dismissed
-    by a filter of packed bits in front of the keys). A found shingle is confirmed on the bytes
-    against one occurrence of the indexed shingle, and then marks every window holding it: a
-    shingle repeated across many windows (indentation, licence headers, rules of dashes) costs one
-    comparison per document position, not one per window. Where different shingles of the windows
-    share a hash (found when the index is built, and flagged), the document's shingle is confirmed
-    against each of them. Hash collisions cost comparisons, never a wrong answer. It holds no marks,
-    so two screens of the same windows share one (`OverlapScreen(share_with=...)`).
+    Every s-byte shingle of the windows is one sorted 64-bit key: the top bits of its hash, then where
+    it starts in the windows' bytes (one `np.sort`, no argsort and gathers). Every s-byte shingle of a
+    screened document is looked up (most are dismissed by a filter of packed bits in front of the
+    keys). A found shingle is confirmed on the bytes, 8 at a time, against one occurrence of the
+    indexed shingle, and then marks every window holding it: a shingle repeated across many windows
+    (indentation, licence headers, rules of dashes) costs one comparison per document position, not
+    one per window. Where different shingles of the windows share a hash (found when the index is
+    built), the document's shingle is confirmed against each of them. Hash collisions cost
+    comparisons, never a wrong answer. It holds no marks, so two screens of the same windows share
+    one (`OverlapScreen(share_with=...)`).
     """
 
-    def __init__(self, windows: list[bytes], shingle_bytes: int):
-        """Index `windows` (built here, in the task that needs it)."""
-        self.shingle_bytes = shingle_bytes
+    def __init__(self, windows: list[bytes], shingle_bytes: int, keys: np.ndarray | None = None,
+                 impure: np.ndarray | None = None, filter_bits: np.ndarray | None = None, threads: int = 1):
+        """Index `windows`: built here (`threads`: for sorting, `sort_keys`), or given (`keys`,
+        `impure`, `filter_bits` of an index of the same windows and `shingle_bytes`, e.g. saved by the
+        planning task and mapped by each task)."""
+        self.shingle_bytes, self.threads = shingle_bytes, threads
         self._bytes = np.frombuffer(b"".join(windows), dtype=np.uint8)
+        self._words = word_view(self._bytes)
         self._lengths = np.fromiter(map(len, windows), dtype=np.int64, count=len(windows))
         self._starts = np.cumsum(self._lengths) - self._lengths
-        self._keys, self._places = self._build_index()
-        self._filter = None
-        self._bits = filter_size(self._keys.size)
+        self._low = np.uint64((1 << max(1, self._bytes.size.bit_length())) - 1)  # a key's position bits
+        if keys is None:
+            self.keys, self.impure = self._build_index()
+        else:
+            self.keys, self.impure = np.asarray(keys, dtype=np.uint64), np.asarray(impure, dtype=np.uint64)
+        self._filter = filter_bits
+        self._bits = filter_size(self.keys.size)
 
     def filter_bits(self) -> np.ndarray:
         """A filter in front of the sorted keys, as `OverlapScreen.filter_bits` is in front of its."""
         if self._filter is None:
-            self._filter = key_filter(self._keys, self._bits)
+            self._filter = key_filter(self.keys, self._bits)
         return self._filter
 
-    def _build_index(self) -> np.ndarray:
-        """`[2, m] uint64`: every shingle's hash (sorted), and where it starts in the windows' bytes
-        (`IMPURE` set where different shingles share the hash)."""
-        need = self.shingle_bytes
+    def _build_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """`[m] uint64`, sorted: every shingle's hash bits above `_low`, then its start in the windows'
+        bytes; and the hash bits (sorted) that different shingles share."""
+        need, low = self.shingle_bytes, self._low
         counts = np.maximum(self._lengths - need + 1, 0)  # the shingles of each window
         if not counts.sum():
-            return np.empty((2, 0), dtype=np.uint64)
+            return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.uint64)
         if (counts == counts[0]).all():  # windows of one length: one broadcast
             where = (self._starts[:, None] + np.arange(counts[0], dtype=np.int64)[None, :]).reshape(-1)
         else:
             where = np.repeat(self._starts, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts,
                                                                                           counts))
         keys = shingle_hashes(self._bytes, need)[where]
-        order = np.argsort(keys)
-        index = np.empty((2, keys.size), dtype=np.uint64)
-        keys = np.take(keys, order, out=index[0])
-        where = where[order]
-        repeated = np.flatnonzero(keys[1:] == keys[:-1]) + 1  # entries after their hash's first
-        if repeated.size:
-            first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-            representative = first[np.searchsorted(first, repeated, side="right") - 1]
-            differs = representative[~self._same(where[repeated], where[representative])]
-            if differs.size:  # every entry of such a hash is flagged
-                spans = np.searchsorted(keys, keys[np.unique(differs)], side="right")
-                marks = np.zeros(keys.size + 1, dtype=np.int64)
-                np.add.at(marks, np.unique(differs), 1)
-                np.add.at(marks, spans, -1)
-                where = where.astype(np.uint64) | (np.cumsum(marks[:-1]).astype(np.uint64) << np.uint64(63))
-        index[1] = where
-        return index
+        keys &= ~low
+        keys |= where.astype(np.uint64)
+        del where
+        keys = sort_keys(keys, self.threads)
+        shared = (keys[1:] ^ keys[:-1]) <= low  # an entry whose hash is its predecessor's
+        repeated = np.flatnonzero(shared) + 1
+        first = np.flatnonzero(np.r_[True, ~shared])
+        del shared
+        representative = first[np.searchsorted(first, repeated, side="right") - 1]
+        differs = repeated[~self._same((keys[repeated] & low).astype(np.int64),
+                                       (keys[representative] & low).astype(np.int64))]
+        return keys, np.unique(keys[differs] & ~low)
 
     def _same(self, ours: np.ndarray, theirs: np.ndarray, text: np.ndarray | None = None) -> np.ndarray:
-        """Whether the shingles at `ours` (in `text`, else in the windows' bytes) equal those at
-        `theirs` in the windows' bytes, `QUERY_BLOCK` at a time."""
-        source = self._bytes if text is None else text
-        span = np.arange(self.shingle_bytes, dtype=np.int64)
-        same = np.empty(ours.size, dtype=bool)
-        for first in range(0, ours.size, QUERY_BLOCK // 16):
-            block = slice(first, first + QUERY_BLOCK // 16)
-            same[block] = (source[ours[block, None] + span] == self._bytes[theirs[block, None] + span]).all(1)
+        """Whether the shingles at `ours` (in `text`, a `word_view`, else in the windows' bytes) equal
+        those at `theirs` in the windows' bytes, compared 8 bytes at a time."""
+        source = self._words if text is None else text
+        same = np.ones(ours.size, dtype=bool)
+        for lane in range(-(-self.shingle_bytes // 8)):
+            differ = source[ours + 8 * lane] ^ self._words[theirs + 8 * lane]
+            left = self.shingle_bytes - 8 * lane
+            if left < 8:
+                differ &= np.uint64((1 << (8 * left)) - 1)
+            same &= differ == 0
         return same
 
     def find(self, documents: list[bytes]) -> np.ndarray:
         """The windows (indices, possibly repeated) sharing `shingle_bytes` bytes with one of `documents`."""
         need = self.shingle_bytes
         text = b"".join(documents)
-        if self._keys.size == 0 or len(text) < need:
+        if self.keys.size == 0 or len(text) < need:
             return np.empty(0, dtype=np.int64)
         data = np.frombuffer(text, dtype=np.uint8)
         ends = np.cumsum(np.fromiter(map(len, documents), dtype=np.int64, count=len(documents)))
@@ -448,45 +523,53 @@ class ShingleIndex:
         positions = np.flatnonzero(passes(self.filter_bits(), hashes, self._bits))
         # a shingle counts only inside one document: it must end at or before its document's end
         positions = positions[positions + need <= ends[np.searchsorted(ends, positions, side="right")]]
+        words = word_view(data)
         held = [np.empty(0, dtype=np.int64)]
         for first in range(0, positions.size, QUERY_BLOCK):
             block = positions[first : first + QUERY_BLOCK]
-            held.append(self._look_up(data, block, hashes[block]))
+            held.append(self._look_up(words, block, hashes[block]))
         held = np.concatenate(held)
         return np.searchsorted(self._starts, held, side="right") - 1  # the window each shingle starts in
 
-    def _look_up(self, data: np.ndarray, positions: np.ndarray, queries: np.ndarray) -> np.ndarray:
-        """Where, in the windows' bytes, the shingles at `positions` of `data` (hashed `queries`) also
-        start: every occurrence of each one found."""
+    def _look_up(self, words: np.ndarray, positions: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        """Where, in the windows' bytes, the shingles at `positions` of a document's bytes (`words`, its
+        `word_view`; hashed `queries`) also start: every occurrence of each one found."""
+        low, keys = self._low, self.keys
         # each distinct hash searched once, in order: repeated text repeats hashes, and sorted needles
         # keep the binary searches in one part of the keys
-        distinct, back = np.unique(queries, return_inverse=True)
-        at = np.searchsorted(self._keys, distinct, side="left")
-        hit = at < self._keys.size
-        hit[hit] = self._keys[at[hit]] == distinct[hit]
+        distinct, back = np.unique(queries & ~low, return_inverse=True)
+        at = np.searchsorted(keys, distinct, side="left")
+        hit = at < keys.size
+        hit[hit] = (keys[at[hit]] ^ distinct[hit]) <= low
         found = hit[back]
-        positions, queries, left = positions[found], queries[found], at[back][found]
+        positions, heads, left = positions[found], distinct[back[found]], at[back[found]]
         held = [np.empty(0, dtype=np.int64)]
         if not positions.size:
             return held[0]
-        places = self._places[left]
-        impure = (places & IMPURE) != 0
+        impure = np.isin(heads, self.impure) if self.impure.size else np.zeros(heads.size, dtype=bool)
         pure = ~impure
-        confirmed = self._same(positions[pure], (places[pure] & ~IMPURE).astype(np.int64), data)
+        confirmed = self._same(positions[pure], (keys[left[pure]] & low).astype(np.int64), words)
         groups = np.unique(left[pure][confirmed])
         if impure.any():  # each entry of a shared hash on its own
-            right = np.searchsorted(self._keys, queries[impure], side="right")
-            spans = right - left[impure]
+            spans = np.searchsorted(keys, heads[impure] | low, side="right") - left[impure]
             entries = np.repeat(left[impure] - (np.cumsum(spans) - spans), spans) + np.arange(spans.sum())
             at = np.repeat(positions[impure], spans)
-            starts = (self._places[entries] & ~IMPURE).astype(np.int64)
-            held.append(starts[self._same(at, starts, data)])
+            starts = (keys[entries] & low).astype(np.int64)
+            held.append(starts[self._same(at, starts, words)])
         if groups.size:
-            right = np.searchsorted(self._keys, self._keys[groups], side="right")
-            spans = right - groups
+            spans = np.searchsorted(keys, keys[groups] | low, side="right") - groups
             entries = np.repeat(groups - (np.cumsum(spans) - spans), spans) + np.arange(spans.sum())
-            held.append((self._places[entries] & ~IMPURE).astype(np.int64))
+            held.append((keys[entries] & low).astype(np.int64))
         return np.concatenate(held)
+
+
+def prefers_shingles(windows: list[bytes], documents: list[bytes], shingle_bytes: int, sample: int = 8) -> bool:
+    """Whether text like `documents` (held-out documents of the corpus, not in `windows`) would send
+    the gram screen of `windows` to its full-shingle index: more than `HITS_PER_BYTE` gram hits per
+    byte, estimated against every `sample`-th window (hits add up over windows, so the count scales).
+    The planning task asks, and builds the `ShingleIndex` once for every screening task if so."""
+    probe = OverlapScreen(windows[::sample], shingle_bytes)
+    return probe.gram_hits(documents) * sample > HITS_PER_BYTE * sum(map(len, documents))
 
 
 class ExpertValChoice:

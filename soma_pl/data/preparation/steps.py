@@ -7,7 +7,8 @@ select  (N tasks)  each task: its documents' held-out candidates (smallest seede
                                                                               -> select/<rank>.json
 plan    (1 task)   the global held-out choice from the union of the tasks' candidates; the
                    ensemble-validation windows; the test candidate windows and the overlap
-                   screen's gram index (built once)                           -> plan.json
+                   screen's index (built once: grams, or every shingle where the held-out
+                   documents show the corpus repeating itself)                -> plan.json
 write   (N tasks)  each task: screens its training documents against the test candidates (exact,
                    any shared 50-byte substring; for `test`, also the documents held out only for
                    the final split) and writes them to its own WebDataset shards
@@ -24,6 +25,7 @@ documents are grouped and ordered into tars) depend on the task count.
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from collections import Counter
@@ -44,16 +46,20 @@ from soma_pl.data.preparation.heldout import (
     ExpertValChoice,
     HeldOutSelector,
     OverlapScreen,
+    ShingleIndex,
     document_rank,
+    prefers_shingles,
     validation_windows,
 )
 from soma_pl.data.runner.pipeline import read_documents
-from soma_pl.data.runner.task_files import link_or_copy, peak_rss_mib, save_npy
+from soma_pl.data.runner.task_files import base_pages, link_or_copy, peak_rss_mib, save_npy
 from soma_pl.errors import DataError
 from soma_pl.io import atomic_folder, close_quietly, write_atomic, write_json_atomic
 
 SCREEN_BATCH_BYTES = 4_000_000
 """Training bytes screened at once (one vectorised lookup)."""
+SCREEN_PROBE_BYTES = 1 << 20
+"""Ensemble-validation text (its first documents) whose gram hits decide the screen's index (`prefers_shingles`)."""
 
 
 class _Stage(PipelineStep):
@@ -116,6 +122,7 @@ class PlanHeldOut(_Stage):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         config, begun = self.config, time.perf_counter()
+        base_pages()
         parts = [json.loads((self.stage / "select" / f"{task:05d}.json").read_text()) for task in range(self.tasks)]
         held: list[tuple[Document, int]] = []  # (test window, its offset) of each held document
         full: dict[str, Document] = {}
@@ -145,12 +152,24 @@ class PlanHeldOut(_Stage):
         candidate_set = EvalSet.from_picks([d for d, _ in candidates], [(i, 0) for i in range(len(candidates))])
         candidate_set.offsets = np.array([offset for _, offset in candidates], dtype=np.int64)
         candidate_set.save(self.stage / "candidates.npz")
-        # The screen's gram index, built once here rather than by every screening task.
-        screen = OverlapScreen([w.tobytes() for w in candidate_set.windows], config.shingle_bytes)
-        save_npy(self.stage / "screen_keys.npy", screen.index_keys())
-        save_npy(self.stage / "screen_filter.npy", screen.filter_bits())
+        # The screen's index, built once here rather than by every screening task: the full-shingle
+        # index when the held-out documents say the corpus repeats itself (code, markup), else grams.
+        windows = [w.tobytes() for w in candidate_set.windows]
+        screen_kind = "grams"
+        probe = [d.text for d in val_docs]
+        probe = probe[: max(1, int(np.searchsorted(np.cumsum([len(t) for t in probe]), SCREEN_PROBE_BYTES)))]
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if prefers_shingles(windows, probe, config.shingle_bytes):
+            screen_kind, shingles = "shingles", ShingleIndex(windows, config.shingle_bytes, threads=threads)
+            for name, array in (("keys", shingles.keys), ("impure", shingles.impure),
+                                ("filter", shingles.filter_bits())):
+                save_npy(self.stage / f"shingle_{name}.npy", array)
+        else:
+            screen = OverlapScreen(windows, config.shingle_bytes, threads=threads)
+            save_npy(self.stage / "screen_keys.npy", screen.index_keys())
+            save_npy(self.stage / "screen_filter.npy", screen.filter_bits())
         write_json_atomic(self.stage / "plan.json", {
-            "held_ids": sorted(held_ids), "expert_val_fallback": expert_val.fallback,
+            "held_ids": sorted(held_ids), "expert_val_fallback": expert_val.fallback, "screen": screen_kind,
             "final_only_ids": sorted(d.doc_id for d, _ in candidates[config.test_own_candidates :]),
             "short": dict(sorted(short.items())), "documents": sum(p["documents"] for p in parts),
             "seconds": round(time.perf_counter() - begun, 3),
@@ -192,6 +211,7 @@ class WriteShards(_Stage):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         config, begun = self.config, time.perf_counter()
+        base_pages()
         plan = json.loads((self.stage / "plan.json").read_text())
         held_ids = set(plan["held_ids"])
         expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, 0)
@@ -199,10 +219,17 @@ class WriteShards(_Stage):
         final_only = set(plan.get("final_only_ids", ()))
         windows = [w.tobytes() for w in EvalSet.load(self.stage / "candidates.npz").windows]
         # Mapped, not read: the 40 MB of keys come from the page cache, shared by the tasks.
-        index = np.load(self.stage / "screen_keys.npy", mmap_mode="r")
-        filter_bits = np.load(self.stage / "screen_filter.npy", mmap_mode="r")
-        screen = OverlapScreen(windows, config.shingle_bytes, index, filter_bits)
-        by_final = OverlapScreen(windows, config.shingle_bytes, index, filter_bits, share_with=screen)
+        if plan.get("screen") == "shingles":
+            shingles = ShingleIndex(windows, config.shingle_bytes,
+                                    *(np.load(self.stage / f"shingle_{name}.npy", mmap_mode="r")
+                                      for name in ("keys", "impure", "filter")))
+            screen = OverlapScreen(windows, config.shingle_bytes, shingles=shingles)
+            by_final = OverlapScreen(windows, config.shingle_bytes, shingles=shingles)
+        else:
+            index = np.load(self.stage / "screen_keys.npy", mmap_mode="r")
+            filter_bits = np.load(self.stage / "screen_filter.npy", mmap_mode="r")
+            screen = OverlapScreen(windows, config.shingle_bytes, index, filter_bits)
+            by_final = OverlapScreen(windows, config.shingle_bytes, index, filter_bits, share_with=screen)
         screen, by_final = _BatchedScreen(screen), _BatchedScreen(by_final)
         writers = {"train": ShardWriter(self.stage / "train", f"train-{rank:05d}", config.shard_max_bytes),
                    "expert_val": ShardWriter(self.stage / "expert_val", f"val-{rank:05d}", config.shard_max_bytes)}
@@ -278,6 +305,8 @@ class FinishPrepare(_Stage):
             raise DataError(f"no training documents left in {describe(config)}")
         test_splits = self._test_splits(work, {i for p in parts for i in p["contaminated"]},
                                         {i for p in parts for i in p.get("contaminated_by_final_only", ())})
+        # which index screened (`prefers_shingles`): it changes the time, never the windows
+        test_splits["test"]["screen_index"] = plan.get("screen", "grams")
         for record in shards["train"] + shards["expert_val"]:
             (work / record.path).parent.mkdir(parents=True, exist_ok=True)
             link_or_copy(self.stage / record.path, work / record.path)
