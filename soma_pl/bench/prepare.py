@@ -121,6 +121,16 @@ def write_source_corpus(folder: Path, files: int, root: Path | None = None, docu
             "parquet_bytes": sum(f.stat().st_size for f in folder.glob("*.parquet"))}
 
 
+def scratch_folder(workdir: str | None, bench: str) -> tempfile.TemporaryDirectory:
+    """A scratch folder under `workdir` (made if missing), or the system's temporary folder."""
+    if workdir is not None:
+        try:
+            Path(workdir).expanduser().mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"{bench}: --workdir {workdir}: {error.strerror}") from None
+    return tempfile.TemporaryDirectory(dir=None if workdir is None else Path(workdir).expanduser())
+
+
 ROOT = Path(__file__).resolve().parents[2]
 """The project root (its `configs/`)."""
 
@@ -205,7 +215,7 @@ def bench_prepare(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ..
         (start-up, the planning task and the merge run once whatever the task count).
     """
     kind = corpus
-    with tempfile.TemporaryDirectory(dir=workdir) as scratch:
+    with scratch_folder(workdir, "bench prepare") as scratch:
         root = Path(scratch)
         corpus = write_source_corpus(root / "corpus", files, Path(source) if source else None) \
             if kind == "stdlib" else write_fineweb_corpus(root / "corpus", int(megabytes * 1e6), files)

@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from soma_pl.bench.prepare import ROOT, run_prepare, time_task_counts, timed, write_fineweb_corpus
+from soma_pl.bench.prepare import ROOT, run_prepare, scratch_folder, time_task_counts, timed, write_fineweb_corpus
 from soma_pl.errors import ConfigError
 from soma_pl.io import emit_json
 
@@ -48,7 +47,7 @@ def bench_shard(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...]
         and `time_task_counts`'s figures; every run's experts must agree (any task count gives the
         same sharding), which `same_experts` records.
     """
-    with tempfile.TemporaryDirectory(dir=workdir) as scratch:
+    with scratch_folder(workdir, "bench shard") as scratch:
         root = Path(scratch)
         corpus = write_fineweb_corpus(root / "corpus", int(megabytes * 1e6), files)
         prepared = root / "prepared"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from soma_pl.bench import prepare
 from soma_pl.bench.prepare import run_prepare, time_task_counts
 from soma_pl.cli import main
@@ -13,7 +15,8 @@ from tests.bench.scripted import scripted_run
 
 def test_bench_prepare_reports_throughput_stages_and_memory_per_task(tmp_path, capsys):
     out = tmp_path / "prepare.json"
-    main(["bench", "prepare", "--megabytes=1.5", "--files=4", "--tasks=[1, 2]", f"--workdir={tmp_path}",
+    scratch = tmp_path / "scratch" / "new"  # made on demand
+    main(["bench", "prepare", "--megabytes=1.5", "--files=4", "--tasks=[1, 2]", f"--workdir={scratch}",
           f"--out={out}", "--rounds=2", "--progress=false",
           "--prepare_args=[--dataset.val_documents=4, --dataset.val_windows=8, "
           "--dataset.test_windows=8, --dataset.shard_max_bytes=200000]"])
@@ -29,6 +32,15 @@ def test_bench_prepare_reports_throughput_stages_and_memory_per_task(tmp_path, c
             assert all(0 < s < run["seconds"] for s in run["task_seconds"][stage])
         assert 0 < run["task_seconds"]["plan"] < run["seconds"]
     assert set(report["speedup_over_1_task"]) == set(report["parallel_stages_speedup_over_1_task"]) == {"1", "2"}
+    assert scratch.is_dir() and not any(scratch.iterdir()), "the scratch corpus goes with the bench"
+
+
+def test_a_workdir_that_cannot_be_a_folder_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "prepare", f"--workdir={tmp_path / 'file' / 'x'}", f"--out={tmp_path / 'x.json'}"])
+    assert exit_.value.code != 0
+    assert "bench prepare: --workdir" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
 
 
 SECONDS = {1: [9.0, 12.0, 10.0], 2: [8.0, 5.0, 6.0]}
