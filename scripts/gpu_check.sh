@@ -7,7 +7,9 @@
 #   DEVICE=cpu QUICK=1 bash scripts/gpu_check.sh   # the same steps, tiny, on the CPU (a dry run)
 #
 # Where jsonargparse, webdataset, optuna or wandb are missing (a bare GPU image), wheels in .whl/
-# are installed first into /tmp/site.
+# are installed first into /tmp/site. On the GPU `kernel: auto` runs grouped layers on the Triton
+# kernel (soma_pl/models/triton_lstm.py; its CUDA test is in tests/models/test_triton_lstm.py), so
+# bench kernels' `grouped` rows and bench zo time it; SOMA_PL_LSTM_KERNEL=python times the loop instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-results/gpu}"

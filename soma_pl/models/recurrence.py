@@ -14,13 +14,17 @@ One layer, one time chunk, ``G`` groups of weights (experts × perturbed copies)
   Where it cannot be built, ``python`` is used with one warning. The same library fuses the tied
   head's cross entropy (:func:`native_head_nll`) and runs EGGROLL's members
   (:mod:`soma_pl.models.lowrank`) where :func:`native_applies`.
+- ``triton``: many weight sets without gradients on a CUDA GPU, in float32: one Triton program per
+  group and 16 rows runs every step of the chunk (:mod:`soma_pl.models.triton_lstm`). Chosen by
+  hand on CPU tensors, it runs in Triton's interpreter, which is how it is tested without a GPU.
 - ``python``: the batched PyTorch loop over time (one ``baddbmm`` and a few elementwise kernels per
   step); the reference the others are tested against, and what grouped training under autograd
-  (BPTT with ``N > 1`` experts) and GPUs run.
+  (BPTT with ``N > 1`` experts) runs, and GPUs without Triton.
 
-``Kernel.auto`` picks ``library`` for one weight set, ``native`` for several without gradients on
-the CPU in float32, ``python`` otherwise. ``SOMA_PL_LSTM_KERNEL=python|library|native|auto``
-overrides the choice for a whole process (e.g. to compare against the reference).
+``Kernel.auto`` picks ``library`` for one weight set; for several without gradients in float32,
+``native`` on the CPU and ``triton`` on a CUDA GPU (where Triton imports); ``python`` otherwise.
+``SOMA_PL_LSTM_KERNEL=python|library|native|triton|auto`` overrides the choice for a whole process
+(e.g. to compare against the reference).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Kernel(str, Enum):
     auto = "auto"
     library = "library"
     native = "native"
+    triton = "triton"
     python = "python"
 
 
@@ -71,9 +76,14 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor]) -> Kernel
     chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
     groups, weights = params["w_hh"].shape[0], params["w_hh"]
     if chosen is Kernel.auto:
-        chosen = Kernel.library if groups == 1 else Kernel.native
+        chosen = Kernel.library if groups == 1 else Kernel.triton if weights.is_cuda else Kernel.native
     if chosen is Kernel.library and (groups != 1 or _library_lacks_bf16(weights)):
         return Kernel.python
+    if chosen is Kernel.triton:
+        from soma_pl.models import triton_lstm
+
+        usable = triton_lstm.available() and not needs_grad(params) and weights.dtype == torch.float32
+        return Kernel.triton if usable else Kernel.python
     if chosen is Kernel.native and not native_applies(chosen, *params.values()):
         return Kernel.python
     return chosen

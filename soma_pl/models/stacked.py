@@ -148,6 +148,10 @@ class _Layers:
         if self.kernel is Kernel.native:
             gates_in = _group_matmul(x.transpose(1, 2), self.w_ih_t[layer])
             return recurrence.native_chunk(gates_in, self.packed[layer], state)
+        if self.kernel is Kernel.triton:
+            from soma_pl.models.triton_lstm import triton_chunk
+
+            return triton_chunk(_group_matmul(x.transpose(1, 2), self.w_ih_t[layer]), self.w_hh_t[layer], state)
         return _lstm_chunk(x, self.w_ih_t[layer], self.w_hh_t[layer], state)
 
 

@@ -1,0 +1,130 @@
+"""The grouped LSTM layer on a CUDA GPU: one Triton kernel per layer and time chunk.
+
+Many weight sets (experts × perturbed copies) without gradients is the zero-order hot path; on a GPU
+the ``python`` kernel launches a ``baddbmm`` and a few elementwise kernels per time step. Here one
+program takes up to ``BLOCK_ROWS`` rows of one group through every step of the chunk: per step, for
+each block of hidden units, the four gates' products of the previous hidden state with the group's
+recurrent weights (``tl.dot`` in IEEE float32, not TF32: a zero-order update divides a loss
+difference by ε), then the gate activations and the cell, stored as the step's output. The hidden
+state goes through a two-slot buffer in global memory (read one slot, write the other, a barrier
+per step); the cell state is updated in place. No host synchronisation inside a chunk.
+
+On CPU tensors the same kernel runs in Triton's interpreter (NumPy), which is how its arithmetic is
+tested without a GPU (``tests/models/test_triton_lstm.py``). ``scripts/gpu_check.sh`` times it on
+a device (``bench kernels``, ``bench zo`` with ``kernel: auto`` picking it on CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+try:
+    import triton.language as tl  # the kernel's body names it (not needed on the CPU otherwise)
+except ImportError:
+    tl = None
+
+BLOCK_ROWS = 16
+"""Rows of one group per program (``tl.dot`` needs at least 16)."""
+
+
+def available() -> bool:
+    """Whether Triton can be imported (it ships with CUDA builds of torch; not needed on the CPU)."""
+    return tl is not None
+
+
+def _chunk_body(gates_in, w_hh_t, hidden, cell, out, steps, rows, width,
+                BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):  # traced by Triton
+    group, block = tl.program_id(0), tl.program_id(1)
+    row = block * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_ok = row < rows
+    gates = 4 * width
+    for t in range(steps):
+        read, write = t % 2, 1 - t % 2
+        for first in range(0, width, BLOCK_D):
+            unit = first + tl.arange(0, BLOCK_D)
+            ok = row_ok[:, None] & (unit < width)[None, :]
+            at = gates_in + ((group * steps + t) * rows + row[:, None]) * gates + unit[None, :]
+            acc_i = tl.load(at, mask=ok, other=0.0)
+            acc_f = tl.load(at + width, mask=ok, other=0.0)
+            acc_o = tl.load(at + 2 * width, mask=ok, other=0.0)
+            acc_c = tl.load(at + 3 * width, mask=ok, other=0.0)
+            for start in range(0, width, BLOCK_K):
+                k = start + tl.arange(0, BLOCK_K)
+                h = tl.load(hidden + ((group * 2 + read) * rows + row[:, None]) * width + k[None, :],
+                            mask=row_ok[:, None] & (k < width)[None, :], other=0.0)
+                w_at = w_hh_t + (group * width + k[:, None]) * gates + unit[None, :]
+                w_ok = (k < width)[:, None] & (unit < width)[None, :]
+                acc_i += tl.dot(h, tl.load(w_at, mask=w_ok, other=0.0), input_precision="ieee")
+                acc_f += tl.dot(h, tl.load(w_at + width, mask=w_ok, other=0.0), input_precision="ieee")
+                acc_o += tl.dot(h, tl.load(w_at + 2 * width, mask=w_ok, other=0.0), input_precision="ieee")
+                acc_c += tl.dot(h, tl.load(w_at + 3 * width, mask=w_ok, other=0.0), input_precision="ieee")
+            c_at = cell + (group * rows + row[:, None]) * width + unit[None, :]
+            # sigmoid and tanh from exp (a core op: the interpreter runs it whenever Triton was imported)
+            c = (tl.load(c_at, mask=ok, other=0.0) / (1.0 + tl.exp(-acc_f))
+                 + (2.0 / (1.0 + tl.exp(-2.0 * acc_c)) - 1.0) / (1.0 + tl.exp(-acc_i)))
+            h_new = (2.0 / (1.0 + tl.exp(-2.0 * c)) - 1.0) / (1.0 + tl.exp(-acc_o))
+            tl.store(c_at, c, mask=ok)
+            tl.store(hidden + ((group * 2 + write) * rows + row[:, None]) * width + unit[None, :], h_new, mask=ok)
+            tl.store(out + ((group * rows + row[:, None]) * steps + t) * width + unit[None, :], h_new, mask=ok)
+        tl.debug_barrier()  # the step's hidden state, written by every thread, is read by all at the next
+
+
+@contextmanager
+def _interpreting(on: bool):
+    """``TRITON_INTERPRET`` as Triton reads it when a kernel is decorated."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+@functools.cache
+def _kernel(interpret: bool):
+    """The kernel compiled for the GPU, or interpreted (CPU tensors), decorated once each."""
+    import triton
+
+    with _interpreting(interpret):
+        return triton.jit(_chunk_body, do_not_specialize=["steps", "rows"])
+
+
+def _blocks(width: int) -> tuple[int, int]:
+    """Hidden units per output block and per product block (powers of two, 16 to 64)."""
+    block = min(64, max(16, 1 << (width - 1).bit_length()))
+    return block, block
+
+
+def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor]
+                 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """One layer over a chunk with the Triton kernel (``python``'s arithmetic, float32).
+
+    Args:
+        gates_in: ``[G, Tc, b, 4d]`` input projections, gate columns (input, forget, output, cell).
+        w_hh_t: ``[G, d, 4d]`` transposed recurrent weights, same order.
+        state: ``(h, c)``, each ``[G, b, d]``.
+
+    Returns:
+        out: ``[G, b, Tc, d]``; the final ``(h, c)``.
+    """
+    groups, steps, rows, gates = gates_in.shape
+    width = gates // 4
+    hidden = torch.empty(groups, 2, rows, width, device=gates_in.device, dtype=torch.float32)
+    hidden[:, 0] = state[0]
+    cell = state[1].to(torch.float32, copy=True).contiguous()
+    out = torch.empty(groups, rows, steps, width, device=gates_in.device, dtype=torch.float32)
+    block_d, block_k = _blocks(width)
+    grid = (groups, -(-rows // BLOCK_ROWS))
+    interpret = gates_in.device.type == "cpu"
+    with _interpreting(interpret):
+        _kernel(interpret)[grid](gates_in.contiguous(), w_hh_t.contiguous(), hidden, cell, out, steps, rows, width,
+                                 BLOCK_B=BLOCK_ROWS, BLOCK_D=block_d, BLOCK_K=block_k)
+    return out, (hidden[:, steps % 2], cell)

@@ -1,0 +1,86 @@
+"""The Triton grouped LSTM kernel (`soma_pl.models.triton_lstm`): its arithmetic in Triton's
+interpreter on the CPU against the reference loop, where it is chosen, and on a GPU (`-m cuda`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from soma_pl.models import triton_lstm
+from soma_pl.models.recurrence import Kernel, resolve_kernel
+from soma_pl.models.stacked import StackedExperts, lstm_cell
+
+pytest.importorskip("triton")
+
+TOLERANCE = 1e-5
+
+
+def _reference(gates_in, w_hh_t, state):
+    h, c = state
+    outputs = []
+    for t in range(gates_in.shape[1]):
+        h, c = lstm_cell(torch.baddbmm(gates_in[:, t], h, w_hh_t), c)
+        outputs.append(h)
+    return torch.stack(outputs, 2), (h, c)
+
+
+@pytest.mark.parametrize(("groups", "steps", "rows", "width"),
+                         [(3, 5, 4, 16), (2, 4, 20, 33), (2, 3, 7, 70), (1, 2, 16, 8)])
+def test_a_chunk_matches_the_reference_loop_in_the_interpreter(groups, steps, rows, width):
+    """Row blocks of 16 (a tail, two blocks), widths of one unit block, a tail and two blocks."""
+    generator = torch.Generator().manual_seed(width)
+    gates_in = torch.randn(groups, steps, rows, 4 * width, generator=generator)
+    w_hh_t = torch.randn(groups, width, 4 * width, generator=generator) / width**0.5
+    state = tuple(torch.randn(groups, rows, width, generator=generator) for _ in range(2))
+    out, (h, c) = triton_lstm.triton_chunk(gates_in, w_hh_t, state)
+    expected, (h_expected, c_expected) = _reference(gates_in, w_hh_t, state)
+    assert out.shape == expected.shape == (groups, rows, steps, width)
+    for got, want in ((out, expected), (h, h_expected), (c, c_expected)):
+        assert (got - want).abs().max().item() <= TOLERANCE
+    assert torch.equal(state[1], state[1].clone())  # the caller's state is not written
+
+
+def test_a_model_on_the_triton_kernel_gives_the_reference_losses(monkeypatch):
+    calls, chunk = [], triton_lstm.triton_chunk
+    monkeypatch.setattr(triton_lstm, "triton_chunk", lambda *args: (calls.append(1), chunk(*args))[1])
+    torch.manual_seed(0)
+    model = StackedExperts(2, 20, embed_dim=8, num_layers=2, time_chunk=5)
+    tokens = torch.randint(0, 256, (4, 3, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    params = {name: p.detach().repeat_interleave(2, 0) + 0.05 * torch.randn((4, *p.shape[1:]))
+              for name, p in model.expert_parameters().items()}
+    with torch.no_grad():
+        assert resolve_kernel(Kernel.triton, params) is Kernel.triton
+        model.kernel = Kernel.triton
+        got = model.loss_per_group(params, tokens)
+        model.kernel = Kernel.python
+        expected = model.loss_per_group(params, tokens)
+    assert len(calls) == 2 * 3  # every layer and time chunk (12 steps in chunks of 5)
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+def test_triton_is_chosen_only_where_it_applies(monkeypatch):
+    torch.manual_seed(0)
+    model = StackedExperts(3, 8, embed_dim=8, num_layers=1)
+    many = {"w_hh": model.w_hh}
+    with torch.no_grad():
+        assert resolve_kernel(Kernel.auto, many) is not Kernel.triton  # the CPU: native
+        assert resolve_kernel(Kernel.triton, {"w_hh": model.w_hh.double()}) is Kernel.python
+        monkeypatch.setattr(triton_lstm, "tl", None)  # Triton missing
+        assert resolve_kernel(Kernel.triton, many) is Kernel.python
+    monkeypatch.undo()
+    assert resolve_kernel(Kernel.triton, many) is Kernel.python  # gradients: the kernel has no backward
+
+
+@pytest.mark.cuda
+def test_the_triton_kernel_matches_the_reference_loop_on_the_gpu():
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    gates_in = torch.randn(64, 32, 8, 4 * 181, device="cuda", generator=generator)
+    w_hh_t = torch.randn(64, 181, 4 * 181, device="cuda", generator=generator) / 181**0.5
+    state = (torch.zeros(64, 8, 181, device="cuda"), torch.zeros(64, 8, 181, device="cuda"))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out, (h, c) = triton_lstm.triton_chunk(gates_in, w_hh_t, state)
+    expected, (h_expected, c_expected) = _reference(gates_in, w_hh_t, state)
+    assert (out - expected).abs().max().item() <= 1e-4
+    assert (c - c_expected).abs().max().item() <= 1e-4
+    with torch.no_grad():
+        assert resolve_kernel(Kernel.auto, {"w_hh": w_hh_t}) is Kernel.triton
