@@ -53,6 +53,9 @@ python3 -m soma_pl.cli bench zo --device "$DEVICE" "${ZO[@]}" --out "$OUT/bench_
   > "$OUT/bench_zo.log" 2>&1 || status=1
 python3 -m soma_pl.cli bench inference --settings.device "$DEVICE" "${INFERENCE[@]}" \
   --out "$OUT/bench_inference.json" > "$OUT/bench_inference.log" 2>&1 || status=1
+if [ "$DEVICE" != cpu ]; then  # the Triton grouped kernel against the loop, naive cuDNN and cuDNN inference
+  python3 scripts/gpu_grouped.py --out "$OUT/gpu_grouped.json" > "$OUT/gpu_grouped.log" 2>&1 || status=1
+fi
 
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys

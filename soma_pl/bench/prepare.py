@@ -127,7 +127,7 @@ def scratch_folder(workdir: str | None, bench: str) -> tempfile.TemporaryDirecto
         try:
             Path(workdir).expanduser().mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise ConfigError(f"{bench}: --workdir {workdir}: {error.strerror}") from None
+            raise ConfigError(f"{bench}: --workdir {workdir}: {error.strerror or error}") from None
     return tempfile.TemporaryDirectory(dir=None if workdir is None else Path(workdir).expanduser())
 
 

@@ -207,7 +207,7 @@ class ExpertParallel:
         # keeping the full model's choice keeps each expert's losses bit for bit those of one process.
         kernel = full.kernel
         if kernel is Kernel.auto and full.num_experts > 1:
-            kernel = Kernel.native
+            kernel = Kernel.triton if full.w_hh.is_cuda else Kernel.native
         own = StackedExperts(len(experts), full.width, full.embed_dim, full.num_layers, full.head_mode,
                              full.time_chunk, kernel=kernel, device=full.w_hh.device, dtype=full.w_hh.dtype)
         for (name, mine), theirs in zip(own.named_parameters(), full.parameters(), strict=True):

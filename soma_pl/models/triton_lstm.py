@@ -16,9 +16,9 @@ a device (``bench kernels``, ``bench zo`` with ``kernel: auto`` picking it on CU
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -39,12 +39,16 @@ def available() -> bool:
 
 def _chunk_body(gates_in, w_hh_t, hidden, cell, out, steps, rows, width,
                 BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):  # traced by Triton
-    group, block = tl.program_id(0), tl.program_id(1)
-    row = block * BLOCK_B + tl.arange(0, BLOCK_B)
+    # one grid axis (CUDA caps the others at 65,535 programs); 64-bit offsets (tensors past 2^31 elements)
+    blocks = (rows + BLOCK_B - 1) // BLOCK_B
+    program = tl.program_id(0).to(tl.int64)
+    group = program // blocks
+    row = (program % blocks) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     row_ok = row < rows
     gates = 4 * width
     for t in range(steps):
-        read, write = t % 2, 1 - t % 2
+        read = t % 2
+        write = 1 - read
         for first in range(0, width, BLOCK_D):
             unit = first + tl.arange(0, BLOCK_D)
             ok = row_ok[:, None] & (unit < width)[None, :]
@@ -74,7 +78,7 @@ def _chunk_body(gates_in, w_hh_t, hidden, cell, out, steps, rows, width,
         tl.debug_barrier()  # the step's hidden state, written by every thread, is read by all at the next
 
 
-@contextmanager
+@contextlib.contextmanager
 def _interpreting(on: bool):
     """``TRITON_INTERPRET`` as Triton reads it when a kernel is decorated."""
     before = os.environ.get("TRITON_INTERPRET")
@@ -122,9 +126,10 @@ def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor]
     cell = state[1].to(torch.float32, copy=True).contiguous()
     out = torch.empty(groups, rows, steps, width, device=gates_in.device, dtype=torch.float32)
     block_d, block_k = _blocks(width)
-    grid = (groups, -(-rows // BLOCK_ROWS))
+    grid = (groups * -(-rows // BLOCK_ROWS),)
     interpret = gates_in.device.type == "cpu"
-    with _interpreting(interpret):
+    device = contextlib.nullcontext() if interpret else torch.cuda.device(gates_in.device)
+    with _interpreting(interpret), device:
         _kernel(interpret)[grid](gates_in.contiguous(), w_hh_t.contiguous(), hidden, cell, out, steps, rows, width,
                                  BLOCK_B=BLOCK_ROWS, BLOCK_D=block_d, BLOCK_K=block_k)
     return out, (hidden[:, steps % 2], cell)

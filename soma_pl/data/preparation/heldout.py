@@ -462,7 +462,8 @@ class ShingleIndex:
         if keys is None:
             self.keys, self.impure = self._build_index()
         else:
-            self.keys, self.impure = np.asarray(keys, dtype=np.uint64), np.asarray(impure, dtype=np.uint64)
+            self.keys = np.asarray(keys, dtype=np.uint64)
+            self.impure = np.empty(0, dtype=np.uint64) if impure is None else np.asarray(impure, dtype=np.uint64)
         self._filter = filter_bits
         self._bits = filter_size(self.keys.size)
 

@@ -121,8 +121,13 @@ class PlanHeldOut(_Stage):
         self.tasks = tasks
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        with base_pages():
+            self._plan()
+        return
+        yield
+
+    def _plan(self) -> None:
         config, begun = self.config, time.perf_counter()
-        base_pages()
         parts = [json.loads((self.stage / "select" / f"{task:05d}.json").read_text()) for task in range(self.tasks)]
         held: list[tuple[Document, int]] = []  # (test window, its offset) of each held document
         full: dict[str, Document] = {}
@@ -174,8 +179,6 @@ class PlanHeldOut(_Stage):
             "short": dict(sorted(short.items())), "documents": sum(p["documents"] for p in parts),
             "seconds": round(time.perf_counter() - begun, 3),
         })
-        return
-        yield
 
 
 class _BatchedScreen:
@@ -210,8 +213,13 @@ class WriteShards(_Stage):
     name = "screen and write shards"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        with base_pages():
+            self._write(data, rank)
+        return
+        yield
+
+    def _write(self, data: DocumentsPipeline, rank: int) -> None:
         config, begun = self.config, time.perf_counter()
-        base_pages()
         plan = json.loads((self.stage / "plan.json").read_text())
         held_ids = set(plan["held_ids"])
         expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, 0)
@@ -261,8 +269,6 @@ class WriteShards(_Stage):
             "peak_rss_mib": peak_rss_mib(),
             "seconds": round(time.perf_counter() - begun, 3),
         })
-        return
-        yield
 
 
 class FinishPrepare(_Stage):

@@ -6,8 +6,10 @@ the manifests record).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,22 +26,28 @@ def peak_rss_mib() -> float:
     return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
 
 
-def base_pages() -> None:
-    """Have this process's large NumPy arrays use base pages, unless `NUMPY_MADVISE_HUGEPAGE` is set.
+@contextlib.contextmanager
+def base_pages() -> Iterator[None]:
+    """Within it, this process's new large NumPy arrays use base pages, unless `NUMPY_MADVISE_HUGEPAGE`
+    is set (NumPy's own switch, which then wins); the setting before is restored on leaving.
 
     NumPy asks Linux for transparent huge pages on every array of 4 MB or more (`madvise`). Where
     the kernel's THP defrag setting is `madvise` (a common default), each such allocation may then
     stall in direct compaction once the page cache has fragmented memory: a fresh task process that
     allocates a dozen 40 MB arrays spent 2.4 s in it on a 2-core VM, against 0.2 s on base pages.
     The stages that build and screen the held-out sets allocate many such short-lived arrays and
-    gain nothing from huge pages. The environment variable, when set, is NumPy's own switch and wins.
+    gain nothing from huge pages.
     """
-    if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
-        return
     core = getattr(np, "_core", None) or np.core  # NumPy 2 / 1.26
     toggle = getattr(core.multiarray, "_set_madvise_hugepage", None)
-    if toggle is not None:
-        toggle(False)
+    if toggle is None or "NUMPY_MADVISE_HUGEPAGE" in os.environ:
+        yield
+        return
+    before = toggle(False)
+    try:
+        yield
+    finally:
+        toggle(before)
 
 
 def link_or_copy(source: Path, target: Path) -> None:
