@@ -144,18 +144,18 @@ def pack_recurrent(weights: Tensor) -> Tensor:
 
 def native_chunk(gates_in: Tensor, packed: Tensor, state: tuple[Tensor, Tensor]
                  ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """One layer over a chunk with the native kernel.
+    """One layer over a chunk with the native kernel, in the model's window-major layout.
 
     Args:
-        gates_in: ``[G, Tc, b, 4d]`` input projections, contiguous.
+        gates_in: ``[G, b, Tc, 4d]`` input projections, contiguous.
         packed: :func:`pack_recurrent` of the recurrent weights.
         state: ``(h, c)``, each ``[G, b, d]``.
 
     Returns:
-        out: ``[G, b, Tc, d]`` (a view); the final ``(h, c)``.
+        out: ``[G, b, Tc, d]``, contiguous; the final ``(h, c)``.
     """
-    out, h, c = grouped_extension().grouped_lstm_chunk(gates_in, packed, state[0], state[1])
-    return out.transpose(1, 2), (h, c)
+    out, h, c = grouped_extension().grouped_lstm_chunk(gates_in, packed, state[0], state[1], window_major=True)
+    return out, (h, c)
 
 
 def native_applies(kernel: Kernel | str, *tensors: Tensor) -> bool:

@@ -71,6 +71,33 @@ def test_native_kernel_matches_the_reference_across_unit_blocks_and_row_blocks(w
     assert (got - expected).abs().max().item() <= TOLERANCE
 
 
+def test_native_chunk_layouts_agree_and_saturate_like_the_library_activations():
+    """Window-major ([G, b, T, 4d], the model's own) and time-major ([G, T, b, 4d], EGGROLL's) give the
+    same bits, and pre-activations far into both tails (±60, where the approximate reciprocal and the
+    exp's clamps act) give the reference cell's values: torch.sigmoid / torch.tanh, one step at a time."""
+    groups, rows, steps, width = 3, 5, 6, 20
+    generator = torch.Generator().manual_seed(7)
+    gates = 20.0 * torch.randn(groups, steps, rows, 4 * width, generator=generator)
+    gates[0, 0, 0, :8] = 60.0
+    gates[0, 0, 1, :8] = -60.0
+    weights = torch.randn(groups, 4 * width, width, generator=generator) / width**0.5
+    state = tuple(torch.randn(groups, rows, width, generator=generator) for _ in range(2))
+    extension = recurrence.grouped_extension()
+    packed = recurrence.pack_recurrent(weights)
+    time_major = extension.grouped_lstm_chunk(gates, packed, *state)
+    window_major = extension.grouped_lstm_chunk(gates.transpose(1, 2).contiguous(), packed, *state, window_major=True)
+    assert torch.equal(time_major[0], window_major[0].transpose(1, 2))
+    assert torch.equal(time_major[1], window_major[1]) and torch.equal(time_major[2], window_major[2])
+    h, c = state
+    for step in range(steps):
+        pre = gates[:, step] + torch.bmm(h, weights.transpose(1, 2))
+        i, f, o, g = pre.split(width, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        assert (time_major[0][:, step] - h).abs().max().item() <= TOLERANCE
+    assert (time_major[2] - c).abs().max().item() <= TOLERANCE
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_native_head_cross_entropy_matches_the_logits_path(shared):
     """The fused head (logits 4 rows × 64 at a time, never written out) against logits and
