@@ -64,12 +64,15 @@ def rms_norm(x: Tensor, gain: Tensor) -> Tensor:
 
 
 def _embed(head: Tensor, tokens: Tensor) -> Tensor:
-    """Embedding lookup. head: ``[G, 256, d_E]`` or shared ``[256, d_E]``; tokens: ``[G, b, T]``."""
+    """Embedding lookup. head: ``[G, 256, d_E]`` or shared ``[256, d_E]``; tokens: ``[G, b, T]``.
+
+    A row gather of the heads stacked as one ``[G·256, d_E]`` table (``F.embedding``), not advanced
+    indexing with a group index beside the bytes."""
     index = tokens.long()
     if head.dim() == 2:
-        return head[index]
-    groups = torch.arange(head.shape[0], device=head.device)[:, None, None]
-    return head[groups, index]
+        return F.embedding(index, head)
+    offsets = torch.arange(0, head.shape[0] * VOCAB_SIZE, VOCAB_SIZE, device=head.device)[:, None, None]
+    return F.embedding(index + offsets, head.reshape(-1, head.shape[-1]))
 
 
 def _logits(head_t: Tensor, features: Tensor) -> Tensor:
