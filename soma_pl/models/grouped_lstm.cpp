@@ -44,18 +44,21 @@ typedef float vec_unaligned __attribute__((vector_size(kLanes * sizeof(float)), 
 // exp(x) by Cody-Waite range reduction and a degree-6 minimax polynomial (the Cephes expf
 // coefficients): within 2 ulp of expf on [-87.3, 88.3], inputs clamped to that range. Branch-free
 // arithmetic and a bit cast, so the compiler vectorizes the loops that call it. A NaN input fails
-// both clamps and stays NaN through the polynomial.
+// both clamps and stays NaN through the polynomial. The constants are shared with the 16-lane
+// version below (inverse_one_plus_exp), which runs the same arithmetic.
+constexpr float kExpLow = -87.3f, kExpHigh = 88.3f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Correction = 2.12194440e-4f;  // r = x - k ln2 in two parts
+constexpr int kExpTerms = 6;
+constexpr float kExpPoly[kExpTerms] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                       4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float fast_exp(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  x = x > 88.3f ? 88.3f : x;
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = x < kExpLow ? kExpLow : x;
+  x = x > kExpHigh ? kExpHigh : x;
+  const float k = std::floor(x * kLog2e + 0.5f);
+  const float r = x - k * kLn2High + k * kLn2Correction;
+  float p = kExpPoly[0];
+  for (int i = 1; i < kExpTerms; ++i) p = p * r + kExpPoly[i];
   p = p * r * r + r + 1.0f;
   const uint32_t bits = (static_cast<uint32_t>(static_cast<int32_t>(k)) + 127u) << 23;
   return p * __builtin_bit_cast(float, bits);
@@ -102,17 +105,15 @@ template <int N>
 inline void inverse_one_plus_exp(__m512* x) {  // x[i] <- 1 / (1 + exp(x[i]))
   __m512 k[N], r[N], p[N];
   for (int i = 0; i < N; ++i)
-    x[i] = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x[i]));
+    x[i] = _mm512_min_ps(_mm512_set1_ps(kExpHigh), _mm512_max_ps(_mm512_set1_ps(kExpLow), x[i]));
   for (int i = 0; i < N; ++i)
-    k[i] = _mm512_roundscale_ps(_mm512_fmadd_ps(x[i], _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+    k[i] = _mm512_roundscale_ps(_mm512_fmadd_ps(x[i], _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
                                 _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  for (int i = 0; i < N; ++i) r[i] = _mm512_fnmadd_ps(k[i], _mm512_set1_ps(0.693359375f), x[i]);
-  for (int i = 0; i < N; ++i) r[i] = _mm512_fmadd_ps(k[i], _mm512_set1_ps(2.12194440e-4f), r[i]);
-  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r[i], _mm512_set1_ps(1.3981999507e-3f));
-  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(8.3334519073e-3f));
-  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(4.1665795894e-2f));
-  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(1.6666665459e-1f));
-  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(5.0000001201e-1f));
+  for (int i = 0; i < N; ++i) r[i] = _mm512_fnmadd_ps(k[i], _mm512_set1_ps(kLn2High), x[i]);
+  for (int i = 0; i < N; ++i) r[i] = _mm512_fmadd_ps(k[i], _mm512_set1_ps(kLn2Correction), r[i]);
+  for (int i = 0; i < N; ++i) p[i] = _mm512_set1_ps(kExpPoly[0]);
+  for (int term = 1; term < kExpTerms; ++term)
+    for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], r[i], _mm512_set1_ps(kExpPoly[term]));
   for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(_mm512_mul_ps(p[i], r[i]), r[i], r[i]);
   for (int i = 0; i < N; ++i)
     x[i] = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(_mm512_add_ps(p[i], _mm512_set1_ps(1.0f)), k[i]));
