@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
 
+from soma_pl.allocator import retain_freed_memory
 from soma_pl.config_files import expand_configs, parse_error_line, read_layers
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import check_output_file
@@ -236,6 +237,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     warnings.formatwarning = _one_line_warning
+    retain_freed_memory()
     name, rest = _split(argv)
     try:
         if name is not None and COMMANDS[name].module is None:

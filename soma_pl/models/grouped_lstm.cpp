@@ -1,13 +1,16 @@
 // Grouped bias-free LSTM layer over a chunk of time steps, on the CPU, for zero-order evaluation.
 //
 // G groups (experts x perturbed copies) each carry their own recurrent weights and a few rows
-// (windows). Each group runs all of the chunk's steps in turn, so its recurrent weights stay in the
-// core's cache across them, and groups are shared among threads without any per-step barrier.
-// A step is one register-blocked micro-kernel per block of 16 hidden units and up to 4 rows: the
-// four gates' pre-activations for those units accumulate in 16 vector registers (input
-// projection + h_prev @ W_hh^T), then the gate activations, the cell and the hidden state are
-// computed from them before anything is written back. No gate buffer and no library call per step:
-// with a few rows per weight set a general GEMM call spends more on its set-up than on the product.
+// (windows); groups that share one weight set (EGGROLL's members of one expert) run as one bundle
+// of their rows. Each group, or tile of a bundle's rows, runs all of the chunk's steps in turn, so
+// its recurrent weights stay in the core's cache across them, and groups are shared among threads
+// without any per-step barrier. A step is one register-blocked micro-kernel per block of 16 hidden
+// units and up to 4 rows: the four gates' pre-activations for those units accumulate in 16 vector
+// registers (input projection + h_prev @ W_hh^T), then the gate activations, the cell and the hidden state are computed from them
+// before anything is written back. No gate buffer and no library call per step: with a few rows
+// per weight set a general GEMM call spends more on its set-up than on the product. In the model's
+// layout the step also adds the hidden state to the residual stream and normalises it for the next
+// layer while the row is in cache.
 //
 // The recurrent weights come packed by the caller (soma_pl.models.recurrence.pack_recurrent):
 // [G, nb, d, 4, 16], for each block of 16 hidden units and each input k the 16 weights of each
@@ -36,6 +39,7 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kGates = 4;
 constexpr int64_t kMaxRows = 4;
+constexpr int64_t kTileRows = 8;    // rows of a shared weight set that run through a chunk's steps together
 
 // Sixteen floats; the compiler maps it to one 512-bit register or two / four narrower ones.
 typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
@@ -206,16 +210,18 @@ struct Strides {
 //   w: the packed weights of this unit block, [d][4][16];
 //   gates_in: row r's input projections at gates_in + r * gi_row (gate q of unit j at q * d + j);
 //   h_prev, h_next: row r at + r * hp_row, + r * hn_row; c: row r at + r * d.
-//   extra_w, extra_h, extra_k: a further product of extra_k inputs (EGGROLL's rank-r terms), the
-//   packed [extra_k][4][16] weights of this unit block and row r's inputs at extra_h + r * extra_k.
+//   extra_w, extra_h, extra_k: a further product of extra_k inputs (EGGROLL's rank-r terms): row r's
+//   packed [extra_k][4][16] weights of this unit block at extra_w[r] (its member's own), its inputs at
+//   extra_h + r * extra_k.
 template <int Rows>
 void unit_block(const float* w, const float* gates_in, int64_t gi_row, const float* h_prev, int64_t hp_row,
                 float* h_next, int64_t hn_row, float* c, int64_t width, int64_t j0, int64_t lanes,
-                const float* extra_w, const float* extra_h, int64_t extra_k) {
+                const float* const* extra_w, const float* extra_h, int64_t extra_k) {
   vec acc[Rows][kGates];
   for (int r = 0; r < Rows; ++r)
     for (int q = 0; q < kGates; ++q) acc[r][q] = load(gates_in + r * gi_row + q * width + j0, lanes);
-  if (extra_k) accumulate<Rows>(acc, extra_w, extra_h, extra_k, 0, extra_k);
+  if (extra_k)
+    for (int r = 0; r < Rows; ++r) accumulate<1>(acc + r, extra_w[r], extra_h + r * extra_k, extra_k, 0, extra_k);
   if (Rows == 1) {
     // One row has four independent sums, too few to cover the FMA latency: a second set takes
     // the second half of k.
@@ -235,35 +241,87 @@ void unit_block(const float* w, const float* gates_in, int64_t gi_row, const flo
   }
 }
 
-// EGGROLL's rank-r terms of one group, when given: thin_in [T, b, r] (x_t · B_ih), b_hh [d, r] and
-// the packed joint factor [nb, 2r, 4, 16] of [A_ih, A_hh]; the gates gain [x_t · B_ih, h · B_hh] · [A_ih, A_hh]^T.
+// One step of one row in each of two groups with their own weights (w0, w1: this unit block's, as in
+// unit_block), side by side: a lone row's step waits on its own products and activations, and the
+// other group's fill those waits. Rows at gates_in, h_prev, h_next, c + r * (gi_row, hp_row, hn_row, d).
+void own_pair_block(const float* w0, const float* w1, const float* gates_in, int64_t gi_row, const float* h_prev,
+                    int64_t hp_row, float* h_next, int64_t hn_row, float* c, int64_t width, int64_t j0, int64_t lanes) {
+  vec acc[2][kGates];
+  for (int r = 0; r < 2; ++r)
+    for (int q = 0; q < kGates; ++q) acc[r][q] = load(gates_in + r * gi_row + q * width + j0, lanes);
+  for (int64_t k = 0; k < width; ++k) {
+    const vec_unaligned* a = reinterpret_cast<const vec_unaligned*>(w0 + k * kGates * kLanes);
+    const vec_unaligned* b = reinterpret_cast<const vec_unaligned*>(w1 + k * kGates * kLanes);
+    vec a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+    keep_in_registers(a0, a1, a2, a3);
+    const float s0 = h_prev[k];
+    acc[0][0] += s0 * a0;
+    acc[0][1] += s0 * a1;
+    acc[0][2] += s0 * a2;
+    acc[0][3] += s0 * a3;
+    vec b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3];
+    keep_in_registers(b0, b1, b2, b3);
+    const float s1 = h_prev[hp_row + k];
+    acc[1][0] += s1 * b0;
+    acc[1][1] += s1 * b1;
+    acc[1][2] += s1 * b2;
+    acc[1][3] += s1 * b3;
+  }
+  vec cell[2], hidden[2];
+  for (int r = 0; r < 2; ++r) cell[r] = load(c + r * width + j0, lanes);
+  cell_update<2>(acc, cell, hidden);
+  for (int r = 0; r < 2; ++r) {
+    store(c + r * width + j0, cell[r], lanes);
+    store(h_next + r * hn_row + j0, hidden[r], lanes);
+  }
+}
+
+// EGGROLL's rank-r terms, when given: thin_in (x_t · B_ih; row r of a step at + r * thin_row), and for
+// each group b_hh [d, r] and the packed joint factor [nb, 2r, 4, 16] of [A_ih, A_hh] (at + g * b_hh_group,
+// + g * a_group); the gates gain [x_t · B_ih, h · B_hh] · [A_ih, A_hh]^T.
 struct LowRank {
-  const float* thin_in;
   const float* b_hh;
   const float* a_packed;
-  int64_t rank;
+  int64_t rank, thin_row, b_hh_group, a_group;
 };
 
-// One step of `rows` rows of one group, all hidden units; rows at strides gi_row (gates_in), hp_row
-// (h_prev), hn_row (h_next). thin: scratch of rows x 2r floats.
+// Which group row i of a bundle belongs to: the bundle's rows are `rows_per_group` rows of each of its
+// groups in turn, the first of them row `first_row` of group `first_group`.
+struct RowGroups {
+  int64_t first_group, first_row, rows_per_group;
+  int64_t of(int64_t i) const { return first_group + (first_row + i) / rows_per_group; }
+};
+
+// One step of `rows` rows sharing one weight set, all hidden units; rows at strides gi_row (gates_in),
+// hp_row (h_prev), hn_row (h_next), width (c). thin: scratch of rows x 2r floats. own_pair: the two
+// rows are one row of each of two groups, the second group's weights `own_pair` floats after the first's.
 void group_step(const float* packed, const float* gates_in, int64_t gi_row, const float* h_prev, int64_t hp_row,
                 float* h_next, int64_t hn_row, float* c, int64_t rows, int64_t width, const LowRank* low,
-                const float* thin_in, float* thin) {
+                const RowGroups& groups, const float* thin_in, float* thin, int64_t own_pair = 0) {
   const int64_t blocks = (width + kLanes - 1) / kLanes, extra_k = low ? 2 * low->rank : 0;
+  if (own_pair && rows == 2) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* w = packed + b * width * kGates * kLanes;
+      const int64_t j0 = b * kLanes;
+      own_pair_block(w, w + own_pair, gates_in, gi_row, h_prev, hp_row, h_next, hn_row, c, width, j0,
+                     std::min(kLanes, width - j0));
+    }
+    return;
+  }
   if (low) {
     for (int64_t r = 0; r < rows; ++r) {
       float* row = thin + r * extra_k;
-      std::memcpy(row, thin_in + r * low->rank, low->rank * sizeof(float));
+      const float* b_hh = low->b_hh + groups.of(r) * low->b_hh_group;
+      std::memcpy(row, thin_in + r * low->thin_row, low->rank * sizeof(float));
       for (int64_t j = 0; j < low->rank; ++j) {
         float sum = 0.0f;
-        for (int64_t k = 0; k < width; ++k) sum += h_prev[r * hp_row + k] * low->b_hh[k * low->rank + j];
+        for (int64_t k = 0; k < width; ++k) sum += h_prev[r * hp_row + k] * b_hh[k * low->rank + j];
         row[low->rank + j] = sum;
       }
     }
   }
   for (int64_t b = 0; b < blocks; ++b) {
     const float* w = packed + b * width * kGates * kLanes;
-    const float* extra_w = low ? low->a_packed + b * extra_k * kGates * kLanes : nullptr;
     const int64_t j0 = b * kLanes, lanes = std::min(kLanes, width - j0);
     for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
       const int64_t n = std::min(kMaxRows, rows - r0);
@@ -272,12 +330,53 @@ void group_step(const float* packed, const float* gates_in, int64_t gi_row, cons
       float* hn = h_next + r0 * hn_row;
       float* cr = c + r0 * width;
       const float* eh = thin + r0 * extra_k;
+      const float* extra_w[kMaxRows] = {};
+      for (int64_t r = 0; low && r < n; ++r)
+        extra_w[r] = low->a_packed + groups.of(r0 + r) * low->a_group + b * extra_k * kGates * kLanes;
       switch (n) {
         case 4: unit_block<4>(w, gi, gi_row, hp, hp_row, hn, hn_row, cr, width, j0, lanes, extra_w, eh, extra_k); break;
         case 3: unit_block<3>(w, gi, gi_row, hp, hp_row, hn, hn_row, cr, width, j0, lanes, extra_w, eh, extra_k); break;
         case 2: unit_block<2>(w, gi, gi_row, hp, hp_row, hn, hn_row, cr, width, j0, lanes, extra_w, eh, extra_k); break;
         default: unit_block<1>(w, gi, gi_row, hp, hp_row, hn, hn_row, cr, width, j0, lanes, extra_w, eh, extra_k); break;
       }
+    }
+  }
+}
+
+// The sum of a vector's lanes, as a tree (a lane-by-lane sum waits on each add in turn).
+inline float sum_lanes(vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float total = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) total += v[l];
+  return total;
+#endif
+}
+
+// The residual stream and the next layer's input after one step: for each of `rows` rows,
+// x += h (row r of x at x + r * x_row, of h at h + r * width), then
+// normed = x / sqrt(mean(x^2) + eps) * gain (row r at normed + r * x_row; its group's gain at
+// gains + group * width).
+void residual_norm(float* x, int64_t x_row, const float* h, float* normed, const float* gains, const RowGroups& groups,
+                   int64_t rows, int64_t width, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gain = gains + groups.of(r) * width;
+    float* xr = x + r * x_row;
+    const float* hr = h + r * width;
+    vec squares = {};
+    for (int64_t j = 0; j < width; j += kLanes) {
+      const int64_t lanes = std::min(kLanes, width - j);
+      const vec sum = load(xr + j, lanes) + load(hr + j, lanes);
+      store(xr + j, sum, lanes);
+      squares += sum * sum;
+    }
+    const float total = sum_lanes(squares);
+    const float scale = 1.0f / std::sqrt(total / static_cast<float>(width) + eps);
+    float* nr = normed + r * x_row;
+    for (int64_t j = 0; j < width; j += kLanes) {
+      const int64_t lanes = std::min(kLanes, width - j);
+      store(nr + j, load(xr + j, lanes) * scale * load(gain + j, lanes), lanes);
     }
   }
 }
@@ -317,15 +416,22 @@ void nll_rows(const float* head_t, const float* features, const int64_t* targets
 // gates_in: [G, T, b, 4d] input projections (contiguous), or [G, b, T, 4d] when window_major;
 // packed: [P, nb, d, 4, 16] recurrent weights (nb = ceil(d / 16)), P dividing G, group g running
 // packed[g / (G / P)] (P = G: a weight set per group; P = E: EGGROLL's members share their
-// expert's); h0, c0: [G, b, d]. With EGGROLL's rank-r terms (time-major only): thin_in [G, T, b, r],
+// expert's, and in the window-major layout run as one bundle of rows); h0, c0: [G, b, d]. With
+// EGGROLL's rank-r terms, each group's own: thin_in [G, T, b, r] ([G, b, T, r] when window_major),
 // b_hh [G, d, r], a_packed [G, nb, 2r, 4, 16].
+// With `residual` ([G, b, T, d], window-major only) and `next_gain` ([G, d], each group's), the layer's residual
+// add and the next RMSNorm run inside the step, while the row is in cache: residual += h in place,
+// and the first output is rms_norm(residual) * next_gain (eps `eps`) instead of the hidden states,
+// which then live only in a two-step scratch.
 // Returns (out [G, T, b, d], or [G, b, T, d] when window_major; h [G, b, d]; c [G, b, d]). The
 // window-major layout is the model's own ([G, b, T, d] streams): no transposed copy either side.
 std::vector<at::Tensor> grouped_lstm_chunk(const at::Tensor& gates_in, const at::Tensor& packed,
                                            const at::Tensor& h0, const at::Tensor& c0,
                                            const std::optional<at::Tensor>& thin_in,
                                            const std::optional<at::Tensor>& b_hh,
-                                           const std::optional<at::Tensor>& a_packed, bool window_major) {
+                                           const std::optional<at::Tensor>& a_packed, bool window_major,
+                                           const std::optional<at::Tensor>& residual,
+                                           const std::optional<at::Tensor>& next_gain, double eps) {
   TORCH_CHECK(gates_in.dim() == 4 && packed.dim() == 5 && h0.dim() == 3 && c0.dim() == 3, "bad ranks");
   TORCH_CHECK(gates_in.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(gates_in.is_contiguous() && packed.is_contiguous(), "gates_in and packed must be contiguous");
@@ -338,54 +444,93 @@ std::vector<at::Tensor> grouped_lstm_chunk(const at::Tensor& gates_in, const at:
               "shape mismatch");
   const bool low_rank = thin_in.has_value();
   TORCH_CHECK(low_rank == b_hh.has_value() && low_rank == a_packed.has_value(), "thin_in, b_hh, a_packed go together");
-  TORCH_CHECK(!(low_rank && window_major), "the low-rank terms are time-major only");
   int64_t rank = 0;
   if (low_rank) {
     rank = thin_in->size(3);
     TORCH_CHECK(thin_in->is_contiguous() && b_hh->is_contiguous() && a_packed->is_contiguous() &&
                     thin_in->scalar_type() == at::kFloat && b_hh->scalar_type() == at::kFloat &&
                     a_packed->scalar_type() == at::kFloat, "low-rank factors: contiguous float32");
-    TORCH_CHECK(thin_in->dim() == 4 && thin_in->size(0) == groups && thin_in->size(1) == steps &&
-                    thin_in->size(2) == rows && b_hh->dim() == 3 && b_hh->size(0) == groups &&
+    TORCH_CHECK(thin_in->dim() == 4 && thin_in->size(0) == groups &&
+                    thin_in->size(window_major ? 2 : 1) == steps && thin_in->size(window_major ? 1 : 2) == rows &&
+                    b_hh->dim() == 3 && b_hh->size(0) == groups &&
                     b_hh->size(1) == width && b_hh->size(2) == rank && a_packed->dim() == 5 &&
                     a_packed->size(0) == groups && a_packed->size(1) == blocks && a_packed->size(2) == 2 * rank &&
                     a_packed->size(3) == kGates && a_packed->size(4) == kLanes,
                 "low-rank shape mismatch");
   }
+  const bool fused = residual.has_value();
+  TORCH_CHECK(fused == next_gain.has_value(), "residual and next_gain go together");
+  if (fused) {
+    TORCH_CHECK(window_major, "the fused residual and norm are window-major only");
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && next_gain->scalar_type() == at::kFloat &&
+                    residual->is_contiguous() && next_gain->is_contiguous(), "residual, next_gain: contiguous float32");
+    TORCH_CHECK(residual->dim() == 4 && residual->size(0) == groups && residual->size(1) == rows &&
+                    residual->size(2) == steps && residual->size(3) == width && next_gain->dim() == 2 &&
+                    next_gain->size(0) == groups && next_gain->size(1) == width, "residual / next_gain shape mismatch");
+  }
   auto out = window_major ? at::empty({groups, rows, steps, width}, gates_in.options())
                           : at::empty({groups, steps, rows, width}, gates_in.options());
   const Strides gi = window_major ? Strides{kGates * width, steps * kGates * width} : Strides{rows * kGates * width, kGates * width};
   const Strides hs = window_major ? Strides{width, steps * width} : Strides{rows * width, width};
+  const Strides ts = window_major ? Strides{rank, steps * rank} : Strides{rows * rank, rank};
   auto c = c0.contiguous().clone();
   auto h_first = h0.contiguous();
+  auto h_last = fused ? at::empty_like(h_first) : at::Tensor();
   const float* in = gates_in.data_ptr<float>();
   const float* weights = packed.data_ptr<float>();
   const float* h_start = h_first.data_ptr<float>();
   float* h_all = out.data_ptr<float>();
   float* c_all = c.data_ptr<float>();
   const int64_t state = rows * width, group_weights = packed[0].numel(), sharing = groups / packed.size(0);
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> thin(rows * 2 * rank);
-    for (int64_t g = begin; g < end; ++g) {
+  // Groups that share a weight set run as one bundle of their rows, so a step's weights are read
+  // once for several rows: in the window-major layout the rows of consecutive groups lie at one
+  // stride. A bundle runs in tiles of at most kTileRows rows, each tile through all the steps before
+  // the next (more rows per tile read the weights fewer times but walk more rows' streams at once,
+  // which measured slower at d = 32 and no faster at 181 with 1,024 rows), and in more tiles when
+  // there are fewer bundles than threads.
+  // Groups of one row each with their own weights (a batch of one window per perturbed copy) run in
+  // pairs instead (own_pair_block).
+  const bool pairs = window_major && sharing == 1 && rows == 1 && !low_rank;
+  const int64_t bundle = pairs ? 2 : window_major ? sharing : 1, units = (groups + bundle - 1) / bundle;
+  const int64_t unit_rows = bundle * rows;
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::max((unit_rows + kTileRows - 1) / kTileRows, units >= threads ? 1 : (threads + units - 1) / units);
+  const int64_t split_rows = ((unit_rows + splits - 1) / splits + kMaxRows - 1) / kMaxRows * kMaxRows;
+  at::parallel_for(0, units * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> thin(split_rows * 2 * rank), scratch(fused ? 2 * split_rows * width : 0);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t unit = task / splits, first = (task % splits) * split_rows;
+      const int64_t n = std::min(std::min(unit_rows, (groups - unit * bundle) * rows), first + split_rows) - first;
+      if (n <= 0) continue;
+      const int64_t g0 = unit * bundle, row0 = g0 * rows + first;  // row0: the first row among all groups' rows
+      const RowGroups row_groups{g0, first, rows};
       LowRank low{};
-      if (low_rank) {
-        low = {nullptr, b_hh->data_ptr<float>() + g * width * rank,
-               a_packed->data_ptr<float>() + g * blocks * 2 * rank * kGates * kLanes, rank};
-      }
-      const float* h_prev = h_start + g * state;
+      if (low_rank) low = {b_hh->data_ptr<float>(), a_packed->data_ptr<float>(), rank, ts.row, width * rank,
+                           blocks * 2 * rank * kGates * kLanes};
+      const float* unit_weights = weights + (g0 / sharing) * group_weights;  // pairs: the first group's
+      // Where row `first` of the unit lies in a [G, ...] tensor of `n_per_step` floats per row and step.
+      const auto at_first = [&](const Strides& strides, int64_t n_per_step) {
+        return g0 * steps * rows * n_per_step + first * strides.row;
+      };
+      const float* h_prev = h_start + row0 * width;
       int64_t hp_row = width;
       for (int64_t t = 0; t < steps; ++t) {
-        float* h_next = h_all + g * steps * state + t * hs.step;
-        const float* step_thin = low_rank ? thin_in->data_ptr<float>() + (g * steps + t) * rows * rank : nullptr;
-        group_step(weights + (g / sharing) * group_weights, in + g * steps * kGates * state + t * gi.step, gi.row,
-                   h_prev, hp_row, h_next, hs.row, c_all + g * state, rows, width, low_rank ? &low : nullptr,
-                   step_thin, thin.data());
+        const int64_t out_at = at_first(hs, width) + t * hs.step;
+        float* h_next = fused ? scratch.data() + (t % 2) * n * width : h_all + out_at;
+        const float* step_thin = low_rank ? thin_in->data_ptr<float>() + at_first(ts, rank) + t * ts.step : nullptr;
+        group_step(unit_weights, in + at_first(gi, kGates * width) + t * gi.step, gi.row, h_prev, hp_row, h_next,
+                   fused ? width : hs.row, c_all + row0 * width, n, width, low_rank ? &low : nullptr, row_groups,
+                   step_thin, thin.data(), pairs ? group_weights : 0);
+        if (fused)
+          residual_norm(residual->data_ptr<float>() + out_at, hs.row, h_next, h_all + out_at,
+                        next_gain->data_ptr<float>(), row_groups, n, width, static_cast<float>(eps));
         h_prev = h_next;
-        hp_row = hs.row;
+        hp_row = fused ? width : hs.row;
       }
+      if (fused) std::memcpy(h_last.data_ptr<float>() + row0 * width, h_prev, n * width * sizeof(float));
     }
   });
-  auto h_last = out.select(window_major ? 2 : 1, steps - 1).clone();
+  if (!fused) h_last = out.select(window_major ? 2 : 1, steps - 1).clone();
   return {out, h_last, c};
 }
 
@@ -450,7 +595,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_lstm_chunk", &grouped_lstm_chunk, "Grouped bias-free LSTM chunk (CPU, no autograd)",
         pybind11::arg("gates_in"), pybind11::arg("packed"), pybind11::arg("h0"), pybind11::arg("c0"),
         pybind11::arg("thin_in") = pybind11::none(), pybind11::arg("b_hh") = pybind11::none(),
-        pybind11::arg("a_packed") = pybind11::none(), pybind11::arg("window_major") = false);
+        pybind11::arg("a_packed") = pybind11::none(), pybind11::arg("window_major") = false,
+        pybind11::arg("residual") = pybind11::none(), pybind11::arg("next_gain") = pybind11::none(),
+        pybind11::arg("eps") = 1e-6);
   m.def("fma_gflops", &fma_gflops, "One thread's multiply-add throughput, GFLOP/s");
   m.def("grouped_head_nll", &grouped_head_nll, "Tied-head next-byte cross entropy per row (CPU, no autograd)");
 }

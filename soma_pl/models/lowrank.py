@@ -24,7 +24,7 @@ from torch import Tensor
 
 from soma_pl import VOCAB_SIZE
 from soma_pl.models import recurrence
-from soma_pl.models.stacked import StackedExperts, lstm_cell, rms_norm
+from soma_pl.models.stacked import NORM_EPS, StackedExperts, lstm_cell, rms_norm
 
 LOW_RANK_MATRICES = ("head", "in_proj", "out_proj", "w_ih", "w_hh")
 """Parameters whose last two dims are ``(out, in)`` matrices (w_ih, w_hh stack one per layer)."""
@@ -105,32 +105,48 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
     return torch.stack(outputs, dim=2).view(*shape[:3], steps, width), (h.view(shape), c.view(shape))
 
 
-def _members_lstm_native(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f_hh: Factors | None,
-                         state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """:func:`_members_lstm` on the native kernel: every member a group of its b windows, the
-    members of an expert sharing its packed recurrent weights (``w_hh`` arrives packed,
-    :func:`soma_pl.models.recurrence.pack_recurrent`, once per pass), the rank-r terms added
-    inside each step (``[A_ih, A_hh]`` packed per member)."""
+def _members_body_native(x: Tensor, gains: Tensor, w_ih: Tensor, recurrent: list[Tensor],
+                         factors: Mapping[str, Factors], states: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Every layer for all members on the native kernel, in the model's window-major layout: each
+    member a group of its b windows, the members of an expert sharing its packed recurrent weights,
+    the rank-r terms added inside each step (``[A_ih, A_hh]`` packed per member), and each layer's
+    residual add and the next RMSNorm inside the step
+    (:func:`soma_pl.models.recurrence.native_residual_chunk`).
+
+    Args:
+        x: ``[E, M, b, Tc, d]`` contiguous residual stream of this pass, updated in place.
+        gains: ``[E, M, L + 1, d]`` each member's norm gains.
+        w_ih: ``[E, L, 4d, d]``; recurrent: each layer's packed ``w_hh`` (``[E, ...]``).
+        factors: matrix name → factors, as in :func:`population_losses`.
+        states: each layer's ``(h, c)``, ``[E, M, b, d]`` each, replaced by its state after the chunk.
+
+    Returns:
+        The final norm's output, ``[E, M, b, Tc, d]``.
+    """
     experts, members, windows, steps, width = x.shape
-    groups = experts * members
-    member_major = x.transpose(2, 3).reshape(experts, members * steps * windows, width)
-    gates_in = torch.bmm(member_major, w_ih.transpose(1, 2)).view(groups, steps, windows, -1)
-    low_rank = {}
-    if f_ih is not None or f_hh is not None:
-        f_ih = f_ih or tuple(torch.zeros_like(f) for f in f_hh)
-        f_hh = f_hh or tuple(torch.zeros_like(f) for f in f_ih)
-        rank = f_ih[1].shape[-1]
-        low_rank = {
-            "thin_in": torch.bmm(member_major.view(groups, steps * windows, width), f_ih[1].flatten(0, 1))
-            .view(groups, steps, windows, rank),
-            "b_hh": f_hh[1].flatten(0, 1).contiguous(),
-            "a_packed": recurrence.pack_recurrent(torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1)),
-        }
-    h, c = (part.reshape(groups, windows, width) for part in state)
-    out, h, c = recurrence.grouped_extension().grouped_lstm_chunk(
-        gates_in, w_hh, h, c, **low_rank)
-    shape = (experts, members, windows, width)
-    return out.view(experts, members, steps, windows, width).transpose(2, 3), (h.view(shape), c.view(shape))
+    groups, shape = experts * members, (experts, members, windows, width)
+    stream = x.view(groups, windows, steps, width)
+    flat_gains = gains.flatten(0, 1)
+    normed = rms_norm(stream, flat_gains[:, 0])
+    for layer, packed in enumerate(recurrent):
+        gates_in = torch.bmm(normed.view(experts, members * windows * steps, width), w_ih[:, layer].transpose(1, 2))
+        f_ih, f_hh = _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer)
+        low_rank = None
+        if f_ih is not None or f_hh is not None:
+            f_ih = f_ih or tuple(torch.zeros_like(f) for f in f_hh)
+            f_hh = f_hh or tuple(torch.zeros_like(f) for f in f_ih)
+            thin_in = torch.bmm(normed.view(groups, windows * steps, width), f_ih[1].flatten(0, 1))
+            low_rank = {
+                "thin_in": thin_in.view(groups, windows, steps, -1),
+                "b_hh": f_hh[1].flatten(0, 1).contiguous(),
+                "a_packed": recurrence.pack_recurrent(torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1)),
+            }
+        state = tuple(part.reshape(groups, windows, width) for part in states[layer])
+        normed, (h, c) = recurrence.native_residual_chunk(
+            gates_in.view(groups, windows, steps, -1), packed, state, stream, flat_gains[:, layer + 1], NORM_EPS,
+            low_rank)
+        states[layer] = (h.view(shape), c.view(shape))
+    return normed.view(x.shape)
 
 
 def _norm(x: Tensor, gains: Tensor) -> Tensor:
@@ -147,7 +163,6 @@ def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factor
     states = [(zeros, zeros)] * model.num_layers
     native = recurrence.native_applies(model.kernel, gains, *params.values(),
                                        *(f for pair in factors.values() for f in pair))
-    lstm = _members_lstm_native if native else _members_lstm
     recurrent = [params["w_hh"][:, layer] for layer in range(model.num_layers)]
     if native:
         recurrent = [recurrence.pack_recurrent(weights) for weights in recurrent]
@@ -156,12 +171,15 @@ def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factor
         chunk = x.shape[:4]
         if model.has_projections:
             x = _members_linear(x.flatten(2, 3), params["in_proj"], factors.get("in_proj")).view(*chunk, -1)
-        for layer in range(model.num_layers):
-            out, states[layer] = lstm(
-                _norm(x, gains[:, :, layer]), params["w_ih"][:, layer], recurrent[layer],
-                _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer), states[layer])
-            x = x + out
-        x = _norm(x, gains[:, :, model.num_layers])
+        if native:
+            x = _members_body_native(x.contiguous(), gains, params["w_ih"], recurrent, factors, states)
+        else:
+            for layer in range(model.num_layers):
+                out, states[layer] = _members_lstm(
+                    _norm(x, gains[:, :, layer]), params["w_ih"][:, layer], recurrent[layer],
+                    _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer), states[layer])
+                x = x + out
+            x = _norm(x, gains[:, :, model.num_layers])
         if model.has_projections:
             x = _members_linear(x.flatten(2, 3), params["out_proj"], factors.get("out_proj")).view(*chunk, -1)
         yield x

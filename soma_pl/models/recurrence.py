@@ -10,7 +10,10 @@ One layer, one time chunk, ``G`` groups of weights (experts × perturbed copies)
   the CPU run the C++ loop in ``grouped_lstm.cpp``, built on first use with the system compiler
   (about a minute; cached in ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
   each group runs the chunk's steps in turn (its recurrent weights stay in cache), a step one
-  register-blocked product fused with the gate activations and the cell, no library call per step.
+  register-blocked product fused with the gate activations and the cell, no library call per step;
+  in the model's layers the step also adds the hidden state to the residual stream and applies the
+  next RMSNorm (:func:`native_residual_chunk`), and groups that share weights (EGGROLL's members)
+  run as one bundle of rows.
   Where it cannot be built, ``python`` is used with one warning. The same library fuses the tied
   head's cross entropy (:func:`native_head_nll`) and runs EGGROLL's members
   (:mod:`soma_pl.models.lowrank`) where :func:`native_applies`.
@@ -142,20 +145,29 @@ def pack_recurrent(weights: Tensor) -> Tensor:
     return padded.view(groups, 4, blocks, UNITS_PER_BLOCK, inputs).permute(0, 2, 4, 1, 3).contiguous()
 
 
-def native_chunk(gates_in: Tensor, packed: Tensor, state: tuple[Tensor, Tensor]
-                 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """One layer over a chunk with the native kernel, in the model's window-major layout.
+def native_residual_chunk(gates_in: Tensor, packed: Tensor, state: tuple[Tensor, Tensor], residual: Tensor,
+                          next_gain: Tensor, eps: float, low_rank: Mapping[str, Tensor] | None = None
+                          ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """One layer over a chunk with the native kernel, in the model's window-major layout, the layer's
+    residual add and the next RMSNorm inside each step: ``residual += h`` in place, and the next
+    layer's input returned in place of the hidden states (never written out).
 
     Args:
         gates_in: ``[G, b, Tc, 4d]`` input projections, contiguous.
-        packed: :func:`pack_recurrent` of the recurrent weights.
+        packed: :func:`pack_recurrent` of the recurrent weights (``[P, ...]``, P dividing G).
         state: ``(h, c)``, each ``[G, b, d]``.
+        residual: ``[G, b, Tc, d]`` contiguous residual stream, updated in place.
+        next_gain: ``[G, d]`` gain of the RMSNorm after the layer.
+        eps: that norm's epsilon.
+        low_rank: EGGROLL's rank-r terms (``thin_in`` ``[G, b, Tc, r]``, ``b_hh``, ``a_packed``), or None.
 
     Returns:
-        out: ``[G, b, Tc, d]``, contiguous; the final ``(h, c)``.
+        ``rms_norm(residual) * next_gain``, ``[G, b, Tc, d]``; the final ``(h, c)``.
     """
-    out, h, c = grouped_extension().grouped_lstm_chunk(gates_in, packed, state[0], state[1], window_major=True)
-    return out, (h, c)
+    normed, h, c = grouped_extension().grouped_lstm_chunk(
+        gates_in, packed, state[0], state[1], window_major=True, residual=residual,
+        next_gain=next_gain.contiguous(), eps=eps, **(low_rank or {}))
+    return normed, (h, c)
 
 
 def native_applies(kernel: Kernel | str, *tensors: Tensor) -> bool:

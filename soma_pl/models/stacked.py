@@ -28,7 +28,8 @@ from soma_pl.models.recurrence import Kernel
 
 EMBED_HEAD = "embed_head"
 """Optional ``params`` key: weights that embed the input bytes in place of the tied ``head``."""
-_NORM_EPS = 1e-6
+NORM_EPS = 1e-6
+"""Epsilon of every RMSNorm (the PyTorch norm and the native kernel's fused one)."""
 _LSTM_GATES = 4
 _EMBED_INIT_STD = 0.02
 """Small tied embeddings make the initial logits near-uniform (loss ≈ ln 256); the pre-norm
@@ -60,7 +61,7 @@ def rms_norm(x: Tensor, gain: Tensor) -> Tensor:
 
     PyTorch's ``rms_norm`` (3.3× faster on the CPU than ``pow``, ``mean``, ``rsqrt`` and two
     out-of-place products at d_t = 181, equal to the last bit there), then the per-group gain."""
-    return F.rms_norm(x, (x.shape[-1],), eps=_NORM_EPS) * gain[:, None, None, :]
+    return F.rms_norm(x, (x.shape[-1],), eps=NORM_EPS) * gain[:, None, None, :]
 
 
 def _embed(head: Tensor, tokens: Tensor) -> Tensor:
@@ -148,15 +149,32 @@ class _Layers:
         return max(chunk, -(-recurrence.LIBRARY_ROW_STEPS // batch))
 
     def __call__(self, layer: int, x: Tensor, state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """One layer's hidden states over a chunk of its normalised input ``x`` (every kernel but
+        ``native``, which runs all layers at once: :meth:`residual_body`)."""
         if self.kernel is Kernel.library:
             return recurrence.library_chunk(x, self.library[layer], state)
-        if self.kernel is Kernel.native:
-            return recurrence.native_chunk(_group_matmul(x, self.w_ih_t[layer]), self.packed[layer], state)
         if self.kernel is Kernel.triton:
             from soma_pl.models.triton_lstm import triton_chunk
 
             return triton_chunk(_group_matmul(x.transpose(1, 2), self.w_ih_t[layer]), self.w_hh_t[layer], state)
         return _lstm_chunk(x, self.w_ih_t[layer], self.w_hh_t[layer], state)
+
+    def residual_body(self, x: Tensor, gains: Tensor, states: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Every layer on the native kernel, its residual add and the next RMSNorm inside each step.
+
+        Args:
+            x: ``[G, b, Tc, d]`` contiguous residual stream of this pass, updated in place.
+            gains: ``[G, L + 1, d]`` norm gains.
+            states: each layer's ``(h, c)``, replaced by its state after the chunk.
+
+        Returns:
+            The final norm's output, ``[G, b, Tc, d]``.
+        """
+        normed = rms_norm(x, gains[:, 0])
+        for layer, packed in enumerate(self.packed):
+            normed, states[layer] = recurrence.native_residual_chunk(
+                _group_matmul(normed, self.w_ih_t[layer]), packed, states[layer], x, gains[:, layer + 1], NORM_EPS)
+        return normed
 
 
 def lstm_cell(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
@@ -330,10 +348,13 @@ class StackedExperts(nn.Module):
             x = _embed(params.get(EMBED_HEAD, params["head"]), tokens[:, :, start : start + span])
             if self.has_projections:
                 x = _group_matmul(x, in_proj_t)
-            for layer in range(self.num_layers):
-                out, states[layer] = lstm(layer, rms_norm(x, gains[:, layer]), states[layer])
-                x = x + out
-            x = rms_norm(x, gains[:, self.num_layers])
+            if lstm.kernel is Kernel.native:
+                x = lstm.residual_body(x, gains, states)
+            else:
+                for layer in range(self.num_layers):
+                    out, states[layer] = lstm(layer, rms_norm(x, gains[:, layer]), states[layer])
+                    x = x + out
+                x = rms_norm(x, gains[:, self.num_layers])
             features = _group_matmul(x, out_proj_t) if self.has_projections else x
             yield features
 

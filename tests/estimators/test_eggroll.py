@@ -68,12 +68,14 @@ def test_lowrank_forward_equals_the_forward_with_materialised_weights(head):
     torch.testing.assert_close(unperturbed, base.mean(1).view(experts, members), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize(("width", "rank", "perturbed"), [(20, 2, LOW_RANK_MATRICES), (12, 1, ("w_hh",)), (12, 1, ())])
+@pytest.mark.parametrize(("width", "rank", "perturbed"),
+                         [(20, 2, LOW_RANK_MATRICES), (12, 1, ("w_hh",)), (12, 1, ()), (100, 1, LOW_RANK_MATRICES)])
 def test_native_member_forward_equals_the_pytorch_loop_in_float32(width, rank, perturbed):
-    """Float32 on the CPU runs the members' layers on the native kernel (members sharing their
-    expert's packed weights, rank-r terms inside each step); the PyTorch loop is the reference.
-    Width 20: two unit blocks, the second a 4-unit tail; 3 windows: a row tail; only w_hh
-    perturbed: the input factors zero; none: no rank-r terms at all."""
+    """Float32 on the CPU runs the members' layers on the native kernel (an expert's members one
+    bundle of rows on its packed weights, each row's rank-r terms and norm gains its member's own);
+    the PyTorch loop is the reference. Width 20: two unit blocks, the second a 4-unit tail; 3
+    windows: row blocks that straddle members; only w_hh perturbed: the input factors zero; none:
+    no rank-r terms at all; width 100: seven unit blocks."""
     experts, members = 2, 4
     native = _model(experts, width).float()
     reference = _model(experts, width).float()

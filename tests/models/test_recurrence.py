@@ -58,13 +58,15 @@ def test_every_kernel_matches_the_reference_loop(kernel, experts, width, groups)
     assert (got - alone).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize(("width", "rows"), [(16, 4), (33, 5), (20, 11)])
-def test_native_kernel_matches_the_reference_across_unit_blocks_and_row_blocks(width, rows):
+@pytest.mark.parametrize(("width", "rows", "groups"), [(16, 4, 4), (33, 5, 4), (20, 11, 4), (100, 9, 4), (20, 1, 5)])
+def test_native_kernel_matches_the_reference_across_unit_blocks_and_row_blocks(width, rows, groups):
     """The native kernel takes 16 hidden units and up to 4 rows at a time: widths of one whole
-    block, of two blocks and a 1-unit tail, of a 4-unit tail; rows that leave a tail of 1 and 3."""
-    tokens = torch.randint(0, 256, (4, rows, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
-    reference, model = _model(2, width, "python"), _model(2, width, "native")
-    params = _copies(model, 4)
+    block, of two blocks and a 1-unit tail, of a 4-unit tail, of seven blocks; rows that leave a
+    tail of 1 and 3; one row per group runs two groups side by side, 5 groups leaving one alone."""
+    tokens = torch.randint(0, 256, (groups, rows, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    experts = 2 if groups % 2 == 0 else 1
+    reference, model = _model(experts, width, "python"), _model(experts, width, "native")
+    params = _copies(model, groups)
     with torch.no_grad():
         expected = reference.forward_with(params, tokens)
         got = model.forward_with(params, tokens)
@@ -96,6 +98,42 @@ def test_native_chunk_layouts_agree_and_saturate_like_the_library_activations():
         h = torch.sigmoid(o) * torch.tanh(c)
         assert (time_major[0][:, step] - h).abs().max().item() <= TOLERANCE
     assert (time_major[2] - c).abs().max().item() <= TOLERANCE
+
+
+def test_native_residual_chunk_adds_the_hidden_states_and_normalises_for_the_next_layer():
+    """The fused step (``residual += h`` in place, the next layer's RMSNorm returned in place of h)
+    against the plain step, an add and PyTorch's rms_norm; with EGGROLL's rank-r terms, window-major
+    factors give the same bits as time-major ones. Width 20: a 4-unit tail; 5 rows: a row tail."""
+    groups, rows, steps, width, rank = 3, 5, 6, 20, 2
+    generator = torch.Generator().manual_seed(8)
+    gates = 3.0 * torch.randn(groups, rows, steps, 4 * width, generator=generator)
+    packed = recurrence.pack_recurrent(torch.randn(groups, 4 * width, width, generator=generator) / width**0.5)
+    state = tuple(torch.randn(groups, rows, width, generator=generator) for _ in range(2))
+    residual = torch.randn(groups, rows, steps, width, generator=generator)
+    gain = torch.rand(groups, width, generator=generator) + 0.5
+    extension = recurrence.grouped_extension()
+    plain = extension.grouped_lstm_chunk(gates, packed, *state, window_major=True)
+    stream = residual.clone()
+    normed, (h, c) = recurrence.native_residual_chunk(gates, packed, state, stream, gain, 1e-6)
+    assert torch.equal(stream, residual + plain[0])
+    expected = torch.nn.functional.rms_norm(residual + plain[0], (width,), eps=1e-6) * gain[:, None, None]
+    assert (normed - expected).abs().max().item() <= TOLERANCE
+    assert torch.equal(h, plain[1]) and torch.equal(c, plain[2])
+
+    thin_in = torch.randn(groups, rows, steps, rank, generator=generator)
+    low_rank = {"b_hh": torch.randn(groups, width, rank, generator=generator),
+                "a_packed": recurrence.pack_recurrent(torch.randn(groups, 4 * width, 2 * rank, generator=generator))}
+    window_major = extension.grouped_lstm_chunk(gates, packed, *state, thin_in=thin_in, window_major=True, **low_rank)
+    time_major = extension.grouped_lstm_chunk(gates.transpose(1, 2).contiguous(), packed, *state,
+                                              thin_in=thin_in.transpose(1, 2).contiguous(), **low_rank)
+    assert not torch.equal(window_major[0], plain[0])  # the rank-r terms changed the gates
+    assert torch.equal(window_major[0], time_major[0].transpose(1, 2))
+    stream = residual.clone()
+    fused, _ = recurrence.native_residual_chunk(gates, packed, state, stream, gain, 1e-6,
+                                                {"thin_in": thin_in, **low_rank})
+    assert torch.equal(stream, residual + window_major[0])
+    expected = torch.nn.functional.rms_norm(residual + window_major[0], (width,), eps=1e-6) * gain[:, None, None]
+    assert (fused - expected).abs().max().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize("shared", [False, True])
