@@ -105,8 +105,28 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
     return torch.stack(outputs, dim=2).view(*shape[:3], steps, width), (h.view(shape), c.view(shape))
 
 
+def _native_low_rank(factors: Mapping[str, Factors], layers: int) -> list[tuple[Tensor, dict[str, Tensor]] | None]:
+    """Each layer's rank-r terms for the native kernel, prepared once per pass: ``B_ih`` per member
+    (``[E·M, d, r]``, for the chunk's ``x_t · B_ih``) and the kernel's ``b_hh`` and packed
+    ``[A_ih, A_hh]``; None for a layer without them. A matrix missing beside its twin gets zeros."""
+    prepared = []
+    for layer in range(layers):
+        f_ih, f_hh = _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer)
+        if f_ih is None and f_hh is None:
+            prepared.append(None)
+            continue
+        f_ih = f_ih or tuple(torch.zeros_like(f) for f in f_hh)
+        f_hh = f_hh or tuple(torch.zeros_like(f) for f in f_ih)
+        prepared.append((f_ih[1].flatten(0, 1), {
+            "b_hh": f_hh[1].flatten(0, 1).contiguous(),
+            "a_packed": recurrence.pack_recurrent(torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1)),
+        }))
+    return prepared
+
+
 def _members_body_native(x: Tensor, gains: Tensor, w_ih: Tensor, recurrent: list[Tensor],
-                         factors: Mapping[str, Factors], states: list[tuple[Tensor, Tensor]]) -> Tensor:
+                         low_rank: list[tuple[Tensor, dict[str, Tensor]] | None],
+                         states: list[tuple[Tensor, Tensor]]) -> Tensor:
     """Every layer for all members on the native kernel, in the model's window-major layout: each
     member a group of its b windows, the members of an expert sharing its packed recurrent weights,
     the rank-r terms added inside each step (``[A_ih, A_hh]`` packed per member), and each layer's
@@ -117,7 +137,7 @@ def _members_body_native(x: Tensor, gains: Tensor, w_ih: Tensor, recurrent: list
         x: ``[E, M, b, Tc, d]`` contiguous residual stream of this pass, updated in place.
         gains: ``[E, M, L + 1, d]`` each member's norm gains.
         w_ih: ``[E, L, 4d, d]``; recurrent: each layer's packed ``w_hh`` (``[E, ...]``).
-        factors: matrix name → factors, as in :func:`population_losses`.
+        low_rank: each layer's :func:`_native_low_rank`.
         states: each layer's ``(h, c)``, ``[E, M, b, d]`` each, replaced by its state after the chunk.
 
     Returns:
@@ -128,23 +148,17 @@ def _members_body_native(x: Tensor, gains: Tensor, w_ih: Tensor, recurrent: list
     stream = x.view(groups, windows, steps, width)
     flat_gains = gains.flatten(0, 1)
     normed = rms_norm(stream, flat_gains[:, 0])
-    for layer, packed in enumerate(recurrent):
+    for layer, (packed, terms) in enumerate(zip(recurrent, low_rank, strict=True)):
         gates_in = torch.bmm(normed.view(experts, members * windows * steps, width), w_ih[:, layer].transpose(1, 2))
-        f_ih, f_hh = _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer)
-        low_rank = None
-        if f_ih is not None or f_hh is not None:
-            f_ih = f_ih or tuple(torch.zeros_like(f) for f in f_hh)
-            f_hh = f_hh or tuple(torch.zeros_like(f) for f in f_ih)
-            thin_in = torch.bmm(normed.view(groups, windows * steps, width), f_ih[1].flatten(0, 1))
-            low_rank = {
-                "thin_in": thin_in.view(groups, windows, steps, -1),
-                "b_hh": f_hh[1].flatten(0, 1).contiguous(),
-                "a_packed": recurrence.pack_recurrent(torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1)),
-            }
+        step_terms = None
+        if terms is not None:
+            b_ih, kernel_terms = terms
+            thin_in = torch.bmm(normed.view(groups, windows * steps, width), b_ih)
+            step_terms = {"thin_in": thin_in.view(groups, windows, steps, -1), **kernel_terms}
         state = tuple(part.reshape(groups, windows, width) for part in states[layer])
         normed, (h, c) = recurrence.native_residual_chunk(
             gates_in.view(groups, windows, steps, -1), packed, state, stream, flat_gains[:, layer + 1], NORM_EPS,
-            low_rank)
+            step_terms)
         states[layer] = (h.view(shape), c.view(shape))
     return normed.view(x.shape)
 
@@ -166,13 +180,14 @@ def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factor
     recurrent = [params["w_hh"][:, layer] for layer in range(model.num_layers)]
     if native:
         recurrent = [recurrence.pack_recurrent(weights) for weights in recurrent]
+        low_rank = _native_low_rank(factors, model.num_layers)
     for start in range(0, steps, model.time_chunk):
         x = _members_embed(params["head"], factors.get("head"), tokens[..., start : start + model.time_chunk])
         chunk = x.shape[:4]
         if model.has_projections:
             x = _members_linear(x.flatten(2, 3), params["in_proj"], factors.get("in_proj")).view(*chunk, -1)
         if native:
-            x = _members_body_native(x.contiguous(), gains, params["w_ih"], recurrent, factors, states)
+            x = _members_body_native(x.contiguous(), gains, params["w_ih"], recurrent, low_rank, states)
         else:
             for layer in range(model.num_layers):
                 out, states[layer] = _members_lstm(
