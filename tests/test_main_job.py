@@ -8,13 +8,14 @@ import io
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
 from soma_pl.cli import main
-from soma_pl.main_job import DemoConfig, thread_count
+from soma_pl.main_job import DemoConfig, fit_length, thread_count
 from tests.data.corpora import write_jsonl_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,6 +150,16 @@ def test_an_interrupted_fit_resumes_to_the_same_scores(demo_run, monkeypatch):
     assert resumed["updates"] == 4 and resumed["test"] == report["table"]["spsa"]["test"]
 
 
+def test_a_token_budget_replaces_the_step_count_and_keeps_the_cadence(tmp_path):
+    demo = DemoConfig(output_dir=str(tmp_path), updates=4, val_every=2)
+    by_steps, by_tokens = fit_length(demo), fit_length(replace(demo, token_forwards=512))
+    assert by_steps[0] == "--trainer.max_steps=4"
+    assert by_tokens[:2] == ["--budget.token_forwards=512", "--trainer.max_steps=1000000000"]
+    assert by_steps[1:] == by_tokens[2:] == ["--trainer.val_check_interval=2", "--checkpoint.save_top_k=-1",
+                                              "--trainer.log_every_n_steps=2"]
+
+
+@pytest.mark.slow  # the whole main job again (about 100 s); the budget's arguments are checked above
 def test_equal_token_forwards_gives_soma_half_the_updates(demo_run, monkeypatch):
     """`--demo.token_forwards` stops both sides at the same token forwards (a budget, not a step
     count): SOMA N = 2 forwards twice the tokens per update, so it makes half the updates."""

@@ -246,7 +246,8 @@ def bench_kernels(shapes: Sequence[KernelShape] = DEFAULT_SHAPES, settings: Kern
     if settings.context < 2 or settings.grouped_context < 2:
         raise ConfigError("context and grouped_context must be >= 2 bytes")
     configs = [(kind, shape) for shape in shapes for kind in settings.kinds]
-    recurrence.grouped_extension()  # build the native kernel once, before any child needs it
+    if settings.device == "cpu":
+        recurrence.grouped_extension()  # build the native kernel once, before any child needs it
     before = {**machine(), "peak_gflops": matmul_peak_gflops(settings.device, threads=settings.threads),
               "peak_gemm": f"torch.mm {PEAK_SIZE}x{PEAK_SIZE} float32, the children's threads",
               "fma_peak_gflops_one_core": fma_peak_gflops() if settings.device == "cpu" else None}

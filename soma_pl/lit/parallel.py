@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from soma_pl.distributed import RankSplit, rank_share
 from soma_pl.errors import ConfigError
 from soma_pl.eval.metrics import PerExpertNats
-from soma_pl.models.recurrence import Kernel
+from soma_pl.models.recurrence import Kernel, cuda_choice
 from soma_pl.models.stacked import StackedExperts
 
 
@@ -207,7 +207,7 @@ class ExpertParallel:
         # keeping the full model's choice keeps each expert's losses bit for bit those of one process.
         kernel = full.kernel
         if kernel is Kernel.auto and full.num_experts > 1:
-            kernel = Kernel.triton if full.w_hh.is_cuda else Kernel.native
+            kernel = cuda_choice(full.width) if full.w_hh.is_cuda else Kernel.native
         own = StackedExperts(len(experts), full.width, full.embed_dim, full.num_layers, full.head_mode,
                              full.time_chunk, kernel=kernel, device=full.w_hh.device, dtype=full.w_hh.dtype)
         for (name, mine), theirs in zip(own.named_parameters(), full.parameters(), strict=True):

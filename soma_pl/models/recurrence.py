@@ -25,7 +25,8 @@ One layer, one time chunk, ``G`` groups of weights (experts × perturbed copies)
   (BPTT with ``N > 1`` experts) runs, and GPUs without Triton.
 
 ``Kernel.auto`` picks ``library`` for one weight set; for several without gradients in float32,
-``native`` on the CPU and ``triton`` on a CUDA GPU (where Triton imports); ``python`` otherwise.
+``native`` on the CPU, and on a CUDA GPU ``triton`` (where Triton imports) for layers up to
+:data:`TRITON_MAX_WIDTH` units and ``python`` above (:func:`cuda_choice`); ``python`` otherwise.
 ``SOMA_PL_LSTM_KERNEL=python|library|native|triton|auto`` overrides the choice for a whole process
 (e.g. to compare against the reference).
 """
@@ -53,6 +54,13 @@ LIBRARY_ROW_STEPS = 4096
 """Window-steps (batch × time steps) per library-kernel call without gradients: enough that the
 weight re-packing each call does is small next to the call's work, few enough that activations
 stay bounded (``4096 · 4 · d_t`` floats of gates inside the call)."""
+TRITON_MAX_WIDTH = 256
+"""Widest layer ``auto`` runs on the Triton kernel on a GPU. One Triton program streams its group's
+recurrent weights at every step, which pays while they are small; on an H200 (``docs/gpu.md``, one
+chunk of 64 steps) Triton ran 1.2-5.4x PyTorch's batched loop at d_t = 32 and 181 (six shapes,
+8 to 512 rows per group) and 0.66x and 0.39x it at d_t = 361 (2 groups of 768 rows) and 509 (4 of
+4), where ``baddbmm`` spreads each step's product over the whole GPU. 256 lies between the widths
+measured, not at a measured crossing."""
 _SOURCE = Path(__file__).with_name("grouped_lstm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math"]
 """``-fno-trapping-math`` lets the compiler vectorise the float → int conversion in the fast exp."""
@@ -79,7 +87,8 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor]) -> Kernel
     chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
     groups, weights = params["w_hh"].shape[0], params["w_hh"]
     if chosen is Kernel.auto:
-        chosen = Kernel.library if groups == 1 else Kernel.triton if weights.is_cuda else Kernel.native
+        chosen = (Kernel.library if groups == 1 else cuda_choice(weights.shape[-1]) if weights.is_cuda
+                  else Kernel.native)
     if chosen is Kernel.library and (groups != 1 or _library_lacks_bf16(weights)):
         return Kernel.python
     if chosen is Kernel.triton:
@@ -90,6 +99,11 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor]) -> Kernel
     if chosen is Kernel.native and not native_applies(chosen, *params.values()):
         return Kernel.python
     return chosen
+
+
+def cuda_choice(width: int) -> Kernel:
+    """``auto``'s kernel for several weight sets of layers ``width`` units wide on a CUDA GPU."""
+    return Kernel.triton if width <= TRITON_MAX_WIDTH else Kernel.python
 
 
 def _library_lacks_bf16(weights: Tensor) -> bool:

@@ -38,7 +38,8 @@ def available() -> bool:
 
 
 def _chunk_body(gates_in, w_hh_t, hidden, cell, out, steps, rows, width,
-                BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):  # traced by Triton
+                BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                PRECISION: tl.constexpr):  # traced by Triton
     # one grid axis (CUDA caps the others at 65,535 programs); 64-bit offsets (tensors past 2^31 elements)
     blocks = (rows + BLOCK_B - 1) // BLOCK_B
     program = tl.program_id(0).to(tl.int64)
@@ -63,10 +64,10 @@ def _chunk_body(gates_in, w_hh_t, hidden, cell, out, steps, rows, width,
                             mask=row_ok[:, None] & (k < width)[None, :], other=0.0)
                 w_at = w_hh_t + (group * width + k[:, None]) * gates + unit[None, :]
                 w_ok = (k < width)[:, None] & (unit < width)[None, :]
-                acc_i += tl.dot(h, tl.load(w_at, mask=w_ok, other=0.0), input_precision="ieee")
-                acc_f += tl.dot(h, tl.load(w_at + width, mask=w_ok, other=0.0), input_precision="ieee")
-                acc_o += tl.dot(h, tl.load(w_at + 2 * width, mask=w_ok, other=0.0), input_precision="ieee")
-                acc_c += tl.dot(h, tl.load(w_at + 3 * width, mask=w_ok, other=0.0), input_precision="ieee")
+                acc_i += tl.dot(h, tl.load(w_at, mask=w_ok, other=0.0), input_precision=PRECISION)
+                acc_f += tl.dot(h, tl.load(w_at + width, mask=w_ok, other=0.0), input_precision=PRECISION)
+                acc_o += tl.dot(h, tl.load(w_at + 2 * width, mask=w_ok, other=0.0), input_precision=PRECISION)
+                acc_c += tl.dot(h, tl.load(w_at + 3 * width, mask=w_ok, other=0.0), input_precision=PRECISION)
             c_at = cell + (group * rows + row[:, None]) * width + unit[None, :]
             # sigmoid and tanh from exp (a core op: the interpreter runs it whenever Triton was imported)
             c = (tl.load(c_at, mask=ok, other=0.0) / (1.0 + tl.exp(-acc_f))
@@ -101,13 +102,26 @@ def _kernel(interpret: bool):
         return triton.jit(_chunk_body, do_not_specialize=["steps", "rows"])
 
 
+def launch(width: int, rows: int) -> tuple[int, int]:
+    """Rows per program and warps per program for a layer of ``width`` units and ``rows`` rows per
+    group, from ``scripts/gpu_triton_sweep.py`` on an H200 (one chunk of 64 steps, median of 20;
+    ``docs/gpu.md``): narrow layers with many rows per group take 64 rows in 8 warps (N = 256
+    inference: 13.8 against 11.6 TFLOP/s in 16 rows and 4 warps), other narrow layers 16 rows in 4
+    warps (8 warps: 1.3 against 1.9 at d_t = 32), wider layers 16 rows in 8 warps (d_t = 181, 8 rows
+    per group: 4.5 against 3.7 TFLOP/s; 64 rows per program there spills: 0.35)."""
+    if width <= 64:
+        return (64, 8) if rows >= 64 else (BLOCK_ROWS, 4)
+    return BLOCK_ROWS, 8
+
+
 def _blocks(width: int) -> tuple[int, int]:
     """Hidden units per output block and per product block (powers of two, 16 to 64)."""
     block = min(64, max(16, 1 << (width - 1).bit_length()))
     return block, block
 
 
-def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor]
+def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor], *, block_rows: int | None = None,
+                 num_warps: int | None = None, precision: str = "ieee", block_units: int | None = None
                  ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """One layer over a chunk with the Triton kernel (``python``'s arithmetic, float32).
 
@@ -115,6 +129,11 @@ def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor]
         gates_in: ``[G, Tc, b, 4d]`` input projections, gate columns (input, forget, output, cell).
         w_hh_t: ``[G, d, 4d]`` transposed recurrent weights, same order.
         state: ``(h, c)``, each ``[G, b, d]``.
+        block_rows, num_warps: rows per program (a power of two, at least 16) and warps per
+            program; None: :func:`launch`'s choice.
+        precision, block_units: ``tl.dot``'s input precision (``ieee``; ``tf32x3``: three TF32
+            products that carry float32's mantissa; ``tf32``) and hidden units per block (None: by
+            width), for ``scripts/gpu_triton_sweep.py``.
 
     Returns:
         out: ``[G, b, Tc, d]``; the final ``(h, c)``.
@@ -125,11 +144,14 @@ def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor]
     hidden[:, 0] = state[0]
     cell = state[1].to(torch.float32, copy=True).contiguous()
     out = torch.empty(groups, rows, steps, width, device=gates_in.device, dtype=torch.float32)
-    block_d, block_k = _blocks(width)
-    grid = (groups * -(-rows // BLOCK_ROWS),)
+    block_d, block_k = _blocks(width) if block_units is None else (block_units, block_units)
+    chosen_rows, chosen_warps = launch(width, rows)
+    block_rows, num_warps = block_rows or chosen_rows, num_warps or chosen_warps
+    grid = (groups * -(-rows // block_rows),)
     interpret = gates_in.device.type == "cpu"
     device = contextlib.nullcontext() if interpret else torch.cuda.device(gates_in.device)
     with _interpreting(interpret), device:
         _kernel(interpret)[grid](gates_in.contiguous(), w_hh_t.contiguous(), hidden, cell, out, steps, rows, width,
-                                 BLOCK_B=BLOCK_ROWS, BLOCK_D=block_d, BLOCK_K=block_k)
+                                 BLOCK_B=block_rows, BLOCK_D=block_d, BLOCK_K=block_k, PRECISION=precision,
+                                 num_warps=num_warps)
     return out, (hidden[:, steps % 2], cell)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from soma_pl.models import triton_lstm
-from soma_pl.models.recurrence import Kernel, resolve_kernel
+from soma_pl.models.recurrence import TRITON_MAX_WIDTH, Kernel, cuda_choice, resolve_kernel
 from soma_pl.models.stacked import StackedExperts, lstm_cell
 
 pytest.importorskip("triton")
@@ -25,9 +25,10 @@ def _reference(gates_in, w_hh_t, state):
 
 
 @pytest.mark.parametrize(("groups", "steps", "rows", "width"),
-                         [(3, 5, 4, 16), (2, 4, 20, 33), (2, 3, 7, 70), (1, 2, 16, 8)])
+                         [(3, 5, 4, 16), (2, 4, 20, 33), (2, 3, 7, 70), (1, 2, 16, 8), (2, 2, 70, 20)])
 def test_a_chunk_matches_the_reference_loop_in_the_interpreter(groups, steps, rows, width):
-    """Row blocks of 16 (a tail, two blocks), widths of one unit block, a tail and two blocks."""
+    """Row blocks of 16 (a tail, two blocks) and of 64 (narrow layers, many rows: a tail), widths of
+    one unit block, a tail and two blocks."""
     generator = torch.Generator().manual_seed(width)
     gates_in = torch.randn(groups, steps, rows, 4 * width, generator=generator)
     w_hh_t = torch.randn(groups, width, 4 * width, generator=generator) / width**0.5
@@ -73,7 +74,8 @@ def test_triton_is_chosen_only_where_it_applies(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("groups", "steps", "rows", "width"), [(64, 32, 8, 181), (3, 9, 37, 20), (256, 16, 8, 32)])
+@pytest.mark.parametrize(("groups", "steps", "rows", "width"),
+                         [(64, 32, 8, 181), (3, 9, 37, 20), (256, 16, 8, 32), (4, 16, 96, 32)])
 def test_the_triton_kernel_matches_the_reference_loop_on_the_gpu(groups, steps, rows, width, monkeypatch):
     """Against the loop in float64, random state: float32 rounding only (no TF32)."""
     generator = torch.Generator(device="cuda").manual_seed(width)
@@ -85,5 +87,12 @@ def test_the_triton_kernel_matches_the_reference_loop_on_the_gpu(groups, steps, 
     expected, (h_expected, c_expected) = _reference(gates_in.double(), w_hh_t.double(), doubled)
     for got, want in ((out, expected), (h, h_expected), (c, c_expected)):
         assert ((got.double() - want).norm() / want.norm()).item() <= 1e-5
-    with torch.no_grad():
-        assert resolve_kernel(Kernel.auto, {"w_hh": w_hh_t}) is Kernel.triton
+    with torch.no_grad():  # `auto` reads the width off w_hh, [G, 4d, d] per layer
+        assert resolve_kernel(Kernel.auto, {"w_hh": w_hh_t.transpose(1, 2)}) is Kernel.triton
+        wide = torch.zeros(2, 4 * 361, 361, device="cuda")
+        assert resolve_kernel(Kernel.auto, {"w_hh": wide}) is Kernel.python
+
+
+def test_auto_takes_triton_on_a_gpu_up_to_its_width_and_the_batched_loop_above():
+    assert [cuda_choice(width) for width in (32, 181, TRITON_MAX_WIDTH)] == [Kernel.triton] * 3
+    assert [cuda_choice(width) for width in (TRITON_MAX_WIDTH + 1, 361, 509)] == [Kernel.python] * 3
