@@ -8,6 +8,10 @@ cost about as much as inference on M windows. In the recurrence the rank-r terms
 recurrent matrices join into one product of width 2r per step:
 ``(x_t·B_ih)·A_ihᵀ + (h·B_hh)·A_hhᵀ = [x_t·B_ih, h·B_hh]·[A_ih, A_hh]ᵀ``.
 
+On the CPU the members' layers run on the native kernel (an expert's members one bundle of rows
+on its packed weights); on a GPU on the Triton kernel (the members of an expert its rows, each
+adding its rank-r recurrent term inside the step); elsewhere the PyTorch loop over time.
+
 Matrices (:data:`LOW_RANK_MATRICES`): the tied head ``[256, d_E]`` (the embedding reads rows of
 ``W + A·Bᵀ``; the logits multiply by it), in_proj, out_proj and each layer's w_ih and w_hh. The
 norm gains are vectors. Activations are laid out ``[E, M, b, T, d]`` (experts, members, windows,
@@ -66,13 +70,16 @@ def _layer(factors: Factors | None, layer: int) -> Factors | None:
 
 
 def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f_hh: Factors | None,
-                  state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+                  state: tuple[Tensor, Tensor], triton: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """One bias-free LSTM layer over a time chunk for all members.
 
     Args:
         x: ``[E, M, b, Tc, d]`` normalised input; w_ih, w_hh: ``[E, 4d, d]``.
         f_ih, f_hh: factors ``(A [E, M, 4d, r], B [E, M, d, r])`` or None (unperturbed).
         state: ``(h, c)``, each ``[E, M, b, d]``.
+        triton: run the recurrence on the Triton kernel (the members of an expert its rows, each
+            adding its own rank-r term inside the step; the input terms join the projections first)
+            instead of the PyTorch loop over time.
 
     Returns:
         out ``[E, M, b, Tc, d]``; the final ``(h, c)``.
@@ -92,6 +99,19 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
         joint_a = torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1).transpose(1, 2).contiguous()  # [E·M, 2r, 4d]
         recurrent_b = f_hh[1].flatten(0, 1)
     h, c = (part.reshape(experts, members * windows, width) for part in state)
+    shape = (experts, members, windows, width)
+    if triton:
+        from soma_pl.models.triton_lstm import triton_chunk
+
+        factors = None
+        if low_rank:
+            a_ih = f_ih[0].flatten(0, 1).transpose(1, 2)
+            term = torch.bmm(inputs_b.view(experts * members, windows * steps, -1), a_ih)  # (x_t·B_ih)·A_ihᵀ
+            term = term.view(experts, members, windows, steps, -1).permute(0, 3, 1, 2, 4)
+            gates_in = gates_in + term.reshape(gates_in.shape)
+            factors = (f_hh[0].flatten(0, 1), recurrent_b)
+        out, (h, c) = triton_chunk(gates_in, w_hh_t, (h, c), low_rank=factors, windows=windows)
+        return out.view(*shape[:3], steps, width), (h.view(shape), c.view(shape))
     outputs = []
     for t in range(steps):
         gates = torch.baddbmm(gates_in[:, t], h, w_hh_t)
@@ -101,7 +121,6 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
             gates = torch.baddbmm(gates.view(experts * members, windows, -1), thin, joint_a).view(gates.shape)
         h, c = lstm_cell(gates, c)
         outputs.append(h)
-    shape = (experts, members, windows, width)
     return torch.stack(outputs, dim=2).view(*shape[:3], steps, width), (h.view(shape), c.view(shape))
 
 
@@ -175,8 +194,9 @@ def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factor
     experts, members, windows, steps = tokens.shape
     zeros = gains.new_zeros(experts, members, windows, model.width)
     states = [(zeros, zeros)] * model.num_layers
-    native = recurrence.native_applies(model.kernel, gains, *params.values(),
-                                       *(f for pair in factors.values() for f in pair))
+    tensors = (gains, *params.values(), *(f for pair in factors.values() for f in pair))
+    triton = recurrence.triton_applies(model.kernel, model.width, *tensors)
+    native = not triton and recurrence.native_applies(model.kernel, *tensors)
     recurrent = [params["w_hh"][:, layer] for layer in range(model.num_layers)]
     if native:
         recurrent = [recurrence.pack_recurrent(weights) for weights in recurrent]
@@ -192,7 +212,7 @@ def _member_features(model: StackedExperts, params: Mapping[str, Tensor], factor
             for layer in range(model.num_layers):
                 out, states[layer] = _members_lstm(
                     _norm(x, gains[:, :, layer]), params["w_ih"][:, layer], recurrent[layer],
-                    _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer), states[layer])
+                    _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer), states[layer], triton)
                 x = x + out
             x = _norm(x, gains[:, :, model.num_layers])
         if model.has_projections:

@@ -18,8 +18,9 @@ One layer, one time chunk, ``G`` groups of weights (experts × perturbed copies)
   head's cross entropy (:func:`native_head_nll`) and runs EGGROLL's members
   (:mod:`soma_pl.models.lowrank`) where :func:`native_applies`.
 - ``triton``: many weight sets without gradients on a CUDA GPU, in float32: one Triton program per
-  group and 16 rows runs every step of the chunk (:mod:`soma_pl.models.triton_lstm`). Chosen by
-  hand on CPU tensors, it runs in Triton's interpreter, which is how it is tested without a GPU.
+  group and 16 or 64 rows runs every step of the chunk (:mod:`soma_pl.models.triton_lstm`); EGGROLL's
+  members too, each row adding its member's rank-r term (:func:`triton_applies`). Chosen by hand on
+  CPU tensors, it runs in Triton's interpreter, which is how it is tested without a GPU.
 - ``python``: the batched PyTorch loop over time (one ``baddbmm`` and a few elementwise kernels per
   step); the reference the others are tested against, and what grouped training under autograd
   (BPTT with ``N > 1`` experts) runs, and GPUs without Triton.
@@ -182,6 +183,22 @@ def native_residual_chunk(gates_in: Tensor, packed: Tensor, state: tuple[Tensor,
         gates_in, packed, state[0], state[1], window_major=True, residual=residual,
         next_gain=next_gain.contiguous(), eps=eps, **(low_rank or {}))
     return normed, (h, c)
+
+
+def triton_applies(kernel: Kernel | str, width: int, *tensors: Tensor) -> bool:
+    """Whether EGGROLL's members (:mod:`soma_pl.models.lowrank`) run on the Triton kernel: chosen
+    by hand (CPU tensors: Triton's interpreter), or ``auto`` on a CUDA GPU up to
+    :data:`TRITON_MAX_WIDTH` units; Triton importable, no gradients, float32."""
+    chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
+    if chosen not in (Kernel.triton, Kernel.auto):
+        return False
+    from soma_pl.models import triton_lstm
+
+    grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+    usable = triton_lstm.available() and not grad and all(tensor.dtype == torch.float32 for tensor in tensors)
+    if chosen is Kernel.auto:
+        usable = usable and all(tensor.is_cuda for tensor in tensors) and cuda_choice(width) is Kernel.triton
+    return usable
 
 
 def native_applies(kernel: Kernel | str, *tensors: Tensor) -> bool:

@@ -2,12 +2,14 @@
 
 Many weight sets (experts × perturbed copies) without gradients is the zero-order hot path; on a GPU
 the ``python`` kernel launches a ``baddbmm`` and a few elementwise kernels per time step. Here one
-program takes up to ``BLOCK_ROWS`` rows of one group through every step of the chunk: per step, for
+program takes 16 or 64 rows of one group (:func:`launch`) through every step of the chunk: per step, for
 each block of hidden units, the four gates' products of the previous hidden state with the group's
 recurrent weights (``tl.dot`` in IEEE float32, not TF32: a zero-order update divides a loss
 difference by ε), then the gate activations and the cell, stored as the step's output. The hidden
 state goes through a two-slot buffer in global memory (read one slot, write the other, a barrier
-per step); the cell state is updated in place. No host synchronisation inside a chunk.
+per step); the cell state is updated in place. No host synchronisation inside a chunk. EGGROLL's
+members of one expert are the rows of one group, on its shared weights; each row adds its member's
+rank-r recurrent term ``(h·B_hh)·A_hhᵀ`` inside the step (``low_rank``).
 
 On CPU tensors the same kernel runs in Triton's interpreter (NumPy), which is how its arithmetic is
 tested without a GPU (``tests/models/test_triton_lstm.py``). ``scripts/gpu_check.sh`` times it on
@@ -37,9 +39,9 @@ def available() -> bool:
     return tl is not None
 
 
-def _chunk_body(gates_in, w_hh_t, hidden, cell, out, steps, rows, width,
+def _chunk_body(gates_in, w_hh_t, hidden, cell, out, a_hh, b_hh, steps, rows, width, windows, members,
                 BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                PRECISION: tl.constexpr):  # traced by Triton
+                PRECISION: tl.constexpr, RANK: tl.constexpr):  # traced by Triton
     # one grid axis (CUDA caps the others at 65,535 programs); 64-bit offsets (tensors past 2^31 elements)
     blocks = (rows + BLOCK_B - 1) // BLOCK_B
     program = tl.program_id(0).to(tl.int64)
@@ -68,6 +70,24 @@ def _chunk_body(gates_in, w_hh_t, hidden, cell, out, steps, rows, width,
                 acc_f += tl.dot(h, tl.load(w_at + width, mask=w_ok, other=0.0), input_precision=PRECISION)
                 acc_o += tl.dot(h, tl.load(w_at + 2 * width, mask=w_ok, other=0.0), input_precision=PRECISION)
                 acc_c += tl.dot(h, tl.load(w_at + 3 * width, mask=w_ok, other=0.0), input_precision=PRECISION)
+            for r in range(RANK):  # EGGROLL: each row's member adds its own rank-r term (h·B_hh)·A_hhᵀ
+                member = group * members + row // windows
+                # Σ_k h·B_hh[:, r] for every row, repeated across the block's units by a product with
+                # ones (tl.dot, a core op: no library reduction, which the interpreter cannot call)
+                across = tl.full((BLOCK_K, BLOCK_D), 1.0, tl.float32)
+                thin = tl.full((BLOCK_B, BLOCK_D), 0.0, tl.float32)
+                for start in range(0, width, BLOCK_K):
+                    k = start + tl.arange(0, BLOCK_K)
+                    k_ok = row_ok[:, None] & (k < width)[None, :]
+                    h = tl.load(hidden + ((group * 2 + read) * rows + row[:, None]) * width + k[None, :],
+                                mask=k_ok, other=0.0)
+                    b = tl.load(b_hh + (member[:, None] * width + k[None, :]) * RANK + r, mask=k_ok, other=0.0)
+                    thin += tl.dot(h * b, across, input_precision=PRECISION)
+                a_at = a_hh + (member[:, None] * gates + unit[None, :]) * RANK + r
+                acc_i += thin * tl.load(a_at, mask=ok, other=0.0)
+                acc_f += thin * tl.load(a_at + width * RANK, mask=ok, other=0.0)
+                acc_o += thin * tl.load(a_at + 2 * width * RANK, mask=ok, other=0.0)
+                acc_c += thin * tl.load(a_at + 3 * width * RANK, mask=ok, other=0.0)
             c_at = cell + (group * rows + row[:, None]) * width + unit[None, :]
             # sigmoid and tanh from exp (a core op: the interpreter runs it whenever Triton was imported)
             c = (tl.load(c_at, mask=ok, other=0.0) / (1.0 + tl.exp(-acc_f))
@@ -99,7 +119,7 @@ def _kernel(interpret: bool):
     import triton
 
     with _interpreting(interpret):
-        return triton.jit(_chunk_body, do_not_specialize=["steps", "rows"])
+        return triton.jit(_chunk_body, do_not_specialize=["steps", "rows", "windows", "members"])
 
 
 def launch(width: int, rows: int) -> tuple[int, int]:
@@ -121,7 +141,8 @@ def _blocks(width: int) -> tuple[int, int]:
 
 
 def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor], *, block_rows: int | None = None,
-                 num_warps: int | None = None, precision: str = "ieee", block_units: int | None = None
+                 num_warps: int | None = None, precision: str = "ieee", block_units: int | None = None,
+                 low_rank: tuple[Tensor, Tensor] | None = None, windows: int = 1
                  ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """One layer over a chunk with the Triton kernel (``python``'s arithmetic, float32).
 
@@ -129,6 +150,10 @@ def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor],
         gates_in: ``[G, Tc, b, 4d]`` input projections, gate columns (input, forget, output, cell).
         w_hh_t: ``[G, d, 4d]`` transposed recurrent weights, same order.
         state: ``(h, c)``, each ``[G, b, d]``.
+        low_rank: EGGROLL's recurrent factors ``(A_hh [G·M, 4d, r], B_hh [G·M, d, r])`` of the
+            ``M = b / windows`` members of each group (row ``j`` of group ``g`` belongs to member
+            ``g·M + j // windows``), added inside each step as ``(h·B_hh)·A_hhᵀ``; None: none.
+        windows: rows per member (with ``low_rank``).
         block_rows, num_warps: rows per program (a power of two, at least 16) and warps per
             program; None: :func:`launch`'s choice.
         precision, block_units: ``tl.dot``'s input precision (``ieee``; ``tf32x3``: three TF32
@@ -150,8 +175,16 @@ def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor],
     grid = (groups * -(-rows // block_rows),)
     interpret = gates_in.device.type == "cpu"
     device = contextlib.nullcontext() if interpret else torch.cuda.device(gates_in.device)
+    rank, members, factors = 0, 1, (gates_in, gates_in)  # no factors: never read (RANK = 0, no rank loop)
+    if low_rank is not None:
+        rank, members = low_rank[0].shape[-1], rows // windows
+        if members * windows != rows or low_rank[0].shape[0] != groups * members:
+            raise ValueError(f"low_rank holds {low_rank[0].shape[0]} members for {groups} groups of {rows} rows "
+                             f"in members of {windows} windows")
+        factors = tuple(factor.to(torch.float32).contiguous() for factor in low_rank)
     with _interpreting(interpret), device:
-        _kernel(interpret)[grid](gates_in.contiguous(), w_hh_t.contiguous(), hidden, cell, out, steps, rows, width,
-                                 BLOCK_B=block_rows, BLOCK_D=block_d, BLOCK_K=block_k, PRECISION=precision,
+        _kernel(interpret)[grid](gates_in.contiguous(), w_hh_t.contiguous(), hidden, cell, out, *factors, steps, rows,
+                                 width, windows, members, BLOCK_B=block_rows, BLOCK_D=block_d, BLOCK_K=block_k,
+                                 PRECISION=precision, RANK=rank,
                                  num_warps=num_warps)
     return out, (hidden[:, steps % 2], cell)

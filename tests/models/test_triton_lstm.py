@@ -73,6 +73,33 @@ def test_triton_is_chosen_only_where_it_applies(monkeypatch):
     assert resolve_kernel(Kernel.triton, many) is Kernel.python  # gradients: the kernel has no backward
 
 
+HOPPER_SHARED_BYTES = 232_448
+"""Shared memory one H100/H200 block may use (the limit the device reported when a variant exceeded it)."""
+
+
+@pytest.mark.parametrize(("width", "rows", "rank"), [(32, 8, 0), (32, 96, 1), (181, 8, 1), (TRITON_MAX_WIDTH, 512, 0)])
+def test_the_kernel_compiles_for_hopper_at_the_launch_settings(width, rows, rank):
+    """Ahead of time for sm_90 (an H100/H200) on this CPU, with `launch`'s rows and warps: the code
+    a GPU would run builds (with EGGROLL's rank-r terms too), within a block's shared memory."""
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    block_rows, warps = triton_lstm.launch(width, rows)
+    block, _ = triton_lstm._blocks(width)
+    pointers = ("gates_in", "w_hh_t", "hidden", "cell", "out", "a_hh", "b_hh")
+    signature = {**dict.fromkeys(pointers, "*fp32"), **dict.fromkeys(("steps", "rows", "width", "windows", "members"),
+                                                                        "i32")}
+    constants = {"BLOCK_B": block_rows, "BLOCK_D": block, "BLOCK_K": block, "PRECISION": "ieee", "RANK": rank}
+    with triton_lstm._interpreting(False):
+        source = ASTSource(fn=triton.jit(triton_lstm._chunk_body), signature={**signature, **dict.fromkeys(constants,
+                                                                                   "constexpr")}, constexprs=constants)
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert kernel.metadata.num_warps == warps and "fma.rn.f32" in kernel.asm["ptx"]
+    assert 0 < kernel.metadata.shared <= HOPPER_SHARED_BYTES
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(("groups", "steps", "rows", "width"),
                          [(64, 32, 8, 181), (3, 9, 37, 20), (256, 16, 8, 32), (4, 16, 96, 32)])
