@@ -36,6 +36,7 @@ from soma_pl.bench.memory import PeakMemory, machine, round_robin
 from soma_pl.errors import ConfigError
 from soma_pl.eval.ensemble import score_top_k
 from soma_pl.io import emit_json
+from soma_pl.models import recurrence
 from soma_pl.models.devices import resolve_device
 from soma_pl.models.router import EncoderKind, HashedNgramEncoder, Router, SeedEncoder
 from soma_pl.models.stacked import HeadMode, StackedExperts
@@ -138,6 +139,8 @@ def measure_model(config: InferenceModel, settings: InferenceSettings) -> dict:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = torch.device(settings.device)
+    if device.type == "cpu":  # loading the native kernel (and the build check's imports) is setup, not the peak
+        recurrence.grouped_extension()
     meter = PeakMemory(device)
     meter.start()
     torch.manual_seed(settings.seed)

@@ -69,6 +69,12 @@ def _layer(factors: Factors | None, layer: int) -> Factors | None:
     return None if factors is None else (factors[0][:, :, layer], factors[1][:, :, layer])
 
 
+def _both(f_ih: Factors | None, f_hh: Factors | None) -> tuple[Factors, Factors]:
+    """A layer's input and recurrent factors, the one missing beside its twin as zeros (not both None)."""
+    f_ih = f_ih or tuple(torch.zeros_like(f) for f in f_hh)
+    return f_ih, f_hh or tuple(torch.zeros_like(f) for f in f_ih)
+
+
 def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f_hh: Factors | None,
                   state: tuple[Tensor, Tensor], triton: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """One bias-free LSTM layer over a time chunk for all members.
@@ -92,8 +98,7 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
     w_hh_t = w_hh.transpose(1, 2)
     low_rank = f_ih is not None or f_hh is not None
     if low_rank:
-        f_ih = f_ih or tuple(torch.zeros_like(f) for f in f_hh)
-        f_hh = f_hh or tuple(torch.zeros_like(f) for f in f_ih)
+        f_ih, f_hh = _both(f_ih, f_hh)
         rows = x.reshape(experts * members, windows * steps, width)
         inputs_b = torch.bmm(rows, f_ih[1].flatten(0, 1)).view(experts * members, windows, steps, -1)
         joint_a = torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1).transpose(1, 2).contiguous()  # [E·M, 2r, 4d]
@@ -127,15 +132,15 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
 def _native_low_rank(factors: Mapping[str, Factors], layers: int) -> list[tuple[Tensor, dict[str, Tensor]] | None]:
     """Each layer's rank-r terms for the native kernel, prepared once per pass: ``B_ih`` per member
     (``[E·M, d, r]``, for the chunk's ``x_t · B_ih``) and the kernel's ``b_hh`` and packed
-    ``[A_ih, A_hh]``; None for a layer without them. A matrix missing beside its twin gets zeros."""
+    ``[A_ih, A_hh]``; None for a layer without them. A matrix missing beside its twin gets zeros
+    (:func:`_both`)."""
     prepared = []
     for layer in range(layers):
         f_ih, f_hh = _layer(factors.get("w_ih"), layer), _layer(factors.get("w_hh"), layer)
         if f_ih is None and f_hh is None:
             prepared.append(None)
             continue
-        f_ih = f_ih or tuple(torch.zeros_like(f) for f in f_hh)
-        f_hh = f_hh or tuple(torch.zeros_like(f) for f in f_ih)
+        f_ih, f_hh = _both(f_ih, f_hh)
         prepared.append((f_ih[1].flatten(0, 1), {
             "b_hh": f_hh[1].flatten(0, 1).contiguous(),
             "a_packed": recurrence.pack_recurrent(torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1)),
