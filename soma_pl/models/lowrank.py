@@ -96,7 +96,8 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
     time_major = x.permute(0, 3, 1, 2, 4).reshape(experts, steps * members * windows, width)
     gates_in = torch.bmm(time_major, w_ih.transpose(1, 2)).view(experts, steps, members * windows, -1)
     w_hh_t = w_hh.transpose(1, 2)
-    low_rank = f_ih is not None or f_hh is not None
+    input_terms, recurrent_terms = f_ih is not None, f_hh is not None
+    low_rank = input_terms or recurrent_terms
     if low_rank:
         f_ih, f_hh = _both(f_ih, f_hh)
         rows = x.reshape(experts * members, windows * steps, width)
@@ -108,13 +109,12 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
     if triton:
         from soma_pl.models.triton_lstm import triton_chunk
 
-        factors = None
-        if low_rank:
+        factors = (f_hh[0].flatten(0, 1), recurrent_b) if recurrent_terms else None  # none: no rank loop
+        if input_terms:
             a_ih = f_ih[0].flatten(0, 1).transpose(1, 2)
             term = torch.bmm(inputs_b.view(experts * members, windows * steps, -1), a_ih)  # (x_t·B_ih)·A_ihᵀ
             term = term.view(experts, members, windows, steps, -1).permute(0, 3, 1, 2, 4)
             gates_in = gates_in + term.reshape(gates_in.shape)
-            factors = (f_hh[0].flatten(0, 1), recurrent_b)
         out, (h, c) = triton_chunk(gates_in, w_hh_t, (h, c), low_rank=factors, windows=windows)
         return out.view(*shape[:3], steps, width), (h.view(shape), c.view(shape))
     outputs = []

@@ -128,7 +128,7 @@ def launch(width: int, rows: int) -> tuple[int, int]:
     ``docs/gpu.md``): narrow layers with many rows per group take 64 rows in 8 warps (N = 256
     inference: 13.8 against 11.6 TFLOP/s in 16 rows and 4 warps), other narrow layers 16 rows in 4
     warps (8 warps: 1.3 against 1.9 at d_t = 32), wider layers 16 rows in 8 warps (d_t = 181, 8 rows
-    per group: 4.5 against 3.7 TFLOP/s; 64 rows per program there spills: 0.35)."""
+    per group: 4.5 against 3.7 TFLOP/s; 64 rows in 4 warps at N = 8: 0.35)."""
     if width <= 64:
         return (64, 8) if rows >= 64 else (BLOCK_ROWS, 4)
     return BLOCK_ROWS, 8
@@ -177,10 +177,12 @@ def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor],
     device = contextlib.nullcontext() if interpret else torch.cuda.device(gates_in.device)
     rank, members, factors = 0, 1, (gates_in, gates_in)  # no factors: never read (RANK = 0, no rank loop)
     if low_rank is not None:
-        rank, members = low_rank[0].shape[-1], rows // windows
-        if members * windows != rows or low_rank[0].shape[0] != groups * members:
-            raise ValueError(f"low_rank holds {low_rank[0].shape[0]} members for {groups} groups of {rows} rows "
-                             f"in members of {windows} windows")
+        a_hh, b_hh = low_rank
+        rank, members = a_hh.shape[-1], rows // max(windows, 1)
+        expected = ((groups * members, gates, rank), (groups * members, width, rank))
+        if windows < 1 or members * windows != rows or (tuple(a_hh.shape), tuple(b_hh.shape)) != expected:
+            raise ValueError(f"low_rank: A_hh {tuple(a_hh.shape)} and B_hh {tuple(b_hh.shape)} for {groups} groups of "
+                             f"{rows} rows in members of {windows} windows (expected {expected[0]} and {expected[1]})")
         factors = tuple(factor.to(torch.float32).contiguous() for factor in low_rank)
     with _interpreting(interpret), device:
         _kernel(interpret)[grid](gates_in.contiguous(), w_hh_t.contiguous(), hidden, cell, out, *factors, steps, rows,

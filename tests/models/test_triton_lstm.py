@@ -96,8 +96,20 @@ def test_the_kernel_compiles_for_hopper_at_the_launch_settings(width, rows, rank
         source = ASTSource(fn=triton.jit(triton_lstm._chunk_body), signature={**signature, **dict.fromkeys(constants,
                                                                                    "constexpr")}, constexprs=constants)
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    assert kernel.metadata.num_warps == warps and "fma.rn.f32" in kernel.asm["ptx"]
+    ptx = kernel.asm["ptx"]
+    assert "tf32" not in ptx and "mma" not in ptx and "fma.rn.f32" in ptx  # IEEE float32 products (tf32: mma)
     assert 0 < kernel.metadata.shared <= HOPPER_SHARED_BYTES
+
+
+def test_low_rank_factors_of_the_wrong_shape_are_refused():
+    generator = torch.Generator().manual_seed(0)
+    gates_in, w_hh_t = torch.randn(2, 3, 6, 4 * 8, generator=generator), torch.randn(2, 8, 4 * 8, generator=generator)
+    state = (torch.zeros(2, 6, 8), torch.zeros(2, 6, 8))
+    a_hh, b_hh = torch.randn(6, 4 * 8, 2, generator=generator), torch.randn(6, 8, 2, generator=generator)
+    wrong = (((a_hh, b_hh[..., :1]), 2), ((a_hh[:, :8], b_hh), 2), ((a_hh, b_hh), 4), ((a_hh, b_hh), 0))
+    for factors, windows in wrong:  # B_hh of another rank, A_hh of another width, 6 rows not in 4s, no windows
+        with pytest.raises(ValueError, match="low_rank"):
+            triton_lstm.triton_chunk(gates_in, w_hh_t, state, low_rank=factors, windows=windows)
 
 
 @pytest.mark.cuda
