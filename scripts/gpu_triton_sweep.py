@@ -34,21 +34,24 @@ SHAPES = [  # (name, groups, rows, width)
 VARIANTS = [  # (precision, rows per program, warps, units per block); None: triton_lstm.launch's choice
     ("ieee", None, None, None), ("ieee", 16, 4, None), ("ieee", 16, 8, None), ("ieee", 64, 8, None),
 ]
-"""The first sweep (docs/gpu.md) also tried 32 units per block, 64 rows in 4 warps, tf32x3 in 16,
-64 and 128 rows and tf32: none won a shape by more than its spread, and tf32 (error 2.4e-4) is too
-coarse for a zero-order loss difference."""
+"""The first sweep (docs/kernels.md, "On a GPU") also tried 32 units per block, 64 rows in 4 warps,
+tf32x3 in 16, 64 and 128 rows and tf32: none won a shape by more than its spread, and tf32 (error
+2.4e-4) is too coarse for a zero-order loss difference."""
+
+
+def loop(gates_in, w_hh_t, state):
+    """The `python` kernel's recurrence: a batched product and the cell per step. ``[G, b, Tc, d]``."""
+    h, c = state
+    outputs = []
+    for t in range(gates_in.shape[1]):
+        h, c = lstm_cell(torch.baddbmm(gates_in[:, t], h, w_hh_t), c)
+        outputs.append(h)
+    return torch.stack(outputs, 2)
 
 
 def reference(gates_in, w_hh_t, state):
-    """The loop in float64: ``[G, b, Tc, d]``."""
-    h, c = (tensor.double() for tensor in state)
-    gates_in, w_hh_t, outputs = gates_in.double(), w_hh_t.double(), []
-    for t in range(gates_in.shape[1]):
-        i, f, o, g = torch.baddbmm(gates_in[:, t], h, w_hh_t).chunk(4, -1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        outputs.append(h)
-    return torch.stack(outputs, 2)
+    """:func:`loop` in float64."""
+    return loop(gates_in.double(), w_hh_t.double(), tuple(tensor.double() for tensor in state))
 
 
 def library_seconds(groups: int, rows: int, width: int, steps: int, device: str) -> float:
@@ -69,18 +72,9 @@ def sweep(name: str, groups: int, rows: int, width: int, steps: int, device: str
     library = library_seconds(groups, rows, width, steps, device)
     runs = [{"shape": name, "groups": groups, "rows": rows, "width": width, "steps": steps, "variant": "library",
              "seconds": library, "gflops": round(flops / library / 1e9, 1)}]
-
-    def loop():  # the `python` kernel's recurrence: a batched product and the cell per step
-        h, c = state
-        outputs = []
-        for t in range(steps):
-            h, c = lstm_cell(torch.baddbmm(gates_in[:, t], h, w_hh_t), c)
-            outputs.append(h)
-        return torch.stack(outputs, 2), (h, c)
-
-    seconds = timed(loop, REPEATS, device)
+    seconds = timed(lambda: loop(gates_in, w_hh_t, state), REPEATS, device)
     runs.append({"shape": name, "groups": groups, "rows": rows, "width": width, "steps": steps, "variant": "python",
-                 "rel_error": ((loop()[0].double() - expected).norm() / expected.norm()).item(),
+                 "rel_error": ((loop(gates_in, w_hh_t, state).double() - expected).norm() / expected.norm()).item(),
                  "seconds": seconds, "gflops": round(flops / seconds / 1e9, 1),
                  "over_library": round(library / seconds, 3)})
     for precision, block_rows, warps, units in VARIANTS:

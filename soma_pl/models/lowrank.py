@@ -96,27 +96,25 @@ def _members_lstm(x: Tensor, w_ih: Tensor, w_hh: Tensor, f_ih: Factors | None, f
     time_major = x.permute(0, 3, 1, 2, 4).reshape(experts, steps * members * windows, width)
     gates_in = torch.bmm(time_major, w_ih.transpose(1, 2)).view(experts, steps, members * windows, -1)
     w_hh_t = w_hh.transpose(1, 2)
-    input_terms, recurrent_terms = f_ih is not None, f_hh is not None
-    low_rank = input_terms or recurrent_terms
-    if low_rank:
-        f_ih, f_hh = _both(f_ih, f_hh)
-        rows = x.reshape(experts * members, windows * steps, width)
-        inputs_b = torch.bmm(rows, f_ih[1].flatten(0, 1)).view(experts * members, windows, steps, -1)
-        joint_a = torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1).transpose(1, 2).contiguous()  # [E·M, 2r, 4d]
-        recurrent_b = f_hh[1].flatten(0, 1)
+    rows = x.reshape(experts * members, windows * steps, width)
     h, c = (part.reshape(experts, members * windows, width) for part in state)
     shape = (experts, members, windows, width)
     if triton:
         from soma_pl.models.triton_lstm import triton_chunk
 
-        factors = (f_hh[0].flatten(0, 1), recurrent_b) if recurrent_terms else None  # none: no rank loop
-        if input_terms:
-            a_ih = f_ih[0].flatten(0, 1).transpose(1, 2)
-            term = torch.bmm(inputs_b.view(experts * members, windows * steps, -1), a_ih)  # (x_t·B_ih)·A_ihᵀ
+        if f_ih is not None:  # (x_t·B_ih)·A_ihᵀ joins the projections
+            term = torch.bmm(torch.bmm(rows, f_ih[1].flatten(0, 1)), f_ih[0].flatten(0, 1).transpose(1, 2))
             term = term.view(experts, members, windows, steps, -1).permute(0, 3, 1, 2, 4)
             gates_in = gates_in + term.reshape(gates_in.shape)
+        factors = None if f_hh is None else tuple(factor.flatten(0, 1) for factor in f_hh)  # None: no rank loop
         out, (h, c) = triton_chunk(gates_in, w_hh_t, (h, c), low_rank=factors, windows=windows)
         return out.view(*shape[:3], steps, width), (h.view(shape), c.view(shape))
+    low_rank = f_ih is not None or f_hh is not None
+    if low_rank:
+        f_ih, f_hh = _both(f_ih, f_hh)
+        inputs_b = torch.bmm(rows, f_ih[1].flatten(0, 1)).view(experts * members, windows, steps, -1)
+        joint_a = torch.cat((f_ih[0], f_hh[0]), dim=-1).flatten(0, 1).transpose(1, 2).contiguous()  # [E·M, 2r, 4d]
+        recurrent_b = f_hh[1].flatten(0, 1)
     outputs = []
     for t in range(steps):
         gates = torch.baddbmm(gates_in[:, t], h, w_hh_t)

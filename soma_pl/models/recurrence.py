@@ -57,11 +57,11 @@ weight re-packing each call does is small next to the call's work, few enough th
 stay bounded (``4096 · 4 · d_t`` floats of gates inside the call)."""
 TRITON_MAX_WIDTH = 256
 """Widest layer ``auto`` runs on the Triton kernel on a GPU. One Triton program streams its group's
-recurrent weights at every step, which pays while they are small; on an H200 (``docs/gpu.md``, one
-chunk of 64 steps) Triton ran 1.2-5.4x PyTorch's batched loop at d_t = 32 and 181 (six shapes,
-8 to 512 rows per group) and 0.66x and 0.39x it at d_t = 361 (2 groups of 768 rows) and 509 (4 of
-4), where ``baddbmm`` spreads each step's product over the whole GPU. 256 lies between the widths
-measured, not at a measured crossing."""
+recurrent weights at every step, which pays while they are small; on an H200 (``docs/kernels.md``,
+"On a GPU"; one chunk of 64 steps) Triton ran 1.2-5.4x PyTorch's batched loop at d_t = 32 and 181
+(six shapes, 8 to 512 rows per group) and 0.66x and 0.39x it at d_t = 361 (2 groups of 768 rows)
+and 509 (4 of 4), where ``baddbmm`` spreads each step's product over the whole GPU. 256 lies
+between the widths measured, not at a measured crossing."""
 _SOURCE = Path(__file__).with_name("grouped_lstm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math"]
 """``-fno-trapping-math`` lets the compiler vectorise the float → int conversion in the fast exp."""

@@ -125,10 +125,10 @@ def _kernel(interpret: bool):
 def launch(width: int, rows: int) -> tuple[int, int]:
     """Rows per program and warps per program for a layer of ``width`` units and ``rows`` rows per
     group, from ``scripts/gpu_triton_sweep.py`` on an H200 (one chunk of 64 steps, median of 20;
-    ``docs/gpu.md``): narrow layers with many rows per group take 64 rows in 8 warps (N = 256
-    inference: 13.8 against 11.6 TFLOP/s in 16 rows and 4 warps), other narrow layers 16 rows in 4
-    warps (8 warps: 1.3 against 1.9 at d_t = 32), wider layers 16 rows in 8 warps (d_t = 181, 8 rows
-    per group: 4.5 against 3.7 TFLOP/s; 64 rows in 4 warps at N = 8: 0.35)."""
+    ``docs/kernels.md``, "On a GPU"): narrow layers with many rows per group take 64 rows in 8 warps
+    (N = 256 inference: 13.8 against 11.6 TFLOP/s in 16 rows and 4 warps), other narrow layers 16
+    rows in 4 warps (8 warps: 1.3 against 1.9 at d_t = 32), wider layers 16 rows in 8 warps
+    (d_t = 181, 8 rows per group: 4.5 against 3.7 TFLOP/s; 64 rows in 4 warps at N = 8: 0.35)."""
     if width <= 64:
         return (64, 8) if rows >= 64 else (BLOCK_ROWS, 4)
     return BLOCK_ROWS, 8
