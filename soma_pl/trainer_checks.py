@@ -1,9 +1,11 @@
 """Settings of `fit`, `validate`, `test` and `predict` that Lightning takes with a traceback, deep
 into a run or not at all, checked before any data is prepared: each bad one is a one-line error.
 
-A checkpoint folder holds one run. `--ckpt_path last` resumes it from its newest checkpoint:
-`last.ckpt`, or an `epoch=…` checkpoint written after it (a run stopped between writing the two;
-Lightning would look for `last*.ckpt` only and, finding none, train from scratch). A new `fit` does
+A checkpoint folder holds one run. `--ckpt_path last` resumes it from its latest state: the
+checkpoint recording the highest global step, whatever the files' modification times say (a
+`cp -r` of a run folder scrambles them); `last.ckpt` or an `epoch=…` checkpoint written after it (a
+run stopped between writing the two; Lightning would look for `last*.ckpt` only and, finding none,
+train from scratch). A new `fit` does
 not start in a folder holding an earlier run's checkpoints: Lightning would write numbered copies
 (`epoch=0-step=200-v1.ckpt`, `last-v1.ckpt`) beside files that its `save_top_k` no longer tracks,
 and `--ckpt_path last` could not tell the runs apart.
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from soma_pl.errors import ConfigError
+from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import existing_parent
 
 LAST = "last.ckpt"
@@ -57,44 +59,57 @@ def check_folder(path: str | Path, setting: str) -> None:
 
 
 def checkpoints(folder: Path) -> list[Path]:
-    """The checkpoints in `folder`, oldest first (by modification time; at a tie `last.ckpt` last).
-    Temporary files of unfinished writes are hidden and never counted."""
+    """The checkpoints in `folder`, by name. Temporary files of unfinished writes are hidden and
+    never counted."""
     if not folder.is_dir():
         return []
-    found = [path for path in folder.iterdir()
-             if path.suffix == ".ckpt" and not path.name.startswith(".") and path.is_file()]
-    return sorted(found, key=lambda path: (path.stat().st_mtime_ns, path.name == LAST))
+    return sorted(path for path in folder.iterdir()
+                  if path.suffix == ".ckpt" and not path.name.startswith(".") and path.is_file())
+
+
+def recorded_step(path: Path) -> int:
+    """The global step a checkpoint records (read weights-only and memory-mapped: no tensor is read)."""
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step")
+    except Exception:  # torch.load raises many types for a damaged file
+        step = None
+    if not _is_int(step):
+        raise DataError(f"--ckpt_path last: unreadable checkpoint {path} (truncated, corrupt or not a Lightning "
+                        "checkpoint): move it out of the run's checkpoint folder")
+    return step
 
 
 def resume_point(folder: Path) -> Path | None:
-    """What `--ckpt_path last` resumes: the run's newest checkpoint as `last.ckpt`; None when
-    `folder` holds none (a first run, which Lightning starts from scratch with a warning).
+    """What `--ckpt_path last` resumes: the checkpoint recording the highest global step, as
+    `last.ckpt` (at a tie `last.ckpt` itself); None when `folder` holds none (a first run, which
+    Lightning starts from scratch with a warning).
 
-    An `epoch=…` checkpoint newer than `last.ckpt` (or without one) becomes `last.ckpt` by a hard
+    An `epoch=…` checkpoint ahead of `last.ckpt` (or without one) becomes `last.ckpt` by a hard
     link (a copy where links fail) and a rename: resuming from `last.ckpt` lets the top-k rotation
     delete the `epoch=…` file at the next save, which Lightning never does to the file it resumed
-    from. Checkpoints are written by a rename, so the newest is complete; one damaged afterwards
-    fails to load with one line."""
+    from. No later state is lost: the file taken is the latest. Checkpoints are written by a
+    rename, so each is complete; one damaged afterwards is refused with one line."""
     found = checkpoints(folder)
     if not found:
         return None
-    newest, last = found[-1], folder / LAST
-    if newest != last:
+    last = folder / LAST
+    latest = max(found, key=lambda path: (recorded_step(path), path == last))
+    if latest != last:
         staged = folder / f".{LAST}.tmp-{socket.gethostname()}-{os.getpid()}"
         try:
-            os.link(newest, staged)
+            os.link(latest, staged)
         except OSError:
-            shutil.copyfile(newest, staged)
+            shutil.copyfile(latest, staged)
         os.replace(staged, last)
-        warnings.warn(f"--ckpt_path last: resuming from {newest.name}, the newest checkpoint in {folder} (the run "
-                      f"stopped after writing it and before its {LAST}, which now holds the same state)",
+        warnings.warn(f"--ckpt_path last: resuming from {latest.name}, the latest state in {folder} (global step "
+                      f"{recorded_step(last)}; {LAST} now holds the same state)",
                       stacklevel=1)  # a caller's frame would be a file Lightning formats as its own
     return last
 
 
 def refuse_earlier_run(folder: Path) -> None:
     """A new `fit` (no `--ckpt_path`) may not write into a folder with another run's checkpoints."""
-    found = [path.name for path in reversed(checkpoints(folder))]
+    found = [path.name for path in checkpoints(folder)]
     if found:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ConfigError(f"checkpoint folder {folder} holds an earlier run's checkpoints ({shown}): resume it with "

@@ -24,7 +24,9 @@ import yaml
 
 from soma_pl.cli import main
 from soma_pl.config_files import config_args, read_layer
+from soma_pl.errors import DataError
 from soma_pl.lightning_cli import make_cli
+from soma_pl.trainer_checks import resume_point
 from tests.lit.conftest import fit_args
 from tests.robustness.cli import cli, one_error, tiny_dataset
 from tests.sweeps.conftest import write_sweep
@@ -90,7 +92,7 @@ def test_last_resumes_an_epoch_checkpoint_written_after_last_ckpt_and_leaves_no_
     run = tmp_path / "run"
     main(fit_args(*dataset, run, "--trainer.max_steps=4"))
     (run / "checkpoints" / "last.ckpt").unlink()
-    with pytest.warns(UserWarning, match=r"--ckpt_path last: resuming from epoch=0-step=4\.ckpt, the newest"):
+    with pytest.warns(UserWarning, match=r"--ckpt_path last: resuming from epoch=0-step=4\.ckpt, the latest state"):
         main(fit_args(*dataset, run, "--trainer.max_steps=8", "--ckpt_path=last"))
     folder = run / "checkpoints"
     assert sorted(path.name for path in folder.iterdir()) == ["epoch=0-step=8.ckpt", "last.ckpt"]
@@ -99,6 +101,32 @@ def test_last_resumes_an_epoch_checkpoint_written_after_last_ckpt_and_leaves_no_
     resumed, expected = (torch.load(path / "checkpoints" / "last.ckpt", weights_only=False) for path in (run, straight))
     assert resumed["global_step"] == expected["global_step"] == 8
     assert all(torch.equal(resumed["state_dict"][name], tensor) for name, tensor in expected["state_dict"].items())
+
+
+def test_last_takes_the_highest_recorded_step_not_the_newest_file(dataset, four_steps, tmp_path):
+    """A `cp -r` scrambles modification times: an older state with the newest time must not be
+    resumed over the latest one (which Lightning would then retrain and overwrite)."""
+    run = tmp_path / "run"
+    shutil.copytree(four_steps, run)
+    main(fit_args(*dataset, run, "--trainer.max_steps=8", "--ckpt_path=last"))
+    folder = run / "checkpoints"
+    shutil.copyfile(four_steps / "checkpoints" / "epoch=0-step=4.ckpt", folder / "epoch=0-step=4.ckpt")
+    for name in ("last.ckpt", "epoch=0-step=8.ckpt"):
+        os.utime(folder / name, ns=(1, 1))  # older than the step-4 copy
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # last.ckpt is the latest state: nothing is relinked
+        assert resume_point(folder) == folder / "last.ckpt"
+    assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 8
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
+def test_last_refuses_an_unreadable_checkpoint_naming_it(four_steps, tmp_path):
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(four_steps / "checkpoints", folder)
+    (folder / "epoch=0-step=9.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(DataError, match="epoch=0-step=9.ckpt"):
+        resume_point(folder)
 
 
 # --- 14, 15: one line for bad trainer settings and config files ----------------------------------
