@@ -33,7 +33,7 @@ from soma_pl.errors import DataError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.checks import check_counts, check_finite
 from soma_pl.eval.ensemble import score_top_k
-from soma_pl.io import emit_json
+from soma_pl.io import check_apart, emit_json
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.lit.loading import ensemble_size, load_module, routed_experts
 from soma_pl.models.devices import resolve_device
@@ -188,5 +188,6 @@ def main(checkpoint: str, text: str, config: str | None = None, router: str | No
         out: where to write the JSON.
         progress: show a progress bar on stderr.
     """
+    check_apart(out, "--out", [checkpoint, text, config, router])
     emit_json(evaluate(checkpoint, text, config, router, documents, top_k, batch_size, max_windows, resamples, device,
                        progress), out)

@@ -32,14 +32,14 @@ def _settings(hyper_parameters: dict) -> dict:
 
 def export(checkpoint: str, out: str | Path, config: str | None = None, router: str | None = None) -> dict:
     """Export `checkpoint` into the folder `out`; returns its `config.json` (see the module doc)."""
-    out = Path(out).expanduser()
-    check_output(out, EXPORT_KIND, "--out", [checkpoint])  # before the checkpoint is read
+    out, inputs = Path(out).expanduser(), [checkpoint, config, router]
+    check_output(out, EXPORT_KIND, "--out", inputs)  # before the checkpoint is read
     module = load_module(checkpoint, config, router)
     payload = load_checkpoint(checkpoint)
     extra = {"method": module.method, "module": f"soma_pl.lit.{type(module).__name__}",
              "settings": _settings(dict(payload.get("hyper_parameters") or {})), "data": trained_on(payload),
              "checkpoint": str(checkpoint), "global_step": payload.get("global_step")}
-    with atomic_folder(out, EXPORT_KIND, "--out", [checkpoint]) as work:
+    with atomic_folder(out, EXPORT_KIND, "--out", inputs) as work:
         return save_exported(work, module.model, ensemble_router(module), ensemble_size(module, None),
                              module.score_from, extra)
 

@@ -29,7 +29,7 @@ from torch import Tensor
 from soma_pl import ROUTE_BYTES, VOCAB_SIZE
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.eval.ensemble import mixture_log_probs
-from soma_pl.io import write_json_atomic
+from soma_pl.io import check_apart, write_json_atomic
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.lit.loading import ensemble_size, load_module, routed_experts
 from soma_pl.models.devices import resolve_device
@@ -195,6 +195,8 @@ def main(checkpoint: str, prompt: str = "", prompt_file: str | None = None,
         device: cpu, cuda, cuda:1, ...
         out: also write a JSON record (settings, experts, the exact bytes) to this file.
     """
+    if out is not None:
+        check_apart(out, "--out", [checkpoint, prompt_file, config, router])
     record = generate(checkpoint, prompt, prompt_file, sampling, config, router, top_k, experts, device)
     print(record["text"])
     if out is not None:

@@ -115,6 +115,26 @@ def read_marker(folder: Path) -> dict | None:
     return marker if isinstance(marker, dict) and marker.get("tool") == "soma_pl" else None
 
 
+def check_apart(output: str | Path, setting: str, inputs: Iterable[str | Path | None]) -> None:
+    """Refuse an output (file or folder) that is, holds or lies inside one of a command's `inputs`
+    (files or folders; None skipped), after resolving symlinks; a hard link to an input is the input.
+
+    Raises:
+        ConfigError: naming `setting`, `output` and the input.
+    """
+    output = Path(output).expanduser()
+    target = output.resolve()
+    for item in filter(None, inputs):
+        source = Path(item).expanduser().resolve()
+        same = target == source or (target.exists() and source.exists() and os.path.samefile(target, source))
+        relation = ("is" if same else "holds" if source.is_relative_to(target)
+                    else "lies inside" if target.is_relative_to(source) else None)
+        if relation:
+            harm = "the output would mix with it" if relation == "lies inside" else "writing it destroys the input"
+            raise ConfigError(f"{setting}={output} {relation} the input {item} ({harm}): choose another {setting} "
+                              "apart from the inputs")
+
+
 def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | Path] = ()) -> None:
     """Refuse an output folder that a build of `kind` may not replace.
 
@@ -122,8 +142,7 @@ def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | P
         output: the folder to build.
         kind: what soma_pl builds there (`prepared dataset`); a folder of another kind is refused.
         setting: the option naming `output`, for the message (`dataset.output_dir`).
-        inputs: files and folders the build reads; `output` may not be, hold or lie inside one
-            (after resolving symlinks).
+        inputs: files and folders the build reads (see :func:`check_apart`).
 
     Raises:
         ConfigError: `output` is, holds or lies inside an input, or lies under a regular file; or it
@@ -131,15 +150,7 @@ def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | P
             with every file it holds now.
     """
     output = Path(output).expanduser()
-    target = output.resolve()
-    for item in inputs:
-        source = Path(item).expanduser().resolve()
-        relation = ("is" if target == source else "holds" if source.is_relative_to(target)
-                    else "lies inside" if target.is_relative_to(source) else None)
-        if relation:
-            harm = "the output would mix with it" if relation == "lies inside" else "replacing it deletes the input"
-            raise ConfigError(f"{setting}={output} {relation} the input {item} ({harm}): choose an output folder "
-                              "apart from the inputs")
+    check_apart(output, setting, inputs)
     if not (output.exists() or output.is_symlink()):
         existing_folder(output, setting)
         return

@@ -33,7 +33,7 @@ from soma_pl import ROUTE_BYTES
 from soma_pl.analysis.loading import ensemble_val_windows, load_experts
 from soma_pl.errors import ConfigError
 from soma_pl.eval.checks import check_counts, check_finite
-from soma_pl.io import emit_json
+from soma_pl.io import check_apart, emit_json
 from soma_pl.models.stacked import StackedExperts
 
 PAIR_CHUNK_ELEMENTS = 1 << 24
@@ -172,6 +172,7 @@ def main(checkpoint: str, data: str = "data/demo", baseline: DifficultyBaseline 
         progress: show a progress bar on stderr.
     """
     check_counts("analyze error-correlation", bins=bins, max_windows=max_windows, batch_size=batch_size)
+    check_apart(out, "--out", [checkpoint, data])
     loaded = load_experts(checkpoint)
     if loaded.model.num_experts < 3:
         raise ConfigError(f"checkpoint {loaded.path} has {loaded.model.num_experts} experts; removing shared token "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from soma_pl.analysis.curves import draw_loss_curves
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.io import check_output_file, write_atomic, write_json_atomic
+from soma_pl.io import check_apart, check_output_file, write_atomic, write_json_atomic
 
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
@@ -291,6 +291,10 @@ def main(runs: list[str], labels: list[str] | None = None, out: str | None = Non
     if repeated:  # the legend and the JSON would not tell them apart
         raise ConfigError(f"two runs are named {repeated[0]!r}: give --labels, one distinct name per run")
     rows = [read_run(Path(s), name) for s, name in zip(summaries, names, strict=True)]
+    inputs = [*runs, *(run_root(Path(row.summary)) for row in rows), *(row.test_scores for row in rows)]
+    for path, setting in ((out, "--out"), (markdown, "--markdown"), (figure, "--figure")):
+        if path is not None:
+            check_apart(path, setting, inputs)
     result = {"runs": [asdict(row) for row in rows]}
     text = markdown_table(rows)
     print(text)

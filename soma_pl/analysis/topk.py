@@ -21,7 +21,7 @@ from soma_pl.analysis.loading import ensemble_val_windows, load_experts, load_ro
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.checks import check_counts, check_finite
 from soma_pl.eval.ensemble import EnsembleScores, score_windows
-from soma_pl.io import emit_json
+from soma_pl.io import check_apart, emit_json
 from soma_pl.models.router import Router
 from soma_pl.models.stacked import StackedExperts
 
@@ -74,6 +74,7 @@ def main(checkpoint: str, data: str = "data/demo", router: str | None = None, ma
         progress: show a progress bar on stderr.
     """
     check_counts("analyze topk", max_windows=max_windows, batch_size=batch_size)
+    check_apart(out, "--out", [checkpoint, data, router])
     loaded = load_experts(checkpoint)
     ranker = load_router(loaded, router)
     evalset = ensemble_val_windows(data, max_windows, loaded)

@@ -35,7 +35,7 @@ from soma_pl.analysis.variance_panels import (
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig
-from soma_pl.io import emit_json
+from soma_pl.io import check_apart, emit_json
 from soma_pl.models.stacked import StackedExperts
 
 
@@ -215,4 +215,5 @@ def main(settings: VarianceSettings = VarianceSettings(), out: str = "variance.j
         out: where to write the JSON.
         progress: show a progress bar on stderr.
     """
+    check_apart(out, "--out", [settings.checkpoint, settings.data])
     emit_json(variance_analysis(settings, progress=progress), out)

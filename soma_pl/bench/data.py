@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from soma_pl import WINDOW_BYTES
+from soma_pl.data.corpus.readers import corpus_inputs
 from soma_pl.data.formats.manifest import MANIFEST, existing_fingerprint
 from soma_pl.data.preparation.config import PrepareConfig
 from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.errors import SomaError
-from soma_pl.io import emit_json
+from soma_pl.io import check_apart, emit_json
 
 
 def bench_data(dataset: PrepareConfig, batch_size: int = 64, batches: int = 200, warmup: int = 10,
@@ -86,4 +87,5 @@ def main(dataset: PrepareConfig = PrepareConfig(), experts_dir: str | None = Non
         workers: DataLoader worker counts to time.
         out: where to write the JSON.
     """
+    check_apart(out, "--out", [dataset.output_dir, experts_dir, *corpus_inputs(dataset.corpus)])
     emit_json(bench_data(dataset, batch_size, batches, workers=tuple(workers), experts_dir=experts_dir), out)

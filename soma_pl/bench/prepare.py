@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from soma_pl.errors import ConfigError
-from soma_pl.io import emit_json
+from soma_pl.io import check_apart, emit_json
 
 
 def write_fineweb_corpus(folder: Path, total_bytes: int, files: int, seed: int = 0) -> dict:
@@ -252,5 +252,6 @@ def main(megabytes: float = 100.0, files: int = 8, tasks: tuple[int, ...] = (1, 
     """
     if megabytes <= 0 or files < 1 or not tasks or min(tasks) < 1 or rounds < 1:
         raise ConfigError("bench prepare: --megabytes must be > 0, --files, --rounds and every --tasks >= 1")
+    check_apart(out, "--out", [source])
     emit_json(bench_prepare(megabytes, files, tuple(tasks), workdir, tuple(prepare_args), rounds, progress, corpus,
                             source), out)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from soma_pl.errors import ConfigError
+from soma_pl.io import check_apart
 
 
 def number(value: float | None, digits: int = 4, sign: bool = False) -> str:
@@ -208,6 +209,7 @@ def write_docs(results: str = "results", out: str = "docs/reproduction.md") -> N
         results: the folder holding each experiment's folder (`<experiment>/result.json`).
         out: the page to write.
     """
+    check_apart(out, "--out", [results])
     target = Path(out)
     text = reproduction_page(Path(results), target)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from soma_pl.errors import ConfigError
-from soma_pl.io import write_json_atomic
+from soma_pl.io import check_apart, write_json_atomic
 from soma_pl.sweeps.equal_time import equal_time_table
 from soma_pl.sweeps.final_test import final_table
 from soma_pl.sweeps.space import Label, load_sweep
@@ -387,6 +387,10 @@ def main(sweep: str | None = None, study: str | None = None, storage: str | None
     storage = storage or (spec and (spec.storage or default_storage(spec)))
     if not storage:
         raise ConfigError("sweep report --study needs --storage")
+    database = storage.removeprefix("sqlite:///")  # a journal or SQLite file is an input; a server is not
+    for path, setting in ((out, "--out"), (markdown, "--markdown")):
+        if path:
+            check_apart(path, setting, [sweep, None if "://" in database else database])
     name = study or spec.name
     try:
         loaded = optuna.load_study(study_name=name, storage=open_storage(storage))

@@ -161,3 +161,14 @@ def test_a_missing_or_corrupt_run_is_one_error_line(damage, fragment, runs, tmp_
 def test_labels_must_name_each_run_once(runs, capsys):
     one_error(cli(capsys, "runs", str(runs), "--labels", "[only]"), "--labels has 1 names for 2 runs found")
     one_error(cli(capsys, "runs", str(runs), "--labels", "[same, same]"), "two runs are named 'same'")
+
+
+@pytest.mark.parametrize("named", ["run folder", "summary"])
+def test_an_output_over_a_runs_files_is_refused_and_the_run_kept(runs, named, capsys):
+    run = runs / "a"
+    before = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    summary, metrics = run / "version_0" / "summary.json", run / "version_0" / "metrics.csv"
+    argument = str(run if named == "run folder" else summary)
+    one_error(cli(capsys, "runs", argument, "--out", str(summary)), f"--out={summary}")
+    one_error(cli(capsys, "runs", argument, "--markdown", str(metrics)), f"--markdown={metrics}")
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == before
