@@ -1,5 +1,7 @@
-"""estimators: perturbation directions, SPSA, variance theory — pure torch, no Lightning."""
+"""estimators: perturbation directions, SPSA, the decoder-path delta rule, variance theory — pure torch, no
+Lightning."""
 
+from soma_pl.estimators.delta_rule import decoder_gradient
 from soma_pl.estimators.directions import (
     DirectionKind,
     direction_keys,
@@ -26,6 +28,7 @@ __all__ = [
     "SPSAConfig",
     "SPSAResult",
     "assemble_estimate",
+    "decoder_gradient",
     "direction_keys",
     "directions",
     "directions_from_keys",

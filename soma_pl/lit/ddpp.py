@@ -111,7 +111,7 @@ def exchanged_estimate(module: L.LightningModule, tokens: Tensor, config: SPSACo
     """This rank's share of the step's directions, then the whole estimate by `exchange`.
 
     Args:
-        module: the LightningModule (`global_step`, `seed`, `trainable_parameters`, `loss_fn`, its
+        module: the LightningModule (`global_step`, `seed`, `perturbed_parameters`, `loss_fn`, its
             trainer's ranks).
         tokens: `[1, B, T]` the global batch (the same on every rank).
         config: the SPSA settings at this step's ε.
@@ -120,7 +120,7 @@ def exchanged_estimate(module: L.LightningModule, tokens: Tensor, config: SPSACo
         The estimate (every rank the same), the directions this rank evaluated, and the bytes the
         exchange delivered to each rank (`step_exchange_bytes`).
     """
-    params = module.trainable_parameters()
+    params = module.perturbed_parameters()
     step, seed = module.global_step, module.seed
     total = tokens.shape[1] // config.micro_batch * config.n_pert
     world = module.trainer.world_size

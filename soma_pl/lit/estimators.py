@@ -137,7 +137,7 @@ class SPSAArgs(SPSAConfig):
         ids = torch.arange(experts.start, experts.stop, device=tokens.device)
         per_expert = isinstance(scale, Tensor)
         config = self if per_expert else replace(self, eps=scale)
-        result = spsa_estimate(module.loss_fn, module.trainable_parameters(), tokens, config,
+        result = spsa_estimate(module.loss_fn, module.perturbed_parameters(), tokens, config,
                                step=module.global_step, seed=module.seed, expert_ids=ids,
                                expert_eps=scale if per_expert else None)
         return Update(result.gradient, result.loss, 2 * self.n_pert * count * windows * (length - 1), {})
@@ -205,7 +205,7 @@ class EGGROLLArgs(EGGROLLConfig):
         def member_losses(noise: MemberNoise, members: Tensor) -> Tensor:  # [1, M, b, T] → [1, M]
             return population_losses(model, members, noise.factors, noise.offsets)
 
-        params = module.trainable_parameters()
+        params = module.perturbed_parameters()
         matrices = [name for name in params if name in LOW_RANK_MATRICES]
         config = replace(self, sigma=float(scale), step_sigma=self.step_sigma or self.sigma)
         result = eggroll_estimate(member_losses, params, matrices, tokens, config, step=module.global_step,

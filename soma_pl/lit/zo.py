@@ -24,6 +24,7 @@ is refused (each process would train its own, diverging replica).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from enum import Enum
 
 import torch
@@ -35,14 +36,15 @@ from soma_pl import ROUTE_BYTES
 from soma_pl.contracts import BatchesWindows, RecordsData, UpdateClock
 from soma_pl.distributed import RankSplit
 from soma_pl.errors import ConfigError
+from soma_pl.estimators.delta_rule import decoder_gradient
 from soma_pl.lit.args import KEY, ModelShape
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.lit.ddpp import Exchange
-from soma_pl.lit.estimators import EGGROLLArgs, EpsSchedule, Estimator, SPSAArgs
+from soma_pl.lit.estimators import EGGROLLArgs, EpsSchedule, Estimator, SPSAArgs, Update
 from soma_pl.lit.parallel import ExpertParallel, keep_buffers_local
 from soma_pl.lit.plateau import PlateauConfig
 from soma_pl.models.checkpoints import monolithic_state
-from soma_pl.models.stacked import EMBED_HEAD, HeadMode, StackedExperts
+from soma_pl.models.stacked import HeadMode, StackedExperts
 
 FULL_PRECISION = ("32-true", "64-true")
 """The precisions zero-order modules run in: a bf16 forward puts a 1.3% error into each δ."""
@@ -93,7 +95,8 @@ class HeadTraining(str, Enum):
     trainable = "trainable"
     """Each expert's own head, perturbed and updated by its estimator."""
     decoder_only = "decoder_only"
-    """Each expert's own head, perturbed only where it decodes (embedding sees it unperturbed)."""
+    """Each expert's own head, never perturbed, stepped by the decoder-path delta rule (Eq. 7, App. E:
+    its exact gradient through the decoder at the unperturbed weights) with the body's optimizer."""
     frozen_shared = "frozen_shared"
     """One head shared by all experts, frozen at the seed's values (the N = 256 default)."""
     frozen_random = "frozen_random"
@@ -142,6 +145,11 @@ class ZOModule(ByteLMModule):
                 rank_zero_warn(f"{KEY}.spsa is not used: {KEY}.eggroll makes EGGROLL the estimator")
             self.estimator = self.arg_group(EGGROLLArgs, eggroll, "eggroll")
         self.estimator.check_module(self)
+        if head_training is HeadTraining.decoder_only and isinstance(self.estimator, EGGROLLArgs):
+            # EGGROLL's `.grad` is σ₀/√N·Σ φ·ε (the reference's step), not a gradient's scale.
+            raise ConfigError(f"{KEY}.head_training=decoder_only steps the head by its exact gradient with the "
+                              f"estimate's learning rate, which {KEY}.eggroll's step convention does not share: "
+                              f"use head_training: trainable (or frozen_*) with eggroll")
         self.head_training = head_training
         self.seed = seed
         self.seed_checkpoint = start_checkpoint(init, seed_checkpoint, "seed_checkpoint")
@@ -245,18 +253,15 @@ class ZOModule(ByteLMModule):
         self.estimator.check_batch_size(batch.shape[1])
         return batch[..., : self.train_context + 1]
 
-    def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """The parameters the estimator perturbs: `[E, ...]` each (a shared head is never perturbed)."""
-        return {n: p for n, p in self.trained_model.expert_parameters().items() if p.requires_grad}
+    def perturbed_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters the estimator perturbs, `[E, ...]` each: the trainable ones but a
+        `decoder_only` head, which the delta rule steps instead (a shared head is never trained)."""
+        skip = "head" if self.head_training is HeadTraining.decoder_only else None
+        return {name: param for name, param in self.trainable_parameters().items() if name != skip}
 
     def loss_fn(self, params: dict[str, Tensor], tokens: Tensor) -> Tensor:
-        """Per-group losses of the trained experts under `params [G, ...]`; with `decoder_only` the input
-        embedding keeps the unperturbed head."""
-        model = self.trained_model
-        if self.head_training is HeadTraining.decoder_only:
-            copies = tokens.shape[0] // model.num_experts
-            params = {**params, EMBED_HEAD: model.head.detach().repeat_interleave(copies, dim=0)}
-        return model.loss_per_group(params, tokens)
+        """Per-group losses of the trained experts under `params [G, ...]` (the others unperturbed)."""
+        return self.trained_model.loss_per_group(params, tokens)
 
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
         tokens = self.training_tokens(batch)
@@ -265,7 +270,7 @@ class ZOModule(ByteLMModule):
         clock = UpdateClock(tokens.device)
         clock.start()
         scale = self.current_scale()
-        update = self.estimator.estimate(self, tokens, scale)
+        update = self.with_head_gradient(self.estimator.estimate(self, tokens, scale), tokens)
         for name, param in self.trainable_parameters().items():
             param.grad = update.gradient[name]
         self.step_optimizer()
@@ -273,6 +278,31 @@ class ZOModule(ByteLMModule):
         self.check_finite(step, update.loss)  # the step's one host read
         self.log_update(update.loss, clock.seconds(), update.forwards,
                         **{self.estimator.scale_name: torch.as_tensor(scale).mean()}, **update.logs)
+
+    def with_head_gradient(self, update: Update, tokens: Tensor) -> Update:
+        """`update` completed with the head's gradient under `decoder_only` (its forward's bytes
+        counted with the estimate's); any other head comes from the estimate or is frozen."""
+        if self.head_training is not HeadTraining.decoder_only:
+            return update
+        count, windows, length = tokens.shape
+        return replace(update, gradient={**update.gradient, "head": self.head_gradient(tokens)},
+                       forwards=update.forwards + count * windows * (length - 1))
+
+    @torch.no_grad()
+    def head_gradient(self, tokens: Tensor) -> Tensor:
+        """Eq. 7's decoder-path gradient of every trained expert's head on `tokens [E, B, T]`, mean
+        over the B windows and T − 1 targets, as the body's loss: one unperturbed forward, span by
+        span (each span's mean weighted by its share of the targets). Returns `[E, 256, d_E]`."""
+        model = self.trained_model
+        params = dict(model.named_parameters())
+        inputs, targets = tokens[..., :-1], tokens[..., 1:]
+        gradient, start = torch.zeros_like(model.head), 0
+        for features in model.features(params, inputs):
+            stop = start + features.shape[2]
+            gradient.add_(decoder_gradient(features, params["head"], targets[..., start:stop]),
+                          alpha=features.shape[2] / inputs.shape[2])
+            start = stop
+        return gradient
 
     @torch.no_grad()
     def warm_up(self, tokens: Tensor) -> None:
@@ -284,8 +314,10 @@ class ZOModule(ByteLMModule):
         if self.warmed_up:
             return
         self.warmed_up = True
-        params = {name: param.detach().repeat_interleave(2, 0) for name, param in self.trainable_parameters().items()}
+        params = {name: param.detach().repeat_interleave(2, 0) for name, param in self.perturbed_parameters().items()}
         self.loss_fn(params, tokens[:, :1].repeat_interleave(2, 0))
+        if self.head_training is HeadTraining.decoder_only:
+            self.head_gradient(tokens[:, :1])  # the delta rule's forward runs one weight set per expert
 
     def current_scale(self) -> float | Tensor:
         """The perturbation scale now: `[E]` (this process's experts) under per-expert decay, else one number."""

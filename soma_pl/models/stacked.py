@@ -26,8 +26,6 @@ from soma_pl import VOCAB_SIZE
 from soma_pl.models import recurrence
 from soma_pl.models.recurrence import Kernel
 
-EMBED_HEAD = "embed_head"
-"""Optional ``params`` key: weights that embed the input bytes in place of the tied ``head``."""
 NORM_EPS = 1e-6
 """Epsilon of every RMSNorm (the PyTorch norm and the native kernel's fused one)."""
 _LSTM_GATES = 4
@@ -299,12 +297,10 @@ class StackedExperts(nn.Module):
 
         A missing expert parameter is repeated expert-major over the ``G = E·C`` groups (group
         ``g`` belongs to expert ``g // C``; with every expert parameter given, G is free); the
-        shared head is used as it is. An ``EMBED_HEAD``
-        entry (``[G, 256, d_E]``) embeds the input bytes instead of ``head``, which then only
-        decodes: perturbing ``head`` alone then probes the tied head through the decoder only.
+        shared head is used as it is.
         """
         own = dict(self.named_parameters())
-        unknown = set(params) - set(own) - {EMBED_HEAD}
+        unknown = set(params) - set(own)
         if unknown:
             raise KeyError(f"unknown parameter names {sorted(unknown)}; expected {sorted(own)}")
         missing = [name for name in own if name not in params and not self.is_shared(name)]
@@ -319,8 +315,6 @@ class StackedExperts(nn.Module):
                 full[name] = param
             else:
                 full[name] = param.repeat_interleave(copies, dim=0)
-        if EMBED_HEAD in params:
-            full[EMBED_HEAD] = params[EMBED_HEAD]
         return full
 
     def zero_state(self, params: Mapping[str, Tensor], batch: int) -> list[tuple[Tensor, Tensor]]:
@@ -345,7 +339,7 @@ class StackedExperts(nn.Module):
         if self.has_projections:
             in_proj_t, out_proj_t = _transposed(params["in_proj"]), _transposed(params["out_proj"])
         for start in range(0, steps, span):
-            x = _embed(params.get(EMBED_HEAD, params["head"]), tokens[:, :, start : start + span])
+            x = _embed(params["head"], tokens[:, :, start : start + span])
             if self.has_projections:
                 x = _group_matmul(x, in_proj_t)
             if lstm.kernel is Kernel.native:

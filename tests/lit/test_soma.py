@@ -163,15 +163,3 @@ def test_frozen_shared_head_is_one_frozen_copy_of_the_seed_head(tmp_path):
     random_head = _soma(tmp_path, init="seed", seed_checkpoint=str(path), head_training="frozen_random")
     random_head._warm_start(str(path))
     assert not torch.equal(random_head.model.head, module.model.head)
-
-
-def test_decoder_only_embeds_with_the_unperturbed_head(tmp_path):
-    from soma_pl.models.stacked import EMBED_HEAD
-
-    module = _soma(tmp_path, init="random", head_training="decoder_only")
-    tokens = torch.randint(0, 256, (4, 2, 12), dtype=torch.uint8)  # 2 experts x 2 copies
-    perturbed = {"head": module.model.head.repeat_interleave(2, 0) + 0.5 * torch.randn(4, 256, 8)}
-    decoder_only = module.loss_fn(perturbed, tokens)
-    expected = module.model.loss_per_group({**perturbed, EMBED_HEAD: module.model.head.repeat_interleave(2, 0)}, tokens)
-    torch.testing.assert_close(decoder_only, expected)
-    assert not torch.allclose(decoder_only, module.model.loss_per_group(perturbed, tokens))
