@@ -4,7 +4,8 @@ One draw is one :func:`spsa_estimate` with the largest ``n_pert`` of a sweep; th
 use its first directions, and every loss grouping regroups the same per-expert loss differences
 (``group_sums``, then the estimate rebuilt from regenerated directions as ``assemble_estimate``
 does), so all points of a draw share one set of forward
-evaluations. Errors are kept per expert; a relative error is ``Σ_e ‖ĝ_e − g_e‖² / Σ_e ‖g_e‖²``.
+evaluations. Errors are kept per expert; a relative error is ``Σ_e ‖ĝ_e − g_e‖² / Σ_e ‖g_e‖²``, or for
+sparse probes, whose mean is ``q ⊙ g``, ``Σ_e ‖ĝ_e − q ⊙ g_e‖² / Σ_e ‖g_e‖²`` (App. G.1's centered variance).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from soma_pl.estimators.directions import DirectionKind, directions
+from soma_pl.estimators.directions import DirectionKind, flat_directions
 from soma_pl.estimators.spsa import LossFn, SPSAConfig, group_sums, spsa_estimate
 from soma_pl.models.stacked import StackedExperts
 
@@ -71,7 +72,7 @@ DIRECTION_CHUNK_ELEMENTS = 1 << 24
 
 
 def regrouped_estimates(projected: Tensor, n_perts: Sequence[int], groupings: Sequence[int], kind: DirectionKind,
-                        step: int, seed: int, dim: int) -> Tensor:
+                        step: int, seed: int, shapes: Mapping[str, torch.Size]) -> Tensor:
     """Every (n_pert, grouping) estimate of one draw from its per-expert loss differences.
 
     Equals ``assemble_estimate(params, group_sums(projected[:, :n], k), ...)`` for each pair, but
@@ -79,7 +80,8 @@ def regrouped_estimates(projected: Tensor, n_perts: Sequence[int], groupings: Se
 
     Args:
         projected: ``[E, K]`` each expert's own δ for directions ``0..K-1`` (``K ≥ max(n_perts)``).
-        n_perts, groupings: the estimates to build; dim: D parameters per expert.
+        n_perts, groupings: the estimates to build.
+        shapes: name → per-expert shape of the perturbed parameters (D in all), in flat order.
 
     Returns:
         ``[E, len(n_perts)·len(groupings), D]`` estimates, n_pert-major.
@@ -92,12 +94,13 @@ def regrouped_estimates(projected: Tensor, n_perts: Sequence[int], groupings: Se
             column[:, :n_pert] = group_sums(projected[:, :n_pert], grouping) / n_pert
             columns.append(column)
     coefficients = torch.stack(columns, dim=1)  # [E, S, K]
+    dim = sum(torch.Size(shape).numel() for shape in shapes.values())
     estimates = projected.new_zeros(experts, len(columns), dim)
     chunk = max(1, DIRECTION_CHUNK_ELEMENTS // (experts * dim))
     ids = torch.arange(experts, device=projected.device)
     for first in range(0, largest, chunk):
         dirs = torch.arange(first, min(first + chunk, largest), device=projected.device)
-        z = directions(kind, seed, step, ids, dirs, dim, dtype=projected.dtype)  # [E, c, D]
+        z = flat_directions(kind, seed, step, ids, dirs, shapes, projected.dtype)  # [E, c, D]
         estimates.baddbmm_(coefficients[:, :, first : first + len(dirs)], z)
     return estimates
 
@@ -108,7 +111,8 @@ def draw_errors(loss_fn: LossFn, params: Mapping[str, Tensor], tokens: Tensor, r
     """Squared errors of one draw of directions for every n_pert and grouping.
 
     Args:
-        tokens: ``[E, B, T]``, one micro-batch per expert; reference: ``[E, D]`` the gradient g.
+        tokens: ``[E, B, T]``, one micro-batch per expert; reference: ``[E, D]`` what ĝ is compared
+            with (the estimator's mean ``q ⊙ g``: g itself for dense directions).
         n_perts: directions used (prefixes of one draw of ``max(n_perts)``).
         groupings: experts per joint loss (each must divide E).
         config: ε, direction kind and chunking; its n_pert and micro_batch are set here.
@@ -119,26 +123,27 @@ def draw_errors(loss_fn: LossFn, params: Mapping[str, Tensor], tokens: Tensor, r
     """
     config = replace(config, n_pert=max(n_perts), micro_batch=tokens.shape[1], loss_grouping=1)
     result = spsa_estimate(loss_fn, params, tokens, config, step=step, seed=seed)
-    estimates = regrouped_estimates(result.expert_projected, n_perts, groupings, config.direction, step, seed,
-                                    reference.shape[1])
+    shapes = {name: param.shape[1:] for name, param in params.items()}
+    estimates = regrouped_estimates(result.expert_projected, n_perts, groupings, config.direction, step, seed, shapes)
     errors = (estimates - reference[:, None]).pow(2).sum(2)  # [E, S]
     return errors.T.reshape(len(n_perts), len(groupings), -1)
 
 
-def central_difference_deviation(result_projected: Tensor, reference: Tensor, config: SPSAConfig,
-                                 step: int, seed: int) -> float:
+def central_difference_deviation(result_projected: Tensor, reference: Tensor, shapes: Mapping[str, torch.Size],
+                                 config: SPSAConfig, step: int, seed: int) -> float:
     """How far the central differences are from the directional derivatives ``zᵀg``.
 
     Args:
         result_projected: ``[E, K]`` each expert's own ``δ`` for directions ``0..K-1`` of `step`.
         reference: ``[E, D]`` the exact gradient.
+        shapes: name → per-expert shape of the perturbed parameters, in flat order.
 
     Returns:
         ``max |δ − zᵀg| / rms(zᵀg)``: O(ε²) for a smooth loss, the premise of the predictions.
     """
     experts, count = result_projected.shape
-    z = directions(config.direction, seed, step, torch.arange(experts), torch.arange(count),
-                   reference.shape[1], dtype=reference.dtype)
+    z = flat_directions(config.direction, seed, step, torch.arange(experts), torch.arange(count), shapes,
+                        reference.dtype)
     derivative = torch.einsum("ekd,ed->ek", z, reference)
     return float((result_projected - derivative).abs().max() / derivative.pow(2).mean().sqrt())
 

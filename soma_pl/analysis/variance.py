@@ -2,7 +2,8 @@
 
 Measures ``E‖ĝ − g‖² / ‖g‖²`` over repeated direction draws, against the exact autograd gradient
 (or the pool-mean gradient for the batch-noise panel), with standard errors and the closed-form
-prediction of :mod:`soma_pl.estimators.theory` for the recorded direction distribution. Weights
+prediction of :mod:`soma_pl.estimators.theory` for the recorded direction distribution (sparse
+probes, whose mean is ``q ⊙ g``, are measured around it: App. G.1's centered variance). Weights
 come from a checkpoint or a seeded random init; windows from a prepared ensemble-validation set or
 random bytes. Everything runs in float64 with a small ε, so the central differences equal the
 directional derivatives to O(ε²) and the measured errors should match the predictions within
@@ -93,7 +94,8 @@ class VarianceSettings:
     eps: float = 1e-5
     """ε of the central differences (float64 throughout)."""
     direction: DirectionKind = DirectionKind.rademacher
-    """Direction distribution (the predictions follow it)."""
+    """Direction distribution (the predictions follow it): `rademacher` is Fig. 11's dense probe,
+    `sparse` the training probe of Fig. 10 (App. G.1)."""
     max_rows: int | None = 1024
     """Most windows per loss call (bounds memory; see SPSAConfig.max_rows)."""
     seed: int = 0

@@ -7,7 +7,9 @@
   fixed pool at a fixed ``n_pert · B``, against the pool-mean gradient.
 
 Predictions use the recorded direction distribution and the measured gradient norms (and, for the
-batch panel, the measured per-window gradient spread); nothing is fitted.
+batch panel, the measured per-window gradient spread); nothing is fitted. Sparse probes (the paper's
+training probe) have mean ``q ⊙ g``, so their estimates are measured around it and predicted by App.
+G.1's centered-variance formula; dense directions are measured around g itself (q = 1).
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ from soma_pl.analysis.gradient_error import (
     per_window_gradients,
     ratio_with_error,
 )
-from soma_pl.estimators.directions import DirectionKind
+from soma_pl.estimators.directions import DirectionKind, coordinate_activity
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
-from soma_pl.estimators.theory import batch_noise_relative_error, grouped_relative_error, sampled_batch_variance
+from soma_pl.estimators.theory import (
+    batch_noise_relative_error,
+    grouped_relative_error,
+    sampled_batch_variance,
+    sparse_batch_noise_relative_error,
+    sparse_relative_variance,
+)
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
 CENTRAL_DIFFERENCE_DIRECTIONS = 4
@@ -50,6 +58,24 @@ class Measurement:
     def kind(self) -> DirectionKind:
         return self.config.direction
 
+    def activity(self, params: dict[str, Tensor]) -> Tensor:
+        """``[D]`` each perturbed coordinate's ``q = E z²``: the estimator's mean is ``q ⊙ g``."""
+        return coordinate_activity(self.kind, {name: p.shape[1:] for name, p in params.items()})
+
+    def predicted(self, reference: Tensor, activity: Tensor, group_size: int, n_pert: int) -> float:
+        """Closed-form relative error for the gradient ``reference [E, D]`` (App. G.1 for sparse probes)."""
+        if self.kind is DirectionKind.sparse:
+            return sparse_relative_variance(reference.pow(2), activity, group_size, n_pert)
+        return grouped_relative_error(self.kind, reference.pow(2).sum(1), reference.shape[1], group_size, n_pert)
+
+    def predicted_with_batches(self, reference: Tensor, variances: Tensor, activity: Tensor, group_size: int,
+                               n_pert: int) -> float:
+        """The same on random batches: reference ``[E, D]`` the pool mean, variances ``[E, D]`` per coordinate."""
+        if self.kind is DirectionKind.sparse:
+            return sparse_batch_noise_relative_error(reference.pow(2), variances, activity, group_size, n_pert)
+        return batch_noise_relative_error(self.kind, reference.pow(2).sum(1), variances.sum(1), reference.shape[1],
+                                          group_size, n_pert)
+
 
 def expert_tokens(windows: Tensor, experts: int, per_expert: int, context: int) -> Tensor:
     """Give each expert its own windows: `windows [n, 1025]` → `[E, per_expert, context + 1]`."""
@@ -62,11 +88,12 @@ def _trainable(model: StackedExperts) -> dict[str, Tensor]:
 
 
 def _draws(loss_fn, params, tokens, reference, n_perts, groupings, measurement: Measurement) -> Tensor:
-    """``[R, len(n_perts), len(groupings)]`` relative errors of R independent draws."""
+    """``[R, len(n_perts), len(groupings)]`` relative errors of R independent draws around ``q ⊙ g``."""
     total = reference.pow(2).sum()
+    mean = reference * measurement.activity(params)
     rows = []
     for r in range(measurement.repeats):
-        rows.append(draw_errors(loss_fn, params, tokens, reference, n_perts, groupings, measurement.config,
+        rows.append(draw_errors(loss_fn, params, tokens, mean, n_perts, groupings, measurement.config,
                                 step=r, seed=measurement.seed))
         measurement.drawn()
     return torch.stack(rows).sum(-1) / total
@@ -110,7 +137,7 @@ def experts_panel(windows: Tensor, expert_counts: Sequence[int], total_params: i
         reference = exact_gradient(model.loss_per_group, params, tokens)
         relative = _draws(model.loss_per_group, params, tokens, reference, [n_pert], [1], measurement)[:, 0, 0]
         dim = reference.shape[1]
-        predicted = grouped_relative_error(measurement.kind, reference.pow(2).sum(1), dim, 1, n_pert)
+        predicted = measurement.predicted(reference, measurement.activity(params), 1, n_pert)
         points.append(_point(relative, predicted, num_experts=count, width=width, params_per_expert=dim,
                              ensemble_params=dim * count))
     return {"n_pert": n_pert, "windows_per_expert": per_expert, "total_params_target": total_params,
@@ -137,10 +164,10 @@ def n_pert_panel(model: StackedExperts, tokens: Tensor, n_perts: Sequence[int], 
     n_perts, groupings = sorted(n_perts), list(groupings)
     params = _trainable(model)
     reference = exact_gradient(model.loss_per_group, params, tokens)
-    norms, dim = reference.pow(2).sum(1), reference.shape[1]
+    norms, dim, activity = reference.pow(2).sum(1), reference.shape[1], measurement.activity(params)
     relative = _draws(model.loss_per_group, params, tokens, reference, n_perts, groupings, measurement)
     curves = [{"loss_grouping": k, "points": [
-        _point(relative[:, i, j], grouped_relative_error(measurement.kind, norms, dim, k, n), n_pert=n)
+        _point(relative[:, i, j], measurement.predicted(reference, activity, k, n), n_pert=n)
         for i, n in enumerate(n_perts)]} for j, k in enumerate(groupings)]
     check = replace(measurement.config, n_pert=CENTRAL_DIFFERENCE_DIRECTIONS, micro_batch=tokens.shape[1])
     probe = spsa_estimate(model.loss_per_group, params, tokens, check, step=0, seed=measurement.seed)
@@ -148,12 +175,13 @@ def n_pert_panel(model: StackedExperts, tokens: Tensor, n_perts: Sequence[int], 
              "windows_per_expert": tokens.shape[1], "grad_sq_norms": norms.tolist(), "curves": curves,
              "doubling": _doubling(relative, n_perts, groupings.index(1)) if 1 in groupings else [],
              "central_difference_deviation": central_difference_deviation(
-                 probe.expert_projected, reference, check, 0, measurement.seed)}
+                 probe.expert_projected, reference, {name: p.shape[1:] for name, p in params.items()}, check, 0,
+                 measurement.seed)}
     joint = max(groupings)
     if 1 in groupings and joint > 1:
         stats = ratio_with_error(relative[:, -1, groupings.index(joint)], relative[:, -1, groupings.index(1)])
-        predicted = (grouped_relative_error(measurement.kind, norms, dim, joint, 1)
-                     / grouped_relative_error(measurement.kind, norms, dim, 1, 1))
+        predicted = (measurement.predicted(reference, activity, joint, 1)
+                     / measurement.predicted(reference, activity, 1, 1))
         panel["joint_vs_separate"] = {"loss_grouping": joint, "n_pert": n_perts[-1], "ratio": stats.mean,
                                       "stderr": stats.stderr, "predicted": predicted}
     return panel
@@ -183,9 +211,10 @@ def pool_batches(pool: int, batch: int, draws: int, generator: torch.Generator) 
 
 
 def _pool_statistics(per_window: Tensor) -> tuple[Tensor, Tensor]:
-    """`per_window [E, P, m]` → pool-mean gradient ``[E, m]`` and window variance σ² ``[E]``."""
+    """`per_window [E, P, m]` → pool-mean gradient ``[E, m]`` and window variance σ² ``[E, m]`` of each
+    coordinate (summed over coordinates, the σ_e² of the theory)."""
     mean = per_window.mean(1)
-    return mean, (per_window - mean[:, None]).pow(2).sum(2).mean(1)
+    return mean, (per_window - mean[:, None]).pow(2).mean(1)
 
 
 def batch_panel(model: StackedExperts, pool: Tensor, coordinates: int, budget: int, batch_sizes: Sequence[int],
@@ -204,7 +233,7 @@ def batch_panel(model: StackedExperts, pool: Tensor, coordinates: int, budget: i
     params = loss_fn.probe()
     reference, window_variance = _pool_statistics(
         per_window_gradients(loss_fn, params, pool.expand(experts, *pool.shape)))
-    norms = reference.pow(2).sum(1)
+    norms, activity = reference.pow(2).sum(1), measurement.activity(params)
     generator = torch.Generator().manual_seed(measurement.seed)
     curves = {k: [] for k in groupings}
     for index, batch in enumerate(batch_sizes):
@@ -212,13 +241,14 @@ def batch_panel(model: StackedExperts, pool: Tensor, coordinates: int, budget: i
         rows = []
         for r, picks in enumerate(pool_batches(windows, batch, measurement.repeats, generator)):
             tokens = pool[picks].expand(experts, batch, pool.shape[1])
-            rows.append(draw_errors(loss_fn, params, tokens, reference, [n_pert], groupings, measurement.config,
-                                    step=index * measurement.repeats + r, seed=measurement.seed + 1)[0])
+            rows.append(draw_errors(loss_fn, params, tokens, reference * activity, [n_pert], groupings,
+                                    measurement.config, step=index * measurement.repeats + r,
+                                    seed=measurement.seed + 1)[0])
             measurement.drawn()
         relative = torch.stack(rows).sum(-1) / norms.sum()  # [R, groupings]
         variance = sampled_batch_variance(window_variance, batch, windows)
         for j, k in enumerate(groupings):
-            predicted = batch_noise_relative_error(measurement.kind, norms, variance, coordinates, k, n_pert)
+            predicted = measurement.predicted_with_batches(reference, variance, activity, k, n_pert)
             curves[k].append(_point(relative[:, j], predicted, batch=batch, n_pert=n_pert))
     return {"num_experts": experts, "pool_windows": windows, "probe_coordinates": coordinates,
             "budget": budget, "nu": float(window_variance.sum() / norms.sum()),

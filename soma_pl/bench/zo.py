@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from soma_pl.bench.memory import PEAK_SIZE, fma_peak_gflops, forward_flops_per_token, matmul_peak_gflops
 from soma_pl.errors import ConfigError
-from soma_pl.estimators.directions import DirectionKind, directions
+from soma_pl.estimators.directions import direction_keys, parameter_directions
 from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, eggroll_estimate
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
 from soma_pl.eval.checks import check_counts
@@ -182,13 +182,10 @@ class Updater:
         self._apply(result.gradient)
 
     def _direction_views(self, ids: Tensor, k: int) -> dict[str, Tensor]:
-        """Direction k of every expert, split into parameter-shaped ``[E, ...]`` views."""
-        shapes = self.model.expert_param_shapes()
-        sizes = [shape.numel() for shape in shapes.values()]
-        flat = directions(DirectionKind.rademacher, self.settings.seed, self.step, ids,
-                          torch.tensor([k], device=ids.device), sum(sizes))[:, 0]
-        parts = flat.split(sizes, dim=1)
-        return {name: part.view(-1, *shape) for (name, shape), part in zip(shapes.items(), parts, strict=False)}
+        """Direction k of every expert (the kind :meth:`spsa` uses), parameter-shaped ``[E, ...]``."""
+        keys = direction_keys(self.settings.seed, self.step, ids, torch.tensor([k], device=ids.device))
+        z = parameter_directions(SPSAConfig.direction, keys, self.model.expert_param_shapes())
+        return {name: part[:, 0] for name, part in z.items()}
 
     def _perturb(self, z: dict[str, Tensor], scale: float) -> None:
         for name, param in self.params.items():

@@ -4,18 +4,25 @@ Every coordinate of every direction is a pure function of ``(seed, step, expert,
 coordinate)``: a SplitMix64 stream keyed by a hash of the first four counters. Nothing depends on
 global RNG state, any chunk of directions (or of coordinates) can be produced on its own, and the
 integer arithmetic is plain wrapping int64 arithmetic, so a CPU and a CUDA device give the same
-bits. Rademacher entries are therefore identical across devices; Gaussian entries go through
-``log``/``cos`` and agree to float rounding.
+bits. Rademacher and sparse entries are therefore identical across devices; Gaussian entries go
+through ``log``/``cos`` and agree to float rounding.
 
 Coordinates are numbered within one expert's flat parameter vector: a parameter tensor that starts
 at flat offset ``o`` asks for coordinates ``o .. o + numel - 1`` of the same stream, so splitting
 the vector into tensors (or chunks) never changes the direction. A Rademacher coordinate ``j`` is
 bit ``j mod 64`` of stream word ``j div 64`` (one hash serves 64 coordinates); Gaussian coordinates
-``2w`` and ``2w + 1`` are the two Box-Muller outputs of word ``w``.
+``2w`` and ``2w + 1`` are the two Box-Muller outputs of word ``w``; a sparse coordinate ``j`` is the
+bit pair ``2(j mod 32), 2(j mod 32) + 1`` of word ``j div 32`` (sign, then whether it is non-zero).
+
+Sparse probes (the paper's training probe, §4 and App. E) treat the two kinds of coordinates apart:
+a normalisation gain is never zeroed. Which parameter tensors are gains is decided by name, by
+:func:`is_gain` alone, so a parameter vector's directions depend on its layout of named tensors
+(:func:`parameter_directions`) and not only on its length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 
 import torch
@@ -38,6 +45,22 @@ class DirectionKind(str, Enum):
     """Independent ±1 entries; ``E‖z‖² = d`` with no spread, the lowest-variance choice."""
     gaussian = "gaussian"
     """Independent standard normal entries (Box-Muller on two hashed uniforms)."""
+    sparse = "sparse"
+    """The paper's training probe (§4, App. E): a normalisation gain's entries are ±1 (½ each), every
+    other entry 0 with probability ½ and ±1 with ¼ each. Not rescaled, so ``E[ĝ] = q ⊙ ∇L`` with
+    q = 1 on gains and ½ elsewhere (:func:`coordinate_activity`)."""
+
+
+GAIN_PARAMETERS = frozenset({"norm_gains"})
+"""Names of the parameters whose coordinates are normalisation gains (``StackedExperts.norm_gains``):
+sparse probes never zero them (App. E)."""
+SPARSE_ACTIVITY = 0.5
+"""q of an ordinary coordinate under sparse probes: the probability that its entry is non-zero."""
+
+
+def is_gain(name: str) -> bool:
+    """Whether parameter ``name`` holds normalisation gains (the one rule; see GAIN_PARAMETERS)."""
+    return name in GAIN_PARAMETERS
 
 
 def _as_signed(value: int) -> int:
@@ -121,6 +144,19 @@ def _rademacher(keys: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Te
     return bits.to(dtype).mul_(-2.0).add_(1.0)
 
 
+def _sparse(keys: Tensor, offset: int, numel: int, dtype: torch.dtype, gain: bool) -> Tensor:
+    # Four bit pairs per byte, low bits first (little-endian as in _rademacher): the low bit of a pair
+    # is the sign, the high bit whether an ordinary coordinate is non-zero; a gain keeps its sign only.
+    first, skip = divmod(offset, 32)
+    count = (skip + numel + 31) // 32
+    words = stream_words(keys, first, count)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=keys.device)
+    pairs = (words.view(torch.uint8)[..., None] >> shifts) & 3
+    pairs = pairs.reshape(*keys.shape, count * 32)[..., skip : skip + numel]
+    z = (pairs & 1).to(dtype).mul_(-2.0).add_(1.0)
+    return z if gain else z.mul_((pairs >> 1).to(dtype))
+
+
 def _gaussian(keys: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
     first, skip = divmod(offset, 2)
     count = (skip + numel + 1) // 2
@@ -141,7 +177,12 @@ def _gaussian(keys: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tens
 
 
 def directions_from_keys(
-    kind: DirectionKind, keys: Tensor, offset: int, numel: int, dtype: torch.dtype = torch.float32
+    kind: DirectionKind,
+    keys: Tensor,
+    offset: int,
+    numel: int,
+    dtype: torch.dtype = torch.float32,
+    gain: bool = False,
 ) -> Tensor:
     """Coordinates ``offset .. offset+numel-1`` of the directions keyed by ``keys``.
 
@@ -151,6 +192,8 @@ def directions_from_keys(
         offset: flat index of the first coordinate within the expert's parameter vector.
         numel: number of coordinates.
         dtype: floating dtype of the result.
+        gain: the coordinates are normalisation gains (sparse probes then give ±1; other kinds
+            ignore it).
 
     Returns:
         z: ``[E, K, numel]`` on ``keys.device``.
@@ -159,7 +202,75 @@ def directions_from_keys(
         return _rademacher(keys, offset, numel, dtype)
     if kind == DirectionKind.gaussian:
         return _gaussian(keys, offset, numel, dtype)
+    if kind == DirectionKind.sparse:
+        return _sparse(keys, offset, numel, dtype, gain)
     raise ValueError(f"unknown direction kind {kind!r}")
+
+
+def parameter_directions(
+    kind: DirectionKind, keys: Tensor, shapes: Mapping[str, torch.Size], dtype: torch.dtype = torch.float32
+) -> dict[str, Tensor]:
+    """The directions of an expert's parameter vector laid out as the named tensors ``shapes``.
+
+    Tensor ``name`` takes the coordinates after those of the tensors before it (dict order) and is
+    a gain or not by :func:`is_gain`; the flat vector is the same whether it is cut into these
+    tensors or generated whole by :func:`flat_directions`.
+
+    Args:
+        kind: entry distribution.
+        keys: ``[E, K]`` int64 from :func:`direction_keys`.
+        shapes: name → per-expert shape (without ``E``), in flat-vector order.
+        dtype: floating dtype of the result.
+
+    Returns:
+        name → ``[E, K, *shape]``.
+    """
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        numel = torch.Size(shape).numel()
+        z = directions_from_keys(kind, keys, offset, numel, dtype, gain=is_gain(name))
+        out[name] = z.view(*keys.shape, *shape)
+        offset += numel
+    return out
+
+
+def flat_directions(
+    kind: DirectionKind,
+    seed: int,
+    step: int,
+    experts: Tensor,
+    dirs: Tensor,
+    shapes: Mapping[str, torch.Size],
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """:func:`parameter_directions` of ``(seed, step, experts[e], dirs[k])`` as flat vectors.
+
+    Args:
+        experts: ``[E]`` integer expert indices (the result lives on their device).
+        dirs: ``[K]`` integer direction indices.
+        shapes: name → per-expert shape, in flat-vector order.
+
+    Returns:
+        z: ``[E, K, D]`` with D the sum of the tensors' sizes.
+    """
+    keys = direction_keys(seed, step, experts, dirs.to(experts.device))
+    parts = parameter_directions(kind, keys, shapes, dtype).values()
+    return torch.cat([part.reshape(*keys.shape, -1) for part in parts], dim=-1)
+
+
+def coordinate_activity(
+    kind: DirectionKind, shapes: Mapping[str, torch.Size], dtype: torch.dtype = torch.float64
+) -> Tensor:
+    """``q_j = E[z_j²]`` of every coordinate of the layout ``shapes``: ``[D]``.
+
+    1 everywhere for Rademacher and Gaussian directions; for sparse probes 1 on gains and
+    SPARSE_ACTIVITY elsewhere (App. G.1's "coordinate activity"). ``E[ĝ] = q ⊙ ∇L``.
+    """
+    parts = []
+    for name, shape in shapes.items():
+        ordinary = kind == DirectionKind.sparse and not is_gain(name)
+        parts.append(torch.full((torch.Size(shape).numel(),), SPARSE_ACTIVITY if ordinary else 1.0, dtype=dtype))
+    return torch.cat(parts)
 
 
 def directions(
@@ -172,6 +283,7 @@ def directions(
     offset: int = 0,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    gain: bool = False,
 ) -> Tensor:
     """Directions ``z[e, k, j]`` for ``(seed, step, experts[e], dirs[k], offset + j)``.
 
@@ -188,10 +300,11 @@ def directions(
         offset: flat index of the first coordinate within the expert's parameter vector.
         device: where to generate; defaults to ``experts.device``.
         dtype: floating dtype of the result.
+        gain: the coordinates are normalisation gains (see :func:`directions_from_keys`).
 
     Returns:
         z: ``[E, K, numel]``.
     """
     device = experts.device if device is None else torch.device(device)
     keys = direction_keys(seed, step, experts.to(device), dirs.to(device))
-    return directions_from_keys(kind, keys, offset, numel, dtype)
+    return directions_from_keys(kind, keys, offset, numel, dtype, gain)

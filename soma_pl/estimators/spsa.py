@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from soma_pl.errors import require
-from soma_pl.estimators.directions import DirectionKind, direction_keys, directions_from_keys
+from soma_pl.estimators.directions import DirectionKind, direction_keys, parameter_directions
 
 LossFn = Callable[[Mapping[str, Tensor], Tensor], Tensor]
 """``loss_fn(params, tokens) -> [G]``: params name → ``[G, ...]``, tokens ``[G, b, T]``."""
@@ -46,8 +46,9 @@ class SPSAConfig:
     """n_pert: directions per micro-batch."""
     micro_batch: int = 64
     """Windows per micro-batch; the batch size B must be a multiple of it."""
-    direction: DirectionKind = DirectionKind.rademacher
-    """Distribution of the direction entries."""
+    direction: DirectionKind = DirectionKind.sparse
+    """Distribution of the direction entries: `sparse` is the paper's training probe (App. E;
+    ``E[ĝ] = q ⊙ ∇L``, q = 1 on norm gains, ½ elsewhere), `rademacher` the theory's unbiased one."""
     loss_grouping: int = 1
     """Experts per joint loss: 1 = one loss per expert (SOMA's FSO); K > 1 = consecutive groups of
     K experts share the summed loss difference."""
@@ -99,15 +100,6 @@ def group_sums(values: Tensor, group_size: int) -> Tensor:
     return grouped.expand(-1, group_size, -1).reshape(values.shape)
 
 
-def _layout(params: Mapping[str, Tensor]) -> dict[str, int]:
-    """Flat offset of each parameter within an expert's vector (dict order)."""
-    offsets, start = {}, 0
-    for name, param in params.items():
-        offsets[name] = start
-        start += param[0].numel()
-    return offsets
-
-
 def _chunk_size(config: SPSAConfig, experts: int) -> int:
     if config.max_rows is None:
         return config.n_pert
@@ -139,12 +131,8 @@ def _generate(
 ) -> dict[str, Tensor]:
     """Directions of experts ids ``[E]``, indices dirs ``[K]``: name → ``[E, K, *shape]``."""
     keys = direction_keys(seed, step, ids, dirs.to(ids.device))
-    offsets = _layout(params)
-    out = {}
-    for name, param in params.items():
-        z = directions_from_keys(kind, keys, offsets[name], param[0].numel(), param.dtype)
-        out[name] = z.view(*keys.shape, *param.shape[1:])
-    return out
+    shapes = {name: param.shape[1:] for name, param in params.items()}
+    return parameter_directions(kind, keys, shapes, next(iter(params.values())).dtype)
 
 
 def _accumulate(gradient: dict[str, Tensor], coefficients: Tensor, z: Mapping[str, Tensor]) -> None:

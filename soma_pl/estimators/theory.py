@@ -27,6 +27,19 @@ gradient g of the pool it is drawn from, ``ĝ`` is unbiased for the batch gradie
 where ``v_e = E‖g_{e,b} − g_e‖²`` is the batch variance; for B of P pool windows drawn without
 replacement ``v_e = σ_e² (P − B) / (B (P − 1))`` with ``σ_e²`` the mean squared deviation of one
 window's gradient from g_e (``ν = Σσ_e² / Σ‖g_e‖²``).
+
+Sparse probes (App. G.1). Entries are independent with ``E z_j² = E z_j⁴ = q_j`` (z_j ∈ {0, ±1}; q_j = 1
+on normalisation gains, ½ elsewhere) and no rescaling, so a term's mean is ``q ⊙ g``, not g. Its
+centered variance, per coordinate ``q_i (S − q_i g_i²) + q_i g_i² − q_i² g_i²`` with
+``S = Σ_j q_j g_j²``, sums to App. G.1's
+
+    E‖(zᵀg) z − q ⊙ g‖² = Σ_j q_j (1 + s − 2 q_j) g_j²,      s = Σ_j q_j (the expected ‖z‖²),
+
+and ``R_g = Σ_e Σ_j q_ej (1 + s_e − 2 q_ej) g_ej² / (n Σ_e ‖g_e‖²)``: centered variance relative to the
+exact gradient, what Fig. 10 plots. With q = 1 it is Rademacher's ``(d − 1) ‖g‖²``. A joint loss over a
+group G gives expert e ``(z_Gᵀ g_G) z_e`` and the same sum over the group's coordinates with ``s_G``.
+With random batches each ``g_j²`` becomes ``g_j² + v_j`` (v_j the batch variance of coordinate j) and
+the mean's own spread ``Σ_j q_j² v_j`` is added (q = 1: the dense batch-noise formula above).
 """
 
 from __future__ import annotations
@@ -45,6 +58,8 @@ def _sign(kind: DirectionKind) -> int:
         return -1
     if kind == DirectionKind.gaussian:
         return 1
+    if kind == DirectionKind.sparse:
+        raise ValueError("sparse probes are predicted per coordinate: use sparse_relative_variance")
     raise ValueError(f"unknown direction kind {kind!r}")
 
 
@@ -138,3 +153,57 @@ def batch_noise_relative_error(
     noisy = norms + variances
     estimator = grouped_relative_error(kind, noisy, dims, group_size, n_pert) * float(noisy.sum())
     return float((estimator + variances.sum()) / norms.sum())
+
+
+def _sparse_spread(grad_sq: Tensor, activity: Tensor, group_size: int) -> Tensor:
+    """``Σ_G Σ_{j∈G} q_j (1 + s_G − 2 q_j) g_j²``: one sparse direction's centered squared error.
+
+    Args:
+        grad_sq: ``[E, D]`` squared gradient coordinates ``g_ej²``.
+        activity: ``[D]`` or ``[E, D]`` the probabilities ``q_ej`` that a coordinate's entry is non-zero.
+        group_size: experts per joint loss (consecutive experts; 1 = separate losses).
+    """
+    squares = torch.as_tensor(grad_sq, dtype=torch.float64)
+    q = torch.as_tensor(activity, dtype=torch.float64).expand_as(squares)
+    experts = squares.shape[0]
+    if experts % group_size:
+        raise ValueError(f"{experts} experts cannot form groups of {group_size}")
+    s = q.reshape(experts // group_size, -1).sum(1).repeat_interleave(group_size)  # s_G of each expert's group
+    return (q * (1 + s[:, None] - 2 * q) * squares).sum()
+
+
+def sparse_relative_variance(grad_sq: Tensor, activity: Tensor, group_size: int, n_pert: int) -> float:
+    """App. G.1's prediction ``R_g`` for sparse probes: ``E‖ĝ − q ⊙ g‖² / ‖g‖²`` over all experts.
+
+    Args:
+        grad_sq: ``[E, D]`` squared exact gradient coordinates ``g_ej²``.
+        activity: ``[D]`` or ``[E, D]`` q_ej (1 on gains, ½ elsewhere: ``coordinate_activity``).
+        group_size: experts per joint loss; n_pert: directions per expert.
+
+    Returns:
+        ``Σ_G Σ_{j∈G} q_j (1 + s_G − 2 q_j) g_j² / (n_pert Σ_e ‖g_e‖²)`` with ``s_G = Σ_{j∈G} q_j``
+        (``s_e`` of the paper when group_size is 1); with q = 1 the Rademacher value.
+    """
+    spread = _sparse_spread(grad_sq, activity, group_size)
+    return float(spread / (n_pert * torch.as_tensor(grad_sq, dtype=torch.float64).sum()))
+
+
+def sparse_batch_noise_relative_error(
+    grad_sq: Tensor, batch_variances: Tensor, activity: Tensor, group_size: int, n_pert: int
+) -> float:
+    """Sparse probes on random batches: ``E‖ĝ − q ⊙ g‖² / ‖g‖²`` against the pool-mean gradient g.
+
+    Args:
+        grad_sq: ``[E, D]`` squared coordinates of the pool-mean gradients.
+        batch_variances: ``[E, D]`` ``v_ej = E(g_{ej,b} − g_ej)²`` per coordinate (see
+            :func:`sampled_batch_variance`).
+        activity: ``[D]`` or ``[E, D]`` q_ej; group_size: experts per joint loss; n_pert: directions.
+
+    Returns:
+        ``(Σ_G Σ_{j∈G} q_j (1 + s_G − 2 q_j)(g_j² + v_j) / n_pert + Σ_j q_j² v_j) / Σ_j g_j²``.
+    """
+    squares = torch.as_tensor(grad_sq, dtype=torch.float64)
+    variances = torch.as_tensor(batch_variances, dtype=torch.float64)
+    q = torch.as_tensor(activity, dtype=torch.float64).expand_as(squares)
+    estimator = _sparse_spread(squares + variances, q, group_size) / n_pert
+    return float((estimator + (q.pow(2) * variances).sum()) / squares.sum())

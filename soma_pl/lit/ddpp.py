@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from soma_pl.distributed import rank_share
-from soma_pl.estimators.directions import directions
+from soma_pl.estimators.directions import flat_directions
 from soma_pl.estimators.spsa import SPSAConfig, SPSAResult, assemble_estimate, spsa_differences
 from soma_pl.lit.parallel import coordinator_bytes, gather_bytes, gather_shares, sum_at_coordinator
 
@@ -87,6 +87,7 @@ def partial_estimate(params: Mapping[str, Tensor], delta: Tensor, config: SPSACo
     """
     experts = delta.shape[0]
     first = next(iter(params.values()))
+    shapes = {name: param.shape[1:] for name, param in params.items()}
     dim = sum(param[0].numel() for param in params.values())
     ids = torch.arange(experts, device=first.device)
     chunk = config.n_pert if config.max_rows is None else \
@@ -94,7 +95,7 @@ def partial_estimate(params: Mapping[str, Tensor], delta: Tensor, config: SPSACo
     flat = first.new_zeros(experts, 1, dim)
     for start in range(0, len(share), chunk):
         dirs = torch.arange(share.start + start, share.start + min(start + chunk, len(share)), device=first.device)
-        z = directions(config.direction, seed, step, ids, dirs, dim, dtype=first.dtype)  # [E, c, d]
+        z = flat_directions(config.direction, seed, step, ids, dirs, shapes, first.dtype)  # [E, c, d]
         flat.baddbmm_(delta[:, None, start : start + len(dirs)].to(first.dtype), z)
     return flat.squeeze(1) / total
 

@@ -19,11 +19,24 @@ from soma_pl.analysis.gradient_error import (
     ratio_with_error,
     regrouped_estimates,
 )
-from soma_pl.analysis.variance_panels import body_params, pool_batches, probe_coordinates, width_for_total
+from soma_pl.analysis.variance_panels import (
+    Measurement,
+    body_params,
+    n_pert_panel,
+    pool_batches,
+    probe_coordinates,
+    width_for_total,
+)
 from soma_pl.cli import main
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, assemble_estimate, group_sums, spsa_estimate
-from soma_pl.estimators.theory import batch_noise_relative_error, grouped_relative_error, sampled_batch_variance
+from soma_pl.estimators.theory import (
+    batch_noise_relative_error,
+    grouped_relative_error,
+    sampled_batch_variance,
+    sparse_batch_noise_relative_error,
+    sparse_relative_variance,
+)
 from soma_pl.models.stacked import HeadMode, StackedExperts
 from tests.analysis.conftest import save_checkpoint, tiny_experts
 
@@ -49,6 +62,20 @@ class DiagonalQuadratic:
         return self.a * self.theta - self.b
 
 
+class GainedQuadratic(DiagonalQuadratic):
+    """The same loss with its first `gains` coordinates named ``norm_gains`` (q = 1 under sparse probes)."""
+
+    def __init__(self, experts: int, dim: int, gains: int, seed: int = 0):
+        super().__init__(experts, dim, seed)
+        self.gains = gains
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {"norm_gains": self.theta[:, : self.gains], "theta": self.theta[:, self.gains :]}
+
+    def __call__(self, params, tokens):
+        return super().__call__({"theta": torch.cat([params["norm_gains"], params["theta"]], 1)}, tokens)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_measured_error_matches_closed_form_for_every_n_pert_and_grouping(kind):
     experts, dim, draws = 4, 12, 250
@@ -67,14 +94,50 @@ def test_measured_error_matches_closed_form_for_every_n_pert_and_grouping(kind):
         assert abs(measured.mean - predicted) < 4 * measured.stderr, (n_pert, grouping, measured, predicted)
 
 
+def test_sparse_measured_error_matches_app_g1_for_every_n_pert_and_grouping():
+    # Around the estimator's mean q ⊙ g (q = 1 on the four gains, 1/2 on the eight weights).
+    experts, draws = 4, 400
+    loss = GainedQuadratic(experts, 12, gains=4)
+    reference, params = loss.gradient(), loss.params()
+    tokens = torch.zeros(experts, 1, 2, dtype=torch.uint8)
+    measurement = Measurement(SPSAConfig(eps=1e-3, direction=DirectionKind.sparse), draws, seed=3)
+    activity = measurement.activity(params)
+    assert activity.tolist() == [1.0] * 4 + [0.5] * 8
+    n_perts, groupings = [4, 8], [1, 2, 4]
+    errors = torch.stack([draw_errors(loss, params, tokens, reference * activity, n_perts, groupings,
+                                      measurement.config, step=r, seed=3) for r in range(draws)])
+    relative = errors.sum(-1) / reference.pow(2).sum()
+    for (i, n_pert), (j, grouping) in itertools.product(enumerate(n_perts), enumerate(groupings)):
+        measured = mean_with_error(relative[:, i, j])
+        predicted = measurement.predicted(reference, activity, grouping, n_pert)
+        assert predicted == sparse_relative_variance(reference.pow(2), activity, grouping, n_pert)
+        assert abs(measured.mean - predicted) < 4 * measured.stderr, (n_pert, grouping, measured, predicted)
+
+
+def test_n_pert_panel_predicts_sparse_probes_by_app_g1():
+    model = tiny_experts(2).double()
+    tokens = torch.randint(0, 256, (2, 2, 9), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    measurement = Measurement(SPSAConfig(eps=1e-5, direction=DirectionKind.sparse, max_rows=64), 2, seed=1)
+    panel = n_pert_panel(model, tokens, [2, 4], [1, 2], measurement)
+    params = {name: p.detach() for name, p in model.expert_parameters().items()}
+    reference = exact_gradient(model.loss_per_group, params, tokens)
+    # q by hand: 1 on the norm gains' coordinates, 1/2 on every other parameter's.
+    q = torch.cat([torch.full((p[0].numel(),), 1.0 if name == "norm_gains" else 0.5) for name, p in params.items()])
+    joint = panel["curves"][1]["points"][1]
+    assert joint["predicted"] == pytest.approx(sparse_relative_variance(reference.pow(2), q, 2, 4), rel=1e-9)
+    assert joint["predicted"] != pytest.approx(grouped_relative_error(DirectionKind.rademacher,
+                                                                      reference.pow(2).sum(1), q.numel(), 2, 4))
+    assert panel["doubling"][0]["predicted"] == 2.0 and panel["central_difference_deviation"] < 1e-4
+
+
 def test_regrouping_uses_the_same_evaluations_as_a_joint_loss_run():
     model = tiny_experts(4).double()
     params = {name: p.detach() for name, p in model.expert_parameters().items()}
     tokens = torch.randint(0, 256, (4, 2, 9), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
     config = SPSAConfig(eps=1e-5, n_pert=6, micro_batch=2)
-    separate = spsa_estimate(model.loss_per_group, params, tokens, config, step=5, seed=7)
-    dim = flatten(params).shape[1]
-    estimates = regrouped_estimates(separate.expert_projected, [3, 6], [1, 2, 4], config.direction, 5, 7, dim)
+    separate = spsa_estimate(model.loss_per_group, params, tokens, config, step=5, seed=7)  # sparse probes
+    shapes = {name: param.shape[1:] for name, param in params.items()}
+    estimates = regrouped_estimates(separate.expert_projected, [3, 6], [1, 2, 4], config.direction, 5, 7, shapes)
     for (i, n_pert), (j, grouping) in itertools.product(enumerate([3, 6]), enumerate([1, 2, 4])):
         projected = group_sums(separate.expert_projected[:, :n_pert], grouping)
         expected = flatten(assemble_estimate(params, projected, config, 5, 7))
@@ -92,10 +155,11 @@ def test_central_differences_match_autograd_directional_derivatives():
     reference = exact_gradient(model.loss_per_group, params, tokens)
     config = SPSAConfig(eps=1e-5, n_pert=8, micro_batch=3)
     result = spsa_estimate(model.loss_per_group, params, tokens, config, step=0, seed=4)
-    assert central_difference_deviation(result.expert_projected, reference, config, 0, 4) < 1e-6
+    shapes = {name: param.shape[1:] for name, param in params.items()}
+    assert central_difference_deviation(result.expert_projected, reference, shapes, config, 0, 4) < 1e-6
     # A far too large ε leaves the quadratic regime: the check must notice.
     coarse = spsa_estimate(model.loss_per_group, params, tokens, SPSAConfig(eps=0.5, n_pert=8, micro_batch=3), 0, 4)
-    assert central_difference_deviation(coarse.expert_projected, reference, config, 0, 4) > 1e-3
+    assert central_difference_deviation(coarse.expert_projected, reference, shapes, config, 0, 4) > 1e-3
 
 
 def test_probed_gradients_are_the_full_gradient_at_the_probed_coordinates():
@@ -132,6 +196,32 @@ def test_batch_noise_prediction_by_monte_carlo(kind):
         variance = sampled_batch_variance(sigma2, batch, pool)
         predicted = batch_noise_relative_error(kind, mean.pow(2).sum(1), variance, dim, grouping, n_pert)
         assert abs(measured.mean - predicted) < 4 * measured.stderr, (grouping, measured, predicted)
+
+
+def test_sparse_batch_noise_prediction_by_monte_carlo():
+    # Sparse probes drawn here by torch's RNG (q = 1 on two gain coordinates, 1/2 on four weights);
+    # the error is measured around q ⊙ g of the pool-mean gradient g.
+    experts, dim, pool, batch, n_pert, draws = 2, 6, 6, 2, 3, 40_000
+    generator = torch.Generator().manual_seed(1)
+    windows = torch.randn(pool, experts, dim, generator=generator, dtype=torch.float64) + 1.0
+    mean = windows.mean(0)
+    sigma2 = (windows - mean).pow(2).mean(0)  # [E, d] per coordinate
+    q = torch.tensor([1.0, 1.0, 0.5, 0.5, 0.5, 0.5], dtype=torch.float64)
+    picks = torch.rand(draws, pool, generator=generator).argsort(1)[:, :batch]
+    batch_grad = windows[picks].mean(1)  # [R, E, d]
+    signs = torch.randint(0, 2, (draws, n_pert, experts, dim), generator=generator).double() * 2 - 1
+    z = signs * (torch.rand(draws, n_pert, experts, dim, generator=generator, dtype=torch.float64) < q)
+    own = torch.einsum("rked,red->rke", z, batch_grad)
+    for grouping, delta in ((1, own), (2, own.sum(2, keepdim=True).expand_as(own))):
+        estimate = torch.einsum("rke,rked->red", delta, z) / n_pert
+        relative = (estimate - q * mean).pow(2).sum((1, 2)) / mean.pow(2).sum()
+        measured = mean_with_error(relative)
+        variance = sampled_batch_variance(sigma2, batch, pool)
+        predicted = sparse_batch_noise_relative_error(mean.pow(2), variance, q, grouping, n_pert)
+        assert abs(measured.mean - predicted) < 4 * measured.stderr, (grouping, measured, predicted)
+    dense = sparse_batch_noise_relative_error(mean.pow(2), variance, torch.ones(dim), 2, n_pert)
+    assert dense == pytest.approx(batch_noise_relative_error(DirectionKind.rademacher, mean.pow(2).sum(1),
+                                                             variance.sum(1), dim, 2, n_pert), rel=1e-12)
 
 
 def test_sampled_batch_variance_by_enumerating_every_batch():

@@ -56,7 +56,7 @@ def test_a_group_given_as_a_dict_is_the_dataclass():
 def test_hyperparameters_hold_every_field_as_plain_values():
     module = ZOModule(shape={"width": 8, "num_layers": 1, "embed_dim": 8}, spsa={"eps": 0.02})
     assert module.hparams["shape"] == {"width": 8, "num_layers": 1, "embed_dim": 8, "time_chunk": 64}
-    assert module.hparams["spsa"] == {"eps": 0.02, "n_pert": 64, "micro_batch": 64, "direction": "rademacher",
+    assert module.hparams["spsa"] == {"eps": 0.02, "n_pert": 64, "micro_batch": 64, "direction": "sparse",
                                       "loss_grouping": 1, "max_rows": None, "eps_schedule": "proportional",
                                       "exchange": None}
     assert module.hparams["plateau"] == {"factor": 0.5, "patience": 2, "min_lr": 0.0, "every": None}

@@ -88,7 +88,8 @@ def test_exchange_bytes_per_step_have_the_closed_form(exchange, world, expected)
 
 
 @pytest.mark.parametrize("world,max_rows,kind", [(2, None, DirectionKind.rademacher), (4, 4, DirectionKind.rademacher),
-                                                 (3, None, DirectionKind.gaussian)])
+                                                 (3, None, DirectionKind.gaussian), (2, None, DirectionKind.sparse),
+                                                 (4, 4, DirectionKind.sparse)])
 def test_partial_estimates_of_the_shares_add_up_to_the_one_process_estimate(world, max_rows, kind):
     torch.manual_seed(0)
     model = StackedExperts(num_experts=1, width=8, embed_dim=8, num_layers=1, time_chunk=8)
