@@ -51,7 +51,8 @@ class SPSAConfig:
     ``E[ĝ] = q ⊙ ∇L``, q = 1 on norm gains, ½ elsewhere), `rademacher` the theory's unbiased one."""
     loss_grouping: int = 1
     """Experts per joint loss: 1 = one loss per expert (SOMA's FSO); K > 1 = consecutive groups of
-    K experts share the summed loss difference."""
+    K experts share the summed loss difference: one perturbation over the group's coordinates, one
+    difference (the summed-loss arm of Fig. 4, App. J; the estimator study of Fig. 11)."""
     max_rows: int | None = None
     """Most windows one loss call may evaluate (``E · 2K · micro_batch`` for K directions). The
     directions are split into chunks to respect it, at least one direction per chunk; None: all

@@ -8,9 +8,8 @@ Validation has two parts. The ensemble-validation windows (dataloader 0) are onl
 logged as `val/loss`: they give the scaling curves and the sweep selection, never a training
 decision. Each expert's own expert-validation split, the held-out 1% of its training documents
 (dataloader 1; N = 1 is one expert), is logged as `expert/<e>/val_loss` and handed to
-`after_validation`, where every module decays its learning rate: one `ReduceLROnPlateau` on a
-monolithic zero-order model's loss, or (`decays_per_expert`: N > 1 experts, and BPTT) one multiplier
-per expert on its own loss.
+`after_validation`, where every module decays each expert's learning rate on its own loss
+(`ExpertPlateau`: one multiplier per expert, N = 1 included).
 
 Evaluation of several experts routes each window on its first 256 bytes and averages the top-k
 experts' probabilities (`Routing`, the field `routing`); one expert is scored alone.
@@ -102,8 +101,8 @@ class ByteLMModule(L.LightningModule):
         self.plateau_config = self.arg_group(PlateauConfig, plateau, "plateau")
         self.model = StackedExperts(num_experts, self.shape.width, self.shape.embed_dim, self.shape.num_layers,
                                     HeadMode(head), self.shape.time_chunk)
-        self.plateau = ExpertPlateau(num_experts, self.plateau_config) if self.decays_per_expert(num_experts) else None
-        """Each expert's learning-rate multiplier (`decays_per_expert`), floored at `plateau.min_lr`."""
+        self.plateau = ExpertPlateau(num_experts, self.plateau_config)
+        """Each expert's learning-rate multiplier, floored at `plateau.min_lr`."""
         self.routing = Routing(num_experts, top_k, router_path)
         """The router and top-k of an ensemble (N > 1)."""
         self.train_context = train_context
@@ -116,12 +115,6 @@ class ByteLMModule(L.LightningModule):
         self._records: dict[str, list] = {}
         self.last_update: UpdateRecord | None = None
         """The most recent update's cost, set by `log_update`."""
-
-    @staticmethod
-    def decays_per_expert(num_experts: int) -> bool:
-        """Whether each expert's learning rate decays on its own loss (`ExpertPlateau`, scaling each
-        expert's update) rather than one `ReduceLROnPlateau` on the model's: with several experts."""
-        return num_experts > 1
 
     @property
     def hparams_initial(self) -> AttributeDict:
@@ -154,10 +147,6 @@ class ByteLMModule(L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = self.build_optimizer(self.trainable_parameters().values())
-        if self.plateau is None:
-            for group in optimizer.param_groups:  # the lr a decayed one is compared with (and ε's schedule)
-                group.setdefault("initial_lr", group["lr"])
-            return {"optimizer": optimizer, "lr_scheduler": self.plateau_config.scheduler(optimizer)}
         self.plateau.floor_at(optimizer.param_groups[0]["lr"])
         return optimizer
 
@@ -170,20 +159,15 @@ class ByteLMModule(L.LightningModule):
         """Global indices of the experts this process trains (expert-parallel SOMA: its share)."""
         return range(self.model.num_experts)
 
-    def current_lr(self) -> float | Tensor:
-        """The learning rate now (per-expert decay: the optimizer's times the experts' mean multiplier,
-        a tensor, read by the loggers when they write, not at every step)."""
-        lr = self.optimizers().param_groups[0]["lr"]
-        return lr if self.plateau is None else lr * self.plateau.scale.mean()
+    def current_lr(self) -> Tensor:
+        """The learning rate now: the optimizer's times the experts' mean multiplier (a tensor, read
+        by the loggers when they write, not at every step)."""
+        return self.optimizers().param_groups[0]["lr"] * self.plateau.scale.mean()
 
     def step_optimizer(self) -> None:
-        """Step the optimizer on the `.grad`s just set and clear them; under per-expert decay each
-        expert's update is scaled by its own multiplier."""
+        """Step the optimizer on the `.grad`s just set and clear them, each expert's update scaled by
+        its own learning-rate multiplier (the optimizer's learning rate stays the configured one)."""
         optimizer = self.optimizers()
-        if self.plateau is None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return
         experts = {n: p for n, p in self.trained_model.expert_parameters().items() if p.requires_grad}
         scale = self.plateau.scale[self.experts.start : self.experts.stop]
         if steps_with_gradient(getattr(optimizer, "optimizer", optimizer)):
@@ -373,11 +357,9 @@ class ByteLMModule(L.LightningModule):
 
     def after_validation(self, held_out: Tensor) -> None:
         """Learning-rate decay on each expert's expert-validation loss `held_out [E]` (never on
-        the ensemble-validation set); N = 1 is one expert, its held-out 1% training split."""
-        if self.plateau is None:
-            self.lr_schedulers().step(float(held_out.mean()))
-            return
-        self.plateau.step(held_out)
+        the ensemble-validation set) at the update count now; N = 1 is one expert, its held-out 1%
+        training split."""
+        self.plateau.step(held_out, self.trainer.global_step)
         if self.model.num_experts > 1:
             self.log_dict(self.plateau.learning_rates(self.optimizers().param_groups[0]["lr"]))
 

@@ -41,11 +41,6 @@ class BPTTModule(ByteLMModule):
                          score_from=score_from, optimizer=optimizer, plateau=plateau, router_path=router_path,
                          top_k=top_k)
 
-    @staticmethod
-    def decays_per_expert(num_experts: int) -> bool:
-        """Always: one expert's multiplier at N = 1."""
-        return True
-
     @property
     def method(self) -> str:
         return "bptt"

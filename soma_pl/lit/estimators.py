@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from soma_pl.errors import ConfigError, require
+from soma_pl.errors import ConfigError
 from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, MemberNoise, eggroll_estimate
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
 from soma_pl.lit.args import KEY
@@ -98,8 +98,6 @@ class SPSAArgs(SPSAConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.loss_grouping == 1, f"{self.key}.loss_grouping", self.loss_grouping,
-                "1 (each expert trains on its own loss; grouping is an estimator study, Fig. 11)")
         object.__setattr__(self, "eps_schedule", EpsSchedule(self.eps_schedule))
         if self.exchange is not None:
             object.__setattr__(self, "exchange", Exchange(self.exchange))
@@ -113,11 +111,16 @@ class SPSAArgs(SPSAConfig):
         return self.eps_schedule
 
     def check_module(self, module: ZOModule) -> None:
-        """DDPP shares one model's directions: it trains one expert."""
-        if self.exchange is not None and module.model.num_experts != 1:
+        """DDPP shares one model's directions: it trains one expert. Summed-loss training
+        (`loss_grouping` K > 1, §6 and App. J's control) joins consecutive groups of K experts."""
+        experts = module.model.num_experts
+        if self.exchange is not None and experts != 1:
             raise ConfigError(f"{self.key}.exchange={self.exchange.value} deals one model's directions out across "
                               f"processes: it needs {KEY}.num_experts=1 (several experts are shared out by "
                               f"expert-parallel SOMA, exchange: null)")
+        if experts % self.loss_grouping:
+            raise ConfigError(f"{self.key}.loss_grouping={self.loss_grouping} sums the losses of groups of that many "
+                              f"experts: it must divide {KEY}.num_experts={experts}")
 
     def check_batch_size(self, batch_size: int) -> None:
         """The training batch B splits into micro-batches of `micro_batch` windows."""

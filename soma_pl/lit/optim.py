@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from soma_pl.errors import ConfigError
 from soma_pl.lit.args import KEY, require
 
@@ -51,3 +53,23 @@ def optimizer_factory(optimizer: Callable | dict) -> Callable:
     except (ImportError, AttributeError, ValueError) as error:
         raise ConfigError(f"optimizer class_path {optimizer.get('class_path')!r} cannot be imported") from error
     return functools.partial(cls, **optimizer.get("init_args", {}))
+
+
+class ZOAdam(torch.optim.Adam):
+    """Adam on the zero-order estimate, as the paper steps every zero-order model (Eq. 8, Table 1,
+    App. E, I.2): moments β = (0.9, 0.999), stabiliser δ = 1e-8, bias-corrected, and coupled weight
+    decay λ = 1e-4 added to the estimate before the moments (`torch.optim.Adam`'s `weight_decay`).
+    The moments are elementwise, so each expert of an `[E, ...]` weight keeps its own state.
+
+    Args:
+        params: the trained weights.
+        lr: η, the initial learning rate (1e-3 in the width-32 sweeps, §4; 0.0025 for the seed and
+            the wide controls, App. D, I.1).
+        betas: (β1, β2).
+        eps: δ_Adam.
+        weight_decay: λ.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-4):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

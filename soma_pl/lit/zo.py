@@ -34,13 +34,14 @@ from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.contracts import BatchesWindows, RecordsData, UpdateClock
-from soma_pl.distributed import RankSplit
+from soma_pl.distributed import RankSplit, rank_share
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.delta_rule import decoder_gradient
 from soma_pl.lit.args import KEY, ModelShape
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.lit.ddpp import Exchange
 from soma_pl.lit.estimators import EGGROLLArgs, EpsSchedule, Estimator, SPSAArgs, Update
+from soma_pl.lit.optim import ZOAdam
 from soma_pl.lit.parallel import ExpertParallel, keep_buffers_local
 from soma_pl.lit.plateau import PlateauConfig
 from soma_pl.models.checkpoints import monolithic_state
@@ -120,7 +121,8 @@ class ZOModule(ByteLMModule):
             Ignored when resuming (`--ckpt_path`).
         router_path: with N > 1, the sharding's `router.pt`; None: `<data.experts_dir>/router.pt`.
         top_k: with N > 1, experts averaged in evaluation (the paper: 4; capped at N).
-        optimizer: the torch optimizer the estimate steps (SGD by default; set its lr in YAML).
+        optimizer: the torch optimizer the estimate steps: the paper's Adam with coupled weight decay
+            (`ZOAdam`) by default; plain `torch.optim.SGD` stays selectable (set its lr in YAML).
         plateau: the learning-rate (and, proportionally, ε) decay on the expert-validation split:
             each expert's own with N > 1.
         seed: seed of the perturbations (regenerated from seed, step, expert, direction).
@@ -130,7 +132,7 @@ class ZOModule(ByteLMModule):
     def __init__(self, num_experts: int = 1, shape: ModelShape = ModelShape(), spsa: SPSAArgs = SPSAArgs(),
                  eggroll: EGGROLLArgs | None = None, head_training: HeadTraining = HeadTraining.trainable,
                  init: Init | None = None, seed_checkpoint: str | None = None, router_path: str | None = None,
-                 top_k: int = 4, optimizer: OptimizerCallable = torch.optim.SGD,
+                 top_k: int = 4, optimizer: OptimizerCallable = ZOAdam,
                  plateau: PlateauConfig = PlateauConfig(), seed: int = 0, train_context: int = 1024,
                  score_from: int = ROUTE_BYTES):
         head_training = HeadTraining(head_training)
@@ -213,10 +215,20 @@ class ZOModule(ByteLMModule):
             return  # each step's directions are dealt out: a rank may get none
         if self.model.num_experts > 1:
             self.parallel.check_world_size(world_size)
+            self._check_groups_on_ranks(world_size)
             return
         raise ConfigError(f"{type(self).__name__} of one model trains one replica per process, so {world_size} "
                           f"processes would train {world_size} diverging replicas: share its directions out with "
                           f"{KEY}.spsa.exchange=scalars (DDPP), or set trainer.devices=1, num_nodes=1")
+
+    def _check_groups_on_ranks(self, world_size: int) -> None:
+        """A summed loss is evaluated where its experts are: no group may span two ranks' shares."""
+        grouping = getattr(self.estimator, "loss_grouping", 1)
+        shares = [rank_share(self.model.num_experts, rank, world_size) for rank in range(world_size)]
+        if any(share.start % grouping or share.stop % grouping for share in shares):
+            raise ConfigError(f"{KEY}.spsa.loss_grouping={grouping}: {world_size} processes share "
+                              f"{self.model.num_experts} experts so that a group of {grouping} would span two of "
+                              f"them; choose a number of processes whose shares hold whole groups")
 
     def configure_optimizers(self):
         self.parallel.take_share()  # after setup and any checkpoint restore: `model` holds the start weights
@@ -320,18 +332,16 @@ class ZOModule(ByteLMModule):
             self.head_gradient(tokens[:, :1])  # the delta rule's forward runs one weight set per expert
 
     def current_scale(self) -> float | Tensor:
-        """The perturbation scale now: `[E]` (this process's experts) under per-expert decay, else one number."""
+        """The perturbation scale now: ε₀ (σ₀) times each expert's learning-rate multiplier under a
+        proportional schedule, so that ε halves with lr and stops with it at `plateau.min_lr` (§4).
+        `[E]` (this process's experts) with several experts; one number, from the multiplier's host
+        copy, for one model (whose estimators take a number)."""
         estimator = self.estimator
-        if self.plateau is not None:
-            multiplier = self.plateau.scale[self.experts.start : self.experts.stop]
-            if estimator.scale_schedule is EpsSchedule.constant:
-                multiplier = torch.ones_like(multiplier)
-            return estimator.initial_scale * multiplier
-        if estimator.scale_schedule is EpsSchedule.constant:
-            return estimator.initial_scale
-        group = self.optimizers().param_groups[0]
-        group.setdefault("initial_lr", group["lr"])  # set by `configure_optimizers`; not on a bare optimizer
-        return estimator.initial_scale * group["lr"] / group["initial_lr"]
+        proportional = estimator.scale_schedule is EpsSchedule.proportional
+        if self.model.num_experts == 1:
+            return estimator.initial_scale * (self.plateau.multipliers[0] if proportional else 1.0)
+        multiplier = self.plateau.scale[self.experts.start : self.experts.stop]
+        return estimator.initial_scale * (multiplier if proportional else torch.ones_like(multiplier))
 
     def after_validation(self, held_out: Tensor) -> None:
         super().after_validation(held_out)

@@ -17,7 +17,7 @@ from soma_pl.lit import BPTTModule, EGGROLLArgs, EpsSchedule, ModelShape, Platea
 from soma_pl.models.checkpoints import load_checkpoint
 
 SHAPE = ModelShape(width=8, num_layers=1, embed_dim=8, time_chunk=32)
-PLATEAU = PlateauConfig(factor=0.25, patience=1, min_lr=1e-4)
+PLATEAU = PlateauConfig(factor=0.25, patience_updates=100, min_lr=1e-4)
 SPSA = SPSAArgs(eps=0.02, n_pert=3, micro_batch=2, direction=DirectionKind.gaussian, max_rows=12,
                 eps_schedule=EpsSchedule.constant)
 BUILDS = {
@@ -47,7 +47,7 @@ def test_a_group_given_as_a_dict_is_the_dataclass():
     module = ZOModule(shape={"width": 8, "num_layers": 1, "embed_dim": 8, "time_chunk": 32},
                         spsa={"eps": 0.02, "n_pert": 3, "micro_batch": 2, "direction": "gaussian", "max_rows": 12,
                               "eps_schedule": "constant"},
-                        plateau={"factor": 0.25, "patience": 1, "min_lr": 1e-4})
+                        plateau={"factor": 0.25, "patience_updates": 100, "min_lr": 1e-4})
     assert (module.shape, module.estimator, module.plateau_config) == (SHAPE, SPSA, PLATEAU)
     assert module.estimator.direction is DirectionKind.gaussian
     assert module.estimator.eps_schedule is EpsSchedule.constant
@@ -59,7 +59,8 @@ def test_hyperparameters_hold_every_field_as_plain_values():
     assert module.hparams["spsa"] == {"eps": 0.02, "n_pert": 64, "micro_batch": 64, "direction": "sparse",
                                       "loss_grouping": 1, "max_rows": None, "eps_schedule": "proportional",
                                       "exchange": None}
-    assert module.hparams["plateau"] == {"factor": 0.5, "patience": 2, "min_lr": 0.0, "every": None}
+    assert module.hparams["plateau"] == {"factor": 0.5, "patience_updates": 1000, "threshold": 1e-8, "min_lr": 1e-5,
+                                         "every": None}
     assert type(module.hparams["spsa"]["direction"]) is str
 
 
@@ -68,7 +69,7 @@ def test_hyperparameters_hold_every_field_as_plain_values():
     (lambda: ZOModule(spsa={"loss_grouping": 2}), "model.init_args.spsa.loss_grouping=2 must be 1"),
     (lambda: ZOModule(shape={"time_chunk": 0}), "model.init_args.shape.time_chunk=0 must be >= 1"),
     (lambda: ZOModule(spsa={"epsilon": 0.1}), "model.init_args.spsa.epsilon is not a setting"),
-    (lambda: BPTTModule(plateau={"patience": -1}), "model.init_args.plateau.patience=-1 must be >= 0"),
+    (lambda: BPTTModule(plateau={"patience_updates": -1}), "model.init_args.plateau.patience_updates=-1 must be >= 0"),
     (lambda: ZOModule(eggroll={"population": 25, "group_size": 5}), "model.init_args.eggroll.group_size=5"),
     (lambda: ZOModule(eggroll={"population": 24, "group_size": 10}), "model.init_args.eggroll.population=24"),
 ])

@@ -93,7 +93,6 @@ def test_halving_the_learning_rate_halves_the_step(monkeypatch, schedule, conven
     module = ZOModule(shape=ModelShape(width=8, num_layers=1, embed_dim=8), eggroll=eggroll, train_context=24,
                            seed=3).double()
     optimizer = torch.optim.SGD(module.trainable_parameters().values(), lr=lr)
-    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
     monkeypatch.setattr(module, "optimizers", lambda: optimizer)  # what the Trainer would hand it
     batch = torch.randint(0, 256, (1, 4, 25), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     start = {name: value.clone() for name, value in module.model.state_dict().items()}
@@ -105,9 +104,9 @@ def test_halving_the_learning_rate_halves_the_step(monkeypatch, schedule, conven
         return _flat_weights(module) - before
 
     steps = [one_update()]
-    for value in (1.0, 1.0):  # the second validation does not improve: the plateau halves lr
-        plateau.step(value)
-    assert optimizer.param_groups[0]["lr"] == lr / 2
+    for updates in (0, 1000):  # no improvement for 1,000 updates: the plateau halves lr
+        module.plateau.step(torch.tensor([1.0]), updates)
+    assert float(module.current_lr()) == lr / 2
     assert module.current_scale() == (sigma / 2 if schedule is EpsSchedule.proportional else sigma)
     steps.append(one_update())
     # With common noise every member's loss moves by ±σ·⟨g, ε⟩ + O(σ²), and a z-score removes the σ;

@@ -30,7 +30,7 @@ from .conftest import TINY
 TINY_SOMA = Path(__file__).with_name("tiny_soma.yaml")
 SMALL = ["--model.init_args.shape.width=8", "--model.init_args.shape.num_layers=1",
          "--model.init_args.shape.embed_dim=8",
-         "--model.init_args.train_context=24", "--model.init_args.plateau.patience=0"]
+         "--model.init_args.train_context=24", "--model.init_args.plateau.patience_updates=2"]
 # Many validations, so that held-out plateaus (and so decays) happen during the run.
 SCHEDULE = ["--trainer.max_steps=16", "--trainer.val_check_interval=2"]
 MODULES = {
@@ -80,11 +80,8 @@ def _fit(root: Path, corpus: Path, name: str, run: str) -> tuple[dict, dict]:
 
 
 def _decayed(checkpoint: dict) -> bool:
-    """Whether any learning rate decayed during the run (optimizer lr or per-expert multiplier)."""
-    if "plateau.scale" in checkpoint["state_dict"]:
-        return bool((checkpoint["state_dict"]["plateau.scale"] < 1).any())
-    scheduler = checkpoint["lr_schedulers"][0]
-    return scheduler["_last_lr"][0] < checkpoint["optimizer_states"][0]["param_groups"][0]["initial_lr"]
+    """Whether any expert's learning-rate multiplier decayed during the run."""
+    return bool((checkpoint["state_dict"]["plateau.scale"] < 1).any())
 
 
 @pytest.mark.parametrize("name", list(MODULES))
@@ -162,19 +159,19 @@ def test_bptt_ensemble_validates_like_soma_through_the_cli(datasets, corpus_dir)
 def test_min_lr_floors_every_experts_decay(module_class):
     kwargs = {"init": "random"} if module_class is ZOModule else {}
     module = module_class(num_experts=2, shape=ModelShape(width=8, num_layers=1, embed_dim=8),
-                          plateau=PlateauConfig(patience=0, min_lr=0.025),
+                          plateau=PlateauConfig(patience_updates=0, min_lr=0.025),
                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), **kwargs)
     module.configure_optimizers()
-    for _ in range(6):  # never improving: a decay at every validation after the first
-        module.plateau.step(torch.tensor([3.0, 3.0]))
+    for updates in range(6):  # never improving: a decay at every validation after the first
+        module.plateau.step(torch.tensor([3.0, 3.0]), updates)
     assert module.plateau.scale.tolist() == [0.25, 0.25]
 
 
 def test_expert_plateau_never_goes_below_its_floor():
-    plateau = ExpertPlateau(experts=2, config=PlateauConfig(factor=0.5, patience=0, min_lr=0.3))
+    plateau = ExpertPlateau(experts=2, config=PlateauConfig(factor=0.5, patience_updates=0, min_lr=0.3))
     plateau.floor_at(1.0)
-    for _ in range(5):
-        plateau.step(torch.tensor([1.0, 1.0]))
+    for updates in range(5):
+        plateau.step(torch.tensor([1.0, 1.0]), updates)
     assert plateau.scale.tolist() == pytest.approx([0.3, 0.3])
 
 

@@ -46,11 +46,12 @@ def test_per_expert_eps_equals_separate_runs():
 
 
 def test_expert_plateau_decays_only_the_expert_that_stalls():
-    plateau = ExpertPlateau(experts=3, config=PlateauConfig(factor=0.5, patience=1))
-    for losses in ([3.0, 3.0, 3.0], [2.9, 3.0, 2.0], [2.8, 3.0, 1.9], [2.7, 3.1, 1.8]):
-        plateau.step(torch.tensor(losses))
+    plateau = ExpertPlateau(experts=3, config=PlateauConfig(factor=0.5, patience_updates=20))
+    for updates, losses in zip((10, 20, 30, 40), ([3.0, 3.0, 3.0], [2.9, 3.0, 2.0], [2.8, 3.0, 1.9], [2.7, 3.1, 1.8]),
+                               strict=True):
+        plateau.step(torch.tensor(losses), updates)
     assert plateau.scale.tolist() == [1.0, 0.5, 1.0]
-    assert plateau.bad.tolist() == [0, 1, 0]
+    assert plateau.since.tolist() == [40, 30, 40]  # expert 1's wait restarted at its decay
 
 
 # --- end to end through the CLI -------------------------------------------------------------

@@ -45,7 +45,7 @@ STEPS = 6
 VALIDATE_EVERY = 3
 SHAPE = ModelShape(width=12, num_layers=1, embed_dim=8, time_chunk=16)
 """d_t ≠ d_E: the input and output projections are trained too."""
-PLATEAU = PlateauConfig(factor=0.5, patience=0, min_lr=0.0)
+PLATEAU = PlateauConfig(factor=0.5, patience_updates=VALIDATE_EVERY, min_lr=0.0)
 COMMON = {"shape": SHAPE, "plateau": PLATEAU, "train_context": 64, "score_from": 256}
 SPSA = SPSAArgs(eps=0.01, n_pert=8, micro_batch=2, direction=DirectionKind.rademacher, loss_grouping=1,
                 max_rows=None, eps_schedule=EpsSchedule.proportional)

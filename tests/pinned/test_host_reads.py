@@ -53,8 +53,8 @@ def _soma(tmp_path, decayed: bool = True, **extra) -> ZOModule:
     module = ZOModule(num_experts=2, init=Init.random, seed_checkpoint=None, head_training=HeadTraining.trainable,
                       router_path=pinned_router(tmp_path), top_k=1, **{**SETTINGS, **extra})
     if decayed:
-        module.plateau.step(torch.tensor([1.0, 1.0]))
-        module.plateau.step(torch.tensor([0.5, 2.0]))  # expert 1's multiplier decays to 0.25
+        module.plateau.step(torch.tensor([1.0, 1.0]), 0)
+        module.plateau.step(torch.tensor([0.5, 2.0]), 1)  # expert 1's multiplier decays to 0.25
     return module
 
 

@@ -28,7 +28,7 @@ SPSA = SPSAArgs(eps=EPS, n_pert=6, micro_batch=2, direction=DirectionKind.radema
 SETTINGS = {"shape": ModelShape(width=12, num_layers=1, embed_dim=8, time_chunk=16), "spsa": SPSA,
             "optimizer": sgd(LR, momentum=0.0),
             "seed": SEED, "train_context": CONTEXT, "score_from": 256,
-            "plateau": PlateauConfig(factor=0.25, patience=0, min_lr=0.0)}
+            "plateau": PlateauConfig(factor=0.25, patience_updates=1, min_lr=0.0)}
 
 
 def _one_step(module: L.LightningModule, data: PinnedData) -> None:
@@ -74,8 +74,8 @@ def test_one_soma_step_moves_each_expert_by_minus_lr_times_its_multiplier_times_
     torch.manual_seed(0)
     module = ZOModule(num_experts=2, init=Init.random, seed_checkpoint=None, head_training=HeadTraining.trainable,
                         router_path=pinned_router(tmp_path), top_k=1, **SETTINGS)
-    module.plateau.step(torch.tensor([1.0, 1.0]))
-    module.plateau.step(torch.tensor([0.5, 2.0]))  # expert 1 stalls: its multiplier decays by 0.25
+    module.plateau.step(torch.tensor([1.0, 1.0]), 0)
+    module.plateau.step(torch.tensor([0.5, 2.0]), 1)  # expert 1 stalls: its multiplier decays by 0.25
     scale = module.plateau.scale.clone()
     assert scale.tolist() == [1.0, 0.25]
     start = copy.deepcopy(module.model)

@@ -47,7 +47,7 @@ def corpus(tmp_path_factory) -> Path:
     (["--model.init_args.train_context=0"], "model.init_args.train_context=0 must be in [1, 1024]"),
     (["--model.init_args.score_from=1024"], "model.init_args.score_from=1024 must be in [0, 1023]"),
     (["--model.init_args.plateau.factor=1.5"], "model.init_args.plateau.factor=1.5 must be in (0, 1)"),
-    (["--model.init_args.plateau.patience=-1"], "model.init_args.plateau.patience=-1 must be >= 0"),
+    (["--model.init_args.plateau.patience_updates=-1"], "model.init_args.plateau.patience_updates=-1 must be >= 0"),
     (["--model.init_args.plateau.min_lr=-1"], "model.init_args.plateau.min_lr=-1.0 must be a finite number >= 0"),
     ([*BPTT, "--model.init_args.plateau.factor=0"], "model.init_args.plateau.factor=0.0 must be in (0, 1)"),
     ([*BPTT, "--model.init_args.optimizer=torch.optim.Adam", f"{LR}=0"],
