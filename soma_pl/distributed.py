@@ -5,6 +5,7 @@ Both the data module and the LightningModules use these, so they live below both
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 
 
@@ -26,3 +27,16 @@ def rank_share(count: int, rank: int, world_size: int) -> range:
     Shares differ in size by at most one and cover `0 .. count-1` in rank order.
     """
     return range(rank * count // world_size, (rank + 1) * count // world_size)
+
+
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+"""What launchers set in each process of a multi-process run: torchrun (`RANK`, `LOCAL_RANK`,
+`GROUP_RANK`), Lightning's own launcher for its processes after the first (`LOCAL_RANK`,
+`NODE_RANK`), SLURM (`SLURM_PROCID`) and LSF (`JSM_NAMESPACE_RANK`)."""
+
+
+def launching_process() -> bool:
+    """Whether this process speaks for its whole run: global rank 0 of a multi-process run (on node
+    0), or a process that no launcher started. Read from the environment, before any process group
+    exists; what a run does once (taking its folder's lock) is done here only."""
+    return all(os.environ.get(name, "0").strip() in ("", "0") for name in RANK_VARIABLES)

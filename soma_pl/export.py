@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from soma_pl.io import atomic_folder, check_output
+from soma_pl.io import atomic_folder, check_output, folder_lock
 from soma_pl.lit.loading import ensemble_router, ensemble_size, load_module
 from soma_pl.models.checkpoints import load_checkpoint, trained_on
 from soma_pl.models.export import WEIGHTS_FILE, save_exported
@@ -55,7 +55,8 @@ def main(checkpoint: str, out: Path, config: str | None = None, router: str | No
         config: the fit YAML naming the module; None: the checkpoint's own hyperparameters.
         router: router.pt for a SOMA checkpoint that carries none.
     """
-    written = export(checkpoint, out, config, router)
+    with folder_lock(Path(out).expanduser(), "--out"):  # a second export into it at once is refused
+        written = export(checkpoint, out, config, router)
     parameters = sum(math.prod(shape) for name, shape in written["tensors"].items() if name.startswith("model."))
     routed = " and its router" if written["router"] else ""
     print(f"wrote {out}: {WEIGHTS_FILE} ({written['model']['num_experts']} expert(s), {parameters:,} parameters"

