@@ -6,7 +6,9 @@ docstring whose first line is the command's description and whose `Args:` sectio
 text. `COMMANDS` maps each command to its function, imported only when the command runs, so
 `python -m soma_pl.cli --help` lists every command without importing torch.
 
-Bad input ends with one line `soma_pl: error: ...` on stderr and exit status 2; Ctrl-C with
+Every command takes `--progress` (false hides its progress bar, where it has one; LightningCLI's
+commands read it as `--trainer.enable_progress_bar`), so a script may pass it to any of them. Bad
+input ends with one line `soma_pl: error: ...` on stderr and exit status 2; Ctrl-C with
 `soma_pl: interrupted` and exit status 130.
 """
 
@@ -56,8 +58,8 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "fit": Command("Train a model from composed configs (LightningCLI: `fit --config <trainer> --config <data> "
-                   "--config <method>`)."),
+    "fit": Command("Train a model from a method config, whose `base:` names its trainer and data layers "
+                   "(LightningCLI: `fit --config configs/demo/spsa.yaml`)."),
     "validate": Command("Validation loss of a configured model or a checkpoint (LightningCLI)."),
     "test": Command("Test loss of a configured model or a checkpoint (LightningCLI)."),
     "predict": Command("Each test window's losses from a checkpoint, written to files (LightningCLI)."),
@@ -152,6 +154,19 @@ def class_help(argv: Sequence[str]) -> list[str]:
     return argv
 
 
+def progress_as_trainer_option(argv: Sequence[str]) -> list[str]:
+    """`--progress V` (or `--progress=V`) as LightningCLI's `--trainer.enable_progress_bar=V`, so that
+    `fit` takes the option every other command takes."""
+    argv, out = list(argv), []
+    while argv:
+        arg = argv.pop(0)
+        if arg == "--progress" and argv:
+            arg = f"--progress={argv.pop(0)}"
+        out.append(arg.replace("--progress=", "--trainer.enable_progress_bar=", 1)
+                   if arg.startswith("--progress=") else arg)
+    return out
+
+
 def command_parser(name: str) -> ArgumentParser:
     """The parser of a function command: the function's parameters (their docstrings as help) and,
     unless the function has a `config` parameter of its own, `--config FILE.yaml`."""
@@ -163,8 +178,12 @@ def command_parser(name: str) -> ArgumentParser:
                          if command.listing else [])]) or None
     parser = ArgumentParser(prog=f"{PROG} {name}", description=command.description, epilog=epilog,
                             exit_on_error=False)
-    if "config" not in inspect.signature(function).parameters:
+    parameters = inspect.signature(function).parameters
+    if "config" not in parameters:
         parser.add_argument("--config", action=ActionConfigFile, help="a YAML file of these options")
+    if "progress" not in parameters:  # one option for every command, so a script may pass it to any
+        parser.add_argument("--progress", type=bool, default=True, help="accepted by every command; this one shows "
+                                                                         "no progress bar")
     # Field docstrings of the config dataclasses become their options' help; off by default because
     # it is slow for LightningCLI's large class trees.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -244,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             from soma_pl.lightning_cli import run_lightning
 
             try:
-                run_lightning(class_help(argv))
+                run_lightning(class_help(progress_as_trainer_option(argv)))
             except ArgumentError as error:  # LightningCLI's parser, asked not to print its usage and exit
                 raise option_error(name, error, rest) from None
         elif name is not None:

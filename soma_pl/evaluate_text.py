@@ -9,7 +9,8 @@ is scored as in Table 1: a SOMA model routes on the first 256 bytes and averages
 next-byte probabilities (only the k selected experts run), the loss scores the next 768 targets in
 nats/byte, and a 95% interval resamples whole documents (`soma_pl.eval.bootstrap`). The module
 class comes from the checkpoint's `_class_path` hyperparameter (written by LightningCLI) or from
-`--config`, a fit YAML whose `model:` section names it; SOMA checkpoints carry their router.
+`--config`, a fit YAML whose `model:` section names it; SOMA checkpoints carry their router. A folder
+`export` wrote is scored as it is (it carries its settings and router).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from soma_pl.errors import DataError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.checks import check_counts, check_finite
 from soma_pl.eval.ensemble import score_top_k
+from soma_pl.generate import load_source
 from soma_pl.io import check_apart, emit_json
 from soma_pl.lit.base import ByteLMModule
-from soma_pl.lit.loading import ensemble_size, load_module, routed_experts
+from soma_pl.lit.loading import ensemble_size, routed_experts
 from soma_pl.models.devices import resolve_device
+from soma_pl.models.export import ExportedModel
 
 WIKITEXT_TITLE = re.compile(rb"^ ?= [^=\n][^\n]*[^=\n] = ?\r?$", re.MULTILINE)
 """A WikiText top-level heading line (` = Title = `); ` = = Section = = ` lines do not match."""
@@ -120,7 +123,7 @@ def read_windows(path: str | Path, split: DocumentSplit = DocumentSplit.file,
 
 
 @torch.no_grad()
-def window_losses(module: ByteLMModule, windows: np.ndarray, k: int, batch_size: int,
+def window_losses(module: ByteLMModule | ExportedModel, windows: np.ndarray, k: int, batch_size: int,
                   device: torch.device, progress: bool = False) -> np.ndarray:
     """Scored nats/byte of the top-k average on every window: ``[n, 1025]`` → ``[n]`` float64
     (`progress`: a bar of batches on stderr)."""
@@ -141,7 +144,7 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
     """Evaluate a checkpoint on a text file or folder; returns the JSON report (see module doc)."""
     check_counts("evaluate", batch_size=batch_size, resamples=resamples, max_windows=max_windows)
     target = resolve_device(device, "--device")
-    module = load_module(checkpoint, config, router)
+    module = load_source(checkpoint, config, router)
     experts = module.model.num_experts
     k = ensemble_size(module, top_k)
     data = read_windows(text, documents, max_windows)
@@ -175,7 +178,7 @@ def main(checkpoint: str, text: str, config: str | None = None, router: str | No
     """Frozen next-byte loss (nats/byte) of a checkpoint on a text file or folder.
 
     Args:
-        checkpoint: a Lightning checkpoint (.ckpt).
+        checkpoint: a Lightning checkpoint (.ckpt), or a folder `export` wrote.
         text: a text file, or a folder of *.txt/*.md/*.text.
         config: the fit YAML naming the module; None: the checkpoint's own hyperparameters.
         router: router.pt for a SOMA checkpoint.

@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,36 @@ def test_a_default_list_of_dataclasses_prints_and_parses_back(name, key, default
     assert yaml.safe_load(printed.out)[key] == [dataclasses.asdict(d) for d in expected]
     parser = command_parser(name)
     assert tuple(parser.instantiate(parser.parse_args([]))[key]) == expected
+
+
+@pytest.mark.parametrize("name", [name for name, command in COMMANDS.items() if command.module is not None])
+def test_every_command_takes_progress(name):
+    parser = command_parser(name)
+    assert parser.get_defaults()["progress"] is True and "--progress" in parser.format_help()
+
+
+def test_progress_false_is_accepted_by_a_command_that_shows_no_bar(tmp_path):
+    out = tmp_path / "params.json"
+    result = run("analyze", "params", "--progress", "false", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["rows"]
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_the_round_robin_bar_of_the_benches_follows_progress(progress, capsys):
+    from soma_pl.bench.memory import round_robin
+
+    assert round_robin(len, [("ab",), ("abc",)], 1, "bench x", progress=progress) == [[2], [3]]
+    assert ("bench x" in capsys.readouterr().err) is progress
+
+
+def test_the_fit_help_names_one_config_file_that_exists():
+    configs = re.findall(r"--config ([^\s`]+)", COMMANDS["fit"].description)
+    assert len(configs) == 1 and (ROOT / configs[0]).is_file()
+
+
+def test_fit_reads_progress_as_the_trainers_progress_bar():
+    for value in (False, True):
+        result = run("fit", "--config", "tests/lit/tiny_spsa.yaml", "--progress", str(value).lower(), "--print_config")
+        assert result.returncode == 0, result.stderr
+        assert yaml.safe_load(result.stdout)["trainer"]["enable_progress_bar"] is value

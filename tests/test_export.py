@@ -163,3 +163,19 @@ def test_bad_input_is_one_error_line(tiny, exported, tmp_path, capsys):
     (tmp_path / "broken" / "config.json").write_text("{")
     one_error(cli(capsys, "generate", "--checkpoint", str(tmp_path / "broken"), "--prompt", "x"),
               "unreadable", "config.json")
+
+
+def test_evaluate_scores_an_export_as_it_scores_the_checkpoint(tiny, exported, tmp_path, capsys):
+    text = tmp_path / "text"
+    text.mkdir()
+    for index in range(3):
+        (text / f"{index}.txt").write_bytes(bytes(range(32, 127)) * (12 + 5 * index))
+    reports = []
+    for name, source in (("checkpoint", tiny.soma), ("export", exported["soma"])):
+        out = tmp_path / f"{name}.json"
+        main(["evaluate", "--checkpoint", str(source), "--text", str(text), "--resamples", "10", "--progress", "false",
+              "--out", str(out)])
+        reports.append(json.loads(out.read_text()))
+    assert reports[0]["windows"] == reports[1]["windows"] > 3
+    assert reports[1]["window_losses"] == pytest.approx(reports[0]["window_losses"], abs=1e-5)
+    assert reports[1]["k"] == reports[0]["k"] and reports[1]["score_from"] == reports[0]["score_from"]

@@ -65,6 +65,22 @@ def test_the_lint_configuration_is_the_one_ci_and_pre_commit_run():
     assert project["project"]["license"] == {"text": "Apache-2.0"}
 
 
+JUPYTER_COMMANDS = {"jupyter nbconvert": "nbconvert", "jupyter-execute": "nbclient"}
+"""A Jupyter command the docs name, and the package that brings it."""
+
+
+def test_the_dev_extra_brings_each_jupyter_command_the_docs_name():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    dev = [*extras["dev"], *(extras["notebooks"] if "soma_pl[notebooks]" in extras["dev"] else [])]
+    packages = {re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0] for requirement in dev}
+    docs = " ".join(path.read_text() for path in [ROOT / "README.md", *ROOT.glob("*/*.md")])
+    named = [command for command in JUPYTER_COMMANDS if command in docs]
+    assert "jupyter nbconvert" in named
+    assert [JUPYTER_COMMANDS[command] for command in named if JUPYTER_COMMANDS[command] not in packages] == []
+
+
 def test_links_and_the_figure_resolve():
     targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
     assert "docs/figures/main_job.png" in targets

@@ -250,6 +250,11 @@ def _cell(value, form: str) -> str:
     return "–" if value is None else format(value, form)
 
 
+def _markdown_cell(text: str) -> str:
+    """`text` as one cell of a markdown table row: `|` escaped, line breaks as spaces."""
+    return " ".join(text.splitlines()).replace("|", "\\|")
+
+
 def markdown_table(rows: list[RunRow]) -> str:
     """One line per run; losses in nats/byte, `–` where a run has no such figure."""
     header = ["run", "method", "N", "parameters", "updates", "final val loss", "best val loss (update)",
@@ -257,7 +262,7 @@ def markdown_table(rows: list[RunRow]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         best = "–" if r.best_val_loss is None else f"{r.best_val_loss:.4f} ({r.best_val_updates:,})"
-        cells = [r.label, r.method, str(r.experts), f"{r.parameters:,}", f"{r.updates:,}",
+        cells = [_markdown_cell(r.label), r.method, str(r.experts), f"{r.parameters:,}", f"{r.updates:,}",
                  _cell(r.final_val_loss, ".4f"), best, _cell(r.test_loss, ".4f"), _cell(r.multiply_adds, ".3e"),
                  _cell(r.update_seconds, ".1f"), _cell(r.training_seconds, ".1f")]
         lines.append("| " + " | ".join(cells) + " |")

@@ -172,7 +172,7 @@ def measure_model(config: InferenceModel, settings: InferenceSettings) -> dict:
 
 
 def bench_inference(models: Sequence[InferenceModel] = TABLE2_MODELS,
-                    settings: InferenceSettings = InferenceSettings()) -> dict:
+                    settings: InferenceSettings = InferenceSettings(), progress: bool = True) -> dict:
     """One record per configuration, each from a fresh process, and throughput ratios to N = 1.
 
     Returns ``{"benchmark": "inference", "machine", "settings", "results": [...],
@@ -185,7 +185,7 @@ def bench_inference(models: Sequence[InferenceModel] = TABLE2_MODELS,
                           "must be >= 1, warmup >= 0")
     before = machine()
     runs = round_robin(measure_model, [(config, settings) for config in models], settings.rounds, "bench inference",
-                       lambda config: config[0].name)
+                       lambda config: config[0].name, progress)
     results = [_combine(config, records) for config, records in zip(models, runs, strict=False)]
     monolithic = next((record for record in results if record["experts"] == 1), None)
     ratios = {}
@@ -210,7 +210,8 @@ def _combine(config: InferenceModel, records: list[dict]) -> dict:
 
 
 def main(models: tuple[InferenceModel, ...] = TABLE2_MODELS, batch_sizes: tuple[int, ...] | None = None,
-         settings: InferenceSettings = InferenceSettings(), out: str = "bench_inference.json") -> None:
+         settings: InferenceSettings = InferenceSettings(), out: str = "bench_inference.json",
+         progress: bool = True) -> None:
     """Table 12: warm inference throughput, latency and peak memory, routing included.
 
     Args:
@@ -218,6 +219,7 @@ def main(models: tuple[InferenceModel, ...] = TABLE2_MODELS, batch_sizes: tuple[
         batch_sizes: the batch size of each configuration, in order (overrides `models`' own).
         settings: what every configuration shares.
         out: where to write the JSON.
+        progress: show a progress bar on stderr.
     """
     models = list(models)
     if batch_sizes is not None:
@@ -225,4 +227,4 @@ def main(models: tuple[InferenceModel, ...] = TABLE2_MODELS, batch_sizes: tuple[
             raise ConfigError(f"--batch_sizes has {len(batch_sizes)} entries for {len(models)} models")
         models = [replace(model, batch_size=size) for model, size in zip(models, batch_sizes, strict=False)]
     resolve_device(settings.device, "--settings.device")
-    emit_json(bench_inference(models, settings), out)
+    emit_json(bench_inference(models, settings, progress), out)

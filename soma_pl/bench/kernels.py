@@ -230,7 +230,8 @@ def measure_pair(kind: str, shape: KernelShape, settings: KernelSettings) -> dic
             "flops_per_token": forward_flops_per_token(model) * (BACKWARD_FACTOR if kind == "bptt" else 1)}
 
 
-def bench_kernels(shapes: Sequence[KernelShape] = DEFAULT_SHAPES, settings: KernelSettings = KernelSettings()) -> dict:
+def bench_kernels(shapes: Sequence[KernelShape] = DEFAULT_SHAPES, settings: KernelSettings = KernelSettings(),
+                  progress: bool = True) -> dict:
     """Every (width, kind) pair, ``rounds`` fresh processes each, interleaved across configurations.
 
     Returns ``{"benchmark": "kernels", "machine", "load_average_after", "settings", "results":
@@ -252,7 +253,7 @@ def bench_kernels(shapes: Sequence[KernelShape] = DEFAULT_SHAPES, settings: Kern
               "peak_gemm": f"torch.mm {PEAK_SIZE}x{PEAK_SIZE} float32, the children's threads",
               "fma_peak_gflops_one_core": fma_peak_gflops() if settings.device == "cpu" else None}
     runs = round_robin(measure_pair, [(kind, shape, settings) for kind, shape in configs], settings.rounds,
-                       "bench kernels", lambda config: f"d_t={config[1].width} {config[0]}")
+                       "bench kernels", lambda config: f"d_t={config[1].width} {config[0]}", progress)
     results = [_summary(kind, shape, settings, runs[index]) for index, (kind, shape) in enumerate(configs)]
     return {"benchmark": "kernels", "machine": before, "load_average_after": os.getloadavg(),
             "settings": asdict(settings), "shapes": [asdict(shape) for shape in shapes], "results": results,
@@ -276,7 +277,7 @@ def _summary(kind: str, shape: KernelShape, settings: KernelSettings, runs: list
 
 
 def main(shapes: tuple[KernelShape, ...] = DEFAULT_SHAPES, settings: KernelSettings = KernelSettings(),
-         device: str | None = None, out: str = "bench_kernels.json") -> None:
+         device: str | None = None, out: str = "bench_kernels.json", progress: bool = True) -> None:
     """Our LSTM stack against torch.nn.LSTM with the same weights: inference, BPTT, grouped.
 
     Interleaved fresh processes; the ratios are in the JSON.
@@ -286,7 +287,8 @@ def main(shapes: tuple[KernelShape, ...] = DEFAULT_SHAPES, settings: KernelSetti
         settings: what every shape shares.
         device: cpu, cuda, ...; overrides `settings.device`.
         out: where to write the JSON.
+        progress: show a progress bar on stderr.
     """
     settings = settings if device is None else replace(settings, device=device)
     resolve_device(settings.device, "--device" if device is not None else "--settings.device")
-    emit_json(bench_kernels(list(shapes), settings), out)
+    emit_json(bench_kernels(list(shapes), settings, progress), out)

@@ -94,17 +94,18 @@ def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
 
 
 def round_robin(function: Callable[..., Any], configs: Sequence[tuple], rounds: int, desc: str,
-                label: Callable[[tuple], str] = str) -> list[list[Any]]:
+                label: Callable[[tuple], str] = str, progress: bool = True) -> list[list[Any]]:
     """``function(*config)`` for every config, ``rounds`` times, each call in a fresh process, the
-    configs taken in turn every round so that load from other jobs lands on all of them alike.
-    Returns one list of ``rounds`` results per config, in config order."""
+    configs taken in turn every round so that load from other jobs lands on all of them alike
+    (`progress`: a bar named `desc` on stderr). Returns one list of ``rounds`` results per config,
+    in config order."""
     runs: list[list[Any]] = [[] for _ in configs]
-    with tqdm(total=rounds * len(configs), desc=desc, unit="run") as progress:
+    with tqdm(total=rounds * len(configs), desc=desc, unit="run", disable=not progress) as bar:
         for _ in range(rounds):
             for index, config in enumerate(configs):
-                progress.set_postfix_str(label(config))
+                bar.set_postfix_str(label(config))
                 runs[index].append(in_fresh_process(function, *config))
-                progress.update()
+                bar.update()
     return runs
 
 
@@ -259,7 +260,7 @@ def measure_update(method: TrainingMethod, context: int, settings: MemorySetting
 
 
 def bench_memory(contexts: Sequence[int] = (256, 512, 1024, 2048),
-                 settings: MemorySettings = MemorySettings()) -> dict:
+                 settings: MemorySettings = MemorySettings(), progress: bool = True) -> dict:
     """One record per (method, context), each from a fresh process; the curves per method.
 
     Returns ``{"benchmark": "memory", "machine", "settings", "results": [...], "curves":
@@ -269,7 +270,7 @@ def bench_memory(contexts: Sequence[int] = (256, 512, 1024, 2048),
         raise ConfigError(f"contexts {list(contexts)} must be positive")
     runs = [(method, context) for method in TrainingMethod for context in contexts]
     results = [in_fresh_process(measure_update, method, context, settings)
-               for method, context in tqdm(runs, desc="bench memory", unit="run")]
+               for method, context in tqdm(runs, desc="bench memory", unit="run", disable=not progress)]
     curves = {}
     for method in TrainingMethod:
         rows = [record for record in results if record["method"] == method.value]
@@ -283,13 +284,14 @@ def bench_memory(contexts: Sequence[int] = (256, 512, 1024, 2048),
 
 
 def main(contexts: tuple[int, ...] = (256, 512, 1024, 2048), settings: MemorySettings = MemorySettings(),
-         out: str = "bench_memory.json") -> None:
+         out: str = "bench_memory.json", progress: bool = True) -> None:
     """Peak memory of a ZO (SPSA) update and a BPTT update against context length.
 
     Args:
         contexts: predicted bytes per window, one measurement of each method each.
         settings: the model and the update measured.
         out: where to write the JSON.
+        progress: show a progress bar on stderr.
     """
     resolve_device(settings.device, "--settings.device")
-    emit_json(bench_memory(tuple(contexts), settings), out)
+    emit_json(bench_memory(tuple(contexts), settings, progress), out)

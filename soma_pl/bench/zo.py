@@ -342,9 +342,10 @@ def eggroll_record(width: int, settings: ZOBenchSettings) -> dict:
 
 
 def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBenchSettings(),
-             soma_experts: int = 8, soma_width: int = 32, eggroll_widths: Sequence[int] = ()) -> dict:
+             soma_experts: int = 8, soma_width: int = 32, eggroll_widths: Sequence[int] = (),
+             progress: bool = True) -> dict:
     """One ``zo`` record per width, then (unless ``soma_experts`` is 0) the SOMA record, then one
-    ``eggroll`` record per width in ``eggroll_widths``.
+    ``eggroll`` record per width in ``eggroll_widths`` (`progress`: a bar on stderr).
 
     Returns ``{"benchmark": "zo", "machine": ..., "settings": ..., "results": [...]}``; the load
     average before and after shows whether other jobs shared the CPU.
@@ -357,9 +358,9 @@ def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBe
     records += [(f"eggroll d_t={width}", lambda width=width: eggroll_record(width, settings))
                 for width in eggroll_widths]
     results = []
-    with tqdm(records, desc="bench zo", unit="record") as progress:
-        for name, record in progress:
-            progress.set_postfix_str(name)
+    with tqdm(records, desc="bench zo", unit="record", disable=not progress) as bar:
+        for name, record in bar:
+            bar.set_postfix_str(name)
             results.append(record())
     return {
         "benchmark": "zo",
@@ -374,7 +375,7 @@ def bench_zo(widths: Sequence[int] = (32, 181), settings: ZOBenchSettings = ZOBe
 
 
 def main(widths: tuple[int, ...] = (32, 181), settings: ZOBenchSettings = ZOBenchSettings(), soma_experts: int = 8,
-         eggroll_widths: tuple[int, ...] | None = None, out: str = "bench_zo.json") -> None:
+         eggroll_widths: tuple[int, ...] | None = None, out: str = "bench_zo.json", progress: bool = True) -> None:
     """Zero-order update throughput: batched SPSA vs inference and a naive loop.
 
     Args:
@@ -383,6 +384,7 @@ def main(widths: tuple[int, ...] = (32, 181), settings: ZOBenchSettings = ZOBenc
         soma_experts: experts of the SOMA record; 0 skips it.
         eggroll_widths: body widths of the EGGROLL records; None: `widths`, [] skips them.
         out: where to write the JSON.
+        progress: show a progress bar on stderr.
     """
     eggroll_widths = widths if eggroll_widths is None else eggroll_widths
     for name, values in (("widths", widths), ("eggroll_widths", eggroll_widths)):
@@ -391,4 +393,5 @@ def main(widths: tuple[int, ...] = (32, 181), settings: ZOBenchSettings = ZOBenc
     if soma_experts < 0:
         raise ConfigError(f"bench zo: --soma_experts={soma_experts} must be >= 0 (0 skips the SOMA record)")
     resolve_device(settings.device, "--device")
-    emit_json(bench_zo(tuple(widths), settings, soma_experts=soma_experts, eggroll_widths=tuple(eggroll_widths)), out)
+    emit_json(bench_zo(tuple(widths), settings, soma_experts=soma_experts, eggroll_widths=tuple(eggroll_widths),
+                       progress=progress), out)

@@ -13,11 +13,13 @@ table. `--dry_run true` lists the trials, which are done, and the compute the re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +41,32 @@ def listing() -> str:
     """The experiments with what each compares and costs (`reproduce --help`)."""
     return "Experiments: " + " ".join(f"`{e.name}`: {e.title} (cpu: {e.cost['cpu']}; paper: {e.cost['paper']})."
                                       for e in EXPERIMENTS.values())
+
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+"""The checkout whose `sweeps/`, `configs/`, `data/` and `runs/` the experiments name."""
+
+
+@contextlib.contextmanager
+def in_repository() -> Iterator[None]:
+    """Run in the repository root (the experiments' paths are relative to it), then go back."""
+    if not (REPOSITORY / "sweeps").is_dir():
+        raise ConfigError(f"reproduce runs the sweeps of a soma_pl checkout, and {REPOSITORY / 'sweeps'} does not "
+                          "exist: install soma_pl from a clone (pip install -e .)")
+    started = Path.cwd()
+    os.chdir(REPOSITORY)
+    try:
+        yield
+    finally:
+        os.chdir(started)
+
+
+def _absolute_storage(url: str) -> str:
+    """A storage URL whose file (a journal, a SQLite database) is named from the current folder."""
+    if "://" not in url:
+        return str(Path(url).expanduser().absolute())
+    database = url.removeprefix("sqlite:///")
+    return f"sqlite:///{Path(database).expanduser().absolute()}" if database != url and database else url
 
 
 def _experiment(name: str) -> Experiment:
@@ -97,8 +125,9 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
     return {"trials": len(points), "done": done, "cost": cost}
 
 
-def _run_workers(spec: SweepSpec, storage: str, workers: int, logs: Path) -> None:
-    """`workers` sweep workers (one thread each) until the study is done, with one progress bar."""
+def _run_workers(spec: SweepSpec, storage: str, workers: int, logs: Path, progress: bool = True) -> None:
+    """`workers` sweep workers (one thread each) until the study is done, with one progress bar
+    (unless not `progress`)."""
     logs.mkdir(parents=True, exist_ok=True)
     open_storage(storage)  # a new database's tables made here, before the workers race to make them
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -106,7 +135,7 @@ def _run_workers(spec: SweepSpec, storage: str, workers: int, logs: Path) -> Non
                "--progress=false"]
     handles = [(logs / f"worker{i}.log").open("w") for i in range(workers)]
     processes = [subprocess.Popen(command, stdout=h, stderr=subprocess.STDOUT, env=environment) for h in handles]
-    bar, study = SweepProgress(spec), None
+    bar, study = SweepProgress(spec, progress), None
     try:
         while any(p.poll() is None for p in processes):
             time.sleep(POLL_SECONDS)
@@ -167,14 +196,15 @@ def busy_seconds(trials: list) -> float:
     return total
 
 
-def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, workers: int, results: Path) -> dict:
+def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, workers: int, results: Path,
+        progress: bool = True) -> dict:
     """Run the experiment's sweep to the end, then write and print its result."""
     folder = results / (experiment.name if scale == "cpu" else f"{experiment.name}_{scale}")
     started = time.time()
     load_before = os.getloadavg()[0]
     _prepare_data(experiment, scale, folder / "logs")
     spec.output_dir.mkdir(parents=True, exist_ok=True)  # the trials' folder, which holds the default storage
-    _run_workers(spec, storage, workers, folder / "logs")
+    _run_workers(spec, storage, workers, folder / "logs", progress)
     study = optuna.load_study(study_name=spec.name, storage=open_storage(storage, spec=spec))
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         raise SomaError(f"{experiment.name}: no trial of {spec.name} completed; see {folder / 'logs'}")
@@ -201,8 +231,13 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
 
 
 def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run: bool = False,
-         workers: int | None = None, storage: str | None = None, results: str = "results") -> None:
+         workers: int | None = None, storage: str | None = None, results: str = "results",
+         progress: bool = True) -> None:
     """Run one or more of the paper's experiments and report each beside the paper.
+
+    The experiments' sweep files, configs, data and trial folders are the repository's, named from
+    its root: the command runs there wherever it is started; `results` and a storage file path are
+    taken from where it was started.
 
     Args:
         experiments: experiment names (listed below).
@@ -212,10 +247,19 @@ def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run
             per core.
         storage: Optuna storage URL; None: the sweep's own (sqlite in its output folder).
         results: where each experiment's folder of results goes.
+        progress: show a progress bar on stderr.
     """
     if workers is not None and workers < 1:
         raise ConfigError(f"reproduce --workers={workers}: give 1 or more")
     chosen = [_experiment(name) for name in experiments]
+    results, storage = Path(results).absolute(), storage and _absolute_storage(storage)
+    with in_repository():
+        _reproduce(chosen, scale, dry_run, workers, storage, results, progress)
+
+
+def _reproduce(chosen: list[Experiment], scale: str, dry_run: bool, workers: int | None, storage: str | None,
+               results: Path, progress: bool) -> None:
+    """`main` in the repository root."""
     for experiment in chosen:
         if scale not in experiment.sweeps:
             why = experiment.cost.get(scale)
@@ -227,4 +271,4 @@ def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run
             list_trials(experiment, scale, spec, url)
             continue
         count = workers or experiment.workers or os.cpu_count() or 1
-        run(experiment, scale, spec, url, min(count, len(spec.grid_points())), Path(results))
+        run(experiment, scale, spec, url, min(count, len(spec.grid_points())), results, progress)

@@ -37,7 +37,7 @@ from optuna.exceptions import StorageInternalError
 from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
-from soma_pl.errors import ConfigError
+from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import check_apart, write_json_atomic
 from soma_pl.sweeps.equal_time import equal_time_table
 from soma_pl.sweeps.final_test import final_table
@@ -49,6 +49,7 @@ from soma_pl.sweeps.study import (
     database_error,
     default_storage,
     open_storage,
+    shown_storage,
     state_counts,
 )
 
@@ -361,6 +362,18 @@ def save_figures(study: optuna.Study, folder: Path) -> list[Path]:
     return paths
 
 
+def check_finished(study: optuna.Study, storage: str) -> None:
+    """Refuse with one line a study with no COMPLETE trial: its tables would be empty."""
+    if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        return
+    counts = ", ".join(f"{state} {count}" for state, count in sorted(state_counts(study).items())) or "no trials"
+    logs = [f["log"] for f in failures(study) if f["log"]]
+    hint = (f"see the failed trials' logs ({logs[0]}" + (f" and {len(logs) - 1} more)" if len(logs) > 1 else ")")
+            if logs else "run `sweep` on it first")
+    raise SomaError(f"study '{study.study_name}' in {shown_storage(storage)} has no finished trial to report "
+                    f"({counts}): {hint}")
+
+
 def _report(study: optuna.Study, storage: str, final_test: bool = False) -> tuple[dict, str]:
     """The report and its markdown text (`main` has a `markdown` option, which hides the function)."""
     report = build_report(study, storage, final_test)
@@ -398,6 +411,7 @@ def main(sweep: str | None = None, study: str | None = None, storage: str | None
         raise ConfigError(f"no study '{name}' in {storage}") from None
     except (SQLAlchemyError, StorageInternalError) as error:
         raise database_error(storage, "--storage", error) from None
+    check_finished(loaded, storage)
     report, text = _report(loaded, storage, final_test)
     print(text)
     if markdown:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import json
 import os
 import signal
@@ -29,8 +30,8 @@ from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 from tqdm import tqdm
 
-from soma_pl.config_files import config_args, read_layers
-from soma_pl.errors import ConfigError
+from soma_pl.config_files import config_args, flatten, read_layers
+from soma_pl.errors import ConfigError, SomaError
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, override_args, trial_overrides
 from soma_pl.sweeps.study import (
     FailureKind,
@@ -67,14 +68,20 @@ class FitOutcome:
         return lines[-1] if lines else f"exit status {self.returncode}"
 
 
+def trial_settings(config: tuple[str, ...], overrides: dict) -> dict:
+    """A trial's settings as dotted keys: its config layers in the parser's order (a later one
+    wins), then its overrides."""
+    settings = {}
+    for _, layer in read_layers(config_args(config)):
+        settings.update(flatten(layer))
+    return {**settings, **overrides}
+
+
 def takes_seed(config: tuple[str, ...], overrides: dict) -> bool:
     """Whether the trial's module has a `seed` argument (the zero-order modules: their directions'
-    seed); BPTT's randomness is `seed_everything`'s alone. The module is the last `model.class_path`
-    of the config layers, or the overrides' (True when none names one)."""
-    class_path = overrides.get("model.class_path")
-    for _, settings in read_layers(config_args(config)) if class_path is None else ():
-        model = settings.get("model") or {}
-        class_path = model.get("class_path", class_path) if isinstance(model, dict) else class_path
+    seed); BPTT's randomness is `seed_everything`'s alone. The module is the trial's
+    `model.class_path` (True when none names one)."""
+    class_path = trial_settings(config, overrides).get("model.class_path")
     if not isinstance(class_path, str) or "." not in class_path:
         return True
     module, name = class_path.rsplit(".", 1)
@@ -83,6 +90,29 @@ def takes_seed(config: tuple[str, ...], overrides: dict) -> bool:
     except (ImportError, AttributeError):
         return True  # the fit itself names the bad class path in one line
     return "seed" in inspect.signature(cls.__init__).parameters
+
+
+LIGHTNING_LOG_EVERY = 50
+"""Lightning's default `trainer.log_every_n_steps`."""
+
+
+def check_logging_interval(spec: SweepSpec) -> None:
+    """Refuse, before any trial runs, a sweep whose fits would validate at updates where no update
+    time is logged: the report's comparisons at equal measured time (`soma_pl.analysis.time_basis`)
+    need `trainer.log_every_n_steps` to divide `trainer.val_check_interval` (an update count)."""
+    names = [factor.name for factor in spec.factors]
+    for labels in itertools.product(*(factor.choices for factor in spec.factors)):
+        params = {**dict(zip(names, labels, strict=True)), **{r.name: None for r in spec.ranges}}
+        settings = trial_settings(*trial_overrides(spec, params))
+        interval = settings.get("trainer.val_check_interval")
+        every = settings.get("trainer.log_every_n_steps", LIGHTNING_LOG_EVERY)
+        counts = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (interval, every))
+        if counts and settings.get("trainer.logger") is not False and interval % every:
+            point = f" (trial {', '.join(f'{n}={label}' for n, label in zip(names, labels, strict=True))})" \
+                if names else ""
+            raise ConfigError(f"{spec.path}: trainer.log_every_n_steps={every} does not divide "
+                              f"trainer.val_check_interval={interval}{point}: every validation needs the update "
+                              "time logged at its update; set log_every_n_steps to a divisor of the interval")
 
 
 def fit_command(spec: SweepSpec, trial: optuna.Trial, params: dict, seed: int, run_dir: Path,
@@ -269,10 +299,11 @@ def main(sweep: str, storage: str | None = None, n_trials: int | None = None, re
         raise ConfigError(f"--n_trials={n_trials}: give how many trials this worker may run (1 or more), or leave it "
                           "unset to run until the study is done")
     spec = load_sweep(sweep)
+    check_logging_interval(spec)
     url = storage or spec.storage or default_storage(spec)
     setting = "--storage" if storage else f"{sweep}: storage" if spec.storage else "the default storage"
     if storage or spec.storage:  # the default's folder, the sweep's output_dir, is made by `connect`
-        check_storage(url, setting)
+        check_storage(url, setting, create_folder=True)
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         ran = work(spec, url, n_trials, retry_failed, setting, progress=progress)
@@ -280,5 +311,19 @@ def main(sweep: str, storage: str | None = None, n_trials: int | None = None, re
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     study = open_study(spec, open_storage(url), create=False)
-    print(json.dumps({"study": spec.name, "storage": url, "this_worker": ran, "study_trials": state_counts(study),
+    counts = state_counts(study)
+    print(json.dumps({"study": spec.name, "storage": url, "this_worker": ran, "study_trials": counts,
                       "points": len(spec.grid_points()) if spec.is_grid else spec.trials}, indent=2))
+    check_some_finished(spec, ran, counts)
+
+
+def check_some_finished(spec: SweepSpec, ran: dict[str, int], counts: dict[str, int]) -> None:
+    """End with one line and a non-zero status when every trial this worker ran failed, or, when it
+    ran none, every trial of the study did: a sweep with nothing to report is no success."""
+    finished = (TrialState.COMPLETE.name, TrialState.PRUNED.name)
+    failed = ran.get(TrialState.FAIL.name, 0) if ran else counts.get(TrialState.FAIL.name, 0)
+    if not failed or any((ran or counts).get(state) for state in finished):
+        return
+    logs = spec.output_dir / ("trial-NNNN/fit.log" if spec.is_grid else "trial-NNNN/seed-S/fit.log")
+    whose = "this worker ran" if ran else "the study holds"
+    raise SomaError(f"sweep {spec.name}: all {failed} trial(s) {whose} failed; their logs are {logs}")

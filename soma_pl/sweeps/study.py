@@ -86,18 +86,26 @@ DRIVER_PACKAGES = {"psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary"
 STORAGE_FORMS = "sqlite:///PATH.db, postgresql://USER@HOST/DB, mysql://USER@HOST/DB, or a journal file path"
 
 
-def _check_folder(file: Path, setting: str) -> None:
-    # A mistyped folder is an error, not created: workers meant to share a study would not.
+def _check_folder(file: Path, setting: str, create: bool) -> None:
+    """A worker makes the folder of its storage file, as it makes the default one's (output_dir);
+    a reader (`sweep report`) has nothing to read in a folder that does not exist."""
+    if create:
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"{setting}: cannot make folder {file.parent} of {file.name}: "
+                              f"{error.strerror or error}") from None
     if not file.parent.is_dir():
-        raise ConfigError(f"{setting}: folder {file.parent} of {file.name} does not exist: create it or "
-                          "name a file in an existing folder")
+        raise ConfigError(f"{setting}: folder {file.parent} of {file.name} does not exist: name a file in an "
+                          "existing folder")
 
 
-def check_storage(url: str, setting: str = "storage") -> None:
+def check_storage(url: str, setting: str = "storage", create_folder: bool = False) -> None:
     """Refuse a storage Optuna cannot open with one line naming `setting`: an unknown URL scheme, a
-    database driver that is not installed, or a SQLite or journal file whose folder does not exist."""
+    database driver that is not installed, or a SQLite or journal file whose folder does not exist
+    (`create_folder`: a worker's, made instead)."""
     if "://" not in url:
-        _check_folder(Path(url).expanduser(), f"{setting} {url}")
+        _check_folder(Path(url).expanduser(), f"{setting} {url}", create_folder)
         return
     try:
         parsed = make_url(url)
@@ -116,7 +124,7 @@ def check_storage(url: str, setting: str = "storage") -> None:
         raise ConfigError(f"{setting} {shown}: the {parsed.get_backend_name()} driver {module!r} is not "
                           f"installed: pip install {DRIVER_PACKAGES.get(module, module)}") from error
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        _check_folder(Path(parsed.database).expanduser(), f"{setting} {shown}")
+        _check_folder(Path(parsed.database).expanduser(), f"{setting} {shown}", create_folder)
 
 
 CREATE_ATTEMPTS = 5
@@ -127,8 +135,9 @@ def open_storage(url: str, setting: str = "storage", spec: SweepSpec | None = No
     """An Optuna RDB URL (`sqlite:///...`, `postgresql://...`) or a journal file path, checked by
     `check_storage` (`setting` names where the URL came from in its error). With the sweep's `spec`
     (a worker), a database storage runs Optuna's heartbeat: every `heartbeat_seconds`, stale after
-    `stale_seconds` (whole seconds, at least 1), stale trials retried."""
-    check_storage(url, setting)
+    `stale_seconds` (whole seconds, at least 1), stale trials retried, and its storage file's folder
+    is made."""
+    check_storage(url, setting, create_folder=spec is not None)
     if "://" not in url:
         return JournalStorage(JournalFileBackend(url))
     kwargs = {}

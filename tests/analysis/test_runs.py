@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from soma_pl.analysis.runs import RunRow, markdown_table
 from soma_pl.cli import main
 from tests.lit.conftest import fit_args
 from tests.robustness.cli import cli, one_error, tiny_dataset
@@ -172,3 +174,15 @@ def test_an_output_over_a_runs_files_is_refused_and_the_run_kept(runs, named, ca
     one_error(cli(capsys, "runs", argument, "--out", str(summary)), f"--out={summary}")
     one_error(cli(capsys, "runs", argument, "--markdown", str(metrics)), f"--markdown={metrics}")
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == before
+
+
+@pytest.mark.parametrize("label", ["lr|0.05", "two\nlines", "a | b\r\nc"])
+def test_a_label_with_a_pipe_or_a_line_break_stays_one_cell_of_its_row(label):
+    row = RunRow(label=label, summary="s.json", method="SPSA", experts=1, parameters=10, updates=2,
+                 final_val_loss=2.5, best_val_loss=2.4, best_val_updates=1, test_loss=None, test_scores=None,
+                 token_forwards=None, multiply_adds=None, update_seconds=None, training_seconds=None)
+    header, rule, *body = markdown_table([row]).split("\n")
+    assert len(body) == 1
+    cells = re.split(r"(?<!\\)\|", body[0])[1:-1]  # a markdown row's cells: split on unescaped pipes
+    assert len(cells) == header.count("|") - 1 == rule.count("|") - 1
+    assert cells[0].strip().replace("\\|", "|") == " ".join(label.splitlines())

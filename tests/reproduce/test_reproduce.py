@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,14 @@ def test_a_dry_run_lists_the_trials_and_the_paper_scale_budget(tmp_path, monkeyp
     # Table 6's budget: 50 aggregate GPU-hours per trial, 3 lr x 3 eps x 2 N x 3 seeds
     assert "54 trials of 50 aggregate device-hours: 2,700 device-hours" in printed
     assert not (tmp_path / "cpu").exists(), "a dry run writes nothing"
+
+
+def test_a_dry_run_works_from_any_folder_and_goes_back_to_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    main(["reproduce", "table7", "--dry_run", "true"])
+    printed = capsys.readouterr().out
+    assert len(re.findall(r"^  N=\d, lr=[\d.]+, seed \d: \w+", printed, re.MULTILINE)) == 18
+    assert Path.cwd() == tmp_path and list(tmp_path.iterdir()) == []
 
 
 def test_fig9_lists_its_conditions_and_refuses_a_paper_scale_it_has_not(tmp_path, monkeypatch, capsys):

@@ -1,5 +1,6 @@
 """A sweep storage Optuna cannot open ends `sweep` (and `sweep report`) with one line naming the
-setting and the fix; a folder that does not exist is not created."""
+setting and the fix; `sweep report` creates no folder (a worker makes its storage file's folder:
+tests/sweeps/test_exit_status.py)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,21 @@ def test_a_missing_database_driver_names_the_package_to_install(tmp_path, capsys
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
-def test_a_storage_file_in_a_missing_folder_is_refused_and_the_folder_not_created(kind, tmp_path, capsys):
+def test_sweep_report_refuses_a_storage_file_in_a_missing_folder_and_creates_nothing(kind, tmp_path, capsys):
     missing = tmp_path / "nonexistent" / "dir"
     url = f"sqlite:///{missing / 'x.db'}" if kind == "sqlite" else str(missing / "journal.log")
-    line = _one_line(capsys, ["sweep", "--sweep", str(write_sweep(tmp_path)), "--storage", url])
-    assert f"--storage {url}: folder {missing} of " in line and "does not exist" in line
+    line = _one_line(capsys, ["sweep", "report", "--sweep", str(write_sweep(tmp_path)), "--storage", url,
+                              "--out", str(tmp_path / "r.json")])
+    assert f"storage {url}: folder {missing} of " in line
     assert not missing.parent.exists()
+
+
+def test_a_storage_folder_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    url = str(blocker / "journal.log")
+    line = _one_line(capsys, ["sweep", "--sweep", str(write_sweep(tmp_path)), "--storage", url])
+    assert f"--storage {url}: " in line and str(blocker) in line
 
 
 def test_the_sweep_files_storage_is_named_by_its_file(tmp_path, capsys):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from soma_pl.data.corpus.documents import Document
+from soma_pl.data.formats.manifest import outside
 from soma_pl.data.formats.tar_shards import ShardRecord, ShardWriter
 from soma_pl.errors import DataError
 from soma_pl.io import close_quietly, write_json_atomic
@@ -101,15 +102,20 @@ def expert_shards(folder: str | Path, payload: dict) -> list[ExpertShards]:
     """The per-expert shard records of an `experts.json` read from `folder`.
 
     Raises:
-        DataError: the records are malformed.
+        DataError: the records are malformed, or one names a path outside `folder`.
     """
     try:
-        return [
+        experts = [
             ExpertShards([ShardRecord(**r) for r in e["train"]], [ShardRecord(**r) for r in e.get("val", [])])
             for e in payload["experts"]
         ]
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise DataError(f"unreadable {Path(folder) / EXPERTS_MANIFEST}: {error}") from error
+    escaping = next((r.path for e in experts for r in (*e.train, *e.val) if outside(r.path)), None)
+    if escaping is not None:
+        raise DataError(f"unreadable {Path(folder) / EXPERTS_MANIFEST}: it names {escaping!r}, a path outside "
+                        "the sharded dataset folder")
+    return experts
 
 
 def read_expert_shards(folder: str | Path) -> list[ExpertShards]:

@@ -2,14 +2,17 @@
 
 `prepare` (`soma_pl.data.preparation`) writes the folder; the DataModule, `shard`, the benchmarks and
 the analyses read it through these functions. A folder whose manifest is missing, unreadable or of
-another format is refused with one line naming it.
+another format, or names a path outside the folder, is refused with one line naming it; an
+evaluation set whose sha256 is not the recorded one too.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePath
 
+from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.formats.tar_shards import sha256_file
 from soma_pl.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -51,6 +54,12 @@ SHARD_FIELDS = {"path", "sha256", "bytes", "documents"}
 """What a shard record of the manifest holds (`ShardRecord`)."""
 
 
+def outside(path) -> bool:
+    """Whether a path a manifest names could lead out of its dataset folder: not a string, empty,
+    absolute, or through `..`. Readers join it to the folder, so it must stay inside."""
+    return not isinstance(path, str) or not path or PurePath(path).is_absolute() or ".." in PurePath(path).parts
+
+
 def manifest_problem(manifest) -> str | None:
     """What makes `manifest` unusable as a prepared dataset's, or None. `expert_val` may be
     missing (an older format, refused with its own line where it is needed), and so may `test_final`
@@ -67,9 +76,29 @@ def manifest_problem(manifest) -> str | None:
             shards = entry.get("shards")
             if not (isinstance(shards, list) and all(isinstance(r, dict) and set(r) == SHARD_FIELDS for r in shards)):
                 return f"no list of shard records under `{key}`"
-        elif not isinstance(entry.get("file"), str):
-            return f"no file named under `{key}`"
+            paths = [record["path"] for record in shards]
+        elif not (isinstance(entry.get("file"), str) and isinstance(entry.get("sha256"), str)):
+            return f"no file and sha256 named under `{key}`"
+        else:
+            paths = [entry["file"]]
+        escaping = next((path for path in paths if outside(path)), None)
+        if escaping is not None:
+            return f"`{key}` names {escaping!r}, a path outside the dataset folder"
     return None
+
+
+def load_eval_set(folder: str | Path, manifest: dict, key: str) -> EvalSet:
+    """The evaluation windows the manifest entry `key` (`ensemble_val`, `test`, `test_final`) names,
+    checked against the sha256 recorded when they were written.
+
+    Raises:
+        DataError: the file is missing, corrupt, or not the one the manifest recorded.
+    """
+    entry = manifest[key]
+    path = Path(folder) / entry["file"]
+    if path.is_file() and sha256_file(path) != entry["sha256"]:
+        raise DataError(f"altered evaluation set {path}: sha256 differs from the manifest; run prepare again")
+    return EvalSet.load(path)
 
 
 def open_prepared(folder: str | Path, setting: str) -> dict:

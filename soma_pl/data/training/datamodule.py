@@ -25,7 +25,7 @@ from soma_pl import WINDOW_BYTES
 from soma_pl.contracts import SplitsRanks
 from soma_pl.data.formats.evalsets import EvalSet
 from soma_pl.data.formats.expert_sets import check_sharded_from, expert_shards, read_experts_manifest
-from soma_pl.data.formats.manifest import open_prepared, read_manifest
+from soma_pl.data.formats.manifest import load_eval_set, open_prepared, read_manifest
 from soma_pl.data.formats.tar_shards import ShardRecord, Verify, verify_shards
 from soma_pl.data.preparation.config import PrepareConfig
 from soma_pl.data.preparation.prepare import prepare, prepare_recipe
@@ -149,7 +149,7 @@ class ByteDataModule(L.LightningDataModule):
         else:
             warnings.warn(f"{origin}: some experts have no validation shards: no learning-rate decay", stacklevel=2)
         self.fingerprints["dataset"] = manifest.get("fingerprint")
-        self.val_set = EvalSet.load(self.root / manifest["ensemble_val"]["file"])
+        self.val_set = load_eval_set(self.root, manifest, "ensemble_val")
         self.test_set = self._load_test_set(manifest)
 
     def _load_test_set(self, manifest: dict) -> EvalSet:
@@ -158,7 +158,7 @@ class ByteDataModule(L.LightningDataModule):
         if entry is None:
             raise DataError(f"data.init_args.test_split={self.test_split}: {self.root} has no final test split "
                             f"(test_final): prepare it again with dataset.final_test_windows > 0")
-        return EvalSet.load(self.root / entry["file"])
+        return load_eval_set(self.root, manifest, TEST_SPLITS[self.test_split])
 
     def state_dict(self) -> dict:
         """Saved in every checkpoint: the fingerprints of the data it was trained on."""
