@@ -11,6 +11,7 @@ layers and settings) apart from the width, and each seed has its side's own widt
 from __future__ import annotations
 
 import inspect
+import json
 import shlex
 from dataclasses import dataclass
 from functools import cache
@@ -204,10 +205,17 @@ def test_the_sides_of_every_sweep_start_the_same_way(path, monkeypatch):
     assert _differing(sweep_sides(load_sweep(path)), start) == {}
 
 
+def _zero_order_sides(sides: dict[str, dict]) -> dict[str, dict]:
+    """The sides an SPSA estimator trains: EGGROLL follows its own recipe (App. I.1), whose head the
+    evolution strategy perturbs with the body, so the paper's SPSA head rules (the delta rule or a
+    frozen seed head) do not apply to it."""
+    return {name: config for name, config in sides.items() if "eggroll" not in json.dumps(config)}
+
+
 @pytest.mark.parametrize("path", [p for p in SWEEPS if p != ABLATION], ids=_name)
 def test_the_sides_of_every_sweep_have_the_same_kind_of_head(path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert _differing(sweep_sides(load_sweep(path)), head_kind) == {}
+    assert _differing(_zero_order_sides(sweep_sides(load_sweep(path))), head_kind) == {}
 
 
 def test_each_fig9_condition_changes_exactly_its_one_thing(monkeypatch):
