@@ -6,9 +6,10 @@ its kind, who wrote it and every file it holds, sub-folders included) proves tha
 Only such a folder is ever replaced: never one without the marker (whatever else it holds), one
 that is, holds or lies inside an input, nor one that holds a file the marker does not list.
 
-A command writing a folder holds it (`folder_lock`: an advisory lock on the hidden file
-`.soma_pl.lock` inside it), so a second command writing the same folder at once is refused with one
-line instead of mixing its files with the first's or replacing them.
+A command writing a folder holds it, so that two commands never write one folder at once: a `fit`
+or an export refuses a second writer with one line (`folder_lock`: an advisory lock on the hidden
+file `.soma_pl.lock` inside the folder); builds of a dataset take turns (`build_lock`: the hidden
+file `.<name>.soma_pl.lock` beside it, so that no output folder appears before its build is done).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from soma_pl.errors import ConfigError, DataError, SomaError
 
 OUTPUT_MARKER = ".soma_pl-output.json"
 LOCK_FILE = ".soma_pl.lock"
-"""Inside a folder a command is writing: the lock that refuses a second writer (`folder_lock`)."""
+"""The lock of a folder being written: inside it (`folder_lock`), or after `.<name>` beside a folder
+being built (`build_lock`)."""
 _HELD: set[Path] = set()
-"""The folders this process holds (`folder_lock`)."""
+"""The folders this process holds (`folder_lock`, `build_lock`)."""
 _LEFTOVER = re.compile(r"(?P<stage>tmp|old)-(?P<pid>\d+)")
 
 
@@ -299,7 +301,7 @@ def _swap(work: Path, output: Path) -> None:
 
 
 @contextmanager
-def folder_lock(folder: Path, setting: str, wait: bool = False) -> Iterator[Path]:
+def folder_lock(folder: Path, setting: str) -> Iterator[Path]:
     """Hold `folder` (made when missing) while a command writes it: a second command writing it at
     the same time is refused, instead of mixing its files with this one's or replacing them.
 
@@ -315,66 +317,102 @@ def folder_lock(folder: Path, setting: str, wait: bool = False) -> Iterator[Path
     Args:
         folder: the folder the command writes.
         setting: the option naming it, for the message (`--trainer.default_root_dir`).
-        wait: wait for the holder to finish instead of refusing (processes that build a shared
-            folder on first use and then read it take turns).
 
     Raises:
-        ConfigError: another process holds the folder (unless `wait`): naming `setting`, the folder
-            and the holder; or this process does (the command would wait for itself).
+        ConfigError: another process holds the folder, naming `setting`, the folder and the holder;
+            or this process does.
     """
     folder = Path(folder).expanduser()
+    made = not (folder.exists() or folder.is_symlink())
+    with suppress(OSError):  # where it cannot be made, no lock is taken (see above)
+        folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with _locked(folder, folder / LOCK_FILE, setting, wait=False):
+            yield folder
+    finally:
+        if made:
+            with suppress(OSError):
+                folder.rmdir()  # only when empty: a command that wrote nothing leaves nothing
+
+
+@contextmanager
+def build_lock(output: Path, setting: str) -> Iterator[None]:
+    """Wait for any other process building `output`, then hold it until the block ends: processes
+    building one folder at once (`prepare` and `shard` commands, the fits of a sweep's first trials
+    preparing a missing dataset) take turns, and a build rereads what the folder holds once its
+    turn comes.
+
+    The lock is `flock` on `.<name>.soma_pl.lock` beside the output (its resolved path), where
+    the build's staging folder is, so it never makes the output: a killed build leaves no folder
+    that could read as its output, only a lock file that blocks nobody and that the next build of
+    the folder removes. The folder above the output is made when missing. Where no lock can be
+    taken the build goes on unlocked, as in `folder_lock`.
+
+    Raises:
+        ConfigError: this process already holds `output` (it would wait for itself).
+    """
+    output = Path(output).expanduser()
+    where = output.resolve()
+    with suppress(OSError):
+        where.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(output, where.parent / f".{where.name}{LOCK_FILE}", setting, wait=True):
+        yield
+
+
+@contextmanager
+def _locked(folder: Path, path: Path, setting: str, wait: bool) -> Iterator[None]:
+    """Hold the lock file `path` of `folder` while the block runs (see `folder_lock`, `build_lock`)."""
     key = folder.resolve()
     if key in _HELD:
         raise ConfigError(f"{setting}={folder} is also a folder this command writes under another setting: choose "
                           f"another {setting}")
-    held = _take_lock(folder, setting, wait)
-    if held is not None:
-        _HELD.add(key)
+    handle = _take_lock(folder, path, setting, wait)
+    if handle is None:
+        yield
+        return
+    _HELD.add(key)
     try:
-        yield folder
+        yield
     finally:
-        if held is not None:
-            _HELD.discard(key)
-            _release_lock(folder, *held)
+        _HELD.discard(key)
+        with suppress(OSError):  # removed while still held, so no one locks a file that is gone
+            if _same_file(handle, path):  # after `atomic_folder`'s swap the file there is another's, or none
+                path.unlink()
+        os.close(handle)
 
 
-def _take_lock(folder: Path, setting: str, wait: bool) -> tuple[int, bool] | None:
-    """`(descriptor, whether the folder was made here)` of the lock taken, or None when none can be."""
-    path = folder / LOCK_FILE
+def _take_lock(folder: Path, path: Path, setting: str, wait: bool) -> int | None:
+    """The descriptor of the lock taken on `path`, or None when none can be."""
+    warned = False
     while True:
-        made = not (folder.exists() or folder.is_symlink())
         try:
-            folder.mkdir(parents=True, exist_ok=True)
             handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError:
             return None
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(handle)
-            raise ConfigError(f"{setting}={folder} is being written by another soma_pl command{_holder(path)}: "
-                              f"wait for it to end, or choose another {setting}") from None
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                busy = f"{setting}={folder} is being written by another soma_pl command{_holder(path)}"
+                if not wait:
+                    raise ConfigError(f"{busy}: wait for it to end, or choose another {setting}") from None
+                if not warned:
+                    warnings.warn(f"{busy}: waiting for it to end", stacklevel=2)
+                    warned = True
+                fcntl.flock(handle, fcntl.LOCK_EX)
         except OSError:
             os.close(handle)
             return None
+        except BaseException:
+            os.close(handle)
+            raise
         if _same_file(handle, path):
             break
-        os.close(handle)  # the holder removed that file when it ended: lock the folder's file now
+        os.close(handle)  # the holder removed that file when it ended: lock the file there now
     with suppress(OSError):
         os.ftruncate(handle, 0)
         os.write(handle, json.dumps({"tool": "soma_pl", "pid": os.getpid(), "host": socket.gethostname()}).encode())
-    return handle, made
-
-
-def _release_lock(folder: Path, handle: int, made: bool) -> None:
-    """Remove the lock file (while still holding it, so no one locks a file that is gone) and close it."""
-    path = folder / LOCK_FILE
-    with suppress(OSError):
-        if _same_file(handle, path):  # after `atomic_folder`'s swap the file there is another's, or none
-            path.unlink()
-        if made:
-            folder.rmdir()  # only when empty: a command that wrote nothing leaves nothing
-    os.close(handle)
+    return handle
 
 
 def _same_file(handle: int, path: Path) -> bool:

@@ -28,8 +28,9 @@ dataset.
 The manifest records a hash of the config and of the corpus's identity: an identical re-run is a
 no-op, a changed one rebuilds. The last stage checks that the corpus files are still those (paths,
 sizes, mtimes) seen at the start. Only a folder soma_pl wrote as a prepared dataset is replaced
-(`soma_pl.io.atomic_folder`). A build holds its folder (`soma_pl.io.folder_lock`): a second `prepare`
-into it at once is refused; fits preparing their dataset on first use wait for it instead.
+(`soma_pl.io.atomic_folder`). Processes preparing one folder at once (`prepare` commands, the fits of
+a sweep's first trials preparing a missing dataset) take turns (`soma_pl.io.build_lock`): the first
+builds, the others then find it up to date, or are refused with one line when it is another build.
 """
 
 from __future__ import annotations
@@ -43,13 +44,12 @@ from soma_pl.data.formats.manifest import KIND, MANIFEST, existing_fingerprint, 
 from soma_pl.data.preparation.config import PrepareConfig, load_prepare_config
 from soma_pl.data.preparation.steps import FinishPrepare, PlanHeldOut, SelectHeldOut, WriteShards, warn_about
 from soma_pl.data.runner.pipeline import chain, corpus_reader, write_paths_file
-from soma_pl.data.runner.staging import remove_staging, run_build
+from soma_pl.data.runner.staging import check_unchanged, remove_staging, run_build
 from soma_pl.errors import ConfigError
-from soma_pl.io import check_output, folder_lock, read_marker, tag_marker
+from soma_pl.io import build_lock, check_output, read_marker, tag_marker
 
 
-def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str] | None = None,
-            wait: bool = False) -> Path:
+def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str] | None = None) -> Path:
     """Build `config.output_dir` unless an identical build is already there; return its path.
 
     With a Slurm or Ray executor the stages may still be running when this returns (the output
@@ -59,32 +59,32 @@ def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str
         recipe: `(recipe file, setting naming the folder)` when a data config builds the folder on
             first use (:func:`prepare_recipe`): another dataset there is then refused unless that
             recipe built it, and the folder's marker records the recipe.
-        wait: wait for another process building the folder instead of refusing: processes that
-            prepare a dataset on first use (the fits of a sweep's first trials) take turns, the
-            first builds and the others find it up to date.
 
     Raises:
-        ConfigError: another process is building the folder (unless `wait`).
+        ConfigError: while this one waited for its turn, another process built a different dataset
+            in the folder (`check_unchanged`).
     """
     config.validate()
     output = Path(config.output_dir).expanduser()
     corpus = corpus_fingerprint(config.corpus)
     fingerprint = config.fingerprint(corpus)
-    if existing_fingerprint(output) == fingerprint:  # up to date: no build, so no lock
+    before = existing_fingerprint(output)
+    if before == fingerprint:  # up to date: no build, so no lock
         remove_staging(output, "prepare")
         return output
-    with folder_lock(output, "dataset.output_dir", wait):  # checked again inside: another process may have built it
-        return _prepare(config, progress, recipe, output, corpus, fingerprint)
+    with build_lock(output, "dataset.output_dir"):  # checked again inside: another process may have built it
+        return _prepare(config, progress, recipe, output, corpus, fingerprint, before)
 
 
 def _prepare(config: PrepareConfig, progress: bool, recipe: tuple[str, str] | None, output: Path, corpus: dict,
-             fingerprint: str) -> Path:
-    """`prepare` holding the folder."""
+             fingerprint: str, before: str | None) -> Path:
+    """`prepare` holding the folder; `before`: the fingerprint of what it held before the turn came."""
     started = time.time()
     existing = existing_fingerprint(output)
     if existing == fingerprint:
         remove_staging(output, "prepare")
         return output
+    check_unchanged(output, "dataset.output_dir", before, existing, fingerprint)
     if recipe is not None and existing is not None:
         _check_recipe_built(output, existing, fingerprint, *recipe)
     check_output(output, KIND, "dataset.output_dir", corpus_inputs(config.corpus))
@@ -140,4 +140,4 @@ def prepare_recipe(recipe: str | Path, folder: str | Path, setting: str, progres
     what it holds, and a one-line refusal when anything else built it."""
     config = load_prepare_config(recipe)
     config.output_dir = str(folder)
-    return prepare(config, progress=progress, recipe=(str(recipe), setting), wait=True)
+    return prepare(config, progress=progress, recipe=(str(recipe), setting))

@@ -2,7 +2,9 @@
 
 A build runs in a staging folder beside its output, named after the build's fingerprint and task
 count: datatrove's completion markers there let a killed run resume where it stopped, and the
-output appears only when the last stage renames the finished folder into place.
+output appears only when the last stage renames the finished folder into place. Builds of one
+folder take turns (`soma_pl.io.build_lock`); `check_unchanged` refuses to replace what another
+wrote there while one waited.
 """
 
 from __future__ import annotations
@@ -13,10 +15,24 @@ from collections.abc import Callable
 from pathlib import Path
 
 from soma_pl.data.runner.pipeline import ExecutorConfig, ExecutorKind, run_stages
-from soma_pl.errors import DataError, SomaError
+from soma_pl.errors import ConfigError, DataError, SomaError
 from soma_pl.io import write_error, write_json_atomic
 
 STAGING_MARKER = ".soma_pl-staging.json"
+
+
+def check_unchanged(output: Path, setting: str, before: str | None, now: str | None, fingerprint: str) -> None:
+    """Refuse to replace what another command built in `output` while this one waited for its turn
+    (`soma_pl.io.build_lock`): `before` and `now` are the fingerprints of the build the folder held
+    then and holds now (None: none), `fingerprint` this command's, which `now` is not.
+
+    Raises:
+        ConfigError: naming `setting` and `output`, when the folder holds another build than before.
+    """
+    if now is not None and now != before:
+        raise ConfigError(f"{setting}={output}: while this command waited for its turn, another one built it with "
+                          f"other settings (fingerprint {now[:12]}; this one builds {fingerprint[:12]}): to keep "
+                          f"that, choose another {setting}; to replace it, run this command again")
 
 
 def run_build(config: ExecutorConfig, output: Path, purpose: str, setting: str, fingerprint: str,

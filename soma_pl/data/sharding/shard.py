@@ -40,11 +40,11 @@ from soma_pl.data.formats.manifest import open_prepared
 from soma_pl.data.formats.tar_shards import ShardRecord, Verify, verify_shards
 from soma_pl.data.preparation.prepare import prepare_recipe
 from soma_pl.data.runner.pipeline import ExecutorKind, chain
-from soma_pl.data.runner.staging import remove_staging, run_build
+from soma_pl.data.runner.staging import check_unchanged, remove_staging, run_build
 from soma_pl.data.sharding.config import ShardConfig
 from soma_pl.data.sharding.steps import EmbedDocuments, FinishShard, FitExperts, PreparedShardsReader, WriteExperts
 from soma_pl.errors import DataError, SomaError
-from soma_pl.io import check_output, folder_lock
+from soma_pl.io import build_lock, check_output
 
 
 def shard(config: ShardConfig, progress: bool = True) -> Path:
@@ -55,16 +55,21 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     Slurm or Ray executor the stages may still be running when this returns (the output then has
     no experts.json yet): run it again once they are done.
 
+    Processes sharding into one folder at once take turns (`soma_pl.io.build_lock`): the first
+    builds, the others then find it up to date.
+
     Raises:
-        ConfigError: another process is building the folder (`soma_pl.io.folder_lock`).
+        ConfigError: while this one waited for its turn, another process built a different sharding
+            in the folder (`check_unchanged`).
     """
     config.validate()
     output = Path(config.output_dir).expanduser()
     if _up_to_date(config, output):  # no build, so no lock
         remove_staging(output, "shard")
         return output
-    with folder_lock(output, "shard.output_dir"):  # checked again inside: another process may have built it
-        return _build_shards(config, progress, output)
+    before = experts_fingerprint(output)
+    with build_lock(output, "shard.output_dir"):  # checked again inside: another process may have built it
+        return _build_shards(config, progress, output, before)
 
 
 def _up_to_date(config: ShardConfig, output: Path) -> bool:
@@ -78,8 +83,8 @@ def _up_to_date(config: ShardConfig, output: Path) -> bool:
     return experts_fingerprint(output) == config.fingerprint(manifest)
 
 
-def _build_shards(config: ShardConfig, progress: bool, output: Path) -> Path:
-    """`shard` holding the folder."""
+def _build_shards(config: ShardConfig, progress: bool, output: Path, before: str | None) -> Path:
+    """`shard` holding the folder; `before`: the fingerprint of what it held before the turn came."""
     started = time.time()
     check_output(output, KIND, "shard.output_dir", config.inputs())  # before hours of work
     root = Path(config.prepared).expanduser()
@@ -89,9 +94,11 @@ def _build_shards(config: ShardConfig, progress: bool, output: Path) -> Path:
     check_splits(manifest, root, config.num_experts)
     fingerprint = config.fingerprint(manifest)
     if (output / EXPERTS_MANIFEST).is_file():
-        if experts_fingerprint(output) == fingerprint:
+        existing = experts_fingerprint(output)
+        if existing == fingerprint:
             remove_staging(output, "shard")
             return output
+        check_unchanged(output, "shard.output_dir", before, existing, fingerprint)
         warnings.warn(f"{output}: sharded with another config or dataset; rebuilding", stacklevel=2)
     paths = {split: verify_shards(root, [ShardRecord(**r) for r in manifest[split]["shards"]], Verify.sha256)
              for split in ("train", "expert_val")}

@@ -119,7 +119,7 @@ class ByteDataModule(L.LightningDataModule):
         if not self.auto_prepare:
             return
         if self.prepared is None:
-            prepare(self.dataset, wait=True)  # the fits of a sweep's first trials take turns
+            prepare(self.dataset)
         elif self.recipe is not None:
             prepare_recipe(self.recipe, self.prepared, "data.init_args.prepared")
 
