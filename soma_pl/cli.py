@@ -18,6 +18,7 @@ import dataclasses
 import importlib
 import inspect
 import re
+import signal
 import sys
 import typing
 import warnings
@@ -29,7 +30,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsin
 
 from soma_pl.allocator import retain_freed_memory
 from soma_pl.config_files import expand_configs, parse_error_line, read_layers
-from soma_pl.errors import ConfigError, SomaError
+from soma_pl.errors import ConfigError, Interrupted, SomaError
 from soma_pl.io import check_output_file
 
 PROG = "python -m soma_pl.cli"
@@ -282,10 +283,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SomaError as error:
         print(f"soma_pl: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        # Ctrl-C is the user's choice, not a failure to explain: one line and the shell's status for SIGINT.
-        print("soma_pl: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+    except (KeyboardInterrupt, Interrupted) as stop:
+        # A signal is the user's (or a scheduler's) choice, not a failure to explain: one line, what the
+        # command left where it saved something, and the shell's status for the signal (130, 143).
+        stopped = stop if isinstance(stop, Interrupted) else Interrupted(signal.SIGINT)
+        print("soma_pl: interrupted" + (f": {stopped.detail}" if stopped.detail else ""), file=sys.stderr)
+        raise SystemExit(128 + stopped.signal) from None
 
 
 if __name__ == "__main__":

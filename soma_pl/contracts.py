@@ -65,6 +65,18 @@ class UpdateClock:
         return self.elapsed
 
 
+@dataclass(frozen=True)
+class UpdateMemory:
+    """What one update holds at once on its device, at least (checked before the first update)."""
+
+    bytes: int
+    """A lower bound: the estimator's largest tensors and the activations the model documents."""
+    what: str
+    """What those bytes hold, for the message."""
+    settings: str
+    """The settings that make it smaller."""
+
+
 @runtime_checkable
 class ReportsUpdates(Protocol):
     """A module whose `training_step` records what its update cost (read by compute accounting)."""
@@ -107,3 +119,10 @@ class RecordsData(Protocol):
     """A data module that knows the fingerprints of the data it read (checked against checkpoints)."""
 
     def data_in_use(self) -> dict[str, tuple[str | None, str]]: ...
+
+
+@runtime_checkable
+class EstimatesMemory(Protocol):
+    """A module that can say, before it trains, how much memory one update needs."""
+
+    def update_memory(self) -> UpdateMemory: ...

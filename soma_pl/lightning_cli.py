@@ -20,7 +20,11 @@ alone. A `fit` resumed from one of its own checkpoints continues its `version_N`
 Before any work: `--config` files are read as plain YAML and a base layer after the method layer
 warns (`soma_pl.config_files`); trainer settings, run folders and the checkpoint folder are checked
 (`soma_pl.trainer_checks`: one run per checkpoint folder, `--ckpt_path last` is its newest
-checkpoint); a bad option raises jsonargparse's error, which `soma_pl.cli` prints as one line.
+checkpoint, a resumed run keeps its settings), and so is `WANDB_MODE` where W&B logs; a bad option
+raises jsonargparse's error, which `soma_pl.cli` prints as one line, and a setting a Lightning class
+refuses is one line too. Before the first update, an update too large for the memory available is
+refused (`soma_pl.callbacks.memory`); a signal ends a `fit` after its current update
+(`soma_pl.callbacks.final`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import sys
 import warnings
 import zipfile
@@ -43,29 +48,38 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from soma_pl.callbacks.checkpoint_io import AtomicCheckpointIO
 from soma_pl.callbacks.compute import ComputeAccounting, ComputeBudget
 from soma_pl.callbacks.divergence import DivergenceCheck
 from soma_pl.callbacks.final import EndStateCheckpoint
+from soma_pl.callbacks.memory import MemoryCheck
 from soma_pl.callbacks.predictions import WindowLossWriter
 from soma_pl.callbacks.run_identity import ContinuedCSVLogger, RecordRunIdentity, RunIdentity, wandb_disabled
 from soma_pl.callbacks.summary import RunSummary
 from soma_pl.config_files import expand_configs, read_layers, warn_on_layer_order
 from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.distributed import launching_process
-from soma_pl.errors import ConfigError, DataError, SomaError
+from soma_pl.errors import ConfigError, DataError, Interrupted, SomaError
 from soma_pl.io import folder_lock
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.trainer import Trainer
-from soma_pl.trainer_checks import check_folder, check_trainer, refuse_earlier_run, resume_point
+from soma_pl.trainer_checks import (
+    RUN_SETTINGS_KEY,
+    check_folder,
+    check_same_settings,
+    check_trainer,
+    refuse_earlier_run,
+    resume_point,
+)
 
 RUNS_DIR = "runs"
 
 
 def trainer_defaults() -> dict:
     """Trainer defaults, and the callbacks every run has (not configurable)."""
-    return {"default_root_dir": RUNS_DIR, "callbacks": [RecordRunIdentity()]}
+    return {"default_root_dir": RUNS_DIR, "callbacks": [RecordRunIdentity(), MemoryCheck()]}
 
 
 @dataclass
@@ -156,14 +170,48 @@ def finish_wandb(exit_code: int = 0) -> None:
         wandb.teardown(exit_code=exit_code)
 
 
+def uses_wandb(loggers) -> bool:
+    """Whether the parsed `trainer.logger` setting gives the run a W&B logger."""
+    if loggers in (True, None):  # the default loggers
+        return not wandb_disabled()
+    return any(is_wandb_logger(logger) for logger in (loggers if isinstance(loggers, list) else [loggers]))
+
+
+def check_wandb() -> None:
+    """W&B's own checks of `WANDB_MODE` and, online, of the account's key, made before any work: W&B
+    makes them when its run starts, after the data are prepared, and ends the command with a traceback."""
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE")
+    try:
+        wandb.Settings(mode=mode)
+    except ValueError:  # pydantic's ValidationError, listing the modes on several lines
+        raise ConfigError(f"WANDB_MODE={mode} is not a W&B mode: use offline (the default: no account, `wandb sync` "
+                          "later), online or disabled") from None
+    if mode == "online":
+        try:
+            wandb.login(verify=False)  # the key from WANDB_API_KEY, ~/.netrc or a prompt; no network
+        except wandb.errors.Error as error:
+            wandb.teardown()  # the process's W&B settings, which login fixed, are not kept for a later run
+            raise ConfigError(f"WANDB_MODE=online: {' '.join(str(error).split())} (or set WANDB_API_KEY); "
+                              "WANDB_MODE=offline needs no account") from None
+
+
+def plain_config(parser, config: Namespace) -> dict:
+    """A subcommand's resolved config as `config.yaml` holds it: plain values, every default filled in."""
+    return yaml.safe_load(parser.dump(config, format="yaml", skip_unset=False))
+
+
 class CompleteConfigCallback(SaveConfigCallback):
     """Saves `config.yaml` into the run folder, or nothing: a write that fails (a full disk) removes
     its partial file and names it in the error. Every logger gets the whole resolved config as the
     run's hyperparameters, once: Lightning's own logging of the module's flat arguments, which
-    would repeat part of it beside the nested sections, is turned off."""
+    would repeat part of it beside the nested sections, is turned off. Every checkpoint records it
+    (`RUN_SETTINGS_KEY`), so that a resumed run can be held to its settings
+    (`soma_pl.trainer_checks.check_same_settings`)."""
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
-        config = yaml.safe_load(self.parser.dump(self.config, format="yaml", skip_unset=False))
+        config = plain_config(self.parser, self.config)
         for logger in trainer.loggers:
             logger.log_hyperparams(config)
         # Runs before Lightning logs `pl_module.hparams` (setup comes first); the same switch
@@ -180,6 +228,9 @@ class CompleteConfigCallback(SaveConfigCallback):
             with contextlib.suppress(OSError):
                 path.unlink()
             raise OSError(error.errno, error.strerror, error.filename or str(path)) from error
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[RUN_SETTINGS_KEY] = plain_config(self.parser, self.config)
 
 
 class SomaCLI(LightningCLI):
@@ -239,12 +290,17 @@ class SomaCLI(LightningCLI):
             checkpoint["dirpath"] = str(Path(root) / "checkpoints")
         check_trainer(trainer)
         check_folder(root, "trainer.default_root_dir")
+        if uses_wandb(trainer.get("logger")):
+            check_wandb()
         if self.subcommand == "fit" and self.held is not None and launching_process():
             self.held.enter_context(folder_lock(Path(root), "--trainer.default_root_dir"))
         if checkpoint is not None:
             check_folder(checkpoint["dirpath"], "checkpoint.dirpath")
             self._resolve_ckpt_path(Path(checkpoint["dirpath"]), trainer)
-            self.resumed = self._resumed_run(Path(checkpoint["dirpath"]))
+            own = self._own_checkpoint(Path(checkpoint["dirpath"]))
+            if own is not None:
+                self.resumed = RunIdentity.read(own)
+                check_same_settings(own, plain_config(self._parser(self.subcommand), self.config[self.subcommand]))
         loggers = trainer.get("logger")
         for logger in loggers if isinstance(loggers, list) else [loggers]:
             if is_wandb_logger(logger):
@@ -264,10 +320,11 @@ class SomaCLI(LightningCLI):
         elif section.get("ckpt_path") is None and subcommand == "fit" and not trainer.get("fast_dev_run"):
             refuse_earlier_run(folder)
 
-    def _resumed_run(self, folder: Path) -> RunIdentity | None:
-        """What a `fit` resuming one of its own run's checkpoints (one in the checkpoint `folder`)
-        continues: the identity that checkpoint records. None for a new run, and for a checkpoint
-        from elsewhere: a run started from another run's checkpoint is a run of its own."""
+    def _own_checkpoint(self, folder: Path) -> Path | None:
+        """The checkpoint of its own run (one in the checkpoint `folder`) that a `fit` resumes: the run
+        it continues, with the identity and the settings that checkpoint records. None for a new run,
+        and for a checkpoint from elsewhere: a run started from another run's checkpoint is a run of
+        its own."""
         section = self.config.get("fit") if self.config.get("subcommand") == "fit" else None
         ckpt_path = section.get("ckpt_path") if section is not None else None
         if ckpt_path is None or section.get("weights_only") is False:  # a pickled file: Lightning reads it
@@ -275,7 +332,7 @@ class SomaCLI(LightningCLI):
         path = Path(str(ckpt_path)).expanduser()
         if not path.is_file() or path.resolve().parent != folder.expanduser().resolve():
             return None
-        return RunIdentity.read(path)
+        return path
 
     def instantiate_trainer(self, **kwargs):
         """Replace Lightning's default logger (`logger: true`) by the CSV + offline W&B pair, and
@@ -297,6 +354,19 @@ class SomaCLI(LightningCLI):
             return super().instantiate_trainer(**kwargs)
         except MisconfigurationException as error:  # a trainer setting Lightning refuses, named in its message
             raise ConfigError(f"trainer settings: {' '.join(str(error).split())}") from None
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run the subcommand. Lightning ends a Ctrl-C it catches with `sys.exit(1)` and a SIGTERM with
+        `SIGTERMException` (exit status 0, as if the run had finished); both become `Interrupted`. A
+        single-process `fit` stops on either after its current update (`soma_pl.callbacks.final`)."""
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:
+            raise Interrupted(signal.SIGTERM) from None
+        except SystemExit as stop:
+            if isinstance(stop.__context__, KeyboardInterrupt):
+                raise Interrupted(signal.SIGINT) from None
+            raise
 
     def validate(self, **kwargs) -> list[dict]:
         """`trainer.validate`, with each metric printed once. Lightning prints one column per
@@ -323,17 +393,32 @@ class SomaCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         """A SomaError from a module's or data module's constructor ends the command with its own
-        line (jsonargparse wraps it in an error that lists the whole config)."""
+        line (jsonargparse wraps it in an error that lists the whole config), and so does a setting a
+        Lightning class refuses (`--checkpoint.save_top_k=3` without a metric to rank by), named in
+        Lightning's message."""
         try:
             super().instantiate_classes()
         except Exception as error:
             cause, seen = error, set()
-            while cause is not None and not isinstance(cause, SomaError) and id(cause) not in seen:
+            while cause is not None and not isinstance(cause, SomaError | MisconfigurationException) \
+                    and id(cause) not in seen:
                 seen.add(id(cause))
                 cause = cause.__cause__ or cause.__context__
+            if isinstance(cause, MisconfigurationException):
+                message = " ".join(str(cause).split())
+                raise ConfigError(f"{self._section_named(message) or 'settings'}: {message}") from None
             if not isinstance(cause, SomaError):
                 raise
             raise cause from None
+
+    def _section_named(self, message: str) -> str | None:
+        """`--<section>.*`, the options of the section whose class (or a base of it) a Lightning message
+        names as `Class(...)`, or None."""
+        for key, group in self._parser(self.subcommand).groups.items():
+            classes = getattr(getattr(group, "group_class", None), "__mro__", (object,))[:-1]  # not `object`
+            if any(f"{cls.__name__}(" in message for cls in classes):
+                return f"--{key}.*"
+        return None
 
 
 def metrics_table(stage: str, metrics: dict) -> str:

@@ -9,6 +9,13 @@ train from scratch). A new `fit` does
 not start in a folder holding an earlier run's checkpoints: Lightning would write numbered copies
 (`epoch=0-step=200-v1.ckpt`, `last-v1.ckpt`) beside files that its `save_top_k` no longer tracks,
 and `--ckpt_path last` could not tell the runs apart.
+
+A resumed run keeps its settings. Every checkpoint records the resolved config its run was started
+with (`RUN_SETTINGS_KEY`); a `fit` resuming a checkpoint of its own run with another model or
+training-data setting is refused, naming the keys: it would rewrite `config.yaml` with the new values
+while the checkpoint's optimizer and decay state carry the old ones on. How long, where and on how
+many devices it trains, what it logs and how it checkpoints (`trainer`, `checkpoint`, `wandb`, ...), and
+what only bounds memory or locates the data (`FREE_ON_RESUME`) may change.
 """
 
 from __future__ import annotations
@@ -25,6 +32,21 @@ from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import existing_parent
 
 LAST = "last.ckpt"
+RUN_SETTINGS_KEY = "run_settings"
+"""The checkpoint entry holding the resolved config (as `config.yaml` has it) its run was started with."""
+KEPT_ON_RESUME = ("model", "data")
+"""The config sections a resumed run keeps: what it trains, how, and on which data."""
+FREE_ON_RESUME = (
+    # memory and speed: the same updates in other pieces
+    "model.init_args.shape.time_chunk", "model.init_args.spsa.max_rows", "model.init_args.eggroll.max_members",
+    "data.init_args.eval_batch_size", "data.init_args.num_workers",
+    # where a fresh fit starts: not read when resuming
+    "model.init_args.init", "model.init_args.seed_checkpoint",
+    # where the data are and how they are built or checked (what they are: the checkpoint's fingerprints)
+    "model.init_args.router_path", "data.init_args.dataset", "data.init_args.experts_dir", "data.init_args.prepared",
+    "data.init_args.recipe", "data.init_args.verify", "data.init_args.auto_prepare", "data.init_args.test_split",
+)
+"""Keys (and the keys under them) of `KEPT_ON_RESUME` that a resumed run may change."""
 
 
 def check_trainer(trainer) -> None:
@@ -115,3 +137,40 @@ def refuse_earlier_run(folder: Path) -> None:
         raise ConfigError(f"checkpoint folder {folder} holds an earlier run's checkpoints ({shown}): resume it with "
                           "--ckpt_path last, or give this run its own --trainer.default_root_dir (or "
                           "--checkpoint.dirpath)")
+
+
+def _flat(settings: dict, prefix: str = "") -> dict[str, object]:
+    """Nested mappings as `{"a.b.c": value}`."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def changed_settings(recorded: dict, given: dict) -> list[tuple[str, object, object]]:
+    """`(key, recorded value, given value)` of every key of `KEPT_ON_RESUME` whose value differs
+    between two resolved configs, but those `FREE_ON_RESUME`; `None` stands for a key one lacks."""
+    def kept(settings: dict) -> dict[str, object]:
+        flat = _flat({section: settings.get(section) for section in KEPT_ON_RESUME})
+        return {key: value for key, value in flat.items()
+                if not any(key == free or key.startswith(f"{free}.") for free in FREE_ON_RESUME)}
+
+    before, now = kept(recorded), kept(given)
+    return [(key, before.get(key), now.get(key)) for key in sorted(before.keys() | now.keys())
+            if before.get(key) != now.get(key)]
+
+
+def check_same_settings(checkpoint: Path, given: dict) -> None:
+    """Refuse to resume `checkpoint`, one of this run's, with settings its run did not start with
+    (`given`: the resolved config). A checkpoint recording none is not compared."""
+    recorded = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True).get(RUN_SETTINGS_KEY)
+    changes = changed_settings(recorded, given) if isinstance(recorded, dict) else []
+    if changes:
+        shown = "; ".join(f"{key}: {before!r} -> {now!r}" for key, before, now in changes[:4])
+        more = f" and {len(changes) - 4} more" if len(changes) > 4 else ""
+        raise ConfigError(f"--ckpt_path {checkpoint} resumes a run with other settings ({shown}{more}): a resumed "
+                          "run keeps its settings (its checkpoint carries the optimizer and decay state on); resume "
+                          "with the run's values, or start a new run in its own --trainer.default_root_dir")

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 from torch import Tensor
 
+from soma_pl.contracts import UpdateMemory
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, MemberNoise, eggroll_estimate
-from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
+from soma_pl.estimators.spsa import SPSAConfig, _chunk_size, spsa_estimate
 from soma_pl.lit.args import KEY
 from soma_pl.lit.ddpp import Exchange, exchanged_estimate
 from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
@@ -77,6 +78,16 @@ class Estimator(Protocol):
     def estimate(self, module: ZOModule, tokens: Tensor, scale: float | Tensor) -> Update:
         """The update of `module`'s trained experts on `tokens [E, B, T]` at perturbation scale
         `scale` (one number, or `[E]` per expert)."""
+
+    def update_memory(self, module: ZOModule) -> UpdateMemory:
+        """What one of its loss calls holds at once on `module`'s device, at least."""
+
+
+def activation_bytes(module: ZOModule, windows: int) -> int:
+    """The activations a loss call over `windows` windows holds at least: a layer's gates, 4·d_t
+    numbers per window and time step, over one time chunk (the bound `StackedExperts` documents)."""
+    model = module.model
+    return windows * min(model.time_chunk, module.train_context) * 4 * model.width * model.w_hh.element_size()
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,21 @@ class SPSAArgs(SPSAConfig):
                                step=module.global_step, seed=module.seed, expert_ids=ids,
                                expert_eps=scale if per_expert else None)
         return Update(result.gradient, result.loss, 2 * self.n_pert * count * windows * (length - 1), {})
+
+    def update_memory(self, module: ZOModule) -> UpdateMemory:
+        """Each loss call evaluates K directions of every trained expert (K = n_pert, or fewer under
+        `max_rows`): it holds them, the 2K ± copies of the perturbed weights, and the activations of
+        E·2K·micro_batch windows."""
+        experts = len(module.experts)
+        chunk = _chunk_size(self, experts)
+        weights = sum(param[0].numel() * param.element_size() for param in module.perturbed_parameters().values())
+        copies = 3 * chunk * experts * weights
+        rows = experts * 2 * chunk * self.micro_batch
+        return UpdateMemory(copies + activation_bytes(module, rows),
+                            f"{chunk} directions per loss call: {3 * chunk * experts} copies of an expert's perturbed "
+                            f"weights and the activations of {rows} windows",
+                            f"{self.key}.n_pert={self.n_pert}, or {self.key}.max_rows={self.max_rows} "
+                            "(windows per loss call)")
 
 
 @dataclass(frozen=True)
@@ -216,3 +242,10 @@ class EGGROLLArgs(EGGROLLConfig):
         count, _, length = tokens.shape
         return Update(result.gradient, result.loss, self.population * count * (length - 1),
                       {"loss_spread": result.losses.double().std(1).mean()})
+
+    def update_memory(self, module: ZOModule) -> UpdateMemory:
+        """Each loss call evaluates `chunk` members of every trained expert, a window each, with the
+        low-rank perturbations inside the matmuls: their activations are what it holds."""
+        rows = len(module.experts) * self.chunk
+        return UpdateMemory(activation_bytes(module, rows), f"the activations of {rows} members per loss call",
+                            f"{self.key}.max_members={self.max_members}")

@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
-from soma_pl.contracts import BatchesWindows, RecordsData, UpdateClock
+from soma_pl.contracts import BatchesWindows, RecordsData, UpdateClock, UpdateMemory
 from soma_pl.distributed import RankSplit, rank_share
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.delta_rule import decoder_gradient
@@ -270,6 +270,10 @@ class ZOModule(ByteLMModule):
         `decoder_only` head, which the delta rule steps instead (a shared head is never trained)."""
         skip = "head" if self.head_training is HeadTraining.decoder_only else None
         return {name: param for name, param in self.trainable_parameters().items() if name != skip}
+
+    def update_memory(self) -> UpdateMemory:
+        """What one update holds at once, at least: its estimator's loss call (`Estimator.update_memory`)."""
+        return self.estimator.update_memory(self)
 
     def loss_fn(self, params: dict[str, Tensor], tokens: Tensor) -> Tensor:
         """Per-group losses of the trained experts under `params [G, ...]` (the others unperturbed)."""
