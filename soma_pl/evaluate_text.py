@@ -34,10 +34,9 @@ from soma_pl.errors import DataError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.checks import check_counts, check_finite
 from soma_pl.eval.ensemble import score_top_k
-from soma_pl.generate import load_source
 from soma_pl.io import check_apart, emit_json
 from soma_pl.lit.base import ByteLMModule
-from soma_pl.lit.loading import ensemble_size, routed_experts
+from soma_pl.lit.loading import ensemble_size, load_source, routed_experts
 from soma_pl.models.devices import resolve_device
 from soma_pl.models.export import ExportedModel
 

@@ -31,9 +31,9 @@ from soma_pl.errors import ConfigError, DataError
 from soma_pl.eval.ensemble import mixture_log_probs
 from soma_pl.io import check_apart, write_json_atomic
 from soma_pl.lit.base import ByteLMModule
-from soma_pl.lit.loading import ensemble_size, load_module, routed_experts
+from soma_pl.lit.loading import ensemble_size, load_source, routed_experts
 from soma_pl.models.devices import resolve_device
-from soma_pl.models.export import ExportedModel, load_exported
+from soma_pl.models.export import ExportedModel
 from soma_pl.models.stacked import Decoder, StackedExperts
 
 
@@ -104,17 +104,6 @@ def generate_bytes(model: StackedExperts, experts: Tensor, prompt: bytes, sampli
         if len(out) == sampling.max_bytes:
             return bytes(out)
         tokens = torch.full((len(experts), 1, 1), out[-1], dtype=torch.uint8, device=device)
-
-
-def load_source(checkpoint: str, config: str | None = None, router: str | None = None) -> ByteLMModule | ExportedModel:
-    """A Lightning checkpoint's module, or an exported folder's model (`soma_pl.models.export`)."""
-    path = Path(checkpoint).expanduser()
-    if not path.is_dir():
-        return load_module(path, config, router)
-    if config is not None or router is not None:
-        raise ConfigError(f"{checkpoint} is an exported folder: it carries its settings and router; "
-                          "leave out --config and --router")
-    return load_exported(path)
 
 
 def choose_experts(source: ByteLMModule | ExportedModel, prompt: bytes, top_k: int | None,

@@ -17,6 +17,7 @@ from torch import Tensor
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.lit.base import RENAMED, ByteLMModule
 from soma_pl.models.checkpoints import load_checkpoint
+from soma_pl.models.export import ExportedModel, load_exported
 from soma_pl.models.router import Router
 
 
@@ -163,3 +164,14 @@ def ensemble_size(module: ByteLMModule, top_k: int | None) -> int:
     if not 1 <= k <= largest:
         raise ConfigError(f"top_k={k}: this {type(module).__name__} averages 1..{largest} experts")
     return k
+
+
+def load_source(checkpoint: str, config: str | None = None, router: str | None = None) -> ByteLMModule | ExportedModel:
+    """A Lightning checkpoint's module, or an exported folder's model (`soma_pl.models.export`)."""
+    path = Path(checkpoint).expanduser()
+    if not path.is_dir():
+        return load_module(path, config, router)
+    if config is not None or router is not None:
+        raise ConfigError(f"{checkpoint} is an exported folder: it carries its settings and router; "
+                          "leave out --config and --router")
+    return load_exported(path)
