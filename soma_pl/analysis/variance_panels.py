@@ -104,14 +104,14 @@ def _point(values: Tensor, predicted: float, **keys) -> dict:
     return {**keys, "relative_error": stats.mean, "stderr": stats.stderr, "predicted": predicted}
 
 
-def body_params(width: int, embed_dim: int = 32, num_layers: int = 4) -> int:
-    """Parameters of one expert body (Table 2): ``8L·d_t² + (L+1)·d_t``, plus ``2·d_E·d_t``
-    projections when ``d_t ≠ d_E`` (``32·d_t² + 5·d_t`` for four layers)."""
+def body_params(width: int, embed_dim: int = 32, num_layers: int = 2) -> int:
+    """Parameters of one expert body (App. C, Table 2): ``16D·d_t² + (2D+1)·d_t``, plus ``2·d_E·d_t``
+    projections when ``d_t ≠ d_E`` (``32·d_t² + 5·d_t`` for the paper's D = 2 blocks)."""
     projections = 2 * embed_dim * width if width != embed_dim else 0
-    return 8 * num_layers * width**2 + (num_layers + 1) * width + projections
+    return 16 * num_layers * width**2 + (2 * num_layers + 1) * width + projections
 
 
-def width_for_total(total_params: int, experts: int, embed_dim: int = 32, num_layers: int = 4) -> int:
+def width_for_total(total_params: int, experts: int, embed_dim: int = 32, num_layers: int = 2) -> int:
     """Body width whose N bodies come nearest to `total_params` (a shared head is not counted)."""
     def distance(width: int) -> int:
         return abs(experts * body_params(width, embed_dim, num_layers) - total_params)

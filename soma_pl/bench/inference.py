@@ -97,7 +97,7 @@ class InferenceSettings:
     warmup: int = 1
     """Untimed batches first."""
     embed_dim: int = 32
-    num_layers: int = 4
+    num_layers: int = 2
     time_chunk: int = 64
     """Time steps whose activations are held at once."""
     encoder: EncoderKind = EncoderKind.seed

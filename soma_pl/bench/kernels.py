@@ -1,9 +1,10 @@
-"""`bench kernels`: our LSTM stack against `torch.nn.LSTM` with the same weights, side by side.
+"""`bench kernels`: our expert against the same expert built from `torch.nn`, with the same weights, side by side.
 
-The reference is what a researcher would otherwise write: ``torch.nn.Embedding`` tied to the output
-head, bias-free ``torch.nn.Linear`` projections, and per layer ``x + torch.nn.LSTM(torch.nn.RMSNorm(x))``
-with ``bias=False`` (oneDNN on the CPU, cuDNN on a GPU), loaded with exactly our weights (gate rows
-permuted to PyTorch's order). Three measurements per width, each a ratio of tokens per second:
+The reference is what a researcher would otherwise write (:class:`soma_pl.models.reference.TorchExpert`):
+``torch.nn.Embedding`` tied to the output head, bias-free ``torch.nn.Linear`` projections, and per
+block ``x + nn.LSTM(nn.LayerNorm(x))`` then ``x + MLP(nn.LayerNorm(x))`` (``bias=False`` throughout;
+the LSTM on oneDNN on the CPU, cuDNN on a GPU), loaded with exactly our weights (gate rows permuted
+to PyTorch's order). Three measurements per width, each a ratio of tokens per second:
 
 - ``inference``: one weight set, logits of ``b`` windows of ``T`` bytes, no gradients.
 - ``bptt``: one weight set, forward, cross entropy and backward through time.
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from soma_pl import VOCAB_SIZE
 from soma_pl.bench.memory import (
@@ -43,6 +44,7 @@ from soma_pl.io import emit_json
 from soma_pl.models import recurrence
 from soma_pl.models.devices import resolve_device
 from soma_pl.models.recurrence import Kernel
+from soma_pl.models.reference import TorchExpert
 from soma_pl.models.stacked import StackedExperts
 
 KINDS = ("inference", "bptt", "grouped")
@@ -89,7 +91,7 @@ class KernelSettings:
     warmup: int = 1
     """Untimed calls of each side first."""
     embed_dim: int = 32
-    num_layers: int = 4
+    num_layers: int = 2
     time_chunk: int = 64
     device: str = "cpu"
     threads: int | None = 1
@@ -99,43 +101,6 @@ class KernelSettings:
     """Our kernel choice (:mod:`soma_pl.models.recurrence`); ``python`` times the reference loop."""
     kinds: tuple[str, ...] = field(default=KINDS)
     """Which measurements to run."""
-
-
-class ReferenceStack(nn.Module):
-    """The same architecture from standard layers, with the weights of expert 0 of ``model``."""
-
-    def __init__(self, model: StackedExperts) -> None:
-        super().__init__()
-        d, layers = model.width, model.num_layers
-        self.embed = nn.Embedding(VOCAB_SIZE, model.embed_dim)
-        self.in_proj = nn.Linear(model.embed_dim, d, bias=False) if model.has_projections else nn.Identity()
-        self.out_proj = nn.Linear(d, model.embed_dim, bias=False) if model.has_projections else nn.Identity()
-        self.norms = nn.ModuleList(nn.RMSNorm(d, eps=1e-6) for _ in range(layers + 1))
-        self.lstms = nn.ModuleList(nn.LSTM(d, d, bias=False, batch_first=True) for _ in range(layers))
-        self.to(model.head.device)
-        with torch.no_grad():
-            head = model.head if model.head.dim() == 2 else model.head[0]
-            self.embed.weight.copy_(head)
-            if model.has_projections:
-                self.in_proj.weight.copy_(model.in_proj[0])
-                self.out_proj.weight.copy_(model.out_proj[0])
-            for norm, gain in zip(self.norms, model.norm_gains[0], strict=False):
-                norm.weight.copy_(gain)
-            for layer, lstm in enumerate(self.lstms):
-                lstm.weight_ih_l0.copy_(recurrence.torch_gate_order(model.w_ih[0, layer]))
-                lstm.weight_hh_l0.copy_(recurrence.torch_gate_order(model.w_hh[0, layer]))
-                lstm.flatten_parameters()
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits. tokens: ``[b, T]`` → ``[b, T, 256]``."""
-        x = self.in_proj(self.embed(tokens.long()))
-        for norm, lstm in zip(self.norms, self.lstms, strict=False):
-            x = x + lstm(norm(x))[0]
-        return self.out_proj(self.norms[-1](x)) @ self.embed.weight.t()
-
-    def gate_gradients(self) -> Tensor:
-        """The recurrent weights' gradients in our gate order, ``[L, 4d, d]``."""
-        return torch.stack([recurrence.torch_gate_order(lstm.weight_hh_l0.grad) for lstm in self.lstms])
 
 
 def _loss(logits: Tensor, tokens: Tensor) -> Tensor:
@@ -151,7 +116,7 @@ def _perturbed_copies(model: StackedExperts, groups: int, generator: torch.Gener
     return copies
 
 
-def _pair(kind: str, shape: KernelShape, settings: KernelSettings, model: StackedExperts, reference: ReferenceStack,
+def _pair(kind: str, shape: KernelShape, settings: KernelSettings, model: StackedExperts, reference: TorchExpert,
           generator: torch.Generator):
     """(check, ours, theirs, tokens per call) for one measurement; `check` returns the max abs difference."""
     device = model.head.device
@@ -217,7 +182,7 @@ def measure_pair(kind: str, shape: KernelShape, settings: KernelSettings) -> dic
     torch.manual_seed(settings.seed)
     model = StackedExperts(1, shape.width, settings.embed_dim, settings.num_layers, time_chunk=settings.time_chunk,
                            device=device, kernel=settings.kernel)
-    reference = ReferenceStack(model)
+    reference = TorchExpert.of(model)
     generator = torch.Generator().manual_seed(settings.seed)
     check, ours, theirs, tokens = _pair(kind, shape, settings, model, reference, generator)
     difference = check()

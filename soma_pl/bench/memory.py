@@ -201,7 +201,7 @@ class MemorySettings:
     time_chunk: int = 64
     """Time steps held at once; bounds ZO activation memory."""
     embed_dim: int = 32
-    num_layers: int = 4
+    num_layers: int = 2
     eps: float = 1e-3
     lr: float = 1e-3
     seed: int = 0

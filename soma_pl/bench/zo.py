@@ -35,8 +35,7 @@ from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
 from soma_pl.eval.checks import check_counts
 from soma_pl.io import emit_json
 from soma_pl.models.devices import resolve_device
-from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
-from soma_pl.models.stacked import StackedExperts
+from soma_pl.models.stacked import LOW_RANK_MATRICES, StackedExperts, population_losses
 
 ROW_CANDIDATES: tuple[int | None, ...] = (None, 1024, 512, 256, 128, 64)
 """Chunk sizes (windows per loss call) tried when ``max_rows`` is not given; None = all at once.
@@ -64,7 +63,7 @@ class ZOBenchSettings:
     """Directions the naive loop is timed on; its time is scaled to n_pert."""
     embed_dim: int = 32
     """Head width d_E."""
-    num_layers: int = 4
+    num_layers: int = 2
     """LSTM layers per expert."""
     eps: float = 1e-3
     """SPSA ε."""

@@ -58,8 +58,8 @@ class ModelShape:
 
     width: int = 509
     """Body width d_t (509: the 8.33M-parameter monolithic model; SOMA N = 2, 8, 256: 361, 181, 32)."""
-    num_layers: int = 4
-    """LSTM layers."""
+    num_layers: int = 2
+    """D: residual blocks, each an LSTM sublayer then a GELU MLP (App. C: 2)."""
     embed_dim: int = 32
     """Tied byte embedding / output head width d_E."""
     time_chunk: int = 64

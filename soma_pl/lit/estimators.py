@@ -27,7 +27,7 @@ from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, MemberNois
 from soma_pl.estimators.spsa import SPSAConfig, _chunk_size, spsa_estimate
 from soma_pl.lit.args import KEY
 from soma_pl.lit.ddpp import Exchange, exchanged_estimate
-from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
+from soma_pl.models.stacked import LOW_RANK_MATRICES, population_losses
 
 if TYPE_CHECKING:
     from soma_pl.lit.zo import ZOModule

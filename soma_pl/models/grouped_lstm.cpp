@@ -355,28 +355,36 @@ inline float sum_lanes(vec v) {
 }
 
 // The residual stream and the next layer's input after one step: for each of `rows` rows,
-// x += h (row r of x at x + r * x_row, of h at h + r * width), then
-// normed = x / sqrt(mean(x^2) + eps) * gain (row r at normed + r * x_row; its group's gain at
-// gains + group * width).
+// x += h (row r of x at x + r * x_row, of h at h + r * width), then the gain-only LayerNorm
+// normed = (x - mean(x)) / sqrt(var(x) + eps) * gain (row r at normed + r * x_row; its group's gain
+// at gains + group * width). A block's padding lanes load as zeros, so each adds mean^2 to the
+// centred squares: taken off before the variance.
 void residual_norm(float* x, int64_t x_row, const float* h, float* normed, const float* gains, const RowGroups& groups,
                    int64_t rows, int64_t width, float eps) {
+  const int64_t padding = (width + kLanes - 1) / kLanes * kLanes - width;
   for (int64_t r = 0; r < rows; ++r) {
     const float* gain = gains + groups.of(r) * width;
     float* xr = x + r * x_row;
     const float* hr = h + r * width;
-    vec squares = {};
+    vec sums = {};
     for (int64_t j = 0; j < width; j += kLanes) {
       const int64_t lanes = std::min(kLanes, width - j);
       const vec sum = load(xr + j, lanes) + load(hr + j, lanes);
       store(xr + j, sum, lanes);
-      squares += sum * sum;
+      sums += sum;
     }
-    const float total = sum_lanes(squares);
-    const float scale = 1.0f / std::sqrt(total / static_cast<float>(width) + eps);
+    const float mean = sum_lanes(sums) / static_cast<float>(width);
+    vec squares = {};
+    for (int64_t j = 0; j < width; j += kLanes) {
+      const vec centred = load(xr + j, std::min(kLanes, width - j)) - mean;
+      squares += centred * centred;
+    }
+    const float variance = (sum_lanes(squares) - static_cast<float>(padding) * mean * mean) / static_cast<float>(width);
+    const float scale = 1.0f / std::sqrt(std::max(variance, 0.0f) + eps);
     float* nr = normed + r * x_row;
     for (int64_t j = 0; j < width; j += kLanes) {
       const int64_t lanes = std::min(kLanes, width - j);
-      store(nr + j, load(xr + j, lanes) * scale * load(gain + j, lanes), lanes);
+      store(nr + j, (load(xr + j, lanes) - mean) * scale * load(gain + j, lanes), lanes);
     }
   }
 }
@@ -420,8 +428,8 @@ void nll_rows(const float* head_t, const float* features, const int64_t* targets
 // EGGROLL's rank-r terms, each group's own: thin_in [G, T, b, r] ([G, b, T, r] when window_major),
 // b_hh [G, d, r], a_packed [G, nb, 2r, 4, 16].
 // With `residual` ([G, b, T, d], window-major only) and `next_gain` ([G, d], each group's), the layer's residual
-// add and the next RMSNorm run inside the step, while the row is in cache: residual += h in place,
-// and the first output is rms_norm(residual) * next_gain (eps `eps`) instead of the hidden states,
+// add and the MLP's gain-only LayerNorm run inside the step, while the row is in cache: residual += h in place,
+// and the first output is layer_norm(residual) * next_gain (eps `eps`) instead of the hidden states,
 // which then live only in a two-step scratch.
 // Returns (out [G, T, b, d], or [G, b, T, d] when window_major; h [G, b, d]; c [G, b, d]). The
 // window-major layout is the model's own ([G, b, T, d] streams): no transposed copy either side.
@@ -597,7 +605,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("thin_in") = pybind11::none(), pybind11::arg("b_hh") = pybind11::none(),
         pybind11::arg("a_packed") = pybind11::none(), pybind11::arg("window_major") = false,
         pybind11::arg("residual") = pybind11::none(), pybind11::arg("next_gain") = pybind11::none(),
-        pybind11::arg("eps") = 1e-6);
+        pybind11::arg("eps") = 1e-5);
   m.def("fma_gflops", &fma_gflops, "One thread's multiply-add throughput, GFLOP/s");
   m.def("grouped_head_nll", &grouped_head_nll, "Tied-head next-byte cross entropy per row (CPU, no autograd)");
 }

@@ -1,6 +1,8 @@
-"""The LSTM layer kernels behind :class:`~soma_pl.models.stacked.StackedExperts`.
+"""The LSTM sublayer kernels behind :class:`~soma_pl.models.stacked.StackedExperts`.
 
-One layer, one time chunk, ``G`` groups of weights (experts × perturbed copies), three kernels:
+One LSTM sublayer, one time chunk, ``G`` groups of weights (experts × perturbed copies), with
+EGGROLL's members as rows that add their own rank-r terms; the pass decides which kernel runs, once
+(:func:`resolve_kernel`, called by :class:`~soma_pl.models.stacked.Pass`):
 
 - ``library``: one weight set (``G = 1``: BPTT, the monolithic model, the seed model, one expert at
   a time) runs ``torch._VF.lstm``, the kernel behind ``torch.nn.LSTM``: oneDNN's fused LSTM on the
@@ -11,21 +13,20 @@ One layer, one time chunk, ``G`` groups of weights (experts × perturbed copies)
   (about a minute; cached in ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
   each group runs the chunk's steps in turn (its recurrent weights stay in cache), a step one
   register-blocked product fused with the gate activations and the cell, no library call per step;
-  in the model's layers the step also adds the hidden state to the residual stream and applies the
-  next RMSNorm (:func:`native_residual_chunk`), and groups that share weights (EGGROLL's members)
-  run as one bundle of rows.
+  the step also adds the hidden state to the residual stream and applies the MLP's LayerNorm
+  (:func:`native_residual_chunk`), and groups that share weights (EGGROLL's members) run as one
+  bundle of rows, each adding its rank-r terms.
   Where it cannot be built, ``python`` is used with one warning. The same library fuses the tied
-  head's cross entropy (:func:`native_head_nll`) and runs EGGROLL's members
-  (:mod:`soma_pl.models.lowrank`) where :func:`native_applies`.
+  head's cross entropy (:func:`native_head_nll`) where :func:`native_applies`.
 - ``triton``: many weight sets without gradients on a CUDA GPU, in float32: one Triton program per
   group and 16 or 64 rows runs every step of the chunk (:mod:`soma_pl.models.triton_lstm`); EGGROLL's
-  members too, each row adding its member's rank-r term (:func:`triton_applies`). Chosen by hand on
+  members too, each row adding its member's rank-r term. Chosen by hand on
   CPU tensors, it runs in Triton's interpreter, which is how it is tested without a GPU.
 - ``python``: the batched PyTorch loop over time (one ``baddbmm`` and a few elementwise kernels per
   step); the reference the others are tested against, and what grouped training under autograd
   (BPTT with ``N > 1`` experts) runs, and GPUs without Triton.
 
-``Kernel.auto`` picks ``library`` for one weight set; for several without gradients in float32,
+``Kernel.auto`` picks ``library`` for one weight set (no members); for several without gradients in float32,
 ``native`` on the CPU, and on a CUDA GPU ``triton`` (where Triton imports) for layers up to
 :data:`TRITON_MAX_WIDTH` units and ``python`` above (:func:`cuda_choice`); ``python`` otherwise.
 ``SOMA_PL_LSTM_KERNEL=python|library|native|triton|auto`` overrides the choice for a whole process
@@ -82,20 +83,22 @@ def needs_grad(params: Mapping[str, Tensor]) -> bool:
     return torch.is_grad_enabled() and any(param.requires_grad for param in params.values())
 
 
-def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor]) -> Kernel:
-    """The kernel a forward pass under ``params`` (``[G, ...]`` each) runs: the override, else
-    ``kernel`` made concrete for these weights and the current grad mode."""
+def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor], low_rank: bool = False) -> Kernel:
+    """The kernel a forward pass under ``params`` (``[G, ...]`` each) runs its LSTMs on: the
+    override, else ``kernel`` made concrete for these weights, the current grad mode and whether the
+    rows are EGGROLL's members (``low_rank``: their rank-r terms run on every kernel but ``library``)."""
     chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
-    groups, weights = params["w_hh"].shape[0], params["w_hh"]
+    weights = params["w_hh"]
+    single = weights.shape[0] == 1 and not low_rank
     if chosen is Kernel.auto:
-        chosen = (Kernel.library if groups == 1 else cuda_choice(weights.shape[-1]) if weights.is_cuda
-                  else Kernel.native)
-    if chosen is Kernel.library and (groups != 1 or _library_lacks_bf16(weights)):
+        chosen = Kernel.library if single else cuda_choice(weights.shape[-1]) if weights.is_cuda else Kernel.native
+    if chosen is Kernel.library and (not single or _library_lacks_bf16(weights)):
         return Kernel.python
     if chosen is Kernel.triton:
         from soma_pl.models import triton_lstm
 
-        usable = triton_lstm.available() and not needs_grad(params) and weights.dtype == torch.float32
+        usable = (triton_lstm.available() and not needs_grad(params)
+                  and all(param.dtype == torch.float32 for param in params.values()))
         return Kernel.triton if usable else Kernel.python
     if chosen is Kernel.native and not native_applies(chosen, *params.values()):
         return Kernel.python
@@ -163,42 +166,26 @@ def pack_recurrent(weights: Tensor) -> Tensor:
 def native_residual_chunk(gates_in: Tensor, packed: Tensor, state: tuple[Tensor, Tensor], residual: Tensor,
                           next_gain: Tensor, eps: float, low_rank: Mapping[str, Tensor] | None = None
                           ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """One layer over a chunk with the native kernel, in the model's window-major layout, the layer's
-    residual add and the next RMSNorm inside each step: ``residual += h`` in place, and the next
-    layer's input returned in place of the hidden states (never written out).
+    """One LSTM sublayer over a chunk with the native kernel, in the model's window-major layout, the
+    residual add and the MLP's gain-only LayerNorm inside each step: ``residual += h`` in place, and
+    the MLP's input returned in place of the hidden states (never written out).
 
     Args:
         gates_in: ``[G, b, Tc, 4d]`` input projections, contiguous.
         packed: :func:`pack_recurrent` of the recurrent weights (``[P, ...]``, P dividing G).
         state: ``(h, c)``, each ``[G, b, d]``.
         residual: ``[G, b, Tc, d]`` contiguous residual stream, updated in place.
-        next_gain: ``[G, d]`` gain of the RMSNorm after the layer.
+        next_gain: ``[G, d]`` gain of the LayerNorm after the sublayer.
         eps: that norm's epsilon.
         low_rank: EGGROLL's rank-r terms (``thin_in`` ``[G, b, Tc, r]``, ``b_hh``, ``a_packed``), or None.
 
     Returns:
-        ``rms_norm(residual) * next_gain``, ``[G, b, Tc, d]``; the final ``(h, c)``.
+        ``layer_norm(residual) * next_gain``, ``[G, b, Tc, d]``; the final ``(h, c)``.
     """
     normed, h, c = grouped_extension().grouped_lstm_chunk(
         gates_in, packed, state[0], state[1], window_major=True, residual=residual,
         next_gain=next_gain.contiguous(), eps=eps, **(low_rank or {}))
     return normed, (h, c)
-
-
-def triton_applies(kernel: Kernel | str, width: int, *tensors: Tensor) -> bool:
-    """Whether EGGROLL's members (:mod:`soma_pl.models.lowrank`) run on the Triton kernel: chosen
-    by hand (CPU tensors: Triton's interpreter), or ``auto`` on a CUDA GPU up to
-    :data:`TRITON_MAX_WIDTH` units; Triton importable, no gradients, float32."""
-    chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
-    if chosen not in (Kernel.triton, Kernel.auto):
-        return False
-    from soma_pl.models import triton_lstm
-
-    grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
-    usable = triton_lstm.available() and not grad and all(tensor.dtype == torch.float32 for tensor in tensors)
-    if chosen is Kernel.auto:
-        usable = usable and all(tensor.is_cuda for tensor in tensors) and cuda_choice(width) is Kernel.triton
-    return usable
 
 
 def native_applies(kernel: Kernel | str, *tensors: Tensor) -> bool:

@@ -1,21 +1,28 @@
-"""E byte-level LSTM experts in one module, every weight carrying a leading expert dimension.
+"""E byte-level experts in one module, every weight carrying a leading expert dimension (App. C, Table 2).
 
-Each expert (Table 2) is a tied byte embedding / output head of 256×d_E (d_E = 32), bias-free
-projections d_E→d_t→d_E when d_t ≠ d_E, and a body of four bias-free LSTM layers of width d_t, each
-behind an RMSNorm gain, with a final RMSNorm gain: 32·d_t² + 5·d_t body parameters. Layers are
-pre-norm residual (``x + LSTM(norm(x))``) so that a deep recurrent stack trains from a cold start.
+Each expert is a tied byte embedding / output head E of 256×d_E (d_E = 32), bias-free projections
+d_E→d_t→d_E when d_t ≠ d_E, and a body of D = 2 pre-norm residual blocks of width d_t: each block
+adds a bias-free LSTM of its normalised input, then a bias-free MLP with GELU and hidden width 4·d_t
+of its normalised input, every norm a gain-only LayerNorm, and a final gain-only LayerNorm ends the
+body. The body holds 16·D·d_t² + (2D + 1)·d_t parameters: 32·d_t² + 5·d_t, 32,928 at d_t = 32.
 
-Zero-order training evaluates the loss at many perturbed copies of the weights. The functional
-entry points (:meth:`StackedExperts.forward_with`, :meth:`StackedExperts.loss_per_group`) take
-weights with a leading *group* dimension ``G`` (e.g. E experts × C perturbed copies, expert-major)
-and run all groups as one batched computation: a loop over time only, never over experts or
-directions. The same code runs under ``torch.no_grad()`` (ZO) and under autograd (BPTT).
+One forward (:meth:`StackedExperts.features`) serves inference, SPSA's weight groups, EGGROLL's
+members and BPTT. It takes weights with a leading *group* dimension ``G`` (E experts, or E experts ×
+C perturbed copies, expert-major) and ``[G, R, T]`` bytes, and runs every group at once: a loop over
+time chunks and, inside the recurrence, steps, never over experts or directions. With ``noise`` the
+R rows of a group are M members of R / M windows each, member m running every matrix W as
+``W + A_m·B_mᵀ`` and every gain g as ``g + δ_m`` (EGGROLL: the reference threads its noiser through
+the model's one forward the same way); ``A·Bᵀ`` is never formed: a product is ``x·Wᵀ + (x·B)·Aᵀ``.
+Which kernel runs the LSTM sublayers is decided once per pass (:class:`Pass`); the MLP runs over a
+whole time chunk as batched matrix products. The same code runs under ``torch.no_grad()`` (zero
+order) and under autograd (BPTT).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -26,153 +33,94 @@ from soma_pl import VOCAB_SIZE
 from soma_pl.models import recurrence
 from soma_pl.models.recurrence import Kernel
 
-NORM_EPS = 1e-6
-"""Epsilon of every RMSNorm (the PyTorch norm and the native kernel's fused one)."""
+NORM_EPS = 1e-5
+"""Epsilon of every LayerNorm (PyTorch's default; the native kernel's fused norm uses it too)."""
+MLP_RATIO = 4
+"""The MLP's hidden width over d_t (App. C)."""
+NORMS_PER_BLOCK = 2
+"""One norm before the LSTM, one before the MLP."""
+LOW_RANK_MATRICES = ("head", "in_proj", "out_proj", "w_ih", "w_hh", "mlp_in", "mlp_out")
+"""Parameters whose last two dims are ``(out, in)`` matrices (the body's stack one per block)."""
+NORM_GAINS = "norm_gains"
+"""The only vector parameter, ``[2D + 1, d_t]``: EGGROLL perturbs it with full noise."""
 _LSTM_GATES = 4
 _EMBED_INIT_STD = 0.02
 """Small tied embeddings make the initial logits near-uniform (loss ≈ ln 256); the pre-norm
 rescales the residual stream, so the body still sees unit-scale inputs."""
+
+Factors = tuple[Tensor, Tensor]
+"""``(A [G, M, *stack, out, r], B [G, M, *stack, in, r])``, signed and scaled."""
 
 
 class HeadMode(str, Enum):
     """How the tied byte embedding / output head is held (member names are what configs write)."""
 
     per_expert = "per_expert"
-    """Each expert owns a trainable head: ``head`` is ``[E, 256, d_E]`` (Table 2, N ≤ 8)."""
+    """Each expert owns a head: ``head`` is ``[E, 256, d_E]`` (Table 2, N ≤ 8)."""
     shared = "shared"
     """One head for all experts: ``head`` is ``[256, d_E]`` (N = 256; the trainer freezes it)."""
 
 
-def _group_matmul(x: Tensor, weight_t: Tensor) -> Tensor:
-    """``x @ weight_t`` per group: x ``[G, ..., in]``, weight_t ``[G, in, out]`` → ``[G, ..., out]``"""
-    flat = x.reshape(x.shape[0], -1, x.shape[-1])
-    return torch.bmm(flat, weight_t).reshape(*x.shape[:-1], weight_t.shape[-1])
+@dataclass(frozen=True)
+class LowRank:
+    """EGGROLL's perturbations of one pass: the rows of every group are ``members`` members."""
+
+    members: int
+    """M: members per group; each owns ``R / M`` consecutive rows (windows)."""
+    factors: Mapping[str, Factors] = field(default_factory=dict)
+    """Matrix name → ``(A [G, M, *stack, out, r], B [G, M, *stack, in, r])``; a missing name is unperturbed."""
+    offsets: Mapping[str, Tensor] = field(default_factory=dict)
+    """``{"norm_gains": [G, M, 2D + 1, d_t]}`` added to the gains, or empty."""
+
+    def __post_init__(self) -> None:
+        unknown = (set(self.factors) - set(LOW_RANK_MATRICES)) | (set(self.offsets) - {NORM_GAINS})
+        if unknown:
+            raise KeyError(f"no low-rank path for {sorted(unknown)}")
 
 
 def _transposed(weight: Tensor) -> Tensor:
-    """``[G, out, in]`` → contiguous ``[G, in, out]``."""
-    return weight.transpose(1, 2).contiguous()
+    """``[G, out, in]`` → contiguous ``[G, in, out]`` (batched products read it ~1.7x faster than a
+    transposed view on the CPU); a shared ``[out, in]`` → ``[in, out]``."""
+    return weight.transpose(-1, -2).contiguous()
 
 
-def rms_norm(x: Tensor, gain: Tensor) -> Tensor:
-    """RMSNorm over the last dim. x: ``[G, b, T, d]``; gain: ``[G, d]``.
-
-    PyTorch's ``rms_norm`` (3.3× faster on the CPU than ``pow``, ``mean``, ``rsqrt`` and two
-    out-of-place products at d_t = 181, equal to the last bit there), then the per-group gain."""
-    return F.rms_norm(x, (x.shape[-1],), eps=NORM_EPS) * gain[:, None, None, :]
-
-
-def _embed(head: Tensor, tokens: Tensor) -> Tensor:
-    """Embedding lookup. head: ``[G, 256, d_E]`` or shared ``[256, d_E]``; tokens: ``[G, b, T]``.
-
-    A row gather of the heads stacked as one ``[G·256, d_E]`` table (``F.embedding``), not advanced
-    indexing with a group index beside the bytes."""
-    index = tokens.long()
-    if head.dim() == 2:
-        return F.embedding(index, head)
-    offsets = torch.arange(0, head.shape[0] * VOCAB_SIZE, VOCAB_SIZE, device=head.device)[:, None, None]
-    return F.embedding(index + offsets, head.reshape(-1, head.shape[-1]))
+def _member(factors: Factors | None, index: int | None = None) -> tuple[Tensor, Tensor] | None:
+    """One stacked slice ``index`` (a block) of a matrix's factors, members flattened into groups:
+    ``(A [G·M, out, r], B [G·M, in, r])``; None for an unperturbed matrix."""
+    if factors is None:
+        return None
+    return tuple((f if index is None else f[:, :, index]).flatten(0, 1) for f in factors)
 
 
-def _logits(head_t: Tensor, features: Tensor) -> Tensor:
-    """Tied output head. head_t: :func:`_head_t`; features: ``[G, b, T, d_E]`` → logits ``[G, b, T, 256]``."""
-    if head_t.dim() == 2:
-        return features @ head_t
-    return _group_matmul(features, head_t)
-
-
-def _head_t(head: Tensor) -> Tensor:
-    """The output head transposed once per pass: ``[d_E, 256]`` shared, ``[G, d_E, 256]`` per group."""
-    return head.t() if head.dim() == 2 else _transposed(head)
-
-
-def _lstm_chunk(
-    x: Tensor, w_ih_t: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor]
-) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """One bias-free LSTM layer over a chunk of time steps, all groups at once (the ``python`` kernel).
+def linear(x: Tensor, weight_t: Tensor, factors: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """``x·Wᵀ`` per group, plus each member's ``(x·B)·Aᵀ``.
 
     Args:
-        x: ``[G, b, Tc, d]`` normalised layer input.
-        w_ih_t: ``[G, d, 4d]`` transposed input weights, gate columns ordered (input, forget,
-            output, cell).
-        w_hh_t: ``[G, d, 4d]`` transposed recurrent weights, same order.
-        state: ``(h, c)``, each ``[G, b, d]``.
+        x: ``[G, R, n, in]`` (rows member-major: member m owns rows ``m·R/M .. (m+1)·R/M − 1``).
+        weight_t: ``[G, in, out]``, or one shared ``[in, out]``.
+        factors: ``(A [G·M, out, r], B [G·M, in, r])`` from :func:`_member`, or None.
 
     Returns:
-        out: ``[G, b, Tc, d]`` hidden states; the final ``(h, c)``.
+        ``[G, R, n, out]``.
     """
-    steps = x.shape[2]
-    # Time-major input projections: one large GEMM for the chunk, then slice a contiguous [b, 4d]
-    # block per step instead of recomputing it inside the recurrence.
-    gates_in = _group_matmul(x.transpose(1, 2), w_ih_t)
-    h, c = state
-    outputs = []
-    for t in range(steps):
-        h, c = lstm_cell(torch.baddbmm(gates_in[:, t], h, w_hh_t), c)
-        outputs.append(h)
-    return torch.stack(outputs, dim=2), (h, c)
+    groups, width = x.shape[0], x.shape[-1]
+    if weight_t.dim() == 2:
+        out = x @ weight_t
+    else:
+        out = torch.bmm(x.reshape(groups, -1, width), weight_t).view(*x.shape[:-1], -1)
+    if factors is None:
+        return out
+    a, b = factors
+    members = a.shape[0]
+    thin = torch.bmm(x.reshape(members, -1, width), b)
+    return torch.baddbmm(out.reshape(members, -1, out.shape[-1]), thin, a.transpose(1, 2)).view(out.shape)
 
 
-class _Layers:
-    """The LSTM layers of one forward pass, each run by the kernel chosen for it once per pass.
-
-    Per-pass weight preparation (PyTorch's gate order for ``library``, contiguous transposed
-    weights for ``python``, packed recurrent weights for ``native``) happens here, not once per
-    time chunk.
-    """
-
-    def __init__(self, kernel: Kernel, params: Mapping[str, Tensor]) -> None:
-        w_ih, w_hh = params["w_ih"], params["w_hh"]
-        self.kernel = recurrence.resolve_kernel(kernel, params)
-        self.grad = recurrence.needs_grad(params)
-        if self.kernel is Kernel.library:
-            self.library = recurrence.library_weights(w_ih, w_hh)
-        else:
-            # Batched GEMMs read contiguous [in, out] operands about 1.7x faster than transposed
-            # views (MKL, d_t = 181); one copy per pass, not per chunk or step.
-            self.w_ih_t = [_transposed(w_ih[:, layer]) for layer in range(w_ih.shape[1])]
-            if self.kernel is Kernel.native:
-                self.packed = [recurrence.pack_recurrent(w_hh[:, layer]) for layer in range(w_hh.shape[1])]
-            else:
-                self.w_hh_t = [_transposed(w_hh[:, layer]) for layer in range(w_hh.shape[1])]
-
-    def span(self, chunk: int, batch: int, steps: int) -> int:
-        """Time steps per layer call. The library kernel re-packs its weights on every call, so it
-        takes at least :data:`~soma_pl.models.recurrence.LIBRARY_ROW_STEPS` window-steps per call
-        (the whole sequence under autograd, which keeps every step anyway); the others take ``chunk``."""
-        if self.kernel is not Kernel.library:
-            return chunk
-        if self.grad:
-            return steps
-        return max(chunk, -(-recurrence.LIBRARY_ROW_STEPS // batch))
-
-    def __call__(self, layer: int, x: Tensor, state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """One layer's hidden states over a chunk of its normalised input ``x`` (every kernel but
-        ``native``, which runs all layers at once: :meth:`residual_body`)."""
-        if self.kernel is Kernel.library:
-            return recurrence.library_chunk(x, self.library[layer], state)
-        if self.kernel is Kernel.triton:
-            from soma_pl.models.triton_lstm import triton_chunk
-
-            return triton_chunk(_group_matmul(x.transpose(1, 2), self.w_ih_t[layer]), self.w_hh_t[layer], state)
-        return _lstm_chunk(x, self.w_ih_t[layer], self.w_hh_t[layer], state)
-
-    def residual_body(self, x: Tensor, gains: Tensor, states: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """Every layer on the native kernel, its residual add and the next RMSNorm inside each step.
-
-        Args:
-            x: ``[G, b, Tc, d]`` contiguous residual stream of this pass, updated in place.
-            gains: ``[G, L + 1, d]`` norm gains.
-            states: each layer's ``(h, c)``, replaced by its state after the chunk.
-
-        Returns:
-            The final norm's output, ``[G, b, Tc, d]``.
-        """
-        normed = rms_norm(x, gains[:, 0])
-        for layer, packed in enumerate(self.packed):
-            normed, states[layer] = recurrence.native_residual_chunk(
-                _group_matmul(normed, self.w_ih_t[layer]), packed, states[layer], x, gains[:, layer + 1], NORM_EPS)
-        return normed
+def layer_norm(x: Tensor, gain: Tensor) -> Tensor:
+    """Gain-only LayerNorm over the last dim. x: ``[G, R, n, d]``; gain: ``[G, M, d]`` (member m's on its rows)."""
+    groups, members, width = gain.shape
+    normed = F.layer_norm(x, (width,), eps=NORM_EPS)
+    return (normed.view(groups, members, -1, width) * gain[:, :, None]).view(x.shape)
 
 
 def lstm_cell(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
@@ -185,27 +133,220 @@ def lstm_cell(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     return sig[..., 2 * width :] * torch.tanh(c), c
 
 
+def _python_chunk(gates_in: Tensor, w_hh_t: Tensor, recurrent: tuple[Tensor, Tensor] | None,
+                  state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """The LSTM recurrence over a chunk, all groups at once (the ``python`` kernel, the reference).
+
+    Args:
+        gates_in: ``[G, Tc, R, 4d]`` time-major input projections (a contiguous block per step).
+        w_hh_t: ``[G, d, 4d]``; recurrent: each member's ``(A_hh [G·M, 4d, r], B_hh [G·M, d, r])`` or None.
+        state: ``(h, c)``, each ``[G, R, d]``.
+
+    Returns:
+        out ``[G, R, Tc, d]``; the final ``(h, c)``.
+    """
+    h, c = state
+    outputs = []
+    for t in range(gates_in.shape[1]):
+        gates = torch.baddbmm(gates_in[:, t], h, w_hh_t)
+        if recurrent is not None:
+            a, b = recurrent
+            thin = torch.bmm(h.reshape(a.shape[0], -1, h.shape[-1]), b)
+            by_member = gates.view(a.shape[0], -1, gates.shape[-1])
+            gates = torch.baddbmm(by_member, thin, a.transpose(1, 2)).view(gates.shape)
+        h, c = lstm_cell(gates, c)
+        outputs.append(h)
+    return torch.stack(outputs, dim=2), (h, c)
+
+
+class Pass:
+    """One forward pass's decisions and prepared weights: the LSTM kernel, chosen here once for the
+    pass (:func:`soma_pl.models.recurrence.resolve_kernel`), each block's weights laid out for it and
+    for the batched products, each member's gains and rank-r terms, and whether the fused native
+    head scores the bytes.
+
+    Args:
+        model: the experts (shapes, kernel setting, time chunk).
+        params: name → ``[G, ...]`` complete weights (:meth:`StackedExperts.group_parameters`).
+        noise: EGGROLL's members, or None (one member per group).
+        kernel: the kernel setting; None: the model's.
+    """
+
+    def __init__(self, model: StackedExperts, params: Mapping[str, Tensor], noise: LowRank | None = None,
+                 kernel: Kernel | None = None) -> None:
+        kernel = model.kernel if kernel is None else kernel
+        self.members = 1 if noise is None else noise.members
+        self.factors = {} if noise is None else dict(noise.factors)
+        self.kernel = recurrence.resolve_kernel(kernel, params, noise is not None)
+        self.grad = recurrence.needs_grad(params)
+        self.head = params["head"]
+        if self.head.dim() == 2 and "head" in self.factors:
+            raise ValueError("a shared head is not perturbed")
+        self.head_t = _transposed(self.head)
+        self.native_head = not self.grad and recurrence.native_applies(kernel, self.head, *self._factor_tensors())
+        gains = params[NORM_GAINS][:, None]
+        if noise is not None and NORM_GAINS in noise.offsets:
+            gains = gains + noise.offsets[NORM_GAINS]
+        self.gains = gains.expand(-1, self.members, -1, -1)  # [G, M, 2D + 1, d]
+        self.proj_t = {name: _transposed(params[name]) for name in ("in_proj", "out_proj") if name in params}
+        layers = range(params["w_ih"].shape[1])
+        self.mlp_in_t = [_transposed(params["mlp_in"][:, layer]) for layer in layers]
+        self.mlp_out_t = [_transposed(params["mlp_out"][:, layer]) for layer in layers]
+        w_ih, w_hh = params["w_ih"], params["w_hh"]
+        if self.kernel is Kernel.library:
+            self.library = recurrence.library_weights(w_ih, w_hh)
+            return
+        self.w_ih_t = [_transposed(w_ih[:, layer]) for layer in layers]
+        if self.kernel is Kernel.native:
+            self.packed = [recurrence.pack_recurrent(w_hh[:, layer]) for layer in layers]
+            self.native_terms = [self._native_terms(layer) for layer in layers]
+        else:
+            self.w_hh_t = [_transposed(w_hh[:, layer]) for layer in layers]
+
+    def _factor_tensors(self) -> list[Tensor]:
+        return [tensor for pair in self.factors.values() for tensor in pair]
+
+    def _native_terms(self, layer: int) -> tuple[Tensor, dict[str, Tensor]] | None:
+        """A block's rank-r LSTM terms for the native kernel, once per pass: each member's ``B_ih``
+        (for the chunk's ``x_t·B_ih``), and ``b_hh`` and the packed ``[A_ih, A_hh]`` (a matrix
+        missing beside its twin as zeros); None without them."""
+        f_ih, f_hh = _member(self.factors.get("w_ih"), layer), _member(self.factors.get("w_hh"), layer)
+        if f_ih is None and f_hh is None:
+            return None
+        f_ih = f_ih or tuple(torch.zeros_like(f) for f in f_hh)
+        f_hh = f_hh or tuple(torch.zeros_like(f) for f in f_ih)
+        return f_ih[1], {"b_hh": f_hh[1].contiguous(),
+                         "a_packed": recurrence.pack_recurrent(torch.cat((f_ih[0], f_hh[0]), dim=-1))}
+
+    def span(self, chunk: int, rows: int, steps: int) -> int:
+        """Time steps per chunk. The library kernel re-packs its weights on every call, so it takes
+        at least :data:`~soma_pl.models.recurrence.LIBRARY_ROW_STEPS` window-steps per call (the whole
+        sequence under autograd, which keeps every step anyway); the others take ``chunk``."""
+        if self.kernel is not Kernel.library:
+            return chunk
+        return steps if self.grad else max(chunk, -(-recurrence.LIBRARY_ROW_STEPS // rows))
+
+    def gain(self, index: int) -> Tensor:
+        """Norm ``index``'s gains, ``[G, M, d]``."""
+        return self.gains[:, :, index]
+
+    def lstm(self, layer: int, x: Tensor, normed: Tensor, state: tuple[Tensor, Tensor]
+             ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """Block ``layer``'s LSTM sublayer on its normalised input over a chunk, the residual add and
+        the MLP's norm after it.
+
+        Args:
+            x: ``[G, R, Tc, d]`` residual stream (updated in place on the native kernel).
+            normed: the LSTM's normalised input, same shape.
+            state: ``(h, c)``, ``[G, R, d]`` each.
+
+        Returns:
+            The residual stream, the MLP's normalised input and the final ``(h, c)``.
+        """
+        next_gain = self.gain(NORMS_PER_BLOCK * layer + 1)
+        if self.kernel is Kernel.native:
+            return self._native_lstm(layer, x, normed, state, next_gain)
+        if self.kernel is Kernel.library:
+            out, state = recurrence.library_chunk(normed, self.library[layer], state)
+        else:
+            recurrent = _member(self.factors.get("w_hh"), layer)
+            gates_in = linear(normed, self.w_ih_t[layer], _member(self.factors.get("w_ih"), layer))
+            gates_in = gates_in.transpose(1, 2).contiguous()  # time-major: a contiguous block per step
+            if self.kernel is Kernel.triton:
+                from soma_pl.models.triton_lstm import triton_chunk
+
+                out, state = triton_chunk(gates_in, self.w_hh_t[layer], state, low_rank=recurrent,
+                                          windows=x.shape[1] // self.members)
+            else:
+                out, state = _python_chunk(gates_in, self.w_hh_t[layer], recurrent, state)
+        x = x + out
+        return x, layer_norm(x, next_gain), state
+
+    def _native_lstm(self, layer: int, x: Tensor, normed: Tensor, state: tuple[Tensor, Tensor], next_gain: Tensor
+                     ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """:meth:`lstm` on the native kernel: each member a kernel group of its windows (the members
+        of a group sharing its packed weights), the rank-r terms and the residual add and the MLP's
+        norm inside each step (:func:`soma_pl.models.recurrence.native_residual_chunk`)."""
+        groups, rows, steps, width = x.shape
+        kernel_groups, windows = groups * self.members, rows // self.members
+        gates_in = linear(normed, self.w_ih_t[layer])
+        terms, step_terms = self.native_terms[layer], None
+        if terms is not None:
+            b_ih, kernel_terms = terms
+            thin_in = torch.bmm(normed.reshape(kernel_groups, -1, width), b_ih)
+            step_terms = {"thin_in": thin_in.view(kernel_groups, windows, steps, -1), **kernel_terms}
+        as_members = (kernel_groups, windows, width)
+        mlp_in, (h, c) = recurrence.native_residual_chunk(
+            gates_in.view(kernel_groups, windows, steps, -1), self.packed[layer],
+            tuple(part.reshape(as_members) for part in state), x.view(kernel_groups, windows, steps, width),
+            next_gain.reshape(kernel_groups, width), NORM_EPS, step_terms)
+        return x, mlp_in.view(x.shape), (h.view(groups, rows, width), c.view(groups, rows, width))
+
+    def mlp(self, layer: int, normed: Tensor) -> Tensor:
+        """Block ``layer``'s MLP over a whole chunk: ``W_out·GELU(W_in·x)``, ``[G, R, Tc, d]``."""
+        hidden = linear(normed, self.mlp_in_t[layer], _member(self.factors.get("mlp_in"), layer))
+        return linear(F.gelu(hidden), self.mlp_out_t[layer], _member(self.factors.get("mlp_out"), layer))
+
+    def project(self, name: str, x: Tensor) -> Tensor:
+        """The ``in_proj`` or ``out_proj`` product, or ``x`` itself where the width needs none."""
+        return linear(x, self.proj_t[name], _member(self.factors.get(name))) if name in self.proj_t else x
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Rows of the (member's) head for ``tokens [G, R, Tc]`` → ``[G, R, Tc, d_E]``: one row
+        gather of the heads stacked as one ``[G·256, d_E]`` table, plus the member's ``A[y]·Bᵀ``."""
+        index = tokens.long()
+        if self.head.dim() == 2:
+            return F.embedding(index, self.head)
+        offsets = torch.arange(0, self.head.shape[0] * VOCAB_SIZE, VOCAB_SIZE, device=self.head.device)
+        rows = F.embedding(index + offsets[:, None, None], self.head.reshape(-1, self.head.shape[-1]))
+        factors = _member(self.factors.get("head"))
+        if factors is None:
+            return rows
+        a, b = factors  # [G·M, 256, r], [G·M, d_E, r]
+        flat = index.reshape(a.shape[0], -1, 1).expand(-1, -1, a.shape[-1])
+        return rows + torch.bmm(torch.gather(a, 1, flat), b.transpose(1, 2)).view(rows.shape)
+
+    def cross_entropy(self, features: Tensor, targets: Tensor) -> Tensor:
+        """Next-byte cross entropy ``[G, R, Tc]`` of features ``[G, R, Tc, d_E]``: the native fused
+        head where it applies (no logits written out; a member's head ``[W, A]`` against its features
+        ``[x, x·B]``, the same product), else the logits and ``F.cross_entropy``."""
+        factors = _member(self.factors.get("head"))
+        if not self.native_head:
+            logits = linear(features, self.head_t, factors)
+            nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.long().reshape(-1), reduction="none")
+            return nll.view(targets.shape)
+        head_t, groups = self.head_t, features.shape[0]
+        if factors is not None:
+            a, b = factors
+            groups = a.shape[0]
+            features = features.reshape(groups, -1, features.shape[-1])
+            features = torch.cat((features, torch.bmm(features, b)), dim=-1)
+            head_t = torch.cat((head_t.repeat_interleave(self.members, 0), a.transpose(1, 2)), dim=1)
+        flat = features.reshape(groups, 1, -1, features.shape[-1])
+        return recurrence.native_head_nll(head_t, flat, targets.reshape(groups, 1, -1)).view(targets.shape)
+
+
 class StackedExperts(nn.Module):
-    """E byte-level LSTM language models whose weights carry a leading expert dimension.
+    """E byte-level language models (the paper's expert, App. C) whose weights carry a leading expert dimension.
 
     Parameters (per expert shapes after the leading ``E``):
         head: ``[256, d_E]`` tied embedding / output head (no leading ``E`` when shared);
         in_proj: ``[d_t, d_E]`` and out_proj: ``[d_E, d_t]``, only when ``d_t ≠ d_E``;
-        norm_gains: ``[L + 1, d_t]`` (one RMSNorm gain before each layer, one final);
-        w_ih, w_hh: ``[L, 4·d_t, d_t]`` bias-free LSTM weights.
+        norm_gains: ``[2D + 1, d_t]`` (each block's LSTM norm and MLP norm, then the final norm);
+        w_ih, w_hh: ``[D, 4·d_t, d_t]`` bias-free LSTM weights, gate rows (input, forget, output, cell);
+        mlp_in: ``[D, 4·d_t, d_t]`` and mlp_out: ``[D, d_t, 4·d_t]`` bias-free MLP weights.
 
     Args:
         num_experts: E (Table 2: N).
         width: body width d_t.
         embed_dim: head width d_E.
-        num_layers: number of LSTM layers L.
+        num_layers: D, the number of blocks (one LSTM layer each; the paper: 2).
         head: per-expert or shared head.
-        time_chunk: time steps whose input projections and logits are held at once; bounds
-            activation memory at ``G·b·time_chunk·4·d_t`` floats (one weight set without
-            gradients: at least 4,096 window-steps per call, see :meth:`_Layers.span`).
-        kernel: which LSTM implementation runs the layers (:mod:`soma_pl.models.recurrence`);
-            ``auto`` picks by the call's number of weight sets, grad mode and device. All agree to
-            float rounding.
+        time_chunk: time steps whose activations are held at once; bounds activation memory at
+            ``G·R·time_chunk·4·d_t`` floats (one weight set without gradients: at least 4,096
+            window-steps per call, see :meth:`Pass.span`).
+        kernel: which implementation runs the LSTM sublayers (:mod:`soma_pl.models.recurrence`);
+            ``auto`` picks by the call's weight sets, grad mode and device. All agree to float rounding.
         device: where to allocate (``"meta"`` counts parameters without allocating).
         dtype: parameter dtype.
     """
@@ -215,7 +356,7 @@ class StackedExperts(nn.Module):
         num_experts: int,
         width: int,
         embed_dim: int = 32,
-        num_layers: int = 4,
+        num_layers: int = 2,
         head: HeadMode = HeadMode.per_expert,
         time_chunk: int = 64,
         device: torch.device | str | None = None,
@@ -235,19 +376,21 @@ class StackedExperts(nn.Module):
         if self.has_projections:
             self.in_proj = nn.Parameter(torch.empty(num_experts, width, embed_dim, **make))
             self.out_proj = nn.Parameter(torch.empty(num_experts, embed_dim, width, **make))
-        self.norm_gains = nn.Parameter(torch.empty(num_experts, num_layers + 1, width, **make))
-        gates = _LSTM_GATES * width
+        self.norm_gains = nn.Parameter(torch.empty(num_experts, NORMS_PER_BLOCK * num_layers + 1, width, **make))
+        gates, hidden = _LSTM_GATES * width, MLP_RATIO * width
         self.w_ih = nn.Parameter(torch.empty(num_experts, num_layers, gates, width, **make))
         self.w_hh = nn.Parameter(torch.empty(num_experts, num_layers, gates, width, **make))
+        self.mlp_in = nn.Parameter(torch.empty(num_experts, num_layers, hidden, width, **make))
+        self.mlp_out = nn.Parameter(torch.empty(num_experts, num_layers, width, hidden, **make))
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """PyTorch's LSTM init (uniform ±1/√d_t), fan-in normal projections, unit gains."""
+        """PyTorch's LSTM and Linear inits (uniform ±1/√fan_in), fan-in normal projections, unit gains."""
         nn.init.normal_(self.head, std=_EMBED_INIT_STD)
-        bound = 1.0 / math.sqrt(self.width)
-        nn.init.uniform_(self.w_ih, -bound, bound)
-        nn.init.uniform_(self.w_hh, -bound, bound)
+        for weight in (self.w_ih, self.w_hh, self.mlp_in, self.mlp_out):
+            bound = 1.0 / math.sqrt(weight.shape[-1])
+            nn.init.uniform_(weight, -bound, bound)
         nn.init.ones_(self.norm_gains)
         if self.has_projections:
             nn.init.normal_(self.in_proj, std=1.0 / math.sqrt(self.embed_dim))
@@ -258,7 +401,7 @@ class StackedExperts(nn.Module):
         return ("head",)
 
     def body_parameter_names(self) -> tuple[str, ...]:
-        """Names of the body parameters (LSTM layers, norm gains, projections)."""
+        """Names of the body parameters (blocks, norm gains, projections)."""
         heads = self.head_parameter_names()
         return tuple(name for name, _ in self.named_parameters() if name not in heads)
 
@@ -293,12 +436,9 @@ class StackedExperts(nn.Module):
             start += size
 
     def group_parameters(self, params: Mapping[str, Tensor], groups: int) -> dict[str, Tensor]:
-        """Complete ``params`` (``[G, ...]`` each) with this module's own weights.
-
-        A missing expert parameter is repeated expert-major over the ``G = E·C`` groups (group
-        ``g`` belongs to expert ``g // C``; with every expert parameter given, G is free); the
-        shared head is used as it is.
-        """
+        """Complete ``params`` (``[G, ...]`` each) with this module's own weights: a missing expert
+        parameter is repeated expert-major over the ``G = E·C`` groups (group ``g`` belongs to expert
+        ``g // C``; with every expert parameter given, G is free); the shared head is used as it is."""
         own = dict(self.named_parameters())
         unknown = set(params) - set(own)
         if unknown:
@@ -307,117 +447,91 @@ class StackedExperts(nn.Module):
         if missing and groups % self.num_experts:
             raise ValueError(f"{groups} groups is not a multiple of {self.num_experts} experts")
         copies = groups // self.num_experts
-        full = {}
-        for name, param in own.items():
-            if name in params:
-                full[name] = params[name]
-            elif self.is_shared(name):
-                full[name] = param
-            else:
-                full[name] = param.repeat_interleave(copies, dim=0)
-        return full
+        return {name: params[name] if name in params else param if self.is_shared(name)
+                else param.repeat_interleave(copies, dim=0) for name, param in own.items()}
 
-    def zero_state(self, params: Mapping[str, Tensor], batch: int) -> list[tuple[Tensor, Tensor]]:
-        """Each layer's ``(h, c)`` before the first byte: zeros, ``[G, b, d_t]`` each (G from ``params``)."""
-        zeros = params["w_hh"].new_zeros(params["w_hh"].shape[0], batch, self.width)
+    def zero_state(self, params: Mapping[str, Tensor], rows: int) -> list[tuple[Tensor, Tensor]]:
+        """Each block's LSTM ``(h, c)`` before the first byte: zeros, ``[G, R, d_t]`` each."""
+        zeros = params["w_hh"].new_zeros(params["w_hh"].shape[0], rows, self.width)
         return [(zeros, zeros)] * self.num_layers
 
-    def features(self, params: Mapping[str, Tensor], tokens: Tensor, state: list[tuple[Tensor, Tensor]] | None = None,
-                 layers: _Layers | None = None) -> Iterator[Tensor]:
-        """Final features per span of time steps (:meth:`_Layers.span`). tokens: ``[G, b, T]`` →
-        yields ``[G, b, Tc, d_E]``.
-
-        ``state`` (:meth:`zero_state` when None) is where the layers start; a given list is updated
-        in place to their state after the last byte, and ``layers`` are weights already prepared for
-        a kernel, so that :class:`Decoder` carries both from call to call.
-        """
-        groups, batch, steps = tokens.shape
-        states = self.zero_state(params, batch) if state is None else state
-        gains = params["norm_gains"]
-        lstm = layers or _Layers(self.kernel, params)
-        span = lstm.span(self.time_chunk, batch, steps)
-        if self.has_projections:
-            in_proj_t, out_proj_t = _transposed(params["in_proj"]), _transposed(params["out_proj"])
-        for start in range(0, steps, span):
-            x = _embed(params["head"], tokens[:, :, start : start + span])
-            if self.has_projections:
-                x = _group_matmul(x, in_proj_t)
-            if lstm.kernel is Kernel.native:
-                x = lstm.residual_body(x, gains, states)
-            else:
-                for layer in range(self.num_layers):
-                    out, states[layer] = lstm(layer, rms_norm(x, gains[:, layer]), states[layer])
-                    x = x + out
-                x = rms_norm(x, gains[:, self.num_layers])
-            features = _group_matmul(x, out_proj_t) if self.has_projections else x
-            yield features
-
-    def forward_with(self, params: Mapping[str, Tensor], tokens: Tensor) -> Tensor:
-        """Logits under the given weights.
+    def features(self, params: Mapping[str, Tensor], tokens: Tensor, noise: LowRank | None = None,
+                 state: list[tuple[Tensor, Tensor]] | None = None, plan: Pass | None = None) -> Iterator[Tensor]:
+        """The model's one forward: final features per span of time steps (:meth:`Pass.span`).
 
         Args:
-            params: name → ``[G, ...]`` weights (missing ones filled by :meth:`group_parameters`).
-            tokens: ``[G, b, T]`` uint8 or long bytes.
+            params: name → ``[G, ...]`` complete weights (:meth:`group_parameters`).
+            tokens: ``[G, R, T]`` bytes (with ``noise``: M members of R / M windows per group).
+            noise: EGGROLL's members, or None.
+            state: where the LSTMs start (:meth:`zero_state` when None); a given list is updated in
+                place to their state after the last byte, so :class:`Decoder` carries it.
+            plan: the pass's decisions and prepared weights (:class:`Pass`; made here when None).
 
-        Returns:
-            logits: ``[G, b, T, 256]``.
+        Yields:
+            ``[G, R, Tc, d_E]``.
         """
-        full = self.group_parameters(params, tokens.shape[0])
-        head_t = _head_t(full["head"])
-        chunks = [_logits(head_t, y) for y in self.features(full, tokens)]
-        return torch.cat(chunks, dim=2)
+        groups, rows, steps = tokens.shape
+        states = self.zero_state(params, rows) if state is None else state
+        plan = plan or Pass(self, params, noise)
+        span = plan.span(self.time_chunk, rows, steps)
+        for start in range(0, steps, span):
+            x = plan.project("in_proj", plan.embed(tokens[:, :, start : start + span])).contiguous()
+            normed = layer_norm(x, plan.gain(0))
+            for layer in range(self.num_layers):
+                x, normed, states[layer] = plan.lstm(layer, x, normed, states[layer])
+                x = x + plan.mlp(layer, normed)
+                normed = layer_norm(x, plan.gain(NORMS_PER_BLOCK * (layer + 1)))
+            yield plan.project("out_proj", normed)
 
-    def target_log_probs(
-        self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0
-    ) -> Iterator[Tensor]:
+    def forward_with(self, params: Mapping[str, Tensor], tokens: Tensor) -> Tensor:
+        """Logits under the given weights. params: name → ``[G, ...]`` (missing ones filled by
+        :meth:`group_parameters`); tokens: ``[G, b, T]`` bytes → logits ``[G, b, T, 256]``."""
+        full = self.group_parameters(params, tokens.shape[0])
+        plan = Pass(self, full)
+        return torch.cat([linear(y, plan.head_t) for y in self.features(full, tokens, plan=plan)], dim=2)
+
+    def target_log_probs(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0,
+                         noise: LowRank | None = None) -> Iterator[Tensor]:
         """Log-probability of each scored next byte, one time chunk at a time (no full logits kept).
 
         Args:
             params: name → ``[G, ...]`` weights (missing ones filled by :meth:`group_parameters`).
-            tokens: ``[G, b, T]`` uint8 or long bytes; inputs ``[..., :-1]``, targets ``[..., 1:]``.
+            tokens: ``[G, R, T]`` bytes; inputs ``[..., :-1]``, targets ``[..., 1:]``.
             score_from: first target position scored (evaluation: 256 of a 1,025-byte window).
+            noise: EGGROLL's members, or None.
 
         Yields:
-            ``[G, b, Tc]`` log p(target) for consecutive chunks of the scored positions.
+            ``[G, R, Tc]`` log p(target) for consecutive chunks of the scored positions.
         """
-        groups, batch, steps = tokens.shape
+        groups, rows, steps = tokens.shape
         if not 0 <= score_from < steps - 1:
             raise ValueError(f"score_from={score_from} leaves no targets in {steps} bytes")
         full = self.group_parameters(params, groups)
-        head_t = _head_t(full["head"])
+        plan = Pass(self, full, noise)
         start = 0
-        for features in self.features(full, tokens[..., :-1]):
+        for features in self.features(full, tokens[..., :-1], noise, plan=plan):
             stop = start + features.shape[2]
             first = max(score_from, start)
             if first < stop:
-                yield -self._cross_entropy(head_t, features[:, :, first - start :],
-                                           tokens[:, :, first + 1 : stop + 1])
+                yield -plan.cross_entropy(features[:, :, first - start :].contiguous(),
+                                          tokens[:, :, first + 1 : stop + 1])
             start = stop
 
-    def _cross_entropy(self, head_t: Tensor, features: Tensor, targets: Tensor) -> Tensor:
-        """Next-byte cross entropy ``[G, b, Tc]`` of features ``[G, b, Tc, d_E]``: the native fused
-        head where the layers' kernel rule allows it (no logits written out), else the logits and
-        ``F.cross_entropy``."""
-        if recurrence.native_applies(self.kernel, head_t, features):
-            return recurrence.native_head_nll(head_t, features, targets)
-        logits = _logits(head_t, features)
-        nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.long().reshape(-1), reduction="none")
-        return nll.view(targets.shape)
-
-    def window_losses(
-        self, tokens: Tensor, score_from: int = 0, params: Mapping[str, Tensor] | None = None
-    ) -> Tensor:
+    def window_losses(self, tokens: Tensor, score_from: int = 0, params: Mapping[str, Tensor] | None = None,
+                      noise: LowRank | None = None) -> Tensor:
         """Mean scored next-byte cross entropy (nats/byte) of every window, per group.
 
         Args:
-            tokens: ``[G, b, T]`` uint8 or long bytes.
+            tokens: ``[G, R, T]`` bytes.
             score_from: first target position scored.
             params: name → ``[G, ...]`` weights; None: this module's own (G = E).
+            noise: EGGROLL's members, or None.
 
         Returns:
-            loss: ``[G, b]``.
+            loss: ``[G, R]``.
         """
-        total = sum(-chunk.sum(2) for chunk in self.target_log_probs(params or {}, tokens, score_from))
+        chunks = self.target_log_probs(params or {}, tokens, score_from, noise)
+        total = sum(-chunk.sum(2) for chunk in chunks)
         return total / (tokens.shape[2] - 1 - score_from)
 
     def loss_per_group(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0) -> Tensor:
@@ -429,6 +543,27 @@ class StackedExperts(nn.Module):
         return self.forward_with({}, tokens)
 
 
+def population_losses(model: StackedExperts, tokens: Tensor, factors: Mapping[str, Factors],
+                      offsets: Mapping[str, Tensor], score_from: int = 0) -> Tensor:
+    """Each EGGROLL member's mean next-byte cross entropy (nats/byte) under its low-rank perturbation.
+
+    Args:
+        model: the experts whose weights are the unperturbed base.
+        tokens: ``[E, M, b, T]`` bytes.
+        factors: matrix name → ``(A [E, M, *stack, out, r], B [E, M, *stack, in, r])``, signed and
+            scaled (member weights ``W + A·Bᵀ``); a missing name is unperturbed.
+        offsets: ``{"norm_gains": [E, M, 2D + 1, d_t]}`` added to the gains, or empty.
+        score_from: first target position scored.
+
+    Returns:
+        loss: ``[E, M]``.
+    """
+    experts, members, windows, steps = tokens.shape
+    noise = LowRank(members, factors, offsets)
+    losses = model.window_losses(tokens.reshape(experts, members * windows, steps), score_from, noise=noise)
+    return losses.view(experts, members, windows).mean(2)
+
+
 class Decoder:
     """Incremental decoding of some of the experts: each call gives the next-byte logits after its
     bytes, the LSTM state carried from the previous call, so a new byte costs one step instead of a
@@ -436,8 +571,7 @@ class Decoder:
 
     A call of several bytes (a prompt) runs the model's own kernel; single bytes run the PyTorch
     loop on weights prepared once, not once per byte: one step of it costs about the step's
-    matrix-vector products, where the library kernel re-packs its weights at every call (measured
-    on the CPU at d_t = 509: 83 bytes/s against 20 for the library kernel and 8 for the native one).
+    matrix-vector products, where the library kernel re-packs its weights at every call.
 
     Args:
         model: the stacked experts.
@@ -449,13 +583,12 @@ class Decoder:
         self.model = model
         self.params = {name: param if model.is_shared(name) else param[experts]
                        for name, param in model.named_parameters()}
-        self.step_layers = _Layers(Kernel.python, self.params)
-        self.head_t = _head_t(self.params["head"])
+        self.step_plan = Pass(model, self.params, kernel=Kernel.python)
         self.state = model.zero_state(self.params, batch)
 
     def __call__(self, tokens: Tensor) -> Tensor:
         """``tokens: [k, b, T]`` bytes that follow the previous call's (a prompt, then one byte at a
         time) → logits ``[k, b, 256]`` of the byte after the last of them."""
-        layers = self.step_layers if tokens.shape[2] == 1 else None
-        *_, last = self.model.features(self.params, tokens, self.state, layers)
-        return _logits(self.head_t, last[:, :, -1])
+        plan = self.step_plan if tokens.shape[2] == 1 else Pass(self.model, self.params)
+        *_, last = self.model.features(self.params, tokens, state=self.state, plan=plan)
+        return linear(last[:, :, -1:], plan.head_t)[:, :, 0]

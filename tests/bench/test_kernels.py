@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from soma_pl.bench import kernels, memory
-from soma_pl.bench.kernels import KernelSettings, KernelShape, ReferenceStack, bench_kernels
+from soma_pl.bench.kernels import KernelSettings, KernelShape, bench_kernels
 from soma_pl.cli import main
+from soma_pl.models.reference import TorchExpert
 from soma_pl.models.stacked import StackedExperts
 
 SHAPES = (KernelShape(8, batch=2, groups=3, group_batch=2), KernelShape(12, batch=1, groups=2, group_batch=1))
@@ -27,7 +28,7 @@ def test_reference_stack_of_standard_layers_computes_our_logits(width):
     tokens = torch.randint(0, 256, (3, 17), dtype=torch.uint8)
     with torch.no_grad():
         ours = model.forward_with({}, tokens[None])[0]
-        theirs = ReferenceStack(model)(tokens)
+        theirs = TorchExpert.of(model)(tokens)
     assert (ours - theirs).abs().max().item() <= 1e-5
 
 

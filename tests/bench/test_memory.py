@@ -57,8 +57,9 @@ def test_forward_flops_per_token_count_each_weight_matrix_once_per_expert(head):
 
     experts, width, embed, layers = 3, 12, 8, 2
     model = StackedExperts(experts, width, embed, layers, head=head)
-    # output head 256·d_E, projections d·d_E and d_E·d, gates 4d·d input and recurrent per layer
-    macs = 256 * embed + 2 * width * embed + layers * 2 * 4 * width * width
+    # output head 256·d_E, projections d·d_E and d_E·d; per block the gates 4d·d input and recurrent
+    # and the MLP's 4d·d in and d·4d out
+    macs = 256 * embed + 2 * width * embed + layers * 4 * 4 * width * width
     assert memory.forward_flops_per_token(model) == 2 * macs
 
 

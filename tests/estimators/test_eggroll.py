@@ -24,7 +24,7 @@ from soma_pl.estimators.eggroll import (
     shape_fitness,
 )
 from soma_pl.models import HeadMode, StackedExperts, recurrence
-from soma_pl.models.lowrank import LOW_RANK_MATRICES, population_losses
+from soma_pl.models.stacked import LOW_RANK_MATRICES, population_losses
 
 IDS = torch.arange(1)
 
@@ -122,8 +122,8 @@ def test_triton_member_forward_equals_the_pytorch_loop_in_float32(width, rank, p
     model.kernel = recurrence.Kernel.triton
     params = model.expert_parameters()
     with torch.no_grad():
-        assert recurrence.triton_applies(model.kernel, width, *params.values())
-        assert not recurrence.triton_applies(recurrence.Kernel.auto, width, *params.values())  # the CPU: native
+        assert recurrence.resolve_kernel(model.kernel, params, low_rank=True) is recurrence.Kernel.triton
+        assert recurrence.resolve_kernel(recurrence.Kernel.auto, params, low_rank=True) is recurrence.Kernel.native
         got = population_losses(model, tokens, factors, offsets, score_from=2)
         expected = population_losses(reference, tokens, factors, offsets, score_from=2)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

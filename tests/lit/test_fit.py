@@ -77,7 +77,7 @@ def test_checkpoint_of_another_shape_names_both_shapes(corpus_dir, tmp_path, cap
                          f"--ckpt_path={ckpt}"))
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "[1, 2, 8]" in message and "[1, 2, 12]" in message and "model.norm_gains" in message
+    assert "[1, 3, 8]" in message and "[1, 3, 12]" in message and "model.norm_gains" in message
 
 
 @pytest.mark.network

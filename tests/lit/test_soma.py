@@ -150,7 +150,7 @@ def test_warm_start_copies_the_seed_into_every_expert(tmp_path):
 def test_warm_start_from_another_width_names_both_shapes(tmp_path):
     path = _seed_checkpoint(tmp_path / "seed.ckpt", width=6)
     module = _soma(tmp_path, init="seed", seed_checkpoint=str(path))
-    with pytest.raises(ConfigError, match=r"'norm_gains' has shape \[2, 6\] per expert.*have \[2, 8\]"):
+    with pytest.raises(ConfigError, match=r"'norm_gains' has shape \[3, 6\] per expert.*have \[3, 8\]"):
         module._warm_start(str(path))
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from soma_pl.bench.kernels import ReferenceStack
 from soma_pl.models import recurrence, triton_lstm
 from soma_pl.models.recurrence import Kernel, resolve_kernel
+from soma_pl.models.reference import TorchExpert
 from soma_pl.models.stacked import StackedExperts
 
 TOLERANCE = 1e-5
@@ -27,7 +27,7 @@ def _copies(model: StackedExperts, groups: int) -> dict[str, torch.Tensor]:
 
 def _each_weight_set_alone(model: StackedExperts, params: dict[str, torch.Tensor], tokens: torch.Tensor
                            ) -> torch.Tensor:
-    """Logits of every weight set run alone through standard layers (`torch.nn.LSTM`, `ReferenceStack`):
+    """Logits of every weight set run alone through standard layers (`TorchExpert`):
     independent of every kernel here, the reference loop included."""
     full = model.group_parameters(params, tokens.shape[0])
     logits = []
@@ -35,7 +35,7 @@ def _each_weight_set_alone(model: StackedExperts, params: dict[str, torch.Tensor
         alone = StackedExperts(1, model.width, model.embed_dim, model.num_layers)
         for name, param in alone.named_parameters():
             param.copy_(full[name][group : group + 1])
-        logits.append(ReferenceStack(alone)(tokens[group]))
+        logits.append(TorchExpert.of(alone)(tokens[group]))
     return torch.stack(logits)
 
 
@@ -101,22 +101,22 @@ def test_native_chunk_layouts_agree_and_saturate_like_the_library_activations():
 
 
 def test_native_residual_chunk_adds_the_hidden_states_and_normalises_for_the_next_layer():
-    """The fused step (``residual += h`` in place, the next layer's RMSNorm returned in place of h)
-    against the plain step, an add and PyTorch's rms_norm; with EGGROLL's rank-r terms, window-major
+    """The fused step (``residual += h`` in place, the MLP's gain-only LayerNorm returned in place of
+    h) against the plain step, an add and PyTorch's layer_norm; with EGGROLL's rank-r terms, window-major
     factors give the same bits as time-major ones. Width 20: a 4-unit tail; 5 rows: a row tail."""
     groups, rows, steps, width, rank = 3, 5, 6, 20, 2
     generator = torch.Generator().manual_seed(8)
     gates = 3.0 * torch.randn(groups, rows, steps, 4 * width, generator=generator)
     packed = recurrence.pack_recurrent(torch.randn(groups, 4 * width, width, generator=generator) / width**0.5)
     state = tuple(torch.randn(groups, rows, width, generator=generator) for _ in range(2))
-    residual = torch.randn(groups, rows, steps, width, generator=generator)
+    residual = torch.randn(groups, rows, steps, width, generator=generator) + 3.0  # a mean for the norm to remove
     gain = torch.rand(groups, width, generator=generator) + 0.5
     extension = recurrence.grouped_extension()
     plain = extension.grouped_lstm_chunk(gates, packed, *state, window_major=True)
     stream = residual.clone()
-    normed, (h, c) = recurrence.native_residual_chunk(gates, packed, state, stream, gain, 1e-6)
+    normed, (h, c) = recurrence.native_residual_chunk(gates, packed, state, stream, gain, 1e-5)
     assert torch.equal(stream, residual + plain[0])
-    expected = torch.nn.functional.rms_norm(residual + plain[0], (width,), eps=1e-6) * gain[:, None, None]
+    expected = torch.nn.functional.layer_norm(residual + plain[0], (width,), eps=1e-5) * gain[:, None, None]
     assert (normed - expected).abs().max().item() <= TOLERANCE
     assert torch.equal(h, plain[1]) and torch.equal(c, plain[2])
 
@@ -129,10 +129,10 @@ def test_native_residual_chunk_adds_the_hidden_states_and_normalises_for_the_nex
     assert not torch.equal(window_major[0], plain[0])  # the rank-r terms changed the gates
     assert torch.equal(window_major[0], time_major[0].transpose(1, 2))
     stream = residual.clone()
-    fused, _ = recurrence.native_residual_chunk(gates, packed, state, stream, gain, 1e-6,
+    fused, _ = recurrence.native_residual_chunk(gates, packed, state, stream, gain, 1e-5,
                                                 {"thin_in": thin_in, **low_rank})
     assert torch.equal(stream, residual + window_major[0])
-    expected = torch.nn.functional.rms_norm(residual + window_major[0], (width,), eps=1e-6) * gain[:, None, None]
+    expected = torch.nn.functional.layer_norm(residual + window_major[0], (width,), eps=1e-5) * gain[:, None, None]
     assert (fused - expected).abs().max().item() <= TOLERANCE
 
 

@@ -1,4 +1,5 @@
-"""StackedExperts: Table 2 counts, batched forward vs per-expert runs, autograd vs differences."""
+"""StackedExperts: Table 2 counts, the block against plain torch.nn, batched forward vs per-expert
+runs, autograd vs differences."""
 
 import math
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from soma_pl import VOCAB_SIZE
 from soma_pl.models import HeadMode, StackedExperts, table2_rows
+from soma_pl.models.reference import TorchExpert
 
 TABLE2 = {
     # N: (d_t, expert body params, ensemble params)
@@ -45,12 +47,32 @@ def test_table2_counts_exact():
 def test_parameter_names_split_head_and_body():
     shared = StackedExperts(4, 32, head=HeadMode.shared, device="meta")
     assert shared.head_parameter_names() == ("head",)
-    assert set(shared.body_parameter_names()) == {"norm_gains", "w_ih", "w_hh"}
+    assert set(shared.body_parameter_names()) == {"norm_gains", "w_ih", "w_hh", "mlp_in", "mlp_out"}
     assert "head" not in shared.expert_parameters()
     wide = StackedExperts(2, 40, device="meta")
-    names = {"head", "in_proj", "out_proj", "norm_gains", "w_ih", "w_hh"}
+    names = {"head", "in_proj", "out_proj", "norm_gains", "w_ih", "w_hh", "mlp_in", "mlp_out"}
     assert set(wide.expert_param_shapes()) == names
-    assert wide.expert_param_shapes()["w_hh"] == torch.Size([4, 160, 40])
+    shapes = wide.expert_param_shapes()
+    assert (shapes["w_hh"], shapes["mlp_in"], shapes["mlp_out"], shapes["norm_gains"]) == (
+        torch.Size([2, 160, 40]), torch.Size([2, 160, 40]), torch.Size([2, 40, 160]), torch.Size([5, 40]))
+
+
+@pytest.mark.parametrize("kernel", ["python", "library", "native"])
+@pytest.mark.parametrize(("width", "head"),
+                         [(12, HeadMode.per_expert), (32, HeadMode.shared), (44, HeadMode.per_expert)])
+def test_each_expert_gives_the_logits_of_plain_torch_nn_with_its_weights(width, head, kernel):
+    """App. C's expert built from nn.LSTM (no bias), nn.Linear, GELU and nn.LayerNorm (no bias),
+    loaded with each expert's weights: the same logits, on every kernel."""
+    model = _model(3, width, head=head, time_chunk=16, kernel=kernel)
+    with torch.no_grad():  # gains and a head away from their inits, so a misplaced one shows
+        model.norm_gains.uniform_(0.5, 1.5)
+        model.head.normal_(0, 0.5)
+    tokens = _tokens(3, 2, 37)
+    with torch.no_grad():
+        logits = model(tokens)
+        for expert in range(3):
+            expected = TorchExpert.of(model, expert)(tokens[expert])
+            torch.testing.assert_close(logits[expert], expected, rtol=1e-4, atol=2e-5)
 
 
 def _single_expert(model: StackedExperts, expert: int) -> StackedExperts:
