@@ -51,7 +51,8 @@ def _check(module: L.LightningModule, start, data: PinnedData, scale: torch.Tens
     expected = _expected_step(start, data.train[0][..., : CONTEXT + 1], scale)
     moved = {name: param.detach().double() - start.get_parameter(name).detach().double()
              for name, param in module.model.expert_parameters().items()}
-    assert moved.keys() == expected.keys() == {"head", "in_proj", "out_proj", "norm_gains", "w_ih", "w_hh"}
+    assert moved.keys() == expected.keys() == {"head", "in_proj", "out_proj", "norm_gains", "w_ih", "w_hh", "mlp_in",
+                                               "mlp_out"}
     for name, step in expected.items():
         assert step.abs().amax(dim=tuple(range(1, step.dim()))).min() > 1e-5, name  # every expert moves
         # Float32 rounding of θ − lr·ĝ and of the multiplier's interpolation: a few ulp of |θ|.
