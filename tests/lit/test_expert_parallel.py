@@ -76,13 +76,19 @@ def test_soma_needs_an_expert_per_process(monkeypatch):
         module.check_world_size(3)
 
 
-def _soma_args(corpus: Path, root: Path, experts: Path, run: str, *extra: str) -> list[str]:
+SGD_MOMENTUM = ("--model.init_args.optimizer.init_args.momentum=0.9",)
+ADAM = ("--model.init_args.optimizer=soma_pl.lit.optim.ZOAdam", "--model.init_args.optimizer.init_args.lr=0.01")
+"""The paper's update: Adam's two moments and step count per expert, gathered and sliced like momentum."""
+
+
+def _soma_args(corpus: Path, root: Path, experts: Path, run: str, *extra: str,
+               optimizer: tuple[str, ...] = SGD_MOMENTUM) -> list[str]:
     return ["--config", str(TINY_SOMA), f"--data.init_args.dataset.corpus.paths=[{corpus}]",
             f"--data.init_args.dataset.output_dir={root / 'data'}", "--data.init_args.dataset.expert_val_fraction=0.1",
             f"--data.init_args.experts_dir={experts}", f"--trainer.default_root_dir={root / run}",
             f"--checkpoint.dirpath={root / run / 'checkpoints'}",
             "--trainer.logger=false", f"--model.init_args.num_experts={EXPERTS}", f"--model.init_args.top_k={EXPERTS}",
-            "--model.init_args.optimizer.init_args.momentum=0.9", *extra]
+            *optimizer, *extra]
 
 
 def _checkpoint(root: Path, run: str) -> dict:
@@ -111,13 +117,20 @@ def test_two_processes_train_the_experts_of_one_process(sharded, corpus_dir, tmp
 
 
 @pytest.mark.slow
-def test_expert_parallel_run_resumes_to_the_same_weights(sharded, corpus_dir, tmp_path):
+@pytest.mark.parametrize(("optimizer", "state"), [(SGD_MOMENTUM, ("momentum_buffer",)),
+                                                  (ADAM, ("exp_avg", "exp_avg_sq", "step"))])
+def test_expert_parallel_run_resumes_to_the_same_weights(sharded, corpus_dir, tmp_path, optimizer, state):
     root, experts = sharded
-    make_cli(["fit", *_soma_args(corpus_dir, root, experts, "straight")])
-    fit_on_processes(_soma_args(corpus_dir, root, experts, "resumed", "--trainer.max_steps=4"), 2, tmp_path / "a")
-    fit_on_processes(_soma_args(corpus_dir, root, experts, "resumed", "--ckpt_path=last"), 2, tmp_path / "b")
-    straight, resumed = _checkpoint(root, "straight"), _checkpoint(root, "resumed")
+    name = "adam" if optimizer == ADAM else "sgd"
+    make_cli(["fit", *_soma_args(corpus_dir, root, experts, f"straight-{name}", optimizer=optimizer)])
+    fit_on_processes(_soma_args(corpus_dir, root, experts, f"resumed-{name}", "--trainer.max_steps=4",
+                                optimizer=optimizer), 2, tmp_path / "a")
+    fit_on_processes(_soma_args(corpus_dir, root, experts, f"resumed-{name}", "--ckpt_path=last",
+                                optimizer=optimizer), 2, tmp_path / "b")
+    straight, resumed = _checkpoint(root, f"straight-{name}"), _checkpoint(root, f"resumed-{name}")
     assert resumed["global_step"] == 8
     assert max_difference(straight["state_dict"], resumed["state_dict"]) == 0.0
-    np.testing.assert_array_equal(straight["optimizer_states"][0]["state"][0]["momentum_buffer"].numpy(),
-                                  resumed["optimizer_states"][0]["state"][0]["momentum_buffer"].numpy())
+    resumed_state = resumed["optimizer_states"][0]["state"]
+    for index, entry in straight["optimizer_states"][0]["state"].items():
+        for key in state:
+            np.testing.assert_array_equal(entry[key].numpy(), resumed_state[index][key].numpy())

@@ -26,16 +26,19 @@ def untrained_loss(corpus, data, run_dir, stage: str = "validate") -> float:
     return cli.trainer.callback_metrics["val/loss" if stage == "validate" else "test/loss"].item()
 
 
-def test_resume_after_a_crash_reaches_the_same_weights_bitwise(corpus_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", [(), ("--model.init_args.optimizer=soma_pl.lit.optim.ZOAdam",
+                                              "--model.init_args.optimizer.init_args.lr=0.01")],
+                         ids=["sgd_momentum", "zo_adam"])
+def test_resume_after_a_crash_reaches_the_same_weights_bitwise(corpus_dir, tmp_path, optimizer):
     data = tmp_path / "data"
-    run_cli(fit_args(corpus_dir, data, tmp_path / "straight"))
-    crashed = fit_args(corpus_dir, data, tmp_path / "crashed",
+    run_cli(fit_args(corpus_dir, data, tmp_path / "straight", *optimizer))
+    crashed = fit_args(corpus_dir, data, tmp_path / "crashed", *optimizer,
                        "--trainer.callbacks+=tests.lit.crash.CrashAtStep", "--trainer.callbacks.step=10")
     with pytest.raises(RuntimeError, match="simulated crash at step 10"):
         run_cli(crashed)
     checkpoint = torch.load(tmp_path / "crashed" / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 8
-    run_cli(fit_args(corpus_dir, data, tmp_path / "crashed", "--ckpt_path=last"))
+    run_cli(fit_args(corpus_dir, data, tmp_path / "crashed", *optimizer, "--ckpt_path=last"))
     straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "crashed")
     assert straight.keys() == resumed.keys()
     for name in straight:
