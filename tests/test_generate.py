@@ -138,9 +138,9 @@ def test_the_prompt_runs_once_and_each_new_byte_is_one_step(tiny, prompt_file, m
     steps = []
     features = StackedExperts.features
 
-    def counted(self, params, tokens, *args):
+    def counted(self, params, tokens, *args, **kwargs):
         steps.append(tokens.shape[2])
-        return features(self, params, tokens, *args)
+        return features(self, params, tokens, *args, **kwargs)
 
     monkeypatch.setattr(StackedExperts, "features", counted)
     _generate(capsys, tmp_path, "--checkpoint", tiny.soma, "--prompt_file", prompt_file, "--max_bytes", "30")
