@@ -96,8 +96,8 @@ def recorded_step(path: Path) -> int:
     except Exception:  # torch.load raises many types for a damaged file
         step = None
     if not _is_int(step):
-        raise DataError(f"--ckpt_path last: unreadable checkpoint {path} (truncated, corrupt or not a Lightning "
-                        "checkpoint): move it out of the run's checkpoint folder")
+        raise DataError(f"unreadable checkpoint {path} (truncated, corrupt or not a Lightning checkpoint): "
+                        "--ckpt_path last reads every checkpoint of the run; move it out of its checkpoint folder")
     return step
 
 
