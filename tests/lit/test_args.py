@@ -12,8 +12,8 @@ import torch
 
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind
-from soma_pl.evaluate_text import load_module
 from soma_pl.lit import BPTTModule, EGGROLLArgs, EpsSchedule, ModelShape, PlateauConfig, SPSAArgs, ZOModule
+from soma_pl.lit.loading import load_module
 from soma_pl.models.checkpoints import load_checkpoint
 
 SHAPE = ModelShape(width=8, num_layers=1, embed_dim=8, time_chunk=32)
