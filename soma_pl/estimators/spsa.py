@@ -101,7 +101,8 @@ def group_sums(values: Tensor, group_size: int) -> Tensor:
     return grouped.expand(-1, group_size, -1).reshape(values.shape)
 
 
-def _chunk_size(config: SPSAConfig, experts: int) -> int:
+def chunk_size(config: SPSAConfig, experts: int) -> int:
+    """Directions per loss call: all n_pert, or as many as ``max_rows`` windows allow (at least one)."""
     if config.max_rows is None:
         return config.n_pert
     per_direction = experts * 2 * config.micro_batch
@@ -211,7 +212,7 @@ def spsa_estimate(
     ids = torch.arange(experts, device=batch.device) if expert_ids is None else expert_ids.to(batch.device)
     gradient = {name: torch.zeros_like(param) for name, param in params.items()}
     projected, own, losses = [], [], []
-    for m, dirs in _index_chunks(range(total), config.n_pert, _chunk_size(config, experts)):
+    for m, dirs in _index_chunks(range(total), config.n_pert, chunk_size(config, experts)):
         tokens = batch[:, m * config.micro_batch : (m + 1) * config.micro_batch]
         z = _generate(params, config.direction, seed, step, ids, dirs)
         eps = config.eps if expert_eps is None else expert_eps
@@ -264,7 +265,7 @@ def spsa_differences(
     ids = torch.arange(experts, device=batch.device)
     empty = next(iter(params.values())).new_zeros(experts, 0)  # a rank may hold no directions
     deltas, losses = [empty], [empty]
-    for m, dirs in _index_chunks(indices, config.n_pert, _chunk_size(config, experts)):
+    for m, dirs in _index_chunks(indices, config.n_pert, chunk_size(config, experts)):
         tokens = batch[:, m * config.micro_batch : (m + 1) * config.micro_batch]
         z = _generate(params, config.direction, seed, step, ids, dirs)
         delta, mean_loss = _evaluate_pairs(loss_fn, params, z, tokens, config.eps)
@@ -302,7 +303,7 @@ def assemble_estimate(
     device = projected.device
     ids = torch.arange(experts, device=device) if expert_ids is None else expert_ids.to(device)
     gradient = {name: torch.zeros_like(param) for name, param in params.items()}
-    for _, dirs in _index_chunks(range(total), config.n_pert, _chunk_size(config, experts)):
+    for _, dirs in _index_chunks(range(total), config.n_pert, chunk_size(config, experts)):
         z = _generate(params, config.direction, seed, step, ids, dirs)
         _accumulate(gradient, projected[:, dirs.to(device)], z)
     for grad in gradient.values():

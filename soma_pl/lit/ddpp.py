@@ -34,7 +34,7 @@ from torch import Tensor
 
 from soma_pl.distributed import rank_share
 from soma_pl.estimators.directions import flat_directions
-from soma_pl.estimators.spsa import SPSAConfig, SPSAResult, assemble_estimate, spsa_differences
+from soma_pl.estimators.spsa import SPSAConfig, SPSAResult, assemble_estimate, chunk_size, spsa_differences
 from soma_pl.lit.parallel import coordinator_bytes, gather_bytes, gather_shares, sum_at_coordinator
 
 
@@ -90,8 +90,7 @@ def partial_estimate(params: Mapping[str, Tensor], delta: Tensor, config: SPSACo
     shapes = {name: param.shape[1:] for name, param in params.items()}
     dim = sum(param[0].numel() for param in params.values())
     ids = torch.arange(experts, device=first.device)
-    chunk = config.n_pert if config.max_rows is None else \
-        max(1, min(config.n_pert, config.max_rows // (experts * 2 * config.micro_batch)))
+    chunk = chunk_size(config, experts)
     flat = first.new_zeros(experts, 1, dim)
     for start in range(0, len(share), chunk):
         dirs = torch.arange(share.start + start, share.start + min(start + chunk, len(share)), device=first.device)

@@ -24,7 +24,7 @@ from torch import Tensor
 from soma_pl.contracts import UpdateMemory
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.eggroll import EGGROLLConfig, FitnessShaping, MemberNoise, eggroll_estimate
-from soma_pl.estimators.spsa import SPSAConfig, _chunk_size, spsa_estimate
+from soma_pl.estimators.spsa import SPSAConfig, chunk_size, spsa_estimate
 from soma_pl.lit.args import KEY
 from soma_pl.lit.ddpp import Exchange, exchanged_estimate
 from soma_pl.models.stacked import LOW_RANK_MATRICES, population_losses
@@ -161,7 +161,7 @@ class SPSAArgs(SPSAConfig):
         `max_rows`): it holds them, the 2K ± copies of the perturbed weights, and the activations of
         E·2K·micro_batch windows."""
         experts = len(module.experts)
-        chunk = _chunk_size(self, experts)
+        chunk = chunk_size(self, experts)
         weights = sum(param[0].numel() * param.element_size() for param in module.perturbed_parameters().values())
         copies = 3 * chunk * experts * weights
         rows = experts * 2 * chunk * self.micro_batch

@@ -14,6 +14,7 @@ import torch
 
 from soma_pl.data.corpus.readers import CorpusConfig
 from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.formats.tar_shards import sha256_file
 from soma_pl.data.preparation.config import PrepareConfig
 from soma_pl.data.preparation.prepare import prepare
 from soma_pl.data.sharding.config import ShardConfig
@@ -88,16 +89,20 @@ def _decayed(checkpoint: dict) -> bool:
 @pytest.mark.parametrize("name", list(MODULES))
 def test_changing_only_the_ensemble_validation_set_leaves_training_bitwise_unchanged(datasets, corpus_dir, name):
     root = datasets
-    ensemble = root / "data" / "ensemble_val.npz"
-    original = EvalSet.load(ensemble)
+    ensemble, manifest = root / "data" / "ensemble_val.npz", root / "data" / "manifest.json"
+    original, recorded = EvalSet.load(ensemble), manifest.read_text()
     try:
         first, first_metrics = _fit(root, corpus_dir, name, f"{name}-a")
         other = EvalSet(np.ascontiguousarray(original.windows[:, ::-1]), original.doc_ids, original.sources,
                         original.offsets)  # the same documents' bytes reversed: another set entirely
         other.save(ensemble)
+        entries = json.loads(recorded)
+        entries["ensemble_val"]["sha256"] = sha256_file(ensemble)  # recorded, as prepare records a set it writes
+        manifest.write_text(json.dumps(entries))
         second, second_metrics = _fit(root, corpus_dir, name, f"{name}-b")
     finally:
         original.save(ensemble)
+        manifest.write_text(recorded)
     assert first_metrics["val/loss"] != second_metrics["val/loss"], "the ensemble-validation set did change"
     assert _decayed(first) and _decayed(second), "learning rates decayed during both runs"
     assert first["global_step"] == second["global_step"] == 16
