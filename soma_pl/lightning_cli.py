@@ -34,7 +34,6 @@ import errno
 import os
 import signal
 import sys
-import warnings
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -462,9 +461,6 @@ def make_cli(argv: Sequence[str], run: bool = True) -> SomaCLI:
     """Parse `argv` (a subcommand first when `run`), instantiate, and run the subcommand."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
-    # ZO modules step their plateau decay themselves (manual optimisation) and keep the metric it
-    # follows beside the scheduler for readers; Lightning warns that it will not use that key.
-    warnings.filterwarnings("ignore", message=r"The lr scheduler dict contains the key\(s\) \['monitor'\]")
     warn_on_layer_order(read_layers(argv))
     argv = expand_configs(argv)  # a layer's `base:` files before it
     with contextlib.ExitStack() as held:  # the run folder's lock, until W&B and the process group are closed

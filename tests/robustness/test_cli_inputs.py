@@ -28,7 +28,7 @@ from soma_pl.errors import DataError
 from soma_pl.lightning_cli import make_cli
 from soma_pl.trainer_checks import resume_point
 from tests.lit.conftest import fit_args
-from tests.robustness.cli import cli, one_error, tiny_dataset
+from tests.robustness.cli import cli, one_error
 from tests.sweeps.conftest import write_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,20 +38,6 @@ TRAINER, DATA, METHOD = (ROOT / "configs" / "trainer" / "cpu.yaml", ROOT / "conf
 
 def _layers(*paths: Path) -> list[str]:
     return config_args(paths)
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> tuple[Path, Path]:
-    """`(corpus, prepared data)`, prepared as tests/lit/tiny_spsa.yaml prepares it (so `fit` reuses it)."""
-    return tiny_dataset(tmp_path_factory.mktemp("cli_inputs"))
-
-
-@pytest.fixture(scope="module")
-def four_steps(dataset, tmp_path_factory) -> Path:
-    """A finished run of 4 updates, validated (and checkpointed) at update 4."""
-    run = tmp_path_factory.mktemp("four") / "run"
-    main(fit_args(*dataset, run, "--trainer.max_steps=4"))
-    return run
 
 
 # --- 8: config layers in the wrong order ------------------------------------------------------------

@@ -22,23 +22,9 @@ import torch
 from soma_pl.callbacks import memory
 from soma_pl.cli import main
 from tests.lit.conftest import fit_args
-from tests.robustness.cli import cli, one_error, tiny_dataset
+from tests.robustness.cli import cli, one_error
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> tuple[Path, Path]:
-    """`(corpus, prepared data)`, prepared as tests/lit/tiny_spsa.yaml prepares it (so `fit` reuses it)."""
-    return tiny_dataset(tmp_path_factory.mktemp("ends"))
-
-
-@pytest.fixture(scope="module")
-def four_steps(dataset, tmp_path_factory) -> Path:
-    """A finished run of 4 updates (its checkpoint folder: `checkpoints/`)."""
-    run = tmp_path_factory.mktemp("four") / "run"
-    main(fit_args(*dataset, run, "--trainer.max_steps=4"))
-    return run
 
 
 def _load(path: Path) -> dict:
