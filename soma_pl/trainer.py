@@ -5,6 +5,9 @@ these settings `float | int`, and jsonargparse tries the union's members in orde
 from a config file or the command line arrived as the float 1.0: every batch, where the file said
 one. Here they are `BatchCount`, which keeps what was written: `1` stays the integer 1, `1.0` and
 `0.25` stay fractions.
+
+Its default progress bar is `soma_pl.callbacks.progress.ResumingProgressBar`, which shows its total
+after a resume too.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from __future__ import annotations
 import lightning as L
 import yaml
 from jsonargparse.typing import register_type
+from lightning.pytorch.callbacks import Callback, ProgressBar
+
+from soma_pl.callbacks.progress import ResumingProgressBar
 
 
 class BatchCount(float):
@@ -30,11 +36,17 @@ register_type(BatchCount, serializer=lambda value: value, deserializer=_batch_co
 
 
 class Trainer(L.Trainer):
-    """`lightning.Trainer`; `limit_*_batches` and `overfit_batches` are `BatchCount`s."""
+    """`lightning.Trainer`; `limit_*_batches` and `overfit_batches` are `BatchCount`s; the progress bar, unless
+    `callbacks` holds one, is `ResumingProgressBar`."""
 
     def __init__(self, *, limit_train_batches: BatchCount | None = None, limit_val_batches: BatchCount | None = None,
                  limit_test_batches: BatchCount | None = None, limit_predict_batches: BatchCount | None = None,
-                 overfit_batches: BatchCount = 0.0, **kwargs) -> None:
-        super().__init__(limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
+                 overfit_batches: BatchCount = 0.0, callbacks: list[Callback] | Callback | None = None,
+                 enable_progress_bar: bool | None = None, **kwargs) -> None:
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [] if callbacks is None else [callbacks]
+        if enable_progress_bar is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(ResumingProgressBar())
+        super().__init__(callbacks=callbacks, enable_progress_bar=enable_progress_bar,
+                         limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
                          limit_test_batches=limit_test_batches, limit_predict_batches=limit_predict_batches,
                          overfit_batches=overfit_batches, **kwargs)
