@@ -10,7 +10,8 @@ EGGROLL's members as rows that add their own rank-r terms; the pass decides whic
   PyTorch's (input, forget, cell, output). Differentiable, so BPTT uses it too.
 - ``native``: many weight sets without gradients (the zero-order hot path and routed evaluation) on
   the CPU run the C++ loop in ``grouped_lstm.cpp``, built on first use with the system compiler
-  (about a minute; cached in ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
+  (about a minute, announced by one line naming its cache folder; cached in ``$TORCH_EXTENSIONS_DIR``,
+  by default ``~/.cache/torch_extensions``):
   each group runs the chunk's steps in turn (its recurrent weights stay in cache), a step one
   register-blocked product fused with the gate activations and the cell, no library call per step;
   the step also adds the hidden state to the residual stream and applies the MLP's LayerNorm
@@ -37,9 +38,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import os
 import platform
+import sys
 import warnings
 from collections.abc import Mapping
 from enum import Enum
@@ -47,8 +48,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-
-log = logging.getLogger(__name__)
 
 KERNEL_ENV = "SOMA_PL_LSTM_KERNEL"
 """Environment variable that overrides :class:`Kernel` for every model in the process."""
@@ -240,10 +239,14 @@ def grouped_extension():
     if os.environ.get(KERNEL_ENV) == Kernel.python.value:
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        log.info("building the native grouped LSTM kernel (once per machine, about a minute)")
-        return load(name=f"soma_pl_grouped_lstm_{_build_tag()}", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+        name = f"soma_pl_grouped_lstm_{_build_tag()}"
+        folder = Path(_get_build_directory(name, verbose=False))  # where `load` builds and caches it
+        if not (folder / f"{name}.so").is_file():  # a build takes about a minute: say so before it starts
+            print(f"soma_pl: building the native LSTM kernel once for this machine (about a minute); cached in "
+                  f"{folder}", file=sys.stderr, flush=True)
+        return load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, build_directory=str(folder),
                     verbose=False)
     except Exception as error:  # no compiler, no ninja, an unsupported platform: the PyTorch loop still runs
         warnings.warn(f"native grouped LSTM kernel unavailable ({type(error).__name__}: {str(error)[:200]}); "
