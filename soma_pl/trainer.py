@@ -6,8 +6,7 @@ from a config file or the command line arrived as the float 1.0: every batch, wh
 one. Here they are `BatchCount`, which keeps what was written: `1` stays the integer 1, `1.0` and
 `0.25` stay fractions.
 
-Its default progress bar is `soma_pl.callbacks.progress.ResumingProgressBar`, which shows its total
-after a resume too.
+Its default progress bar is `ResumingProgressBar`, which shows its total after a resume too.
 """
 
 from __future__ import annotations
@@ -15,9 +14,7 @@ from __future__ import annotations
 import lightning as L
 import yaml
 from jsonargparse.typing import register_type
-from lightning.pytorch.callbacks import Callback, ProgressBar
-
-from soma_pl.callbacks.progress import ResumingProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 
 
 class BatchCount(float):
@@ -33,6 +30,22 @@ def _batch_count(value: object) -> int | float:
 
 
 register_type(BatchCount, serializer=lambda value: value, deserializer=_batch_count)
+
+
+class ResumingProgressBar(TQDMProgressBar):
+    """Lightning's `TQDMProgressBar`, which also shows its total (`60/100`) in a fit resumed in the
+    middle of an epoch, as every run of an endless training stream is: Lightning sets the total when
+    an epoch starts, so a resumed fit showed `60/?`."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.fit_loop.restarted_mid_epoch:
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # batches of this epoch already run
+            # `total_train_batches` is what is left: the epoch's rest, or the updates left by max_steps.
+            total = min(trainer.num_training_batches, done + self.total_train_batches)
+            self.train_progress_bar.total = None if total == float("inf") else total
+            self.train_progress_bar.n = done
+            self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
 
 class Trainer(L.Trainer):

@@ -1,6 +1,5 @@
-"""A fit's progress: `ResumingProgressBar`, Lightning's bar with its total after a resume, and
-`ProgressFile`, the update count and latest validation loss as JSON lines, for another process to
-follow while the fit runs (the main job's per-side bars, `soma_pl.main_job_steps`)."""
+"""`ProgressFile`: a fit's update count and latest validation loss as JSON lines, for another
+process to follow while the fit runs (the main job's per-side bars, `soma_pl.main_job_steps`)."""
 
 from __future__ import annotations
 
@@ -8,23 +7,6 @@ import json
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import TQDMProgressBar
-
-
-class ResumingProgressBar(TQDMProgressBar):
-    """Lightning's `TQDMProgressBar`, which also shows its total (`60/100`) in a fit resumed in the
-    middle of an epoch, as every run of an endless training stream is: Lightning sets the total when
-    an epoch starts, so a resumed fit showed `60/?`."""
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        if trainer.fit_loop.restarted_mid_epoch:
-            done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # batches of this epoch already run
-            # `total_train_batches` is what is left: the epoch's rest, or the updates left by max_steps.
-            total = min(trainer.num_training_batches, done + self.total_train_batches)
-            self.train_progress_bar.total = None if total == float("inf") else total
-            self.train_progress_bar.n = done
-            self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
 
 class ProgressFile(L.Callback):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from soma_pl.callbacks.progress import ResumingProgressBar
 from soma_pl.lightning_cli import make_cli
-from soma_pl.trainer import Trainer
+from soma_pl.trainer import ResumingProgressBar, Trainer
 from tests.lit.conftest import fit_args
 
 
