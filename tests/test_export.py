@@ -1,4 +1,5 @@
-"""`export`: model.safetensors and config.json, read back without Lightning to the checkpoint's logits."""
+"""`export`: model.safetensors, config.json and a model card, read back without Lightning to the checkpoint's
+logits (`ExportedModel.from_pretrained`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import soma_pl
 from soma_pl.cli import main
 from soma_pl.lit.loading import load_module
 from soma_pl.models.checkpoints import load_checkpoint, trained_on
-from soma_pl.models.export import load_exported
+from soma_pl.models.export import ExportedModel, load_exported
 from soma_pl.models.router import prefix_batch
 from tests.robustness.cli import cli, one_error
 from tests.tiny_checkpoints import OTHER_METHODS, PROMPT, ROUTED, module_checkpoint, tiny_checkpoints
@@ -75,8 +76,8 @@ def test_config_json_describes_the_weights(tiny, exported, method):
 
 def test_loading_an_export_imports_no_lightning(tiny, exported, tmp_path):
     script = ("import sys, torch\n"
-              "from soma_pl.models.export import load_exported\n"
-              f"model = load_exported({str(exported['soma'])!r})\n"
+              "from soma_pl.models.export import ExportedModel\n"
+              f"model = ExportedModel.from_pretrained({str(exported['soma'])!r})\n"
               f"torch.save(model(torch.load({str(tmp_path / 'tokens.pt')!r})), {str(tmp_path / 'logits.pt')!r})\n"
               "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))\n")
     torch.save(_tokens(2).clone(), tmp_path / "tokens.pt")
@@ -85,6 +86,26 @@ def test_loading_an_export_imports_no_lightning(tiny, exported, tmp_path):
     assert result.stdout.strip() == "[]"
     module = load_module(tiny.soma)
     assert torch.equal(torch.load(tmp_path / "logits.pt"), module.model(_tokens(2)))
+
+
+def test_the_model_card_names_the_model_method_data_and_the_runs_scores(tiny, tmp_path):
+    run_checkpoint = tiny.spsa.parent / "spsa" / "checkpoints" / "last.ckpt"  # in its run folder, beside summary.json
+    summary = json.loads((tiny.spsa.parent / "spsa" / "summary.json").read_text())
+    main(["export", "--checkpoint", str(run_checkpoint), "--out", str(tmp_path / "out")])
+    card = (tmp_path / "out" / "README.md").read_text()
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["scores"]["val/loss"] == summary["metrics"]["val/loss"] and "train/loss" not in config["scores"]
+    assert f"| `val/loss` | {summary['metrics']['val/loss']:.4f} |" in card
+    assert card.startswith("---\nlibrary_name: soma_pl") and "spsa" in card and str(run_checkpoint) in card
+    assert config["data"]["dataset"] in card and '"batch_size": 4' in card and '"n_pert": 4' in card
+    model = ExportedModel.from_pretrained(tmp_path / "out")
+    tokens = _tokens(1)
+    assert torch.equal(model(tokens), load_module(run_checkpoint).model(tokens)) and not model.training
+
+
+def test_a_card_without_a_run_summary_says_no_scores(exported):
+    assert "None recorded" in (exported["spsa"] / "README.md").read_text()
+    assert json.loads((exported["spsa"] / "config.json").read_text())["scores"] == {}
 
 
 @pytest.mark.parametrize("method", sorted(OTHER_METHODS))

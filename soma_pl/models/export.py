@@ -1,6 +1,6 @@
 """An exported model: `model.safetensors` and `config.json`, read back with plain torch (no Lightning).
 
-The `export` command (`soma_pl.export`) writes a folder holding
+The `export` command (`soma_pl.export`) writes a folder holding a model card (`README.md`) and
 
 - `model.safetensors`: the stacked experts' weights under `model.<name>` (`[E, ...]`: every expert;
   a shared head is `[256, d_E]`) and, for a routed ensemble, its router's under `router.<name>`
@@ -8,10 +8,11 @@ The `export` command (`soma_pl.export`) writes a folder holding
 - `config.json`: the format, soma_pl's version, the model's shape (`model`), the vocabulary (256),
   the router's encoder and sharding, the ensemble size (`top_k`) and first scored target
   (`score_from`), every tensor's shape, and what the writer adds (method, module settings, the data
-  fingerprints).
+  fingerprints and settings, the scores known).
 
-:func:`load_exported` rebuilds an :class:`ExportedModel` from it; this module imports neither
-Lightning nor any part of soma_pl that does, so a deployment needs only torch and safetensors.
+:func:`load_exported` (`ExportedModel.from_pretrained`) rebuilds an :class:`ExportedModel` from it; this
+module imports neither Lightning nor any part of soma_pl that does, so a deployment needs only torch
+and safetensors.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from soma_pl.models.stacked import HeadMode, StackedExperts
 EXPORT_FORMAT = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+CARD_FILE = "README.md"
 _MODEL, _ROUTER, _ENCODER = "model.", "router.", "router.encoder."
 
 
@@ -53,6 +55,11 @@ class ExportedModel(nn.Module):
     def __init__(self, model: StackedExperts, router: Router | None, top_k: int, score_from: int):
         super().__init__()
         self.model, self.router, self.top_k, self.score_from = model, router, top_k, score_from
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> ExportedModel:
+        """The model of an exported folder, in eval mode on the CPU (:func:`load_exported`)."""
+        return load_exported(folder)
 
     @property
     def routed(self) -> bool:
@@ -169,4 +176,4 @@ def _router(described: Mapping | None, tensors: Mapping[str, Tensor]) -> Router 
             raise ValueError(f"router tensors stored but {CONFIG_FILE} describes no router")
         return None
     encoder = encoder_from_saved(described["encoder"], described["encoder_config"], _part(tensors, _ENCODER))
-    return Router(encoder, tensors[_ROUTER + "centroids"], described.get("sharding"))
+    return Router(encoder, tensors[_ROUTER + "centroids"], described["sharding"])
