@@ -56,6 +56,11 @@ def emit_json(result: dict, out: str | Path) -> Path:
     return path
 
 
+def markdown_cell(text: str) -> str:
+    """`text` as one cell of a markdown table row: `|` escaped, line breaks as spaces."""
+    return " ".join(text.splitlines()).replace("|", "\\|")
+
+
 def temporary_path(path: Path) -> Path:
     """`.<name>.tmp-<host>-<pid>` beside `path`: which machine and process is writing it."""
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")

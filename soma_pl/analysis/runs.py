@@ -29,7 +29,7 @@ from pathlib import Path
 
 from soma_pl.analysis.curves import draw_loss_curves
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.io import check_apart, check_output_file, write_atomic, write_json_atomic
+from soma_pl.io import check_apart, check_output_file, markdown_cell, write_atomic, write_json_atomic
 
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
@@ -250,11 +250,6 @@ def _cell(value, form: str) -> str:
     return "–" if value is None else format(value, form)
 
 
-def _markdown_cell(text: str) -> str:
-    """`text` as one cell of a markdown table row: `|` escaped, line breaks as spaces."""
-    return " ".join(text.splitlines()).replace("|", "\\|")
-
-
 def markdown_table(rows: list[RunRow]) -> str:
     """One line per run; losses in nats/byte, `–` where a run has no such figure."""
     header = ["run", "method", "N", "parameters", "updates", "final val loss", "best val loss (update)",
@@ -262,7 +257,7 @@ def markdown_table(rows: list[RunRow]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         best = "–" if r.best_val_loss is None else f"{r.best_val_loss:.4f} ({r.best_val_updates:,})"
-        cells = [_markdown_cell(r.label), r.method, str(r.experts), f"{r.parameters:,}", f"{r.updates:,}",
+        cells = [markdown_cell(r.label), r.method, str(r.experts), f"{r.parameters:,}", f"{r.updates:,}",
                  _cell(r.final_val_loss, ".4f"), best, _cell(r.test_loss, ".4f"), _cell(r.multiply_adds, ".3e"),
                  _cell(r.update_seconds, ".1f"), _cell(r.training_seconds, ".1f")]
         lines.append("| " + " | ".join(cells) + " |")

@@ -38,7 +38,7 @@ from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from soma_pl.errors import ConfigError, SomaError
-from soma_pl.io import check_apart, write_json_atomic
+from soma_pl.io import check_apart, markdown_cell, write_json_atomic
 from soma_pl.sweeps.equal_time import equal_time_table
 from soma_pl.sweeps.final_test import final_table
 from soma_pl.sweeps.space import Label, load_sweep
@@ -228,8 +228,13 @@ def _cell(stat: dict | None) -> str:
     return _fmt(stat["mean"]) + (f" ± {_fmt(stat['sd'])}" if stat["sd"] is not None else f" (n={stat['n']})")
 
 
+def _row(cells: list[str]) -> str:
+    """A markdown table row; a `|` or a line break inside a cell (a factor's name or label) is escaped."""
+    return "| " + " | ".join(map(markdown_cell, cells)) + " |"
+
+
 def _head(cells: list[str]) -> list[str]:
-    return ["| " + " | ".join(cells) + " |", "|" + "---|" * len(cells)]
+    return [_row(cells), "|" + "---|" * len(cells)]
 
 
 def _column_name(columns: str | None, label) -> str:
@@ -243,7 +248,7 @@ def markdown(report: dict) -> str:
              "Mean ± sample standard deviation over seeds, nats/byte.", "", *_head([*t6["row_factors"], *names])]
     for row in t6["rows"]:
         cells = [_cell(row["cells"].get(str(label), {}).get("val")) for label in t6["column_labels"]]
-        lines.append("| " + " | ".join([*(str(row["setting"][f]) for f in t6["row_factors"]), *cells]) + " |")
+        lines.append(_row([*(str(row["setting"][f]) for f in t6["row_factors"]), *cells]))
     others = [label for label in t7["column_labels"] if label != t7["baseline"]]
     base_name = _column_name(t7["columns"], t7["baseline"])
     differences = [f"Difference ({base_name} − {_column_name(t7['columns'], o)})" for o in others]
@@ -254,11 +259,11 @@ def markdown(report: dict) -> str:
         tests = [_fmt(entry["test"][str(c)]) + ("†" if entry["at_grid_edge"][str(c)] else "")
                  for c in t7["column_labels"]]
         differences = [_fmt(entry["difference"][str(o)]) for o in others]
-        lines.append("| " + " | ".join([str(entry["seed"]), *tests, *differences]) + " |")
+        lines.append(_row([str(entry["seed"]), *tests, *differences]))
     for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
         values = ([t7["test"][str(c)][key] for c in t7["column_labels"]]
                   + [t7["difference"][str(o)][key] for o in others])
-        lines.append("| " + " | ".join([name, *map(_fmt, values)]) + " |")
+        lines.append(_row([name, *map(_fmt, values)]))
     lines += _edge_footnote(t7, report["sweep"]["labels"])
     if "equal_time" in t7:
         lines += _equal_time_section(report, others)
@@ -285,12 +290,12 @@ def _equal_time_section(report: dict, others: list) -> list[str]:
                      *(f"Difference ({base_name} − {_column_name(t7['columns'], o)})" for o in others)])]
     for entry in timed["per_seed"]:
         cells = [f"{_fmt(entry['val'][str(c)])} ({entry['total_seconds'][str(c)]:.0f} s)" for c in t7["column_labels"]]
-        lines.append("| " + " | ".join([str(entry["seed"]), f"{entry['budget_seconds']:.0f}", *cells,
-                                        *(_fmt(entry["difference"][str(o)]) for o in others)]) + " |")
+        lines.append(_row([str(entry["seed"]), f"{entry['budget_seconds']:.0f}", *cells,
+                           *(_fmt(entry["difference"][str(o)]) for o in others)]))
     for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
         values = [timed["val"][str(c)][key] for c in t7["column_labels"]] + \
                  [timed["difference"][str(o)][key] for o in others]
-        lines.append("| " + " | ".join([name, "", *map(_fmt, values)]) + " |")
+        lines.append(_row([name, "", *map(_fmt, values)]))
     return lines
 
 
@@ -304,12 +309,11 @@ def _final_section(report: dict, others: list) -> list[str]:
                      *differences])]
     for entry in final["per_seed"]:
         cells = [_fmt(entry["test"][str(c)]) for c in t7["column_labels"]]
-        lines.append("| " + " | ".join([str(entry["seed"]), *cells, *(_fmt(entry["difference"][str(o)])
-                                                                       for o in others)]) + " |")
+        lines.append(_row([str(entry["seed"]), *cells, *(_fmt(entry["difference"][str(o)]) for o in others)]))
     for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
         values = [final["test"][str(c)][key] for c in t7["column_labels"]] + \
                  [final["difference"][str(o)][key] for o in others]
-        lines.append("| " + " | ".join([name, *map(_fmt, values)]) + " |")
+        lines.append(_row([name, *map(_fmt, values)]))
     return lines
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import statistics
 
 import optuna
@@ -99,3 +101,27 @@ def test_report_saves_optunas_parallel_coordinate_view(study, tmp_path, monkeypa
         assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     assert json.loads((tmp_path / "report.json").read_text())["study"] == "paper_table7"
     assert "| Mean | 2.2628 | 2.2232 | 0.0396 |" in capsys.readouterr().out
+
+
+def test_a_pipe_or_line_break_in_a_factor_keeps_every_table_row_whole():
+    """A factor's name or label holding `|` or a line break is one escaped cell: every row of a
+    table has its header's number of cell borders."""
+    labels = {"N": [1, 2], "block|width": ["lstm|mlp", "wide\nnarrow"]}
+    study = optuna.create_study(study_name="escaped")
+    study.set_user_attr(SWEEP_ATTR, {"factors": list(labels), "ranges": [], "seeds": [0], "columns": "N",
+                                     "baseline": 1, "labels": labels, "sweep_file": "x.yaml"})
+    for n in labels["N"]:
+        for index, label in enumerate(labels["block|width"]):
+            params = {"N": n, "block|width": label}
+            runs = [{"seed": 0, "val_loss": 2.0 + index, "test_loss": 2.1 + index, "run_dir": "x"}]
+            study.add_trial(create_trial(
+                params=params, distributions={k: CategoricalDistribution(v) for k, v in labels.items()},
+                value=2.0 + index, user_attrs={"runs": runs, "seed": 0, "point": json.dumps({**params, "seed": 0})}))
+    text = markdown(build_report(study, "memory"))
+    tables = [list(rows) for is_table, rows in itertools.groupby(text.splitlines(), lambda line: line.startswith("|"))
+              if is_table]
+    assert len(tables) == 2, text  # Table 6 and Table 7
+    for table in tables:
+        borders = [len(re.findall(r"(?<!\\)\|", row)) for row in table]
+        assert borders == [borders[0]] * len(table), table
+    assert "| block\\|width | N=1 | N=2 |" in text and "| lstm\\|mlp |" in text and "| wide narrow |" in text
