@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2
 
+from soma_pl.contracts import UpdateClock
 from soma_pl.lightning_cli import make_cli
 from soma_pl.models.checkpoints import load_checkpoint
 from tests.lit.conftest import corpus_dir, fit_args  # noqa: F401
@@ -49,11 +50,12 @@ def _key(item) -> str:
 
 
 class OfflineRun:
-    """The run record, merged config, every history row's keys and global steps, the final summary
-    and the artifacts of one run."""
+    """The run record, merged config, every history row (and their keys and global steps), the
+    metrics declared with `define_metric`, the final summary and the artifacts of one run."""
 
     def __init__(self, folder: Path):
         self.config, self.summary, self.history_keys, self.steps, self.artifacts = {}, {}, set(), set(), []
+        self.rows, self.defined = [], {}
         for record in read_records(next(folder.glob("*.wandb"))):
             kind = record.WhichOneof("record_type")
             if kind == "run":
@@ -62,9 +64,12 @@ class OfflineRun:
             elif kind == "config":
                 self.config.update({_key(i): json.loads(i.value_json) for i in record.config.update})
             elif kind == "history":
-                self.history_keys |= {_key(i) for i in record.history.item}
+                self.rows.append({_key(i): json.loads(i.value_json) for i in record.history.item})
+                self.history_keys |= set(self.rows[-1])
                 self.steps |= {json.loads(i.value_json) for i in record.history.item
                                if _key(i) == "trainer/global_step"}
+            elif kind == "metric":
+                self.defined[record.metric.name or record.metric.glob_name] = record.metric
             elif kind == "artifact":
                 self.artifacts.append(record.artifact)
             elif kind == "summary":
@@ -147,6 +152,28 @@ def tiny_data(tmp_path_factory) -> tuple[Path, Path]:
 def _fit(tiny_data, run_dir: Path, *extra: str) -> None:
     corpus, data = tiny_data
     make_cli([*fit_args(corpus, data, run_dir), "--trainer.logger=true", *extra])
+
+
+def test_every_row_of_losses_holds_the_compute_axes_a_chart_can_take_as_x(tiny_data, tmp_path, monkeypatch):
+    """W&B plots one metric against another within a row only: each training and validation row
+    holds the token-forwards, multiply-adds and device-hours spent by its update (the row's step is
+    its update count minus one), and the run declares them with `define_metric`."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setattr(UpdateClock, "seconds", lambda self: 0.25)
+    run_dir = tmp_path / "run"
+    _fit(tiny_data, run_dir, "--trainer.max_steps=8", "--trainer.log_every_n_steps=2")
+    (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    run = OfflineRun(folder)
+    assert {"compute/token_forwards", "compute/multiply_adds", "compute/aggregate_device_hours"} <= set(run.defined)
+    per_expert = json.loads((run_dir / "version_0" / "summary.json").read_text())["parameters"]  # one expert
+    forwards = 2 * 4 * 1 * 4 * 24  # tiny_spsa.yaml: 2 · n_pert · experts · windows · predicted bytes
+    losses = [row for row in run.rows if "train/loss" in row or "val/loss" in row]
+    assert sorted(row["trainer/global_step"] for row in losses) == [1, 3, 3, 5, 7, 7]  # validations after 4, 8
+    for row in losses:
+        updates = row["trainer/global_step"] + 1
+        assert row["compute/token_forwards"] == updates * forwards
+        assert row["compute/multiply_adds"] == updates * forwards * per_expert
+        assert row["compute/aggregate_device_hours"] == pytest.approx(updates * 0.25 / 3600)
 
 
 @pytest.mark.parametrize("logger", ["default", "WandbLogger"])

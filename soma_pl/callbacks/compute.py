@@ -12,7 +12,12 @@ the run directory:
 - `physical_device_hours = ranks × elapsed training wall time / 3600` (validation, data loading and
   waiting included): the paper's "physical total".
 - fixed-rate conventions `E · U · r / 3600` for each configured seconds-per-expert-update r (the
-  paper: 0.168 s reference, 0.140 s normalisation for N = 256).
+  paper: 0.168 s reference, 0.140 s normalisation for N = 256);
+- `token_forwards` and forward `multiply_adds` (token-forwards × parameters per expert).
+
+A W&B chart plots one metric against another only within one logged row, so every row of losses a
+W&B run records also holds the compute axes (`COMPUTE_AXES`), declared with W&B's `define_metric`:
+a chart can take token-forwards, multiply-adds or device-hours as its x instead of the step.
 
 `ComputeBudget` stops a run once aggregate device-hours or token forwards reach a budget: sweeps and
 equal-compute comparisons use it. Both callbacks keep their totals in the checkpoint, so a resumed
@@ -28,7 +33,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -38,6 +43,8 @@ from soma_pl.io import write_json_atomic
 
 SECONDS_PER_HOUR = 3600.0
 TALLY_FIELDS = 4
+COMPUTE_AXES = ("compute/token_forwards", "compute/multiply_adds", "compute/aggregate_device_hours")
+"""Compute spent so far, in every W&B row of losses: the x axes a chart may take instead of the step."""
 
 
 def run_directory(trainer: L.Trainer) -> Path:
@@ -130,6 +137,8 @@ class ComputeReport:
     elapsed_training_seconds: float
     token_forwards: int
     """Token forward passes evaluated by all ranks."""
+    multiply_adds: int
+    """Forward multiply-adds: token forwards × parameters per expert."""
     fixed_rate: list[FixedRate] = field(default_factory=list)
     device: str = "cpu"
 
@@ -138,7 +147,8 @@ class ComputeReport:
         metrics = {"compute/updates": float(self.updates),
                    "compute/aggregate_device_hours": self.aggregate_device_hours,
                    "compute/physical_device_hours": self.physical_device_hours,
-                   "compute/token_forwards": float(self.token_forwards)}
+                   "compute/token_forwards": float(self.token_forwards),
+                   "compute/multiply_adds": float(self.multiply_adds)}
         for rate in self.fixed_rate:
             metrics[f"compute/fixed_{rate.seconds_per_expert_update:g}s_device_hours"] = rate.device_hours
         for expert, seconds in enumerate(self.expert_mean_update_seconds):
@@ -147,7 +157,7 @@ class ComputeReport:
 
 
 def compute_report(tallies: list[Tally], elapsed_seconds: float, reference_seconds: list[float],
-                   device: str = "cpu") -> ComputeReport:
+                   device: str = "cpu", parameters_per_expert: int = 0) -> ComputeReport:
     """Table 3's figures from every rank's tally (`tallies`, rank order)."""
     updates = max((t.updates for t in tallies), default=0)
     per_expert = [t.seconds / (t.updates * t.experts) for t in tallies if t.updates and t.experts
@@ -158,13 +168,27 @@ def compute_report(tallies: list[Tally], elapsed_seconds: float, reference_secon
         aggregate_device_hours=updates * sum(per_expert) / SECONDS_PER_HOUR,
         physical_device_hours=len(tallies) * elapsed_seconds / SECONDS_PER_HOUR,
         elapsed_training_seconds=elapsed_seconds, token_forwards=sum(t.token_forwards for t in tallies),
+        multiply_adds=sum(t.token_forwards for t in tallies) * parameters_per_expert,
         fixed_rate=[FixedRate(r, experts * updates * r / SECONDS_PER_HOUR) for r in reference_seconds],
         device=device)
 
 
-def _log(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+def _log(trainer: L.Trainer, metrics: dict[str, float], join_wandb_row: bool = False) -> None:
+    """`metrics` to every logger at the update count; with `join_wandb_row`, W&B's take them into
+    the row Lightning logs next instead of a row of their own (`join_next_wandb_row`)."""
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
+        if not (join_wandb_row and isinstance(logger, WandbLogger)):
+            logger.log_metrics(metrics, step=trainer.global_step)
+    if join_wandb_row:
+        join_next_wandb_row(trainer, metrics)
+
+
+def join_next_wandb_row(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    """Hand `metrics` to every W&B run uncommitted, so they join the next row Lightning logs: this
+    update's training losses or this validation's losses."""
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.log(metrics, commit=False)
 
 
 class ComputeAccounting(L.Callback):
@@ -198,6 +222,10 @@ class ComputeAccounting(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._session_start = time.perf_counter()
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                for axis in COMPUTE_AXES:
+                    logger.experiment.define_metric(axis)
 
     def elapsed_seconds(self) -> float:
         """Training wall time of this and every earlier session of the run."""
@@ -208,8 +236,10 @@ class ComputeAccounting(L.Callback):
         """The figures so far. A collective under several ranks: every rank calls it at the same update."""
         device = trainer.strategy.root_device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        module = trainer.lightning_module
+        per_expert = sum(p.numel() for p in module.parameters()) // module.model.num_experts
         return compute_report(gather_tallies(trainer, self.tally), self.elapsed_seconds(), self.reference_seconds,
-                              name)
+                              name, per_expert)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         record = self._new_record(pl_module)
@@ -219,13 +249,21 @@ class ComputeAccounting(L.Callback):
         # Ranks count updates in lockstep, so they all reach this collective at the same update.
         if self.tally.updates % max(trainer.log_every_n_steps, 1) == 0:
             report = self.current_report(trainer)
-            _log(trainer, {k: v for k, v in report.metrics().items() if k.startswith("compute/")})
+            compute = {k: v for k, v in report.metrics().items() if k.startswith("compute/")}
+            _log(trainer, compute, join_wandb_row=True)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The forced checkpoint is saved when validation ends; every rank's tally is gathered here,
         # where all ranks are, because only rank 0's callback state reaches the checkpoint.
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and self._world > 1:
             self._snapshot = gather_tallies(trainer, self.tally)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Every rank takes part in the report's collective; only W&B needs the axes in this row.
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking \
+                and any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+            metrics = self.current_report(trainer).metrics()
+            join_next_wandb_row(trainer, {axis: metrics[axis] for axis in COMPUTE_AXES})
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.report = self.current_report(trainer)

@@ -182,6 +182,9 @@ class ByteLMModule(L.LightningModule):
     def log_update(self, losses: Tensor, seconds: float, forwards: int, **extra: float | Tensor) -> None:
         """Record one update's cost in `last_update` and log it.
 
+        Not Lightning's `LearningRateMonitor`: the decay is a per-expert multiplier, not the optimizer's lr.
+        Not its `ThroughputMonitor`: an update forwards each window 2·n_pert times, which no batch size counts.
+
         Args:
             losses: `[E]` this process's experts' training losses (logged per expert when E > 1).
             seconds: the update's wall time; forwards: the token forwards it evaluated on this process.
