@@ -7,6 +7,9 @@ and tells the study the ensemble-validation loss. The test loss is stored as the
 to share the work; stop and restart them at any moment: completed trials are never run again.
 A progress bar on stderr counts the study's finished trials (every worker's) and shows the trial
 running here and the best ensemble-validation loss so far; the JSON summary goes to stdout.
+
+`--overrides '{trainer.max_steps: 20}'` sets fit settings of every trial, over the sweep file's own
+`overrides` (fit's dotted keys); a setting that a grid factor or a range searches is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
@@ -45,6 +49,7 @@ from soma_pl.sweeps.study import (
     open_study,
     running_trials,
     state_counts,
+    suggest,
     sync_queue,
     trial_id,
 )
@@ -153,17 +158,6 @@ def run_fit(command: list[str], run_dir: Path) -> FitOutcome:
     result_path = run_dir / "trial_result.json"
     result = json.loads(result_path.read_text()) if returncode == 0 and result_path.is_file() else None
     return FitOutcome(returncode, result, log)
-
-
-def suggest(spec: SweepSpec, trial: optuna.Trial) -> dict:
-    """The trial's factor labels (and, for range sweeps, sampled values). A grid trial's were
-    fixed when its point was enqueued. The seed is never suggested: a grid trial's is its user
-    attribute `seed`, and a range trial runs every seed."""
-    params = {f.name: trial.suggest_categorical(f.name, list(f.choices)) for f in spec.factors}
-    for r in spec.ranges:
-        params[r.name] = (trial.suggest_int(r.name, int(r.low), int(r.high), log=r.log) if r.integer
-                          else trial.suggest_float(r.name, r.low, r.high, log=r.log))
-    return params
 
 
 def _fail(study: optuna.Study, trial: optuna.Trial, kind: FailureKind, error: str) -> None:
@@ -285,7 +279,7 @@ def work(spec: SweepSpec, storage_url: str, n_trials: int | None = None, retry_f
 
 
 def main(sweep: str, storage: str | None = None, n_trials: int | None = None, retry_failed: bool = False,
-         progress: bool = True) -> None:
+         progress: bool = True, overrides: dict[str, Any] | None = None) -> None:
     """Run (or join) a sweep's Optuna study, one trial at a time.
 
     Args:
@@ -294,11 +288,13 @@ def main(sweep: str, storage: str | None = None, n_trials: int | None = None, re
         n_trials: most trials this worker runs; None: until the study is done.
         retry_failed: re-run grid points whose trials failed by their own error.
         progress: show a progress bar on stderr.
+        overrides: fit settings for every trial, over the sweep file's `overrides`, as fit's dotted keys:
+            '{trainer.max_steps: 20, model.init_args.spsa.eps: 0.01}'; a searched setting is refused.
     """
     if n_trials is not None and n_trials < 1:
         raise ConfigError(f"--n_trials={n_trials}: give how many trials this worker may run (1 or more), or leave it "
                           "unset to run until the study is done")
-    spec = load_sweep(sweep)
+    spec = load_sweep(sweep, overrides)
     check_logging_interval(spec)
     url = storage or spec.storage or default_storage(spec)
     setting = "--storage" if storage else f"{sweep}: storage" if spec.storage else "the default storage"

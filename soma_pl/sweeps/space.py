@@ -9,8 +9,8 @@ seeds: [0, 1]                            # repetitions, not a searched parameter
                                          # once per seed (--seed_everything, and --model.init_args.seed
                                          # where the module has one)
 budget: {token_forwards: 2.0e8}          # -> --budget.token_forwards=... (equal compute per trial)
-overrides: {trainer.max_steps: 40}       # fixed for every trial
-grid:                                    # categorical factors: every combination runs
+overrides: {trainer.max_steps: 40}       # fixed for every trial (`sweep --overrides` adds to them)
+grid:                                    # factors whose every combination runs
   lr: {key: model.init_args.optimizer.init_args.lr, values: [0.00125, 0.0025]}
   N:
     choices:                             # a label -> overrides; `config` swaps the base config's layers
@@ -34,11 +34,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from soma_pl.config_files import read_yaml
+from soma_pl.config_files import flatten, read_yaml
 from soma_pl.errors import ConfigError
 
 Label = int | float | str | bool
-"""A categorical choice as Optuna stores it (its name in tables)."""
+"""A grid factor's choice as Optuna stores it (its name in tables)."""
 SEED = "seed"
 """A grid point's seed: the trial user attribute (never an Optuna parameter) naming its repetition."""
 CONFIG = "config"
@@ -65,10 +65,23 @@ class PrunerSpec:
 
 @dataclass(frozen=True)
 class Factor:
-    """A categorical factor: each label maps to the config overrides it stands for."""
+    """A grid factor: each label maps to the config overrides it stands for."""
 
     name: str
     choices: dict[Label, dict[str, Any]]
+
+    @property
+    def numeric(self) -> bool:
+        """Whether the labels are all integers or all floats: an axis of numbers, not of names."""
+        return {type(label) for label in self.choices} in ({int}, {float})
+
+    @property
+    def log(self) -> bool:
+        """Whether a numeric factor's axis is logarithmic: every value positive and the gaps between
+        the sorted values widening (lr 0.0125, 0.025, 0.05; N 1, 2, 8, 32, 256), not even (1, 2, 3)."""
+        values = sorted(self.choices)
+        gaps = [high - low for low, high in itertools.pairwise(values)]
+        return values[0] > 0 and all(wider > narrower * (1 + 1e-9) for narrower, wider in itertools.pairwise(gaps))
 
 
 @dataclass(frozen=True)
@@ -196,8 +209,9 @@ def study_name(value: Any, path: Path) -> str:
     return name
 
 
-def load_sweep(path: str | Path) -> SweepSpec:
-    """Read and validate a sweep file; bad input is one `ConfigError` line naming the key."""
+def load_sweep(path: str | Path, overrides: dict[str, Any] | None = None) -> SweepSpec:
+    """Read and validate a sweep file, with `overrides` (`sweep --overrides`) over its own; bad input
+    is one `ConfigError` line naming the key."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"sweep file {path} does not exist")
@@ -214,7 +228,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
     names = [f.name for f in factors] + [r.name for r in ranges]
     if len(set(names)) != len(names):
         raise ConfigError(f"{path}: factor names must be unique, got {names}")
-    overrides = _mapping(raw.get("overrides"), "overrides")
+    overrides = {**_mapping(raw.get("overrides"), "overrides"), **command_line_overrides(overrides, factors, ranges)}
     _refuse_searched_seed(path, factors, ranges, overrides)
     trials = raw.get("trials")
     if ranges and not (isinstance(trials, int) and trials > 0):
@@ -235,6 +249,19 @@ def load_sweep(path: str | Path) -> SweepSpec:
         stale_seconds=float(raw.get("stale_seconds", 60.0)))
     _check_configs(spec)
     return spec
+
+
+def command_line_overrides(overrides: dict[str, Any] | None, factors: tuple[Factor, ...],
+                           ranges: tuple[Range, ...]) -> dict[str, Any]:
+    """`sweep --overrides` as dotted keys. A key that a grid factor or a range sets is refused: each
+    trial sets it to its own value, which an override would silently replace or be replaced by."""
+    flat = flatten(overrides or {})
+    searched = {r.key for r in ranges} | {key for f in factors for choice in f.choices.values() for key in choice}
+    clash = sorted(set(flat) & searched)
+    if clash:
+        raise ConfigError(f"--overrides.{clash[0]}: the sweep searches this setting (a grid factor or a range sets it "
+                          "for each trial); change its values in the sweep file instead")
+    return flat
 
 
 def _refuse_searched_seed(path: Path, factors: tuple[Factor, ...], ranges: tuple[Range, ...],

@@ -38,6 +38,13 @@ from pathlib import Path
 
 import optuna
 from filelock import FileLock
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+    check_distribution_compatibility,
+)
 from optuna.exceptions import ExperimentalWarning, StorageInternalError, UpdateFinishedTrialError
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages.journal import JournalFileBackend
@@ -176,6 +183,54 @@ def make_pruner(spec: PrunerSpec) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
+def distributions(spec: SweepSpec) -> dict[str, BaseDistribution]:
+    """Each factor's and range's Optuna distribution. A grid sweep's numeric factors are numbers
+    (integers or floats, on a log scale where `Factor.log`), so Optuna's dashboard and importance
+    analysis see an axis; their values are still exactly the grid's, fixed when each point is
+    enqueued. In a sweep with ranges TPE samples the grid factors, so there they are categorical."""
+    found: dict[str, BaseDistribution] = {}
+    for factor in spec.factors:
+        if spec.is_grid and factor.numeric:
+            kind = IntDistribution if isinstance(next(iter(factor.choices)), int) else FloatDistribution
+            found[factor.name] = kind(min(factor.choices), max(factor.choices), log=factor.log)
+        else:
+            found[factor.name] = CategoricalDistribution(list(factor.choices))
+    for range_ in spec.ranges:
+        found[range_.name] = (IntDistribution(int(range_.low), int(range_.high), log=range_.log) if range_.integer
+                              else FloatDistribution(range_.low, range_.high, log=range_.log))
+    return found
+
+
+def suggest(spec: SweepSpec, trial: optuna.Trial) -> dict:
+    """The trial's factor labels and range values, each by its distribution (`distributions`). A grid
+    trial's were fixed when its point was enqueued. The seed is never suggested: a grid trial's is
+    its user attribute `seed`, and a range trial runs every seed."""
+    params = {}
+    for name, distribution in distributions(spec).items():
+        if isinstance(distribution, CategoricalDistribution):
+            params[name] = trial.suggest_categorical(name, distribution.choices)
+        else:
+            number = trial.suggest_int if isinstance(distribution, IntDistribution) else trial.suggest_float
+            params[name] = number(name, distribution.low, distribution.high, log=distribution.log)
+    return params
+
+
+def check_distributions(spec: SweepSpec, study: optuna.Study) -> None:
+    """Refuse a study whose trials gave a parameter a distribution this sweep file cannot share (a
+    grid factor Optuna held as categories and the file now makes numeric, or other categories):
+    Optuna would fail the first trial that suggests it."""
+    expected = distributions(spec)
+    for trial in study.get_trials(deepcopy=False):
+        for name, distribution in trial.distributions.items():
+            try:
+                check_distribution_compatibility(distribution, expected.get(name, distribution))
+            except ValueError:
+                raise ConfigError(f"study {spec.name!r} holds trials whose parameter {name!r} is {distribution}, and "
+                                  f"{spec.path} makes it {expected[name]}: finish that study with the sweep file "
+                                  "it was started with, or start this sweep as a new study (another study name, "
+                                  "storage or output_dir)") from None
+
+
 def open_study(spec: SweepSpec, storage: BaseStorage, create: bool = True) -> optuna.Study:
     kwargs = {"study_name": spec.name, "storage": storage, "pruner": make_pruner(spec.pruner),
               "sampler": optuna.samplers.TPESampler(seed=spec.seeds[0])}
@@ -186,6 +241,7 @@ def open_study(spec: SweepSpec, storage: BaseStorage, create: bool = True) -> op
         raise ConfigError(f"study {spec.name!r} was started by an older soma_pl, whose trials searched the seed as a "
                           "parameter: finish it with that version, or start this sweep as a new study (another "
                           "study name, storage or output_dir)")
+    check_distributions(spec, study)
     if SWEEP_ATTR not in study.user_attrs:
         study.set_user_attr(SWEEP_ATTR, spec.describe())
     if STUDY_UID_ATTR not in study.user_attrs:

@@ -293,3 +293,77 @@ def test_a_process_that_loses_the_race_to_create_a_new_database_opens_it_again(t
     with pytest.raises(OperationalError, match="database is locked"):  # any other error is not retried
         open_storage(url)
     assert len(calls) == 3
+
+
+def test_numeric_grid_factors_are_numeric_axes_in_optuna_with_the_grids_exact_values(tmp_path, fake_trials):
+    """Optuna's dashboard and importance analysis see a number axis (log where the gaps widen) for
+    each numeric grid factor, a categorical one for names; every trial still runs a grid value."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    grid = {"N": {"choices": {1: {}, 2: {"model.init_args.num_experts": 2}}},
+            "lr": {"key": "model.init_args.optimizer.init_args.lr", "values": [0.0125, 0.025, 0.05]},
+            "n_pert": {"key": "model.init_args.spsa.n_pert", "values": [2, 4, 6]},
+            "direction": {"key": "model.init_args.spsa.direction", "values": ["sparse"]}}
+    storage = STORAGES["journal"](tmp_path)
+    spec = spec_of(write_sweep(tmp_path, seeds=[0], grid=grid))
+    assert runner.work(spec, storage) == {"COMPLETE": 18}
+    trials = _study(spec, storage).trials
+    assert trials[0].distributions == {
+        "N": IntDistribution(1, 2, log=True), "lr": FloatDistribution(0.0125, 0.05, log=True),
+        "n_pert": IntDistribution(2, 6), "direction": CategoricalDistribution(["sparse"])}
+    assert sorted(json.dumps(t.params, sort_keys=True) for t in trials) == \
+        sorted(json.dumps({k: v for k, v in p.items() if k != "seed"}, sort_keys=True) for p in spec.grid_points())
+    assert {type(t.params["N"]) for t in trials} == {int} and {t.params["lr"] for t in trials} == {0.0125, 0.025, 0.05}
+
+
+def test_a_study_holding_a_factor_as_categories_is_refused_naming_it(tmp_path):
+    """A study whose trials held lr as categories (an earlier soma_pl) cannot take numeric lr trials."""
+    import optuna
+
+    from soma_pl.errors import ConfigError
+
+    spec = spec_of(write_sweep(tmp_path, seeds=[0]))
+    storage = open_storage(STORAGES["journal"](tmp_path))
+    old = optuna.create_study(study_name="unit", storage=storage)
+    old.ask({"lr": optuna.distributions.CategoricalDistribution([0.01, 0.02])})
+    with pytest.raises(ConfigError, match="'lr'"):
+        open_study(spec, storage)
+
+
+REAL_FIT_COMMAND = runner.fit_command  # before `fake_trials` replaces it
+
+
+@pytest.mark.parametrize("given", [["--overrides", "{trainer.max_steps: 3, model.init_args.spsa.eps: 0.02}"],
+                                   ["--overrides.trainer.max_steps=3", "--overrides.model.init_args.spsa.eps=0.02"]])
+def test_command_line_overrides_reach_every_trial(given, tmp_path, fake_trials, monkeypatch, capsys):
+    """`sweep --overrides` (a mapping, or one `--overrides.<key>` per setting) sets each trial's fit
+    settings after its config and the sweep file's own overrides."""
+    from tests.robustness.cli import cli
+
+    commands, fake = [], runner.fit_command
+
+    def recorded(*args, **kwargs):
+        commands.append(REAL_FIT_COMMAND(*args, **kwargs))
+        return fake(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "fit_command", recorded)
+    sweep = write_sweep(tmp_path, seeds=[0], overrides={"trainer.max_steps": 5, "trainer.val_check_interval": 1})
+    assert cli(capsys, "sweep", "--sweep", str(sweep), *given, "--progress", "false")[0] == 0
+    assert len(commands) == 4
+    for command in commands:
+        settings = [arg for arg in command if arg.startswith(("--trainer.", "--model.init_args.spsa."))]
+        assert {"--trainer.max_steps=3", "--model.init_args.spsa.eps=0.02", "--trainer.val_check_interval=1"} \
+            <= set(settings)
+        assert "--trainer.max_steps=5" not in settings
+
+
+@pytest.mark.parametrize(("overrides", "setting"), [
+    ({"model.init_args.optimizer.init_args.lr": 0.1}, "model.init_args.optimizer.init_args.lr"),
+    ({"model": {"init_args": {"num_experts": 4}}}, "model.init_args.num_experts"),
+    ({"trainer.log_every_n_steps": 3}, "trainer.log_every_n_steps")])
+def test_an_override_of_a_searched_or_unworkable_setting_is_refused_naming_it(overrides, setting, tmp_path):
+    from soma_pl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
+        runner.main(str(write_sweep(tmp_path, seeds=[0])), overrides=overrides, progress=False)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("trial-*"))
