@@ -95,8 +95,8 @@ COMMANDS: dict[str, Command] = {
                              "document.", "soma_pl.data.corpus.external"),
     "generate": Command("Continue a prompt byte by byte from a checkpoint or an exported folder; prints the "
                         "continuation.", "soma_pl.generate", flatten="sampling"),
-    "export": Command("Write a checkpoint's weights and settings as model.safetensors and config.json (no Lightning "
-                      "to load).", "soma_pl.export"),
+    "export": Command("Write a checkpoint as a model folder: model.safetensors, config.json and a model card (no "
+                      "Lightning to load).", "soma_pl.export"),
     "sweep": Command("Run (or join) a sweep's Optuna study, one trial at a time.", "soma_pl.sweeps.runner"),
     "sweep report": Command("Table 6 / Table 7 style tables of a sweep's study (nats/byte).", "soma_pl.sweeps.report"),
     "demo": Command("The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.",
