@@ -36,13 +36,13 @@ import signal
 import sys
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from jsonargparse import Namespace
+from jsonargparse import Namespace, namespace_to_dict
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
@@ -58,6 +58,7 @@ from soma_pl.callbacks.predictions import WindowLossWriter
 from soma_pl.callbacks.run_identity import ContinuedCSVLogger, RecordRunIdentity, RunIdentity, wandb_disabled
 from soma_pl.callbacks.summary import RunSummary
 from soma_pl.config_files import expand_configs, read_layers, warn_on_layer_order
+from soma_pl.data.preparation.config import PrepareConfig, recipe_config
 from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.distributed import launching_process
 from soma_pl.errors import ConfigError, DataError, Interrupted, SomaError
@@ -196,6 +197,27 @@ def check_wandb() -> None:
                               "WANDB_MODE=offline needs no account") from None
 
 
+def recipe_dataset(config: Namespace) -> None:
+    """Put the data settings in use into a parsed config: a data module that names its folder and the
+    recipe that builds it (`prepared`, `recipe`) is prepared with the recipe's `dataset:` section,
+    not with `dataset`'s defaults (the paper's sizes), so `--print_config`, `config.yaml` and W&B
+    show that section. A `dataset` set by hand is left for the data module to refuse."""
+    init = config.get("data.init_args") if isinstance(config.get("data"), Namespace) else None
+    if init is None or not init.get("prepared") or not init.get("recipe"):
+        return
+    if isinstance(init.get("dataset"), Namespace) and namespace_to_dict(init.dataset) == asdict(PrepareConfig()):
+        _update(init.dataset, asdict(recipe_config(init.recipe, init.prepared)))
+
+
+def _update(section: Namespace, values: dict) -> None:
+    """Set `values` in a parsed dataclass `section`, its nested dataclasses (`corpus`) key by key."""
+    for key, value in values.items():
+        if isinstance(section[key], Namespace):
+            _update(section[key], value)
+        else:
+            section[key] = value
+
+
 def plain_config(parser, config: Namespace) -> dict:
     """A subcommand's resolved config as `config.yaml` holds it: plain values, every default filled in."""
     return yaml.safe_load(parser.dump(config, format="yaml", skip_unset=False))
@@ -272,8 +294,17 @@ class SomaCLI(LightningCLI):
         """Parse `args`, always a list here: `soma_pl.cli.main` hands on the command line after the
         subcommand has picked this CLI, and a caller in Python (a test) its own list.
         LightningCLI's own version warns whenever `args` is given while `sys.argv` holds
-        arguments, which is every run from the command line."""
-        self.config = parser.parse_args(args)
+        arguments, which is every run from the command line. `--print_config` prints the config
+        with the data settings in use (`recipe_dataset`)."""
+        printing = next((arg for arg in args if arg.split("=")[0] == "--print_config"), None)
+        self.config = parser.parse_args([arg for arg in args if arg is not printing])
+        subcommand = self.config.get("subcommand")
+        recipe_dataset(self.config[subcommand] if subcommand else self.config)
+        if printing is not None:
+            flags = printing.partition("=")[2]
+            print(self._parser(subcommand).dump(self.config[subcommand] if subcommand else self.config,
+                                                skip_none="skip_null" in flags), end="")
+            raise SystemExit(0)
 
     def before_instantiate_classes(self) -> None:
         """Checkpoints go to `<default_root_dir>/checkpoints` unless `checkpoint.dirpath` says otherwise

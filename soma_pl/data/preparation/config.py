@@ -123,3 +123,10 @@ def load_prepare_config(recipe: str | Path) -> PrepareConfig:
         return parser.instantiate_classes(parser.parse_path(str(path))).dataset
     except Exception as error:  # jsonargparse reports every parse problem its own way
         raise ConfigError(f"{path}: {str(error).strip().splitlines()[0]}") from error
+
+
+def recipe_config(recipe: str | Path, folder: str | Path) -> PrepareConfig:
+    """What a data config `recipe` builds into `folder` (`prepare_recipe`, a data module's `recipe`)."""
+    config = load_prepare_config(recipe)
+    config.output_dir = str(folder)
+    return config

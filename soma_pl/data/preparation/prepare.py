@@ -41,7 +41,7 @@ from pathlib import Path
 
 from soma_pl.data.corpus.readers import CorpusKind, corpus_fingerprint, corpus_inputs
 from soma_pl.data.formats.manifest import KIND, MANIFEST, existing_fingerprint, read_manifest
-from soma_pl.data.preparation.config import PrepareConfig, load_prepare_config
+from soma_pl.data.preparation.config import PrepareConfig, recipe_config
 from soma_pl.data.preparation.steps import FinishPrepare, PlanHeldOut, SelectHeldOut, WriteShards, warn_about
 from soma_pl.data.runner.pipeline import chain, corpus_reader, write_paths_file
 from soma_pl.data.runner.staging import check_unchanged, remove_staging, run_build
@@ -138,6 +138,4 @@ def prepare_recipe(recipe: str | Path, folder: str | Path, setting: str, progres
     """Build `folder` (named by the option `setting`) with the `dataset:` section of the data config
     `recipe`: a no-op when the folder already holds that build, a rebuild when this recipe built
     what it holds, and a one-line refusal when anything else built it."""
-    config = load_prepare_config(recipe)
-    config.output_dir = str(folder)
-    return prepare(config, progress=progress, recipe=(str(recipe), setting))
+    return prepare(recipe_config(recipe, folder), progress=progress, recipe=(str(recipe), setting))

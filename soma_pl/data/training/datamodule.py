@@ -27,7 +27,7 @@ from soma_pl.data.formats.evalsets import EvalSet
 from soma_pl.data.formats.expert_sets import check_sharded_from, expert_shards, read_experts_manifest
 from soma_pl.data.formats.manifest import load_eval_set, open_prepared, read_manifest
 from soma_pl.data.formats.tar_shards import ShardRecord, Verify, verify_shards
-from soma_pl.data.preparation.config import PrepareConfig
+from soma_pl.data.preparation.config import PrepareConfig, recipe_config
 from soma_pl.data.preparation.prepare import prepare, prepare_recipe
 from soma_pl.data.training.stream import WindowStream, fixed_windows
 from soma_pl.distributed import RankSplit, rank_share
@@ -84,7 +84,8 @@ class ByteDataModule(L.LightningDataModule):
             raise ConfigError("data.init_args.recipe needs data.init_args.prepared (the folder it builds)")
         if prepared is None:
             dataset.validate()
-        elif dataset != PrepareConfig():  # it would be ignored: the folder's manifest says what it holds
+        elif dataset not in (PrepareConfig(), *([recipe_config(recipe, prepared)] if recipe else [])):
+            # it would be ignored: the folder's manifest (or its recipe) says what it holds
             raise ConfigError(f"data.init_args.dataset is set but data.init_args.prepared={prepared} names the "
                               "dataset: give one of them (a recipe goes in data.init_args.recipe)")
         # One process per job prepares (global rank 0, on a shared file system); the others wait.
