@@ -13,6 +13,7 @@ finished folder into place.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -302,9 +303,18 @@ def _task_logger(logging_dir, rank: int, local_rank: int = 0, node_rank: int = -
     _console_logs()
     logfile = logging_dir.open(f"logs/task_{rank:05d}.log", "w")
     prefix = f"[NODE {node_rank}] " if node_rank != -1 else ""
-    logger.add(logfile, colorize=False, level="DEBUG", format=prefix + LOG_FORMAT)
+    logger.add(lambda message: _write_log(logfile, message), colorize=False, level="DEBUG", format=prefix + LOG_FORMAT)
     logger.info(f"Launching pipeline for {rank=}")
     return logfile
+
+
+def _write_log(logfile, message: str) -> None:
+    """A line of the task's log file; one the disk refuses (full, read-only) is dropped: the write
+    of the task's data fails on the same disk and ends the command with one line, which loguru's
+    `Logging error` traceback for every log line would otherwise precede."""
+    with contextlib.suppress(OSError):
+        logfile.write(message)
+        logfile.flush()
 
 
 def _close_task_logger(logfile) -> None:
@@ -312,7 +322,8 @@ def _close_task_logger(logfile) -> None:
 
     logger.complete()
     _console_logs()
-    logfile.close()
+    with contextlib.suppress(OSError):  # what is left to flush onto a full disk is dropped (`_write_log`)
+        logfile.close()
 
 
 # datatrove sets up a task's logging with these two functions and offers no other hook; every
