@@ -46,17 +46,9 @@ from soma_pl.lit.routing import Routing
 from soma_pl.models.checkpoints import first_nonfinite
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
-RENAMED = {"SPSAModule": "ZOModule", "SOMAModule": "ZOModule", "DDPPModule": "ZOModule", "EGGROLLModule": "ZOModule"}
-"""Module classes of earlier versions, by the class that now trains them (their checkpoints resume)."""
-
 
 class NonFiniteError(SomaError):
     """A loss or weight became NaN or infinite: the run stops and writes no checkpoint of it."""
-
-
-def resumes(module: str, written_by: str) -> bool:
-    """Whether module class `module` can resume a checkpoint written by class `written_by` (names)."""
-    return module == RENAMED.get(written_by, written_by)
 
 
 def finite_experts(model: StackedExperts) -> Tensor:
@@ -385,7 +377,7 @@ class ByteLMModule(L.LightningModule):
         have other shapes (naming both shapes)."""
         path = getattr(self._trainer, "ckpt_path", None) or "checkpoint"
         written_by = checkpoint.get("module_class") or (checkpoint.get("hyper_parameters") or {}).get("_class_path")
-        if written_by and not resumes(type(self).__name__, str(written_by).rpartition(".")[2]):
+        if written_by and type(self).__name__ != str(written_by).rpartition(".")[2]:
             raise ConfigError(f"{path} was written by {written_by}, the configured model is "
                               f"{type(self).__module__}.{type(self).__qualname__}: resume with the same module "
                               f"(--model={written_by}); start another module from it with seed_checkpoint")

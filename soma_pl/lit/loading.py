@@ -15,7 +15,7 @@ import yaml
 from torch import Tensor
 
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.lit.base import RENAMED, ByteLMModule
+from soma_pl.lit.base import ByteLMModule
 from soma_pl.models.checkpoints import load_checkpoint
 from soma_pl.models.export import ExportedModel, load_exported
 from soma_pl.models.router import Router
@@ -37,31 +37,12 @@ def _model_section(config: Path) -> tuple[str, dict]:
 
 def _soma_modules() -> dict[str, type[ByteLMModule]]:
     """soma_pl's LightningModules under each class path that names them (`soma_pl.lit.ZOModule`,
-    `soma_pl.lit.zo.ZOModule`, and the paths of the classes it replaced, `soma_pl.lit.SOMAModule`)."""
+    `soma_pl.lit.zo.ZOModule`)."""
     lit = importlib.import_module("soma_pl.lit")
     classes = {cls.__name__: cls for cls in vars(lit).values()
                if isinstance(cls, type) and issubclass(cls, ByteLMModule) and cls is not ByteLMModule}
-    paths = {path: cls for cls in classes.values()
-             for path in (f"{lit.__name__}.{cls.__name__}", f"{cls.__module__}.{cls.__qualname__}")}
-    for old, new in RENAMED.items():
-        old_module = old.removesuffix("Module").lower()
-        paths[f"{lit.__name__}.{old}"] = paths[f"{lit.__name__}.{old_module}.{old}"] = classes[new]
-    return paths
-
-
-def _renamed_arguments(class_path: str, init_args: dict) -> dict:
-    """The arguments of a checkpoint written by a class that `ZOModule` replaced, as `ZOModule`'s."""
-    name = class_path.rpartition(".")[2]
-    if name not in RENAMED:
-        return init_args
-    args = dict(init_args)
-    if "init_checkpoint" in args:
-        args.setdefault("seed_checkpoint", args.pop("init_checkpoint"))
-    if args.pop("head", None) == "shared":
-        args.setdefault("head_training", "frozen_shared")
-    if "exchange" in args:
-        args["spsa"] = {**(args.get("spsa") or {}), "exchange": args.pop("exchange")}
-    return args
+    return {path: cls for cls in classes.values()
+            for path in (f"{lit.__name__}.{cls.__name__}", f"{cls.__module__}.{cls.__qualname__}")}
 
 
 def _module_class(class_path: object, source: Path) -> type[ByteLMModule]:
@@ -98,7 +79,7 @@ def load_module(checkpoint: str | Path, config: str | Path | None = None,
         # (`ZOModule`'s `head`): keep what this class accepts, as Lightning's own loading does. The
         # optimizer is left out: evaluation steps none, and building it would import the class it names.
         accepted = inspect.signature(_module_class(class_path, source).__init__).parameters
-        init_args = {key: value for key, value in _renamed_arguments(class_path, hparams).items()
+        init_args = {key: value for key, value in hparams.items()
                      if key in accepted and key not in ("self", "optimizer")}
     else:
         raise ConfigError(f"checkpoint {path} does not name its module class: pass --config with the fit YAML")

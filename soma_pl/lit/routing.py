@@ -24,8 +24,8 @@ from soma_pl.errors import ConfigError
 from soma_pl.models.checkpoints import check_same_data
 from soma_pl.models.router import Router
 
-PREFIX, OLD_PREFIX = "routing.router.", "router."
-"""Where the router's tensors sit in a module's state dict, now and in checkpoints of earlier versions."""
+PREFIX = "routing.router."
+"""Where the router's tensors sit in a module's state dict."""
 
 
 class Routing(nn.Module):
@@ -122,11 +122,7 @@ class Routing(nn.Module):
 
     def load(self, checkpoint: dict) -> None:
         """Take the router a checkpoint carries (before its state dict is loaded), and remember the
-        sharding it was trained on. A checkpoint of an earlier version keeps the router's tensors
-        under `router.`: they are renamed."""
-        state = checkpoint.get("state_dict", {})
-        for name in [name for name in state if name.startswith(OLD_PREFIX)]:
-            state[PREFIX + name.removeprefix(OLD_PREFIX)] = state.pop(name)
+        sharding it was trained on."""
         if "router" in checkpoint:
             self.router = Router.load_from(io.BytesIO(checkpoint["router"]), "in checkpoint")
             self.trained_sharding = self.router.sharding
