@@ -160,7 +160,7 @@ def _pair(kind: str, shape: KernelShape, settings: KernelSettings, model: Stacke
 
     def ours() -> None:
         model.zero_grad(set_to_none=True)
-        _loss(model.forward_with({}, tokens[None])[0], tokens).backward()
+        _loss(model.forward_with({}, tokens[None]).squeeze(0), tokens).backward()
 
     def theirs() -> None:
         reference.zero_grad(set_to_none=True)

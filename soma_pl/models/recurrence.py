@@ -28,7 +28,8 @@ EGGROLL's members as rows that add their own rank-r terms; the pass decides whic
   (BPTT with ``N > 1`` experts) runs, and GPUs without Triton.
 
 ``Kernel.auto`` picks ``library`` for one weight set (no members); for several without gradients in float32,
-``native`` on the CPU, and on a CUDA GPU ``triton`` (where Triton imports) for layers up to
+``native`` on a CPU with AVX-512 (:func:`native_is_fast`; the PyTorch loop, ``python``, on one
+without), and on a CUDA GPU ``triton`` (where Triton imports) for layers up to
 :data:`TRITON_MAX_WIDTH` units and ``python`` above (:func:`cuda_choice`); ``python`` otherwise.
 ``SOMA_PL_LSTM_KERNEL=python|library|native|triton|auto`` overrides the choice for a whole process
 (e.g. to compare against the reference).
@@ -51,10 +52,11 @@ from torch import Tensor
 
 KERNEL_ENV = "SOMA_PL_LSTM_KERNEL"
 """Environment variable that overrides :class:`Kernel` for every model in the process."""
-LIBRARY_ROW_STEPS = 4096
-"""Window-steps (batch × time steps) per library-kernel call without gradients: enough that the
-weight re-packing each call does is small next to the call's work, few enough that activations
-stay bounded (``4096 · 4 · d_t`` floats of gates inside the call)."""
+LIBRARY_GATE_FLOATS = 1 << 22
+"""Gate pre-activations (window-steps × 4·d_t floats, 16 MB) per library-kernel call without
+gradients: the call re-packs its weights, so it should be long, and its activations stay bounded.
+At the bench's and evaluation's shapes (b·T = 16k, 4k, 1k bytes at d_t = 32, 181, 509) that is the
+whole window in one call, as ``torch.nn.LSTM`` takes it."""
 TRITON_MAX_WIDTH = 256
 """Widest layer ``auto`` runs on the Triton kernel on a GPU. One Triton program streams its group's
 recurrent weights at every step, which pays while they are small; on an H200 (``docs/kernels.md``,
@@ -90,7 +92,8 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor], low_rank:
     weights = params["w_hh"]
     single = weights.shape[0] == 1 and not low_rank
     if chosen is Kernel.auto:
-        chosen = Kernel.library if single else cuda_choice(weights.shape[-1]) if weights.is_cuda else Kernel.native
+        chosen = (Kernel.library if single else cuda_choice(weights.shape[-1]) if weights.is_cuda
+                  else Kernel.native if native_is_fast() else Kernel.python)
     if chosen is Kernel.library and (not single or _library_lacks_bf16(weights)):
         return Kernel.python
     if chosen is Kernel.triton:
@@ -102,6 +105,14 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor], low_rank:
     if chosen is Kernel.native and not native_applies(chosen, *params.values()):
         return Kernel.python
     return chosen
+
+
+def native_is_fast() -> bool:
+    """Whether this CPU has AVX-512, which the native kernel's 16-lane vectors are written for. On an
+    AVX2-only CPU they compile to pairs of 8-lane operations, and PyTorch's batched loop ran the
+    zero-order forward 1.7-2.2x faster than the native kernel (docs/kernels.md); ``auto`` takes the
+    loop there, for the layers and for the head."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def cuda_choice(width: int) -> Kernel:
@@ -129,7 +140,8 @@ def torch_gate_order(weight: Tensor) -> Tensor:
 
 def library_weights(w_ih: Tensor, w_hh: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Per-layer PyTorch-ordered weights of the one group. w_ih, w_hh: ``[1, L, 4d, d]``."""
-    return list(zip(torch_gate_order(w_ih[0]).unbind(0), torch_gate_order(w_hh[0]).unbind(0), strict=False))
+    pairs = zip(torch_gate_order(w_ih.squeeze(0)).unbind(0), torch_gate_order(w_hh.squeeze(0)).unbind(0), strict=True)
+    return list(pairs)
 
 
 def library_chunk(x: Tensor, weights: tuple[Tensor, Tensor], state: tuple[Tensor, Tensor]
@@ -194,7 +206,7 @@ def native_applies(kernel: Kernel | str, *tensors: Tensor) -> bool:
     number of weight sets."""
     chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
     grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
-    return (chosen is not Kernel.python and not grad
+    return (chosen is not Kernel.python and (chosen is not Kernel.auto or native_is_fast()) and not grad
             and all(tensor.device.type == "cpu" and tensor.dtype == torch.float32 for tensor in tensors)
             and grouped_extension() is not None)
 

@@ -80,8 +80,10 @@ class LowRank:
 
 def _transposed(weight: Tensor) -> Tensor:
     """``[G, out, in]`` → contiguous ``[G, in, out]`` (batched products read it ~1.7x faster than a
-    transposed view on the CPU); a shared ``[out, in]`` → ``[in, out]``."""
-    return weight.transpose(-1, -2).contiguous()
+    transposed view on the CPU); one weight set (a shared ``[out, in]`` or ``G = 1``) → a transposed
+    view, which a plain matrix product reads without a copy (:func:`linear`)."""
+    transposed = weight.transpose(-1, -2)
+    return transposed if weight.dim() == 2 or weight.shape[0] == 1 else transposed.contiguous()
 
 
 def _member(factors: Factors | None, index: int | None = None) -> tuple[Tensor, Tensor] | None:
@@ -104,8 +106,9 @@ def linear(x: Tensor, weight_t: Tensor, factors: tuple[Tensor, Tensor] | None = 
         ``[G, R, n, out]``.
     """
     groups, width = x.shape[0], x.shape[-1]
-    if weight_t.dim() == 2:
-        out = x @ weight_t
+    if weight_t.dim() == 2 or groups == 1:
+        weight = weight_t if weight_t.dim() == 2 else weight_t[0]
+        out = (x.reshape(-1, width) @ weight).view(*x.shape[:-1], -1)
     else:
         out = torch.bmm(x.reshape(groups, -1, width), weight_t).view(*x.shape[:-1], -1)
     if factors is None:
@@ -119,6 +122,8 @@ def linear(x: Tensor, weight_t: Tensor, factors: tuple[Tensor, Tensor] | None = 
 def layer_norm(x: Tensor, gain: Tensor) -> Tensor:
     """Gain-only LayerNorm over the last dim. x: ``[G, R, n, d]``; gain: ``[G, M, d]`` (member m's on its rows)."""
     groups, members, width = gain.shape
+    if groups * members == 1:
+        return F.layer_norm(x, (width,), gain.view(width), eps=NORM_EPS)
     normed = F.layer_norm(x, (width,), eps=NORM_EPS)
     return (normed.view(groups, members, -1, width) * gain[:, :, None]).view(x.shape)
 
@@ -179,6 +184,7 @@ class Pass:
         self.factors = {} if noise is None else dict(noise.factors)
         self.kernel = recurrence.resolve_kernel(kernel, params, noise is not None)
         self.grad = recurrence.needs_grad(params)
+        self.width = params["w_hh"].shape[-1]
         self.head = params["head"]
         if self.head.dim() == 2 and "head" in self.factors:
             raise ValueError("a shared head is not perturbed")
@@ -190,18 +196,20 @@ class Pass:
         self.gains = gains.expand(-1, self.members, -1, -1)  # [G, M, 2D + 1, d]
         self.proj_t = {name: _transposed(params[name]) for name in ("in_proj", "out_proj") if name in params}
         layers = range(params["w_ih"].shape[1])
-        self.mlp_in_t = [_transposed(params["mlp_in"][:, layer]) for layer in layers]
-        self.mlp_out_t = [_transposed(params["mlp_out"][:, layer]) for layer in layers]
+        # unbind, not one index per block: under autograd its backward is one stack of the blocks'
+        # gradients, where each index's would write a zero-filled copy of the whole stack
+        self.mlp_in_t = [_transposed(weight) for weight in params["mlp_in"].unbind(1)]
+        self.mlp_out_t = [_transposed(weight) for weight in params["mlp_out"].unbind(1)]
         w_ih, w_hh = params["w_ih"], params["w_hh"]
         if self.kernel is Kernel.library:
             self.library = recurrence.library_weights(w_ih, w_hh)
             return
-        self.w_ih_t = [_transposed(w_ih[:, layer]) for layer in layers]
+        self.w_ih_t = [_transposed(weight) for weight in w_ih.unbind(1)]
         if self.kernel is Kernel.native:
             self.packed = [recurrence.pack_recurrent(w_hh[:, layer]) for layer in layers]
             self.native_terms = [self._native_terms(layer) for layer in layers]
         else:
-            self.w_hh_t = [_transposed(w_hh[:, layer]) for layer in layers]
+            self.w_hh_t = [weight.transpose(-1, -2).contiguous() for weight in w_hh.unbind(1)]
 
     def _factor_tensors(self) -> list[Tensor]:
         return [tensor for pair in self.factors.values() for tensor in pair]
@@ -220,11 +228,11 @@ class Pass:
 
     def span(self, chunk: int, rows: int, steps: int) -> int:
         """Time steps per chunk. The library kernel re-packs its weights on every call, so it takes
-        at least :data:`~soma_pl.models.recurrence.LIBRARY_ROW_STEPS` window-steps per call (the whole
+        :data:`~soma_pl.models.recurrence.LIBRARY_GATE_FLOATS` gate floats per call (the whole
         sequence under autograd, which keeps every step anyway); the others take ``chunk``."""
         if self.kernel is not Kernel.library:
             return chunk
-        return steps if self.grad else max(chunk, -(-recurrence.LIBRARY_ROW_STEPS // rows))
+        return steps if self.grad else max(chunk, recurrence.LIBRARY_GATE_FLOATS // (4 * self.width * rows))
 
     def gain(self, index: int) -> Tensor:
         """Norm ``index``'s gains, ``[G, M, d]``."""
@@ -447,7 +455,7 @@ class StackedExperts(nn.Module):
         if missing and groups % self.num_experts:
             raise ValueError(f"{groups} groups is not a multiple of {self.num_experts} experts")
         copies = groups // self.num_experts
-        return {name: params[name] if name in params else param if self.is_shared(name)
+        return {name: params[name] if name in params else param if self.is_shared(name) or copies == 1
                 else param.repeat_interleave(copies, dim=0) for name, param in own.items()}
 
     def zero_state(self, params: Mapping[str, Tensor], rows: int) -> list[tuple[Tensor, Tensor]]:
@@ -488,7 +496,8 @@ class StackedExperts(nn.Module):
         :meth:`group_parameters`); tokens: ``[G, b, T]`` bytes → logits ``[G, b, T, 256]``."""
         full = self.group_parameters(params, tokens.shape[0])
         plan = Pass(self, full)
-        return torch.cat([linear(y, plan.head_t) for y in self.features(full, tokens, plan=plan)], dim=2)
+        chunks = [linear(y, plan.head_t) for y in self.features(full, tokens, plan=plan)]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
 
     def target_log_probs(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0,
                          noise: LowRank | None = None) -> Iterator[Tensor]:
