@@ -28,8 +28,7 @@ EGGROLL's members as rows that add their own rank-r terms; the pass decides whic
   (BPTT with ``N > 1`` experts) runs, and GPUs without Triton.
 
 ``Kernel.auto`` picks ``library`` for one weight set (no members); for several without gradients in float32,
-``native`` on a CPU with AVX-512 (:func:`native_is_fast`; the PyTorch loop, ``python``, on one
-without), and on a CUDA GPU ``triton`` (where Triton imports) for layers up to
+``native`` on the CPU, and on a CUDA GPU ``triton`` (where Triton imports) for layers up to
 :data:`TRITON_MAX_WIDTH` units and ``python`` above (:func:`cuda_choice`); ``python`` otherwise.
 ``SOMA_PL_LSTM_KERNEL=python|library|native|triton|auto`` overrides the choice for a whole process
 (e.g. to compare against the reference).
@@ -92,8 +91,7 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor], low_rank:
     weights = params["w_hh"]
     single = weights.shape[0] == 1 and not low_rank
     if chosen is Kernel.auto:
-        chosen = (Kernel.library if single else cuda_choice(weights.shape[-1]) if weights.is_cuda
-                  else Kernel.native if native_is_fast() else Kernel.python)
+        chosen = Kernel.library if single else cuda_choice(weights.shape[-1]) if weights.is_cuda else Kernel.native
     if chosen is Kernel.library and (not single or _library_lacks_bf16(weights)):
         return Kernel.python
     if chosen is Kernel.triton:
@@ -105,14 +103,6 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor], low_rank:
     if chosen is Kernel.native and not native_applies(chosen, *params.values()):
         return Kernel.python
     return chosen
-
-
-def native_is_fast() -> bool:
-    """Whether this CPU has AVX-512, which the native kernel's 16-lane vectors are written for. On an
-    AVX2-only CPU they compile to pairs of 8-lane operations, and PyTorch's batched loop ran the
-    zero-order forward 1.7-2.2x faster than the native kernel (docs/kernels.md); ``auto`` takes the
-    loop there, for the layers and for the head."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def cuda_choice(width: int) -> Kernel:
@@ -206,7 +196,7 @@ def native_applies(kernel: Kernel | str, *tensors: Tensor) -> bool:
     number of weight sets."""
     chosen = Kernel(os.environ.get(KERNEL_ENV) or kernel)
     grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
-    return (chosen is not Kernel.python and (chosen is not Kernel.auto or native_is_fast()) and not grad
+    return (chosen is not Kernel.python and not grad
             and all(tensor.device.type == "cpu" and tensor.dtype == torch.float32 for tensor in tensors)
             and grouped_extension() is not None)
 
