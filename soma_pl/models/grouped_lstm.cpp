@@ -4,9 +4,9 @@
 // (windows); groups that share one weight set (EGGROLL's members of one expert) run as one bundle
 // of their rows. Each group, or tile of a bundle's rows, runs all of the chunk's steps in turn, so
 // its recurrent weights stay in the core's cache across them, and groups are shared among threads
-// without any per-step barrier. A step is one register-blocked micro-kernel per block of 16 hidden
-// units and up to 4 rows: the four gates' pre-activations for those units accumulate in 16 vector
-// registers (input projection + h_prev @ W_hh^T), then the gate activations, the cell and the hidden state are computed from them
+// without any per-step barrier. A step is one register-blocked micro-kernel per register of hidden
+// units (16 with AVX-512, 8 with AVX2) and up to 4 rows (2 with AVX2): the four gates' pre-activations
+// for those units accumulate in 16 (8) vector registers (input projection + h_prev @ W_hh^T), then the gate activations, the cell and the hidden state are computed from them
 // before anything is written back. No gate buffer and no library call per step: with a few rows
 // per weight set a general GEMM call spends more on its set-up than on the product. In the model's
 // layout the step also adds the hidden state to the residual stream and normalises it for the next
@@ -22,7 +22,7 @@
 // every ratio of the benchmarks can be read against.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -36,14 +36,23 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+constexpr int64_t kLanes = 16;     // hidden units per block of the packed weights
 constexpr int64_t kGates = 4;
-constexpr int64_t kMaxRows = 4;
-constexpr int64_t kTileRows = 8;    // rows of a shared weight set that run through a chunk's steps together
+constexpr int64_t kMaxRows = 4;    // rows per block of a step: tiles start at multiples of it
+constexpr int64_t kTileRows = 8;   // rows of a shared weight set that run through a chunk's steps together
 
-// Sixteen floats; the compiler maps it to one 512-bit register or two / four narrower ones.
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float vec_unaligned __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+// One register of floats: 16 with AVX-512, 8 otherwise, where a block of 16 units runs as two halves
+// of 8. A micro-kernel holds 4 gates x `kRegRows` rows of sums and 4 weight vectors in registers: 4 x 4 + 4
+// of AVX-512's 32, 4 x 2 + 4 of AVX2's 16 (4 rows there spill the sums and ran at half the loop's speed).
+#if defined(__AVX512F__)
+constexpr int64_t kVec = 16;
+constexpr int64_t kRegRows = 4;
+#else
+constexpr int64_t kVec = 8;
+constexpr int64_t kRegRows = 2;
+#endif
+typedef float vec __attribute__((vector_size(kVec * sizeof(float))));
+typedef float vec_unaligned __attribute__((vector_size(kVec * sizeof(float)), aligned(4)));
 
 // exp(x) by Cody-Waite range reduction and a degree-6 minimax polynomial (the Cephes expf
 // coefficients): within 2 ulp of expf on [-87.3, 88.3], inputs clamped to that range. Branch-free
@@ -75,10 +84,18 @@ inline float tanh_(float x) { return 2.0f / (1.0f + fast_exp(-2.0f * x)) - 1.0f;
 // The first `lanes` floats at `from` (zeros after them), and their store. A block's last lanes when d
 // is not a multiple of 16 take a masked load / store: a lane-by-lane copy there compiles to a
 // memcpy call and a stalled reload, which cost d_t = 44 a tenth of its step.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline __m256i lane_mask(int64_t lanes) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+
 inline vec load(const float* from, int64_t lanes) {
-  if (lanes == kLanes) return *reinterpret_cast<const vec_unaligned*>(from);
+  if (lanes == kVec) return *reinterpret_cast<const vec_unaligned*>(from);
 #if defined(__AVX512F__)
   return (vec)_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << lanes) - 1), from);
+#elif defined(__AVX2__)
+  return (vec)_mm256_maskload_ps(from, lane_mask(lanes));
 #else
   vec v = {};
   for (int64_t l = 0; l < lanes; ++l) v[l] = from[l];
@@ -87,12 +104,14 @@ inline vec load(const float* from, int64_t lanes) {
 }
 
 inline void store(float* to, vec from, int64_t lanes) {
-  if (lanes == kLanes) {
+  if (lanes == kVec) {
     *reinterpret_cast<vec_unaligned*>(to) = from;
     return;
   }
 #if defined(__AVX512F__)
   _mm512_mask_storeu_ps(to, static_cast<__mmask16>((1u << lanes) - 1), (__m512)from);
+#elif defined(__AVX2__)
+  _mm256_maskstore_ps(to, lane_mask(lanes), (__m256)from);
 #else
   for (int64_t l = 0; l < lanes; ++l) to[l] = from[l];
 #endif
@@ -148,13 +167,13 @@ inline void cell_update(vec (*gates)[kGates], vec* cell, vec* hidden) {
 template <int Rows>
 inline void cell_update(vec (*gates)[kGates], vec* cell, vec* hidden) {
   for (int r = 0; r < Rows; ++r) {
-    alignas(64) float g[kGates][kLanes];
-    alignas(64) float c[kLanes];
-    alignas(64) float h[kLanes];
+    alignas(64) float g[kGates][kVec];
+    alignas(64) float c[kVec];
+    alignas(64) float h[kVec];
     std::memcpy(g, gates[r], sizeof(g));
     std::memcpy(c, &cell[r], sizeof(c));
 #pragma omp simd
-    for (int64_t l = 0; l < kLanes; ++l) {
+    for (int64_t l = 0; l < kVec; ++l) {
       const float next = sigmoid(g[1][l]) * c[l] + sigmoid(g[0][l]) * tanh_(g[3][l]);
       c[l] = next;
       h[l] = sigmoid(g[2][l]) * tanh_(next);
@@ -168,7 +187,7 @@ inline void cell_update(vec (*gates)[kGates], vec* cell, vec* hidden) {
 // Pins four vectors to registers: without it the compiler folds each load into every multiply-add
 // that reads it (a memory operand per row), and the loads, not the multiply-adds, set the pace.
 inline void keep_in_registers(vec& a, vec& b, vec& c, vec& d) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   asm("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d));
 #else
   (void)a, (void)b, (void)c, (void)d;
@@ -176,17 +195,19 @@ inline void keep_in_registers(vec& a, vec& b, vec& c, vec& d) {
 }
 
 // acc[r][q] += h[r][k] * w[k][q] for k in [k0, k1): `Rows` rows of h at stride `h_stride`, four
-// vectors of w at w + k * w_stride. The sums are copied into locals for the loop, so the compiler
+// vectors of w at w + k * w_stride + q * q_stride. The sums are copied into locals for the loop, so the compiler
 // keeps all of them in registers (2-4% faster per step than updating them through the pointer).
 template <int Rows>
 inline void accumulate(vec (*sums)[kGates], const float* w, const float* h, int64_t h_stride, int64_t k0, int64_t k1,
-                       int64_t w_stride = kGates * kLanes) {
+                       int64_t w_stride = kGates * kLanes, int64_t q_stride = kLanes) {
   vec acc[Rows][kGates];
   for (int r = 0; r < Rows; ++r)
     for (int q = 0; q < kGates; ++q) acc[r][q] = sums[r][q];
   for (int64_t k = k0; k < k1; ++k) {
-    const vec_unaligned* wk = reinterpret_cast<const vec_unaligned*>(w + k * w_stride);
-    vec w0 = wk[0], w1 = wk[1], w2 = wk[2], w3 = wk[3];
+    const float* wk = w + k * w_stride;
+    vec w0 = *reinterpret_cast<const vec_unaligned*>(wk), w1 = *reinterpret_cast<const vec_unaligned*>(wk + q_stride),
+        w2 = *reinterpret_cast<const vec_unaligned*>(wk + 2 * q_stride),
+        w3 = *reinterpret_cast<const vec_unaligned*>(wk + 3 * q_stride);
     keep_in_registers(w0, w1, w2, w3);
     for (int r = 0; r < Rows; ++r) {
       const float s = h[r * h_stride + k];
@@ -249,17 +270,18 @@ void own_pair_block(const float* w0, const float* w1, const float* gates_in, int
   vec acc[2][kGates];
   for (int r = 0; r < 2; ++r)
     for (int q = 0; q < kGates; ++q) acc[r][q] = load(gates_in + r * gi_row + q * width + j0, lanes);
+  const auto at = [](const float* w, int64_t k, int q) {
+    return *reinterpret_cast<const vec_unaligned*>(w + k * kGates * kLanes + q * kLanes);
+  };
   for (int64_t k = 0; k < width; ++k) {
-    const vec_unaligned* a = reinterpret_cast<const vec_unaligned*>(w0 + k * kGates * kLanes);
-    const vec_unaligned* b = reinterpret_cast<const vec_unaligned*>(w1 + k * kGates * kLanes);
-    vec a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+    vec a0 = at(w0, k, 0), a1 = at(w0, k, 1), a2 = at(w0, k, 2), a3 = at(w0, k, 3);
     keep_in_registers(a0, a1, a2, a3);
     const float s0 = h_prev[k];
     acc[0][0] += s0 * a0;
     acc[0][1] += s0 * a1;
     acc[0][2] += s0 * a2;
     acc[0][3] += s0 * a3;
-    vec b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3];
+    vec b0 = at(w1, k, 0), b1 = at(w1, k, 1), b2 = at(w1, k, 2), b3 = at(w1, k, 3);
     keep_in_registers(b0, b1, b2, b3);
     const float s1 = h_prev[hp_row + k];
     acc[1][0] += s1 * b0;
@@ -299,13 +321,20 @@ void group_step(const float* packed, const float* gates_in, int64_t gi_row, cons
                 float* h_next, int64_t hn_row, float* c, int64_t rows, int64_t width, const LowRank* low,
                 const RowGroups& groups, const float* thin_in, float* thin, int64_t own_pair = 0) {
   const int64_t blocks = (width + kLanes - 1) / kLanes, extra_k = low ? 2 * low->rank : 0;
+  // Unit block b's part `half` (of kLanes / kVec): units [j0, j0 + lanes), their weights at w.
+  const auto part = [&](int64_t b, int64_t half, int64_t& j0, int64_t& lanes) {
+    j0 = b * kLanes + half * kVec;
+    lanes = std::min(kVec, width - j0);
+    return packed + b * width * kGates * kLanes + half * kVec;
+  };
+  int64_t j0 = 0, lanes = 0;
   if (own_pair && rows == 2) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* w = packed + b * width * kGates * kLanes;
-      const int64_t j0 = b * kLanes;
-      own_pair_block(w, w + own_pair, gates_in, gi_row, h_prev, hp_row, h_next, hn_row, c, width, j0,
-                     std::min(kLanes, width - j0));
-    }
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t half = 0; half < kLanes / kVec; ++half) {
+        const float* w = part(b, half, j0, lanes);
+        if (lanes > 0)
+          own_pair_block(w, w + own_pair, gates_in, gi_row, h_prev, hp_row, h_next, hn_row, c, width, j0, lanes);
+      }
     return;
   }
   if (low) {
@@ -320,11 +349,11 @@ void group_step(const float* packed, const float* gates_in, int64_t gi_row, cons
       }
     }
   }
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* w = packed + b * width * kGates * kLanes;
-    const int64_t j0 = b * kLanes, lanes = std::min(kLanes, width - j0);
-    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-      const int64_t n = std::min(kMaxRows, rows - r0);
+  for (int64_t b = 0; b < blocks * (kLanes / kVec); ++b) {
+    const float* w = part(b / (kLanes / kVec), b % (kLanes / kVec), j0, lanes);
+    if (lanes <= 0) continue;
+    for (int64_t r0 = 0; r0 < rows; r0 += kRegRows) {
+      const int64_t n = std::min(kRegRows, rows - r0);
       const float* gi = gates_in + r0 * gi_row;
       const float* hp = h_prev + r0 * hp_row;
       float* hn = h_next + r0 * hn_row;
@@ -332,10 +361,13 @@ void group_step(const float* packed, const float* gates_in, int64_t gi_row, cons
       const float* eh = thin + r0 * extra_k;
       const float* extra_w[kMaxRows] = {};
       for (int64_t r = 0; low && r < n; ++r)
-        extra_w[r] = low->a_packed + groups.of(r0 + r) * low->a_group + b * extra_k * kGates * kLanes;
+        extra_w[r] = low->a_packed + groups.of(r0 + r) * low->a_group +
+                     (b / (kLanes / kVec)) * extra_k * kGates * kLanes + (b % (kLanes / kVec)) * kVec;
       switch (n) {
+#if defined(__AVX512F__)
         case 4: unit_block<4>(w, gi, gi_row, hp, hp_row, hn, hn_row, cr, width, j0, lanes, extra_w, eh, extra_k); break;
         case 3: unit_block<3>(w, gi, gi_row, hp, hp_row, hn, hn_row, cr, width, j0, lanes, extra_w, eh, extra_k); break;
+#endif
         case 2: unit_block<2>(w, gi, gi_row, hp, hp_row, hn, hn_row, cr, width, j0, lanes, extra_w, eh, extra_k); break;
         default: unit_block<1>(w, gi, gi_row, hp, hp_row, hn, hn_row, cr, width, j0, lanes, extra_w, eh, extra_k); break;
       }
@@ -349,7 +381,7 @@ inline float sum_lanes(vec v) {
   return _mm512_reduce_add_ps((__m512)v);
 #else
   float total = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) total += v[l];
+  for (int64_t l = 0; l < kVec; ++l) total += v[l];
   return total;
 #endif
 }
@@ -361,42 +393,42 @@ inline float sum_lanes(vec v) {
 // centred squares: taken off before the variance.
 void residual_norm(float* x, int64_t x_row, const float* h, float* normed, const float* gains, const RowGroups& groups,
                    int64_t rows, int64_t width, float eps) {
-  const int64_t padding = (width + kLanes - 1) / kLanes * kLanes - width;
+  const int64_t padding = (width + kVec - 1) / kVec * kVec - width;
   for (int64_t r = 0; r < rows; ++r) {
     const float* gain = gains + groups.of(r) * width;
     float* xr = x + r * x_row;
     const float* hr = h + r * width;
     vec sums = {};
-    for (int64_t j = 0; j < width; j += kLanes) {
-      const int64_t lanes = std::min(kLanes, width - j);
+    for (int64_t j = 0; j < width; j += kVec) {
+      const int64_t lanes = std::min(kVec, width - j);
       const vec sum = load(xr + j, lanes) + load(hr + j, lanes);
       store(xr + j, sum, lanes);
       sums += sum;
     }
     const float mean = sum_lanes(sums) / static_cast<float>(width);
     vec squares = {};
-    for (int64_t j = 0; j < width; j += kLanes) {
-      const vec centred = load(xr + j, std::min(kLanes, width - j)) - mean;
+    for (int64_t j = 0; j < width; j += kVec) {
+      const vec centred = load(xr + j, std::min(kVec, width - j)) - mean;
       squares += centred * centred;
     }
     const float variance = (sum_lanes(squares) - static_cast<float>(padding) * mean * mean) / static_cast<float>(width);
     const float scale = 1.0f / std::sqrt(std::max(variance, 0.0f) + eps);
     float* nr = normed + r * x_row;
-    for (int64_t j = 0; j < width; j += kLanes) {
-      const int64_t lanes = std::min(kLanes, width - j);
+    for (int64_t j = 0; j < width; j += kVec) {
+      const int64_t lanes = std::min(kVec, width - j);
       store(nr + j, (load(xr + j, lanes) - mean) * scale * load(gain + j, lanes), lanes);
     }
   }
 }
 
 constexpr int64_t kVocab = 256;
-constexpr int64_t kVocabPart = kGates * kLanes;  // 64 logits per pass: 4 vectors per row
+constexpr int64_t kVocabPart = kGates * kVec;  // 4 vectors of logits per row and pass
 
 // Logits of `Rows` rows for one quarter of the vocabulary: logits[r][part * 64 + j].
 template <int Rows>
 void logit_part(const float* head_t, const float* features, int64_t dim, int64_t part, float (*logits)[kVocab]) {
   vec acc[Rows][kGates] = {};
-  accumulate<Rows>(acc, head_t + part * kVocabPart, features, dim, 0, dim, kVocab);
+  accumulate<Rows>(acc, head_t + part * kVocabPart, features, dim, 0, dim, kVocab, kVec);
   for (int r = 0; r < Rows; ++r) std::memcpy(logits[r] + part * kVocabPart, acc[r], sizeof(acc[r]));
 }
 
@@ -559,17 +591,19 @@ at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t
   const float* head = head_t.data_ptr<float>();
   const int64_t* t = targets.data_ptr<int64_t>();
   float* out = nll.data_ptr<float>();
-  const int64_t per_group = (rows + kMaxRows - 1) / kMaxRows, sharing = groups / head_t.size(0);
+  const int64_t per_group = (rows + kRegRows - 1) / kRegRows, sharing = groups / head_t.size(0);
   at::parallel_for(0, groups * per_group, 16, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item / per_group, r0 = (item % per_group) * kMaxRows, n = std::min(kMaxRows, rows - r0);
+      const int64_t g = item / per_group, r0 = (item % per_group) * kRegRows, n = std::min(kRegRows, rows - r0);
       const float* h = head + (g / sharing) * dim * kVocab;
       const float* fr = f + (g * rows + r0) * dim;
       const int64_t* tr = t + g * rows + r0;
       float* o = out + g * rows + r0;
       switch (n) {
+#if defined(__AVX512F__)
         case 4: nll_rows<4>(h, fr, tr, o, dim); break;
         case 3: nll_rows<3>(h, fr, tr, o, dim); break;
+#endif
         case 2: nll_rows<2>(h, fr, tr, o, dim); break;
         default: nll_rows<1>(h, fr, tr, o, dim); break;
       }
@@ -582,7 +616,7 @@ at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t
 // cover the latency of two FMA pipes): the core's arithmetic peak, with no memory traffic.
 double fma_gflops(int64_t iterations) {
   vec b = {}, c = {};
-  for (int64_t l = 0; l < kLanes; ++l) {
+  for (int64_t l = 0; l < kVec; ++l) {
     b[l] = 0.999f;
     c[l] = 0.001f;
   }
@@ -596,7 +630,7 @@ double fma_gflops(int64_t iterations) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   const vec total = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
   TORCH_CHECK(total[0] == total[0], "fma_gflops: non-finite sum");  // keeps the chains live
-  return iterations * 12.0 * kLanes * 2.0 / seconds / 1e9;
+  return iterations * 12.0 * kVec * 2.0 / seconds / 1e9;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
