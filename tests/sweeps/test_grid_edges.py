@@ -110,7 +110,7 @@ def test_the_demo_grids_reach_beyond_the_main_jobs_selection(monkeypatch):
     demo = DemoConfig()
     for side in (demo.spsa, demo.soma):
         assert min(pair["lr"]) < side.lr < max(pair["lr"]), side.name
-    assert min(table6["lr"]) < 0.025 and table6["eps"] == [0.0025, 0.005, 0.01]
+    assert min(table6["lr"]) < min(demo.spsa.lr, demo.soma.lr) and table6["eps"] == [0.00125, 0.0025, 0.005]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "sweeps").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
