@@ -41,6 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
+import torch
 import yaml
 from jsonargparse import Namespace, namespace_to_dict
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -282,6 +283,11 @@ class SomaCLI(LightningCLI):
         parser.add_lightning_class_args(WindowLossWriter, "predictions")
         parser.add_lightning_class_args(DivergenceCheck, "divergence")
         parser.add_class_arguments(WandbSettings, "wandb")
+        # Table 1 trains float32 weights with TF32 kernels: `high` lets float32 matrix products run
+        # in TF32 on a GPU that has it (cuDNN's LSTM already does, PyTorch's default); no effect on a CPU.
+        parser.add_argument("--float32_matmul_precision", choices=["highest", "high", "medium"], default="highest",
+                            help="torch.set_float32_matmul_precision: `high` runs float32 matrix products in TF32 "
+                                 "on a GPU (configs/trainer/gpu.yaml, Table 1)")
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs):
         """`--weights_only` (of `fit`, `validate`, ...) defaults to true: `--ckpt_path` loads no code."""
@@ -313,6 +319,7 @@ class SomaCLI(LightningCLI):
         run; a `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset.
         A `fit` holds its run folder (`soma_pl.io.folder_lock`): a second `fit` into it at once is
         refused. A multi-process run is one writer: its launching process holds the folder."""
+        torch.set_float32_matmul_precision(self._get(self.config, "float32_matmul_precision", default="highest"))
         trainer = self._get(self.config, "trainer")
         root = trainer.get("default_root_dir") or RUNS_DIR
         checkpoint = self._get(self.config, "checkpoint", default=None)

@@ -55,3 +55,19 @@ def test_predict_with_one_batch_scores_one_batch_of_windows(corpus_dir, tmp_path
         assert len(rows) == windows, (limit, rows)
         assert [json.loads(row)["window"] for row in rows] == list(range(windows))
     assert yaml.safe_load(TINY.read_text())["data"]["init_args"]["dataset"]["test_windows"] == 4
+
+
+def test_the_gpu_base_runs_float32_products_in_tf32_and_the_cpu_base_does_not(tmp_path):
+    """Table 1: float32 weights with TF32 kernels on the GPU (audit row A12); the setting is the trainer
+    base's, applied by the CLI before anything is built, and the CPU base keeps full float32."""
+    import torch
+
+    bases = {name: yaml.safe_load((ROOT / "configs" / "trainer" / f"{name}.yaml").read_text()) for name in ("gpu", "cpu")}
+    assert bases["gpu"]["float32_matmul_precision"] == "high" and "float32_matmul_precision" not in bases["cpu"]
+    try:
+        for written, expected in (("high", "high"), (None, "highest")):
+            torch.set_float32_matmul_precision("medium")
+            _trainer(tmp_path, *([f"--float32_matmul_precision={written}"] if written else []))
+            assert torch.get_float32_matmul_precision() == expected
+    finally:
+        torch.set_float32_matmul_precision("highest")
