@@ -317,8 +317,8 @@ class SomaCLI(LightningCLI):
         (one folder per run, across resumed sessions, where `--ckpt_path` finds `last.ckpt`); trainer
         settings and folders that cannot work are refused; a resumed `fit` continues its loggers'
         run; a `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset.
-        A `fit` holds its run folder (`soma_pl.io.folder_lock`): a second `fit` into it at once is
-        refused. A multi-process run is one writer: its launching process holds the folder."""
+        A `fit` holds its run folder (`soma_pl.io.folder_lock`), and its checkpoint folder where that lies
+        outside it: a second `fit` into either at once is refused. A multi-process run is one writer: its launching process holds the folder."""
         torch.set_float32_matmul_precision(self._get(self.config, "float32_matmul_precision", default="highest"))
         trainer = self._get(self.config, "trainer")
         root = trainer.get("default_root_dir") or RUNS_DIR
@@ -329,10 +329,13 @@ class SomaCLI(LightningCLI):
         check_folder(root, "trainer.default_root_dir")
         if uses_wandb(trainer.get("logger")):
             check_wandb()
-        if self.subcommand == "fit" and self.held is not None and launching_process():
+        holds = self.subcommand == "fit" and self.held is not None and launching_process()
+        if holds:
             self.held.enter_context(folder_lock(Path(root), "--trainer.default_root_dir"))
         if checkpoint is not None:
             check_folder(checkpoint["dirpath"], "checkpoint.dirpath")
+            if holds and not Path(checkpoint["dirpath"]).resolve().is_relative_to(Path(root).resolve()):
+                self.held.enter_context(folder_lock(Path(checkpoint["dirpath"]), "--checkpoint.dirpath"))
             self._resolve_ckpt_path(Path(checkpoint["dirpath"]), trainer)
             own = self._own_checkpoint(Path(checkpoint["dirpath"]))
             if own is not None:

@@ -189,6 +189,19 @@ def test_a_second_fit_into_a_run_folder_being_written_is_refused(capsys, built, 
         assert (run / "summary.json").read_text() == "the first run's\n"
 
 
+def test_a_second_fit_into_a_checkpoint_folder_being_written_is_refused(capsys, built, tmp_path):
+    """Two runs with their own run folders but one `--checkpoint.dirpath` would mix their checkpoints."""
+    corpus, data = built
+    checkpoints = tmp_path / "shared-checkpoints"
+    checkpoints.mkdir()
+    with held(checkpoints / LOCK):
+        one_error(cli(capsys, "fit", "--config", str(TINY_SPSA), f"--data.init_args.dataset.corpus.paths=[{corpus}]",
+                      f"--data.init_args.dataset.output_dir={data}", f"--trainer.default_root_dir={tmp_path / 'run'}",
+                      f"--checkpoint.dirpath={checkpoints}", "--trainer.logger=false", "--trainer.max_steps=1"),
+                  f"--checkpoint.dirpath={checkpoints}")
+        assert sorted(p.name for p in checkpoints.iterdir()) == [LOCK]
+
+
 def _killed_holder(lock: str, folder: Path) -> None:
     """Run `with <lock>(folder, ...)` in a process, and kill it with SIGKILL while it holds the lock."""
     child = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path\n"
