@@ -144,7 +144,8 @@ class SweepSpec:
         """What the report needs, stored with the study so `sweep report` works without the file."""
         return {"factors": [f.name for f in self.factors], "ranges": [r.name for r in self.ranges],
                 "seeds": list(self.seeds), "columns": self.report.columns, "baseline": self.report.baseline,
-                "labels": {f.name: list(f.choices) for f in self.factors}, "sweep_file": str(self.path)}
+                "labels": {f.name: list(f.choices) for f in self.factors}, "sweep_file": str(self.path),
+                "overrides": json.loads(json.dumps(self.overrides))}
 
 
 def point_key(point: dict[str, Label]) -> str:

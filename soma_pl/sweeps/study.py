@@ -242,11 +242,28 @@ def open_study(spec: SweepSpec, storage: BaseStorage, create: bool = True) -> op
                           "parameter: finish it with that version, or start this sweep as a new study (another "
                           "study name, storage or output_dir)")
     check_distributions(spec, study)
+    check_same_overrides(spec, study)
     if SWEEP_ATTR not in study.user_attrs:
         study.set_user_attr(SWEEP_ATTR, spec.describe())
     if STUDY_UID_ATTR not in study.user_attrs:
         study.set_user_attr(STUDY_UID_ATTR, uuid.uuid4().hex)
     return study
+
+
+def check_same_overrides(spec: SweepSpec, study: optuna.Study) -> None:
+    """Refuse to add trials to a study with fit settings other than those its first worker ran with
+    (the sweep file's `overrides` and `sweep --overrides`, recorded with the study): its trials
+    would differ in a setting that no parameter shows."""
+    recorded = study.user_attrs.get(SWEEP_ATTR, {}).get("overrides")
+    if recorded is None:
+        return
+    given = spec.describe()["overrides"]
+    if given != recorded:
+        changed = sorted(key for key in {*recorded, *given} if recorded.get(key) != given.get(key))
+        raise ConfigError(f"study {spec.name!r} was started with the fit settings {recorded} (the sweep file's "
+                          f"overrides and --overrides); this worker has {given}, differing in {changed}: join it "
+                          "with the same --overrides, or start this sweep as a new study (another study name, "
+                          "storage or output_dir)")
 
 
 def shown_storage(url: str) -> str:

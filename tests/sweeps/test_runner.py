@@ -11,7 +11,7 @@ import pytest
 from optuna.trial import TrialState
 
 from soma_pl.sweeps import runner
-from soma_pl.sweeps.space import point_key
+from soma_pl.sweeps.space import load_sweep, point_key
 from soma_pl.sweeps.study import HEARTBEAT, claim_waiting, open_storage, open_study, sync_queue, trial_id
 
 from .conftest import TINY, fake_val_loss, ran, spec_of, write_sweep
@@ -367,3 +367,19 @@ def test_an_override_of_a_searched_or_unworkable_setting_is_refused_naming_it(ov
     with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
         runner.main(str(write_sweep(tmp_path, seeds=[0])), overrides=overrides, progress=False)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("trial-*"))
+
+
+def test_a_worker_joining_a_study_with_other_fit_settings_is_refused_naming_them(tmp_path):
+    """The study records the settings every trial ran with (the sweep file's overrides and `--overrides`):
+    a worker with another `trainer.max_steps` would add trials that differ in a setting no parameter shows."""
+    from soma_pl.errors import ConfigError
+
+    path = write_sweep(tmp_path, seeds=[0], overrides={"trainer.max_steps": 3})
+    storage = open_storage(STORAGES["journal"](tmp_path))
+    study = open_study(load_sweep(path, {"model.init_args.spsa.eps": 0.02}), storage)
+    assert study.user_attrs["soma_pl:sweep"]["overrides"] == {"trainer.max_steps": 3, "model.init_args.spsa.eps": 0.02}
+    open_study(load_sweep(path, {"model.init_args.spsa.eps": 0.02}), storage)  # the same settings join
+    for other in ({}, {"model.init_args.spsa.eps": 0.05}, {"model.init_args.spsa.eps": 0.02, "trainer.max_steps": 4}):
+        with pytest.raises(ConfigError, match="overrides") as refused:
+            open_study(load_sweep(path, other), storage)
+        assert "model.init_args.spsa.eps" in str(refused.value) or "trainer.max_steps" in str(refused.value)
