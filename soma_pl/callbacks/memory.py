@@ -6,7 +6,8 @@ process grows until the kernel kills it, with no line saying why. Before trainin
 states a lower bound of what one update holds at once (`EstimatesMemory`: the perturbed weight
 copies and activations of one loss call, sized as its chunking sizes them); when it exceeds
 `MARGIN` of the memory available on the module's device (CUDA: free device memory; CPU:
-`MemAvailable` of /proc/meminfo, shared by this machine's processes of the run), the run ends with one
+`MemAvailable` of /proc/meminfo, or what the process's cgroup may still take where that is less
+(a container's or a batch job's limit), shared by this machine's processes of the run), the run ends with one
 line naming what does not fit and the settings that shrink it. Where the available memory cannot be
 read (not Linux), nothing is checked.
 """
@@ -25,6 +26,39 @@ MARGIN = 0.9
 """The share of the available memory a lower bound may take: the rest of an update (losses, the
 optimizer's work, the allocator's slack) needs some."""
 MEMINFO = Path("/proc/meminfo")
+CGROUPS = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+UNLIMITED = 2**62
+"""cgroup v1 writes no limit as a page-rounded 2^63 − 1."""
+
+
+def cgroup_headroom() -> int | None:
+    """What this process's memory cgroup may still take (its limit less its usage), or None where it
+    has no limit or none can be read. cgroup v2 (`0::<path>`: memory.max, memory.current) or v1's
+    memory controller (`memory.limit_in_bytes`, `memory.usage_in_bytes`); a cgroup namespace shows the
+    process's own group at the mount's top."""
+    try:
+        lines = CGROUPS.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            folders, files = [CGROUP_ROOT / path.lstrip("/"), CGROUP_ROOT], ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            mount = CGROUP_ROOT / controllers
+            folders, files = [mount / path.lstrip("/"), mount], ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for folder in folders:
+            try:
+                limit, usage = ((folder / name).read_text().strip() for name in files)
+            except OSError:
+                continue
+            if limit != "max" and int(limit) < UNLIMITED:
+                return max(int(limit) - int(usage), 0)
+            break
+    return None
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -35,7 +69,9 @@ def available_bytes(device: torch.device) -> int | None:
         lines = MEMINFO.read_text().splitlines()
     except OSError:
         return None
-    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), None)
+    machine = next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), None)
+    limited = cgroup_headroom()
+    return machine if limited is None or machine is None else min(machine, limited)
 
 
 def gib(size: float) -> str:

@@ -164,3 +164,37 @@ def test_the_memory_bound_is_the_copies_and_activations_of_one_loss_call(kib, co
         assert result == (0, [])
     else:
         one_error(result, "model.init_args.spsa.n_pert=4")
+
+
+def _cgroup(tmp_path: Path, monkeypatch, line: str, files: dict[str, str]) -> None:
+    """This process's cgroup as /proc/self/cgroup names it (`line`), and its files under the mount."""
+    (tmp_path / "cgroup").write_text(line + "\n")
+    for name, text in files.items():
+        (tmp_path / "mount" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "mount" / name).write_text(text + "\n")
+    monkeypatch.setattr(memory, "CGROUPS", tmp_path / "cgroup")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path / "mount")
+
+
+@pytest.mark.parametrize(("line", "files", "headroom"), [
+    ("0::/job", {"job/memory.max": "1073741824", "job/memory.current": "268435456"}, 805306368),  # v2
+    ("0::/job", {"memory.max": "1000", "memory.current": "400"}, 600),  # v2 in a cgroup namespace
+    ("0::/job", {"job/memory.max": "max", "job/memory.current": "268435456"}, None),
+    ("4:memory:/job", {"memory/job/memory.limit_in_bytes": "2048", "memory/job/memory.usage_in_bytes": "4096"}, 0),
+    ("4:memory:/job", {"memory/job/memory.limit_in_bytes": "9223372036854771712",
+                       "memory/job/memory.usage_in_bytes": "10"}, None),  # v1 without a limit
+    ("3:cpu:/job", {}, None)])
+def test_the_cgroup_headroom_is_its_limit_less_its_usage(line, files, headroom, tmp_path, monkeypatch):
+    _cgroup(tmp_path, monkeypatch, line, files)
+    assert memory.cgroup_headroom() == headroom
+
+
+def test_an_update_beyond_the_cgroups_limit_is_refused_though_the_machine_has_room(dataset, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A container's or batch job's memory limit kills a process long before the machine runs out:
+    tiny_spsa.yaml's update (197,760 bytes) against 214 KiB left in the cgroup of a machine with 8 GiB."""
+    _available(8 * 2**20, tmp_path, monkeypatch)
+    _cgroup(tmp_path, monkeypatch, "0::/job", {"job/memory.max": str(1000 * 2**20),
+                                               "job/memory.current": str(1000 * 2**20 - 214 * 1024)})
+    one_error(cli(capsys, *fit_args(*dataset, tmp_path / "run", "--trainer.max_steps=1")),
+              "model.init_args.spsa.n_pert=4")
