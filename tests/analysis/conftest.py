@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,8 @@ import torch
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.formats.evalsets import EvalSet
+from soma_pl.data.formats.manifest import FORMAT_VERSION, MANIFEST
+from soma_pl.data.formats.tar_shards import sha256_file
 from soma_pl.models.router import HashedNgramEncoder, Router
 from soma_pl.models.stacked import StackedExperts
 
@@ -55,11 +58,16 @@ def one_thread():
 
 @pytest.fixture
 def prepared(tmp_path) -> Path:
-    """A prepared-dataset folder holding only ensemble_val.npz: 6 windows from 3 documents."""
+    """A prepared-dataset folder whose manifest names only ensemble_val.npz (6 windows from 3 documents)
+    and its sha256; no training shards, test windows stated but not written."""
     rng = np.random.default_rng(0)
     windows = rng.integers(0, 256, (6, WINDOW_BYTES), dtype=np.uint8)
     folder = tmp_path / "prepared"
     folder.mkdir()
     EvalSet(windows, np.array(["a", "a", "b", "b", "c", "c"]), np.array(["x"] * 6),
             np.zeros(6, dtype=np.int64)).save(folder / "ensemble_val.npz")
+    entry = {"file": "ensemble_val.npz", "sha256": sha256_file(folder / "ensemble_val.npz")}
+    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "fingerprint": "analysis-tests",
+                                               "train": {"shards": []}, "ensemble_val": entry,
+                                               "test": {"file": "test.npz", "sha256": "not written"}}))
     return folder

@@ -78,3 +78,21 @@ def test_a_missing_checkpoint_is_refused_in_one_line(tmp_path, prepared, capsys)
         main(["analyze", "topk", "--checkpoint", str(tmp_path / "none.ckpt"), "--data", str(prepared)])
     assert exit_info.value.code == 2
     assert "checkpoint not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["topk", "--batch_size", "4"], ["error-correlation"]])
+def test_an_ensemble_validation_file_other_than_the_manifests_is_refused_in_one_line(command, tmp_path, prepared,
+                                                                                    soma_n8, capsys):
+    """The analyses score the windows `prepare` recorded: a file whose sha256 differs from the
+    manifest's (edited, or copied from another dataset) is refused before anything is scored."""
+    from soma_pl.data.formats.evalsets import EvalSet
+
+    tampered = EvalSet.load(prepared / "ensemble_val.npz")
+    tampered.windows[0, :8] = 0
+    tampered.save(prepared / "ensemble_val.npz")
+    with pytest.raises(SystemExit) as exited:
+        main(["analyze", *command, "--checkpoint", str(soma_n8[0]), "--data", str(prepared),
+              "--out", str(tmp_path / "out.json")])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert str(prepared / "ensemble_val.npz") in line and not (tmp_path / "out.json").exists()
