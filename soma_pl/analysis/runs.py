@@ -11,7 +11,7 @@ whose summary is the newest that accounts for training and whose curve joins eve
 Per run the table gives the method (the module), N experts, parameters, updates, the final and the
 best ensemble-validation loss, the test loss when a `test` scored the run after its fit ended (in
 the run's folder, as a sweep trial tests, or in the `test/` folder beside a `fit/` one, as the demo
-does), forward multiply-adds (token-forwards × parameters per expert) and measured time: Table 3's
+does), forward multiply-adds (as the run's compute accounting counted them) and measured time: Table 3's
 update time `U · Σₑ t̄ₑ` and the elapsed training time. The figure draws validation loss against
 updates, multiply-adds and update time (`soma_pl.analysis.curves`), one line per run.
 """
@@ -48,7 +48,8 @@ class CurvePoint:
     updates: int
     val_loss: float
     multiply_adds: int | None
-    """Forward multiply-adds spent so far (token-forwards × parameters per expert); None without compute figures."""
+    """Forward multiply-adds spent so far (the run's `compute/multiply_adds` per update × updates); None without
+    compute figures."""
     update_seconds: float | None
     """Update time spent so far, `updates · Σₑ t̄ₑ`; None without compute figures."""
 
@@ -214,15 +215,14 @@ def read_run(path: Path, label: str) -> RunRow:
     summary = read_summary(path)
     compute = summary.get("compute")
     experts = _experts(summary)
-    per_expert = summary["parameters"] // experts
     updates = compute["updates"] if compute else summary["global_step"]
     final = _finite(summary["metrics"].get("val/loss"))
     points = read_curve(path, updates)
     if not points and final is not None:
         points = {updates: final}
-    per_update = compute["token_forwards"] / compute["updates"] if compute and compute["updates"] else None
+    per_update = compute["multiply_adds"] / compute["updates"] if compute and compute["updates"] else None
     step_seconds = compute["aggregate_device_hours"] * 3600 / compute["updates"] if per_update is not None else None
-    curve = [CurvePoint(u, loss, None if per_update is None else round(u * per_update) * per_expert,
+    curve = [CurvePoint(u, loss, None if per_update is None else round(u * per_update),
                         None if step_seconds is None else u * step_seconds) for u, loss in points.items()]
     finite = [p for p in curve if math.isfinite(p.val_loss)]
     best = min(finite, key=lambda p: p.val_loss, default=None)
@@ -233,7 +233,7 @@ def read_run(path: Path, label: str) -> RunRow:
                   best_val_loss=best.val_loss if best else None, best_val_updates=best.updates if best else None,
                   test_loss=test_loss, test_scores=str(test) if test_loss is not None else None,
                   token_forwards=compute["token_forwards"] if compute else None,
-                  multiply_adds=compute["token_forwards"] * per_expert if compute else None,
+                  multiply_adds=compute["multiply_adds"] if compute else None,
                   update_seconds=compute["aggregate_device_hours"] * 3600 if compute else None,
                   training_seconds=compute["elapsed_training_seconds"] if compute else None, curve=curve)
 
