@@ -3,8 +3,10 @@
 The text (one file, or every `*.txt`/`*.md`/`*.text` file under a folder) is read as bytes and
 split into documents: each file is one document, or with `--documents wikitext` each article of a
 WikiText file (an article starts at a top-level heading line ` = Title = `). Every document is cut
-into non-overlapping 1,025-byte windows at offsets 0, 1025, 2050, ...; the tail shorter than a
-window, and any document shorter than one, is not scored (their counts are reported). Each window
+into 1,025-byte windows advancing 768 bytes (offsets 0, 768, 1536, ...: App. L.1's WikiText-103
+protocol), so that the windows' scored targets, bytes 257 to 1,024 of each, follow one another and
+every byte of a document after its first 256 is scored once; the incomplete last window is dropped,
+and a document shorter than one window is not scored (their counts are reported). Each window
 is scored as in Table 1: a SOMA model routes on the first 256 bytes and averages its top-k experts'
 next-byte probabilities (only the k selected experts run), the loss scores the next 768 targets in
 nats/byte, and a 95% interval resamples whole documents (`soma_pl.eval.bootstrap`). The module
@@ -31,7 +33,7 @@ from soma_pl import ROUTE_BYTES, WINDOW_BYTES
 from soma_pl.data.corpus.documents import Document
 from soma_pl.data.corpus.readers import CorpusKind, corpus_files, iter_text
 from soma_pl.errors import DataError
-from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.eval.bootstrap import RESAMPLES, document_bootstrap
 from soma_pl.eval.checks import check_counts, check_finite
 from soma_pl.eval.ensemble import score_top_k
 from soma_pl.io import check_apart, emit_json
@@ -85,14 +87,20 @@ def split_documents(document: Document, split: DocumentSplit) -> list[Document]:
     return [Document(document.text[a:b], document.source, f"{document.source}#{a}") for a, b in bounds if b > a]
 
 
+WINDOW_STRIDE = WINDOW_BYTES - 1 - ROUTE_BYTES
+"""768: how far each window starts after the one before, its scored targets' count (App. L.1)."""
+
+
 def cut_windows(documents: Sequence[Document]) -> tuple[np.ndarray, np.ndarray]:
-    """Non-overlapping 1,025-byte windows of every document: ``[n, 1025] uint8`` and ``[n]`` ids."""
+    """1,025-byte windows of every document advancing 768 bytes: ``[n, 1025] uint8`` and ``[n]`` ids."""
     rows, ids = [], []
     for document in documents:
-        count = len(document.text) // WINDOW_BYTES
-        data = np.frombuffer(document.text, dtype=np.uint8, count=count * WINDOW_BYTES)
-        rows.append(data.reshape(count, WINDOW_BYTES))
-        ids.extend([document.doc_id] * count)
+        data = np.frombuffer(document.text, dtype=np.uint8)
+        if len(data) < WINDOW_BYTES:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(data, WINDOW_BYTES)[::WINDOW_STRIDE]
+        rows.append(windows)
+        ids.extend([document.doc_id] * len(windows))
     windows = np.concatenate(rows) if rows else np.empty((0, WINDOW_BYTES), dtype=np.uint8)
     return windows, np.array(ids, dtype=np.str_)
 
@@ -138,7 +146,7 @@ def window_losses(module: ByteLMModule | ExportedModel, windows: np.ndarray, k: 
 
 def evaluate(checkpoint: str, text: str, config: str | None = None, router: str | None = None,
              documents: DocumentSplit = DocumentSplit.file, top_k: int | None = None, batch_size: int = 32,
-             max_windows: int | None = None, resamples: int = 1000, device: str = "cpu",
+             max_windows: int | None = None, resamples: int = RESAMPLES, device: str = "cpu",
              progress: bool = False) -> dict:
     """Evaluate a checkpoint on a text file or folder; returns the JSON report (see module doc)."""
     check_counts("evaluate", batch_size=batch_size, resamples=resamples, max_windows=max_windows)
@@ -159,7 +167,7 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
         "experts": experts, "k": k, "text": str(text), "document_split": DocumentSplit(documents).value,
         "files": data.files, "bytes": data.bytes, "documents": data.documents,
         "short_documents": data.short_documents, "documents_scored": interval.documents,
-        "windows": interval.windows, "window_bytes": WINDOW_BYTES, "window_stride": WINDOW_BYTES,
+        "windows": interval.windows, "window_bytes": WINDOW_BYTES, "window_stride": WINDOW_STRIDE,
         "route_bytes": ROUTE_BYTES, "score_from": module.score_from,
         "scored_targets_per_window": WINDOW_BYTES - 1 - module.score_from,
         "loss": interval.mean, "bootstrap_95": [interval.low, interval.high], "resamples": resamples,
@@ -172,7 +180,7 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
 
 def main(checkpoint: str, text: str, config: str | None = None, router: str | None = None,
          documents: DocumentSplit = DocumentSplit.file, top_k: int | None = None, batch_size: int = 32,
-         max_windows: int | None = None, resamples: int = 1000, device: str = "cpu", out: str = "evaluate.json",
+         max_windows: int | None = None, resamples: int = RESAMPLES, device: str = "cpu", out: str = "evaluate.json",
          progress: bool = True) -> None:
     """Frozen next-byte loss (nats/byte) of a checkpoint on a text file or folder.
 

@@ -64,12 +64,23 @@ def _soma(tmp_path) -> tuple[ZOModule, Path]:
     return module, _save(module, tmp_path / "soma.ckpt", "soma_pl.lit.ZOModule")
 
 
-def test_windows_are_cut_without_overlap_and_short_documents_are_counted(corpus):
+def _windows(size: int) -> int:
+    """Complete 1,025-byte windows advancing 768 bytes in a document of `size` bytes."""
+    return 0 if size < WINDOW_BYTES else (size - WINDOW_BYTES) // 768 + 1
+
+
+def test_windows_advance_768_bytes_so_every_byte_after_the_first_256_is_scored_once(corpus):
+    """App. L.1: 1,025-byte windows at offsets 0, 768, 1536, ...; each scores its targets 257-1,024,
+    so the scored bytes of consecutive windows follow one another; the incomplete last window and a
+    document shorter than one window are dropped (the latter counted)."""
     data = read_windows(corpus)
     assert (data.files, data.documents, data.short_documents, len(data.windows)) == (3, 3, 1, 5)
     a = (corpus / "a.txt").read_bytes()
+    assert _windows(len(a)) == 3 and _windows(2 * WINDOW_BYTES) == 2
     for i in range(3):
-        assert data.windows[i].tobytes() == a[i * WINDOW_BYTES : (i + 1) * WINDOW_BYTES]
+        assert data.windows[i].tobytes() == a[i * 768 : i * 768 + WINDOW_BYTES]
+    scored = b"".join(data.windows[i, 257:].tobytes() for i in range(3))
+    assert scored == a[257 : 3 * 768 + 257]
     assert list(data.doc_ids) == [str(corpus / "a.txt")] * 3 + [str(corpus / "sub" / "b.md")] * 2
 
 
@@ -80,7 +91,7 @@ def test_wikitext_articles_are_bootstrap_documents(tmp_path):
     data = read_windows(tmp_path / "wiki.test.tokens", DocumentSplit.wikitext)
     assert data.documents == 2  # the level-2 heading does not start an article
     first, second = text.index(b" = First"), text.index(b" = Second")
-    assert len(data.windows) == (second - first) // WINDOW_BYTES + (len(text) - second) // WINDOW_BYTES
+    assert len(data.windows) == _windows(second - first) + _windows(len(text) - second)
     assert len(set(data.doc_ids)) == 2
 
 

@@ -52,9 +52,10 @@ def score_windows(model: StackedExperts, ranking: Tensor, windows: Tensor, max_k
     max_k = min(max_k, experts)
     tokens = windows.unsqueeze(0).expand(experts, *windows.shape)
     top = ranking[:, :max_k]
-    log_k = torch.log(torch.arange(1, max_k + 1, device=windows.device, dtype=torch.float32))
+    log_k = torch.log(torch.arange(1, max_k + 1, device=windows.device, dtype=torch.float64))
     ensemble_nats, expert_nats = 0.0, 0.0
     for chunk in model.target_log_probs({}, tokens, score_from):  # [E, b, Tc]
+        chunk = chunk.double()  # the mixture and the loss reduction in float64 (App. L.1)
         expert_nats = expert_nats - chunk.sum(2)
         ranked = chunk.permute(1, 0, 2).gather(1, top[:, :, None].expand(-1, -1, chunk.shape[2]))  # [b, k, Tc]
         mixture = torch.logcumsumexp(ranked, dim=1) - log_k[None, :, None]
@@ -161,7 +162,7 @@ def score_top_k(model: StackedExperts, top: Tensor, windows: Tensor, score_from:
                                        for name, param in model.expert_parameters().items()}
     ensemble_nats, expert_nats = 0.0, 0.0
     for chunk in model.target_log_probs(params, tokens, score_from):  # [S, rows, Tc]
-        pairs = chunk[layout.slot, layout.row].view(batch, k, -1)
+        pairs = chunk[layout.slot, layout.row].view(batch, k, -1).double()  # float64 mixture (App. L.1)
         expert_nats = expert_nats - pairs.sum(2)
         mixture = mixture_log_probs(pairs, dim=1)
         ensemble_nats = ensemble_nats - mixture.sum(1)

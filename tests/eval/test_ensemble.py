@@ -39,11 +39,12 @@ def test_scores_match_full_logits_and_skip_unscored_targets(setup):
         probs = ensemble_probabilities(model, ranking, windows[:, :-1], k)  # predicts bytes 1..40
         picked = probs.gather(-1, targets[..., None]).squeeze(-1)  # [b, 40]
         expected = -picked[:, SCORE_FROM:].log().mean(1)
-        torch.testing.assert_close(scores.loss_by_k[:, k - 1], expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(scores.loss_by_k[:, k - 1], expected.double(), rtol=1e-4, atol=1e-5)
     tokens = windows.unsqueeze(0).expand(3, -1, -1)
     logp = torch.log_softmax(model(tokens[..., :-1]), -1).gather(-1, targets.expand(3, -1, -1)[..., None]).squeeze(-1)
-    torch.testing.assert_close(scores.expert_losses, -logp[..., SCORE_FROM:].mean(2), rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(scores.expert_losses, -logp.mean(2), rtol=1e-3), "early targets must not count"
+    torch.testing.assert_close(scores.expert_losses, -logp[..., SCORE_FROM:].double().mean(2), rtol=1e-4, atol=1e-5)
+    assert scores.loss_by_k.dtype == scores.expert_losses.dtype == torch.float64  # the mixture in float64 (App. L.1)
+    assert not torch.allclose(scores.expert_losses, -logp.double().mean(2), rtol=1e-3), "early targets must not count"
 
 
 def test_top1_is_the_best_ranked_expert_and_k_max_is_capped(setup):

@@ -77,13 +77,13 @@ def test_table9_scores_each_checkpoint_once_and_checks_soma_against_every_other(
     text = tmp_path / "text"
     text.mkdir()
     for index in range(2):
-        (text / f"chapter_{index}.txt").write_bytes(bytes(range(32, 127)) * 30)  # 2,850 bytes: two windows
+        (text / f"chapter_{index}.txt").write_bytes(bytes(range(32, 127)) * 30)  # 2,850 bytes: 3 windows, 768 apart
     run = tmp_path / "run"
     run.mkdir()
     checkpoint = module_checkpoint(ZOModule(shape=SHAPE), tmp_path / "last.ckpt")
     (run / "summary.json").write_text(json.dumps({"last_checkpoint": str(checkpoint)}))
     scores = methods.external_scores(run, str(text))
-    assert scores["windows"] == 4 and scores["documents_scored"] == 2 and len(scores["window_losses"]) == 4
+    assert scores["windows"] == 6 and scores["documents_scored"] == 2 and len(scores["window_losses"]) == 6
     assert scores["loss"] == pytest.approx(statistics.fmean(scores["window_losses"]))
     monkeypatch.setattr("soma_pl.evaluate_text.evaluate", lambda *_: pytest.fail("evaluated twice"))
     assert methods.external_scores(run, str(text)) == scores
