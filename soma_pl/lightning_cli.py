@@ -317,8 +317,9 @@ class SomaCLI(LightningCLI):
         (one folder per run, across resumed sessions, where `--ckpt_path` finds `last.ckpt`); trainer
         settings and folders that cannot work are refused; a resumed `fit` continues its loggers'
         run; a `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset.
-        A `fit` holds its run folder (`soma_pl.io.folder_lock`), and its checkpoint folder where that lies
-        outside it: a second `fit` into either at once is refused. A multi-process run is one writer: its launching process holds the folder."""
+        A `fit` holds its run folder (`soma_pl.io.folder_lock`), and its checkpoint folder where that
+        lies outside it: a second `fit` into either at once is refused. A multi-process run is one
+        writer: its launching process holds the folders."""
         torch.set_float32_matmul_precision(self._get(self.config, "float32_matmul_precision", default="highest"))
         trainer = self._get(self.config, "trainer")
         root = trainer.get("default_root_dir") or RUNS_DIR

@@ -62,7 +62,8 @@ def test_the_gpu_base_runs_float32_products_in_tf32_and_the_cpu_base_does_not(tm
     base's, applied by the CLI before anything is built, and the CPU base keeps full float32."""
     import torch
 
-    bases = {name: yaml.safe_load((ROOT / "configs" / "trainer" / f"{name}.yaml").read_text()) for name in ("gpu", "cpu")}
+    bases = {name: yaml.safe_load((ROOT / "configs" / "trainer" / f"{name}.yaml").read_text())
+             for name in ("gpu", "cpu")}
     assert bases["gpu"]["float32_matmul_precision"] == "high" and "float32_matmul_precision" not in bases["cpu"]
     try:
         for written, expected in (("high", "high"), (None, "highest")):
