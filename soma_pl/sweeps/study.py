@@ -243,11 +243,24 @@ def open_study(spec: SweepSpec, storage: BaseStorage, create: bool = True) -> op
                           "study name, storage or output_dir)")
     check_distributions(spec, study)
     check_same_overrides(spec, study)
-    if SWEEP_ATTR not in study.user_attrs:
+    if SWEEP_ATTR not in study.user_attrs or extends(study.user_attrs[SWEEP_ATTR], spec.describe()):
         study.set_user_attr(SWEEP_ATTR, spec.describe())
     if STUDY_UID_ATTR not in study.user_attrs:
         study.set_user_attr(STUDY_UID_ATTR, uuid.uuid4().hex)
     return study
+
+
+def extends(recorded: dict, described: dict) -> bool:
+    """Whether a sweep file now grows its study's grid: each factor keeps its values and may add some,
+    all else unchanged. The study then records the larger grid, so `sweep report` reads the added
+    values' trials beside the finished ones (a grid extended past a selection at its edge)."""
+    recorded_labels, labels = recorded.get("labels", {}), described["labels"]
+    grows = recorded_labels.keys() == labels.keys() and any(
+        len(labels[name]) > len(recorded_labels[name]) for name in labels)
+    kept = all(set(map(json.dumps, recorded_labels[name])) <= set(map(json.dumps, labels[name]))
+               for name in recorded_labels.keys() & labels.keys())
+    return grows and kept and all(recorded[key] == value for key, value in described.items()
+                                  if key != "labels" and key in recorded)
 
 
 def check_same_overrides(spec: SweepSpec, study: optuna.Study) -> None:

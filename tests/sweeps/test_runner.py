@@ -383,3 +383,22 @@ def test_a_worker_joining_a_study_with_other_fit_settings_is_refused_naming_them
         with pytest.raises(ConfigError, match="overrides") as refused:
             open_study(load_sweep(path, other), storage)
         assert "model.init_args.spsa.eps" in str(refused.value) or "trainer.max_steps" in str(refused.value)
+
+
+def test_a_grid_extended_in_its_file_runs_only_the_added_points_and_reports_them_all(tmp_path, fake_trials):
+    """A selection at the edge of a grid is answered by adding a value: the study keeps its finished
+    trials, runs the added points only, and its report reads every value."""
+    from soma_pl.sweeps.report import build_report
+
+    grid = {"N": {"choices": {1: {}, 2: {"model.init_args.num_experts": 2}}},
+            "lr": {"key": "model.init_args.optimizer.init_args.lr", "values": [0.01, 0.02]}}
+    storage = STORAGES["journal"](tmp_path)
+    assert runner.work(spec_of(write_sweep(tmp_path, seeds=[0], grid=grid)), storage) == {"COMPLETE": 4}
+    grid["lr"]["values"] = [0.01, 0.02, 0.04]
+    wider = spec_of(write_sweep(tmp_path, seeds=[0], grid=grid))
+    assert runner.work(wider, storage) == {"COMPLETE": 2}
+    study = _study(wider, storage)
+    assert sorted(t.params["lr"] for t in study.trials) == [0.01, 0.01, 0.02, 0.02, 0.04, 0.04]
+    report = build_report(study, storage)
+    assert report["sweep"]["labels"]["lr"] == [0.01, 0.02, 0.04]
+    assert sorted(row["setting"]["lr"] for row in report["table6"]["rows"]) == [0.01, 0.02, 0.04]
