@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import logging
 import re
 import signal
 import sys
@@ -257,6 +258,9 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     warnings.formatwarning = _one_line_warning
+    # A log line that cannot be written (output redirected to a full disk) is dropped, not followed by
+    # logging's traceback: the command's own failure to write is its one line.
+    logging.raiseExceptions = False
     retain_freed_memory()
     name, rest = _split(argv)
     try:

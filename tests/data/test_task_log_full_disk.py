@@ -39,3 +39,25 @@ def test_log_lines_onto_a_full_disk_are_dropped_without_a_word(capfd):
     err = capfd.readouterr().err
     assert logfile.closed and "Logging error" not in err and "No space" not in err, err
     assert "a warning still reaches the console" in err
+
+
+def test_a_python_log_line_onto_a_full_disk_is_dropped_without_a_traceback(capfd, monkeypatch):
+    """Lightning logs through Python's logging: a command whose output goes to a full disk (a sweep
+    trial's fit.log) drops the line instead of printing logging's `--- Logging error ---` traceback."""
+    import logging
+
+    import pytest
+
+    from soma_pl.cli import main
+
+    monkeypatch.setattr(logging, "raiseExceptions", True)  # Python's default, restored after the test
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    log = logging.getLogger("lightning.pytorch.full_disk_probe")
+    handler = logging.StreamHandler(FullDisk())
+    log.addHandler(handler)
+    try:
+        log.warning("a line for a full disk")
+    finally:
+        log.removeHandler(handler)
+    assert "Logging error" not in capfd.readouterr().err
