@@ -54,7 +54,11 @@ def test_a_python_log_line_onto_a_full_disk_is_dropped_without_a_traceback(capfd
     with pytest.raises(SystemExit):
         main(["--help"])
     log = logging.getLogger("lightning.pytorch.full_disk_probe")
-    handler = logging.StreamHandler(FullDisk())
+    class FullStream(FullDisk):
+        def flush(self) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    handler = logging.StreamHandler(FullStream())
     log.addHandler(handler)
     try:
         log.warning("a line for a full disk")
