@@ -58,16 +58,21 @@ def one_thread():
 
 @pytest.fixture
 def prepared(tmp_path) -> Path:
-    """A prepared-dataset folder whose manifest names only ensemble_val.npz (6 windows from 3 documents)
-    and its sha256; no training shards, test windows stated but not written."""
+    """A prepared-dataset folder of 6 ensemble-validation windows from 3 documents (`write_manifest`)."""
     rng = np.random.default_rng(0)
     windows = rng.integers(0, 256, (6, WINDOW_BYTES), dtype=np.uint8)
     folder = tmp_path / "prepared"
     folder.mkdir()
     EvalSet(windows, np.array(["a", "a", "b", "b", "c", "c"]), np.array(["x"] * 6),
             np.zeros(6, dtype=np.int64)).save(folder / "ensemble_val.npz")
+    write_manifest(folder)
+    return folder
+
+
+def write_manifest(folder: Path) -> None:
+    """The manifest of a prepared folder holding only its ensemble_val.npz (named with its sha256):
+    no training shards, test windows stated but not written."""
     entry = {"file": "ensemble_val.npz", "sha256": sha256_file(folder / "ensemble_val.npz")}
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "fingerprint": "analysis-tests",
                                                "train": {"shards": []}, "ensemble_val": entry,
                                                "test": {"file": "test.npz", "sha256": "not written"}}))
-    return folder

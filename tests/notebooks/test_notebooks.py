@@ -123,6 +123,7 @@ def _write_routing(results: Path) -> None:
     from soma_pl.data.formats.evalsets import EvalSet
     from soma_pl.lit import ModelShape, ZOModule
     from soma_pl.models.router import HashedNgramEncoder, Router
+    from tests.analysis.conftest import write_manifest
 
     torch.manual_seed(0)
     shape = ModelShape(width=8, num_layers=1, embed_dim=8, time_chunk=256)
@@ -136,6 +137,7 @@ def _write_routing(results: Path) -> None:
     windows = np.random.default_rng(0).integers(0, 256, (6, 1025), dtype=np.uint8)
     EvalSet(windows, np.array([f"d{i // 2}" for i in range(6)]), np.array(["s"] * 6),
             np.zeros(6, dtype=np.int64)).save(results / "data" / "ensemble_val.npz")
+    write_manifest(results / "data")
     common = ["--checkpoint", str(results / "soma.ckpt"), "--data", str(results / "data")]
     main(["analyze", "topk", *common, "--out", str(results / "topk.json")])
     main(["analyze", "error-correlation", *common, "--bins", "2", "--out", str(results / "error_correlation.json")])
