@@ -68,7 +68,7 @@ class DemoSide:
     name: str = "spsa"
     label: str = "SPSA, N = 1"
     config: list[str] = field(default_factory=lambda: ["configs/demo/spsa.yaml"])
-    lr: float = 0.0025
+    lr: float = 0.005
     overrides: list[str] = field(default_factory=list)
 
 
@@ -77,7 +77,7 @@ def _spsa() -> DemoSide:
 
 
 def _soma() -> DemoSide:
-    return DemoSide(name="soma", label="SOMA, N = 2", config=["configs/demo/soma_n2.yaml"], lr=0.0025)
+    return DemoSide(name="soma", label="SOMA, N = 2", config=["configs/demo/soma_n2.yaml"], lr=0.005)
 
 
 @dataclass

@@ -327,7 +327,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         data={"cpu": [*demo_shards(8),
                       ["fit", "--config", "configs/demo/soma_n2.yaml", "--model.num_experts=8",
                        "--data.experts_dir=data/demo-experts-n8", "--model.shape.width=32",
-                       "--model.optimizer.lr=0.025", "--model.spsa.micro_batch=1", "--trainer.max_steps=100",
+                       "--model.optimizer.lr=0.005", "--model.spsa.micro_batch=1", "--trainer.max_steps=100",
                        "--trainer.val_check_interval=50", "--trainer.default_root_dir=runs/demo_table11_start",
                        "--trainer.enable_progress_bar=false", "--ckpt_path=last"]]},
         final_test=False,
