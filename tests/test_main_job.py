@@ -73,7 +73,8 @@ def test_demo_writes_the_table_and_the_figure_and_reuses_finished_steps(demo_run
     assert spsa["updates"] == soma["updates"] == 4
     # (2 · n_pert + 1) · E · B · T token forwards per update: the ± evaluations, and the forward at the
     # weights themselves whose features and probabilities the delta-rule head learns from
-    assert spsa["token_forwards"] == 4 * (2 * 2 + 1) * 1 * 2 * 16 and soma["token_forwards"] == 2 * spsa["token_forwards"]
+    assert spsa["token_forwards"] == 4 * (2 * 2 + 1) * 1 * 2 * 16
+    assert soma["token_forwards"] == 2 * spsa["token_forwards"]
     for name, side in (("spsa", spsa), ("soma", soma)):
         assert side["lr"] == getattr(DemoConfig(), name).lr  # the Table 6 selection's
         for stage in ("val", "test", "test_final"):

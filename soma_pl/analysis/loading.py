@@ -16,7 +16,7 @@ from torch import Tensor
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.formats.evalsets import EvalSet
-from soma_pl.data.formats.manifest import existing_fingerprint, load_eval_set, open_prepared
+from soma_pl.data.formats.manifest import load_eval_set, open_prepared
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.models.checkpoints import check_same_data, load_checkpoint, trained_on
 from soma_pl.models.router import Router
@@ -97,7 +97,7 @@ def ensemble_val_windows(data_dir: str | Path, limit: int | None = None,
     manifest = open_prepared(folder, "--data")
     if weights is not None:
         check_same_data(f"checkpoint {weights.path} was trained on", weights.trained_on,
-                        {"dataset": (existing_fingerprint(folder), f"--data {data_dir}")})
+                        {"dataset": (manifest["fingerprint"], f"--data {data_dir}")})
     evalset = load_eval_set(folder, manifest, "ensemble_val")
     if len(evalset) == 0:
         raise DataError(f"{Path(data_dir) / ENSEMBLE_VAL_FILE} holds no windows")
