@@ -140,7 +140,7 @@ def window_losses(module: ByteLMModule | ExportedModel, windows: np.ndarray, k: 
     for part in tqdm(parts, desc="evaluate", unit="batch", disable=not progress):
         part = part.to(device)
         scores = score_top_k(module.model, routed_experts(module, part, k), part, module.score_from)
-        losses.append(scores.loss.double().cpu())
+        losses.append(scores.loss.cpu())  # float64 already (the mixture's precision)
     return torch.cat(losses).numpy()
 
 
