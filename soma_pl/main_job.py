@@ -1,16 +1,19 @@
 """`python -m soma_pl.cli demo`: the paper's central claim at CPU scale, in one command.
 
 Monolithic SPSA (one model) against SOMA (N experts of 1/N the size, each trained by SPSA on its own
-semantic shard with its own loss), both from random weights of one seed, both for the same number
-of updates at the same n_pert, B and context (the equal-size pair `configs/demo/spsa.yaml` and
-`configs/demo/soma_n2.yaml`: 143,680 and 146,360 parameters, the same multiply-adds per update).
+semantic shard with its own loss), each from a seed of its own width trained by the paper's recipe
+(`configs/demo/seed.yaml`: 1,000 zero-order updates, the head by the delta rule; its cost recorded
+apart and excluded from both bases), both for the same number of updates at the same n_pert, B and
+context (the equal-size pair `configs/demo/spsa.yaml` and `configs/demo/soma_n2.yaml`: 143,680 and
+146,360 parameters, the same multiply-adds per update), on the same 1,024-byte sequences (the N = 1
+and N = 2 shardings of one prepared dataset).
 Each side runs the setting that the demo's Table 6 selection (`sweeps/demo/table7_pair.yaml`) chose
 for it: its learning rate, and the selection's schedule (its number of updates, and a decay decided
 every `plateau.every` updates however often the main job validates for its curves). Both sides train
 on the context they are scored on (1,024 bytes). Every step is an ordinary `python -m soma_pl.cli`
 command in a child process:
 
-    prepare → shard → per side: validate (untrained) → fit → validate → test → test (final split)
+    prepare → per side: seed → shard → validate (the seed) → fit → validate → test → test (final split)
     → per side, at equal measured update time: validate → test → test (final split)
 
 The two sides run side by side, one intra-op thread each unless `--demo.threads` or
@@ -44,6 +47,7 @@ from tqdm import tqdm
 
 from soma_pl.analysis.time_basis import equal_time_point, measured_curve, versions
 from soma_pl.config_files import config_args, read_layers
+from soma_pl.data.formats.tar_shards import sha256_file
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_atomic, write_json_atomic
 from soma_pl.main_job_bases import LoadSampler
@@ -63,13 +67,19 @@ class DemoSide:
             `base:`), and any further layers, passed in order as repeated `--config`.
         lr: its learning rate (`model.optimizer.lr`): the Table 6 selection's.
         overrides: extra arguments for this side's fit, validate and test.
+        seed: arguments of its seed's fit (config layers and overrides at the side's width).
+        seed_dir: the seed's run folder; the side starts from `<seed_dir>/checkpoints/last.ckpt`.
+        shard: arguments of its `shard` (its sequences, experts and router).
     """
 
     name: str = "spsa"
     label: str = "SPSA, N = 1"
     config: list[str] = field(default_factory=lambda: ["configs/demo/spsa.yaml"])
-    lr: float = 0.005
+    lr: float = 0.000625
     overrides: list[str] = field(default_factory=list)
+    seed: list[str] = field(default_factory=lambda: ["--config", "configs/demo/seed.yaml"])
+    seed_dir: str = "runs/demo_seed_w64"
+    shard: list[str] = field(default_factory=lambda: ["--config", "configs/shard/demo_n1.yaml"])
 
 
 def _spsa() -> DemoSide:
@@ -77,7 +87,9 @@ def _spsa() -> DemoSide:
 
 
 def _soma() -> DemoSide:
-    return DemoSide(name="soma", label="SOMA, N = 2", config=["configs/demo/soma_n2.yaml"], lr=0.005)
+    return DemoSide(name="soma", label="SOMA, N = 2", config=["configs/demo/soma_n2.yaml"], lr=0.0025,
+                    seed=["--config", "configs/demo/seed.yaml", "--model.shape.width=44"],
+                    seed_dir="runs/demo_seed_w44", shard=["--config", "configs/shard/demo_n2.yaml"])
 
 
 @dataclass
@@ -98,7 +110,6 @@ class DemoConfig:
         threads: intra-op threads per child process. None: `OMP_NUM_THREADS` if set, else 1.
         parallel: run the two sides at the same time, in two processes.
         prepare_args: arguments of `prepare` (a no-op when the dataset is up to date).
-        shard_args: arguments of `shard` (the SOMA side's expert shards and router).
         spsa: the monolithic side.
         soma: the SOMA side.
         overrides: extra arguments for both sides' fit, validate and test.
@@ -111,7 +122,6 @@ class DemoConfig:
     threads: int | None = None
     parallel: bool = True
     prepare_args: list[str] = field(default_factory=lambda: ["--config", "configs/data/demo.yaml"])
-    shard_args: list[str] = field(default_factory=lambda: ["--config", "configs/shard/demo_n2.yaml"])
     spsa: DemoSide = field(default_factory=_spsa)
     soma: DemoSide = field(default_factory=_soma)
     overrides: list[str] = field(default_factory=list)
@@ -165,7 +175,29 @@ def _side_args(demo: DemoConfig, side: DemoSide) -> list[str]:
     """Arguments shared by the side's fit, validate and test."""
     layers = config_args(side.config)
     return [*layers, f"--model.init_args.optimizer.init_args.lr={side.lr}",
+            f"--model.init_args.seed_checkpoint={_seed_checkpoint(side)}",
             "--trainer.enable_progress_bar=false", "--wandb.group=main_job", *demo.overrides, *side.overrides]
+
+
+def _seed_checkpoint(side: DemoSide) -> Path:
+    return Path(side.seed_dir) / "checkpoints" / "last.ckpt"
+
+
+def seed_side(demo: DemoConfig, side: DemoSide, steps: Steps, position: int = 1) -> dict:
+    """The side's seed run (resumed if interrupted, reused when done with the same arguments): its
+    cost, which neither basis counts (`updates`, `aggregate_device_seconds`, `wall_seconds`), and
+    its ensemble-validation loss (`val_loss`)."""
+    root = Path(side.seed_dir)
+    args = ["fit", *side.seed, "--trainer.enable_progress_bar=false", "--wandb.group=main_job", *demo.overrides,
+            f"--trainer.default_root_dir={root}", f"--checkpoint.dirpath={root / 'checkpoints'}"]
+    resume = ["--ckpt_path=last"] if any((root / "checkpoints").glob("*.ckpt")) else []
+    record = steps.run(Path(demo.output_dir), f"seed_{side.name}", args, resume=resume,
+                       follow=Follow(f"{side.name} seed", None, position))
+    summary = _fit_summary(root)
+    compute = summary["compute"]
+    return {"run_dir": str(root), "updates": compute["updates"], "val_loss": summary["metrics"]["val/loss"],
+            "aggregate_device_seconds": round(compute["aggregate_device_hours"] * 3600, 3),
+            "wall_seconds": record["seconds"]}
 
 
 def fit_length(demo: DemoConfig) -> list[str]:
@@ -249,7 +281,8 @@ def fit_side(demo: DemoConfig, side: DemoSide, steps: Steps, position: int = 1) 
     updates and latest validation loss show in a bar on line `position` below the main one."""
     shared = _side_args(demo, side)
     fit_args = [*shared, *fit_length(demo)]
-    folder = Path(demo.output_dir) / side.name / f"run-{_settings_key(fit_args, _data_fingerprints(demo, side))}"
+    seed = [sha256_file(_seed_checkpoint(side))] if _seed_checkpoint(side).is_file() else []
+    folder = Path(demo.output_dir) / side.name / f"run-{_settings_key(fit_args, _data_fingerprints(demo, side) + seed)}"
     steps.run(folder, "init_validate", ["validate", *shared, f"--trainer.default_root_dir={folder / 'init'}"])
     checkpoints = folder / "checkpoints"
     fit = ["fit", *fit_args, f"--trainer.default_root_dir={folder / 'fit'}", f"--checkpoint.dirpath={checkpoints}"]
@@ -269,6 +302,16 @@ def fit_side(demo: DemoConfig, side: DemoSide, steps: Steps, position: int = 1) 
                       updates=compute["updates"], token_forwards=compute["token_forwards"],
                       aggregate_device_seconds=compute["aggregate_device_hours"] * 3600,
                       fit_wall_seconds=fit_record["seconds"], **scores, curve=curve, run_dir=str(folder))
+
+
+def _each(steps: Steps, futures: dict) -> dict:
+    """Each future's result by name; Ctrl-C stops the children first (the pool waits for its threads,
+    and they for their children)."""
+    try:
+        return {name: future.result() for name, future in futures.items()}
+    except KeyboardInterrupt:
+        steps.stop()
+        raise
 
 
 def score_at_equal_time(demo: DemoConfig, side: DemoSide, result: SideResult, steps: Steps,
@@ -407,20 +450,19 @@ def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
           f"--demo.threads or OMP_NUM_THREADS), {len(sides) if demo.parallel else 1} process(es) at a time on "
           f"{machine['cores']} core(s), load average {machine['load_average'][0]:.2f}", flush=True)
     started = time.monotonic()
-    with tqdm(total=2 + 5 * len(sides), desc="main job steps", unit="step", disable=not progress) as bar:
+    with tqdm(total=1 + 7 * len(sides), desc="main job steps", unit="step", disable=not progress) as bar:
         steps = Steps(threads, bar)
         # Always asked (each is a quick no-op when its output is up to date), so the two fits never
         # start on a missing dataset and race to build it.
         steps.run(out, "prepare", ["prepare", *demo.prepare_args, "--progress=false"], reuse=False)
-        steps.run(out, "shard", ["shard", *demo.shard_args, "--progress=false"], reuse=False)
+        with ThreadPoolExecutor(len(sides) if demo.parallel else 1) as pool:
+            seeds = _each(steps, {name: pool.submit(seed_side, demo, side, steps, line)
+                                  for line, (name, side) in enumerate(sides.items(), start=1)})
+        for side in sides.values():
+            steps.run(out, f"shard_{side.name}", ["shard", *side.shard, "--progress=false"], reuse=False)
         with ThreadPoolExecutor(len(sides) if demo.parallel else 1) as pool, LoadSampler() as load:
-            futures = {name: pool.submit(fit_side, demo, side, steps, line)
-                       for line, (name, side) in enumerate(sides.items(), start=1)}
-            try:
-                results = {name: future.result() for name, future in futures.items()}
-            except KeyboardInterrupt:  # the pool waits for its threads, and they for their children
-                steps.stop()
-                raise
+            results = _each(steps, {name: pool.submit(fit_side, demo, side, steps, line)
+                                    for line, (name, side) in enumerate(sides.items(), start=1)})
         budget = min(result.curve[-1]["device_seconds"] for result in results.values())
         for name, result in results.items():
             if equal_time_point(result.curve, budget).updates != result.updates:
@@ -431,7 +473,8 @@ def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
               "bases": {"equal_arithmetic": "the same updates of the equal-size pair (multiply-adds in the table)",
                         "equal_time": "T = the smaller total measured update time U·Σₑ t̄ₑ; curves interpolated "
                                       "at T, each side's last checkpoint within T scored"},
-              "selection": SELECTION, "updates": updates_of(demo), "threads": threads, "machine_start": machine,
+              "seeds": seeds, "selection": SELECTION, "updates": updates_of(demo), "threads": threads,
+              "machine_start": machine,
               "machine_end": _machine(), "load_during_fits": load.summary(),
               "wall_seconds": round(time.monotonic() - started, 1), "reused_steps": steps.reused,
               "steps": bar.total, "figure": str(out / "main_job.png")}

@@ -78,7 +78,6 @@ def test_sweep_help_names_its_report_subcommand():
     (["bench", "zo", "--device", "cdua"], "soma_pl: error: --device=cdua is not a torch device"),
     (["bench", "kernels", "--device", "cuda:99"], "soma_pl: error: --device=cuda:99: "),
     (["evaluate", "--checkpoint", "x", "--text", "y", "--device", "cuda:99"], "soma_pl: error: --device=cuda:99: "),
-    (["shard", "--shard.prepared", "x", "--shard.device", "cuda:99"], "soma_pl: error: shard.device=cuda:99: "),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(args, message):
     result = run(*args)

@@ -15,14 +15,14 @@ from soma_pl.lit.base import ByteLMModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
-EXPECTED = 26
+EXPECTED = 27
 # configs/{quickstart,spsa,bptt,seed,soma_quickstart,soma_n2,soma_n8,soma_n256,eggroll,ddpp} (10),
-# data/{demo,fineweb_edu} (2), shard/{demo_n2,demo_n2_random,demo_n3,fineweb_n8} (4),
-# demo/{spsa,soma_n2,bptt_n2,eggroll,ddpp,seed_w44} (6),
+# data/{demo,fineweb_edu} (2), shard/{demo_n1,demo_n2,demo_n2_random,demo_n3,fineweb_n8} (5),
+# demo/{spsa,soma_n2,bptt_n2,eggroll,ddpp,seed} (6),
 # the layers under them: trainer/{cpu,gpu} (2), datamodule/{demo,fineweb_edu} (2)
 CPU = ("configs/trainer/cpu.yaml", "configs/datamodule/demo.yaml")
 GPU = ("configs/trainer/gpu.yaml", "configs/datamodule/fineweb_edu.yaml")
-ON_CPU = {"quickstart", "seed", "soma_quickstart"}
+ON_CPU = {"quickstart", "soma_quickstart"}
 """Method layers composed over the CPU base and the demo corpus (besides configs/demo/*)."""
 
 
@@ -96,3 +96,24 @@ def test_no_block_is_copied_from_a_base(path):
     repeated |= {k: v for k, v in data_args.items() if data["data"]["init_args"].get(k, object()) == v}
     assert repeated == {}
     assert "init_args" not in path.read_text(), "write a class's arguments beside its class_path"
+
+
+@pytest.mark.parametrize("path", ["configs/seed.yaml", "configs/demo/seed.yaml"])
+def test_the_seed_runs_are_the_papers_recipe(path, monkeypatch):
+    """§4, App. D: one model trained by zero-order SPSA (sparse probes, Adam) for 1,000 updates at
+    lr 0.0025 from random weights, its head learning only by the delta rule (trained, never
+    perturbed); at paper scale n_pert = B = 64 on a 10% subset of the corpus."""
+    from soma_pl.lit import HeadTraining, ZOModule
+    from soma_pl.lit.optim import ZOAdam
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cli = make_cli(["--config", path], run=False)
+    model, settings = cli.model, cli.config["model"]["init_args"]
+    assert isinstance(model, ZOModule) and model.model.num_experts == 1 and model.seed_checkpoint is None
+    assert model.head_training is HeadTraining.decoder_only
+    assert "head" in model.trainable_parameters() and "head" not in model.perturbed_parameters()
+    assert cli.trainer.max_steps == 1000 and settings["spsa"]["direction"] == "sparse"
+    assert settings["optimizer"]["class_path"] == f"{ZOAdam.__module__}.ZOAdam"
+    assert settings["optimizer"]["init_args"]["lr"] == 0.0025
+    if path == "configs/seed.yaml":
+        assert (settings["spsa"]["n_pert"], cli.datamodule.batch_size, cli.datamodule.train_subset) == (64, 64, 0.1)

@@ -28,8 +28,18 @@ TINY_MODEL = ["--model.init_args.shape.width=8", "--model.init_args.shape.num_la
               "--trainer.enable_model_summary=false"]
 
 
+def _side(tmp_path: Path, name: str, data: Path, experts: int) -> dict:
+    """A side's seed (2 updates) and sharding into `experts` in `tmp_path`."""
+    folder = tmp_path / f"experts-n{experts}"
+    return {"seed": ["--config", "configs/demo/seed.yaml", "--trainer.max_steps=2", "--trainer.val_check_interval=1"],
+            "seed_dir": str(tmp_path / f"seed_{name}"),
+            "shard": [f"--shard.prepared={data}", f"--shard.num_experts={experts}", f"--shard.output_dir={folder}",
+                      "--shard.kmeans_n_init=1"],
+            "overrides": [f"--data.init_args.experts_dir={folder}", "--data.init_args.expert_val_windows=4"]}
+
+
 def _demo_config(tmp_path: Path) -> Path:
-    corpus, data, experts = tmp_path / "corpus", tmp_path / "data", tmp_path / "experts"
+    corpus, data = tmp_path / "corpus", tmp_path / "data"
     write_jsonl_corpus(corpus, {"alpha": 30, "beta": 30}, min_words=150, max_words=500)
     demo = {
         "output_dir": str(tmp_path / "main_job"), "updates": 4, "val_every": 2,
@@ -38,9 +48,8 @@ def _demo_config(tmp_path: Path) -> Path:
                          "--dataset.test_windows=4", "--dataset.final_test_windows=4",
                          "--dataset.expert_val_fraction=0.05",
                          "--dataset.shard_max_bytes=40000"],
-        "shard_args": [f"--shard.prepared={data}", "--shard.num_experts=2", f"--shard.output_dir={experts}"],
         "overrides": [f"--data.init_args.prepared={data}", "--data.init_args.recipe=null", *TINY_MODEL],
-        "soma": {"overrides": [f"--data.init_args.experts_dir={experts}", "--data.init_args.expert_val_windows=4"]},
+        "spsa": _side(tmp_path, "spsa", data, 1), "soma": _side(tmp_path, "soma", data, 2),
     }
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump({"demo": demo}))
@@ -71,6 +80,12 @@ def test_demo_writes_the_table_and_the_figure_and_reuses_finished_steps(demo_run
     spsa, soma = report["table"]["spsa"], report["table"]["soma"]
     assert (spsa["experts"], soma["experts"]) == (1, 2)
     assert spsa["updates"] == soma["updates"] == 4
+    # Each side starts from its own seed (2 zero-order updates here): before its first update it
+    # scores what the seed scored (SOMA: two copies, one mixture), and the seed's cost is its own.
+    for name in ("spsa", "soma"):
+        seed = report["seeds"][name]
+        assert seed["updates"] == 2 and seed["aggregate_device_seconds"] > 0
+        assert report["table"][name]["curve"][0]["val_loss"] == pytest.approx(seed["val_loss"], abs=1e-5)
     # (2 · n_pert + 1) · E · B · T token forwards per update: the ± evaluations, and the forward at the
     # weights themselves whose features and probabilities the delta-rule head learns from
     assert spsa["token_forwards"] == 4 * (2 * 2 + 1) * 1 * 2 * 16
@@ -120,7 +135,8 @@ def test_demo_writes_the_table_and_the_figure_and_reuses_finished_steps(demo_run
     _rerun(config, monkeypatch)
     assert sorted(out.glob("*/run-*/fit/version_*")) == fits
     again = json.loads((out / "main_job.json").read_text())
-    assert again["table"] == report["table"] and again["reused_steps"] == report["steps"] - 2  # all but prepare, shard
+    assert again["table"] == report["table"]
+    assert again["reused_steps"] == report["steps"] - 3  # all but prepare and the two shardings
 
 
 def test_each_fit_shows_its_updates_and_latest_validation_loss(demo_run):

@@ -3,10 +3,10 @@ tasks, on a generated corpus in the FineWeb-Edu parquet schema.
 
 The corpus (`bench prepare`'s generator) is prepared once, cut into `prepare_shard_mb`-sized
 training shards (datatrove deals whole shards to `shard`'s tasks); then each measurement runs the
-whole `shard` command (`python -m soma_pl.cli shard`, hashed embedder on the CPU, N experts) in a
+whole `shard` command (`python -m soma_pl.cli shard`, the paper's tf–idf router, N experts) in a
 fresh process and times it from start to exit. Peak RSS and seconds are reported per task and
-stage, as each task recorded them (`experts.json`). The embed and write stages are parallel; the
-k-means fit on the sample and the final merge run once whatever the task count.
+stage, as each task recorded them (`experts.json`). The sequences, assign and write stages are
+parallel; the router's fit on the sample and the final merge run once whatever the task count.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ def run_shard(prepared: Path, output: Path, tasks: int, experts: int, extra: tup
     """One whole `shard` command at `tasks` tasks: wall seconds and experts.json's figures."""
     command = [sys.executable, "-m", "soma_pl.cli", "shard", "--progress", "false",
                "--config", str(ROOT / "configs" / "shard" / "fineweb_n8.yaml"), f"--shard.prepared={prepared}",
-               f"--shard.output_dir={output}", f"--shard.num_experts={experts}", "--shard.embedder=hashed",
-               "--shard.device=cpu", f"--shard.executor.tasks={tasks}", *extra]
+               f"--shard.output_dir={output}", f"--shard.num_experts={experts}",
+               f"--shard.executor.tasks={tasks}", *extra]
     seconds = timed(command, f"bench shard: shard failed at {tasks} tasks")
     manifest = json.loads((output / "experts.json").read_text())
     return {"tasks": tasks, "seconds": seconds, "in_process_seconds": manifest["shard_seconds"],
             "peak_rss_mib_per_task": manifest["peak_rss_mib"], "task_seconds": manifest["task_seconds"],
-            "parallel_stage_seconds": round(max(manifest["task_seconds"]["embed"])
-                                            + max(manifest["task_seconds"]["write"]), 3),
-            "documents": manifest["documents"], "shard_sizes": manifest["shard_sizes"],
+            "parallel_stage_seconds": round(sum(max(manifest["task_seconds"][stage])
+                                                for stage in ("sequences", "assign", "write")), 3),
+            "sequences": manifest["sequences"], "shard_sizes": manifest["shard_sizes"],
             "purity": manifest["purity"], "router_agreement": manifest["router_agreement"]}
 
 

@@ -263,7 +263,7 @@ class ByteLMModule(L.LightningModule):
     @torch.no_grad()
     def expert_validation_step(self, windows: Tensor, valid: Tensor) -> None:
         """Each expert's scored loss on its own held-out windows: `windows [E, b, 1025]`, `valid [E, b]`."""
-        losses = self.trained_model.window_losses(windows, score_from=self.score_from)
+        losses = self.trained_model.window_losses(windows, score_from=self.score_from, reduce_dtype=torch.float64)
         self.expert_val_loss.update(torch.where(valid, losses, 0.0).sum(1), valid.sum(1))
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:

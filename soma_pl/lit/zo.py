@@ -200,8 +200,9 @@ class ZOModule(ByteLMModule):
         data = self.trainer.datamodule
         if stage == "fit" and isinstance(data, BatchesWindows) and isinstance(data.batch_size, int):
             self.estimator.check_batch_size(data.batch_size)  # before the first step, not at it
-        # A fresh fit starts from the seed; a resumed one gets its weights from the checkpoint.
-        if stage == "fit" and self.seed_checkpoint and self.trainer.ckpt_path is None:
+        # Without a checkpoint the module is its seed (a fresh fit starts from it; validate and test
+        # score it); with one, the weights come from the checkpoint.
+        if self.seed_checkpoint and self.trainer.ckpt_path is None:
             self._warm_start(self.seed_checkpoint, data.data_in_use() if isinstance(data, RecordsData) else None)
         super().setup(stage)
         self.parallel.setup()

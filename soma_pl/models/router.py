@@ -3,12 +3,12 @@
 At inference a window goes to the experts whose centroids are nearest to the encoding of its first
 256 input bytes (Table 1: routing sees 256 bytes, k = 4 experts are averaged). Two encoders:
 
-- :class:`SeedEncoder`: the frozen monolithic seed model; a prefix is the mean of its final d_E-wide
-  features over the 256 positions (the paper's semantic embedding).
-- :class:`HashedNgramEncoder`: counts of hashed byte n-grams, for when there is no seed model yet.
+- :class:`TfidfEncoder`: the paper's: word-level tf–idf, a 128-dimensional truncated SVD, the mean
+  removed, unit length (§4, App. D); with unit centroids, nearest is most cosine-similar.
+- :class:`HashedNgramEncoder`: counts of hashed byte n-grams, an ablation that needs no fitting.
 
-The router is not part of any expert: Table 2's model sizes do not count it, and the seed model it
-wraps stays frozen (its parameters have ``requires_grad=False``).
+The router is not part of any expert: Table 2's model sizes do not count it. It runs on the CPU
+on sparse features whatever device the experts use.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from torch import Tensor, nn
 
 from soma_pl import ROUTE_BYTES
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.models.checkpoints import monolithic_state, read_weights_only
-from soma_pl.models.stacked import HeadMode, StackedExperts
+from soma_pl.models.checkpoints import read_weights_only
 
 ROUTER_FORMAT = 1
 _HASH_PRIME = 2_147_483_647  # 2³¹ − 1: products with coefficients below it stay inside int64
@@ -36,7 +35,7 @@ _BYTE_BASE = 257
 class EncoderKind(str, Enum):
     """Which encoder embeds a window's first 256 bytes (configs write the lowercase names)."""
 
-    seed = "seed"
+    tfidf = "tfidf"
     hashed = "hashed"
 
 
@@ -66,9 +65,8 @@ class HashedNgramEncoder(nn.Module):
 
     Each n-gram is read as a base-257 number modulo the prime 2³¹−1 and bucketed by a universal
     hash `((a·x + c) mod p) mod dim` whose coefficients `(a, c)` are drawn per order from `seed`:
-    integer arithmetic only, so every device gives the same buckets. :meth:`fit_center` can then
-    remove a corpus's mean encoding (a `center` buffer, saved with the router): what all text of a
-    corpus shares (common English n-grams) otherwise dominates the distances k-means sees.
+    integer arithmetic only, so every device gives the same buckets. An ablation encoder that needs
+    no fitting (the tests' routers); sharding fits :class:`TfidfEncoder`.
 
     Args:
         dim: number of buckets (the encoding width).
@@ -86,7 +84,7 @@ class HashedNgramEncoder(nn.Module):
         rng = np.random.default_rng(self.seed)
         self._coefficients = [(int(rng.integers(1, _HASH_PRIME)), int(rng.integers(0, _HASH_PRIME)))
                               for _ in self.orders]
-        self.register_buffer("center", torch.zeros(self.dim))
+        self.register_buffer("device_marker", torch.zeros(0), persistent=False)
 
     @property
     def output_dim(self) -> int:
@@ -98,7 +96,7 @@ class HashedNgramEncoder(nn.Module):
     @torch.no_grad()
     def encode(self, windows: Tensor) -> Tensor:
         """`windows: [b, >=256]` uint8 → `[b, dim]` float32, unit L2 norm."""
-        prefix = _route_prefix(windows).to(self.center.device)
+        prefix = _route_prefix(windows).to(self.device_marker.device)
         batch = prefix.shape[0]
         rows = torch.arange(batch, device=prefix.device)[:, None] * self.dim
         flat = []
@@ -108,81 +106,74 @@ class HashedNgramEncoder(nn.Module):
                 code = (code * _BYTE_BASE + prefix[:, offset : offset + code.shape[1]]) % _HASH_PRIME
             flat.append((rows + (code * scale + shift) % _HASH_PRIME % self.dim).reshape(-1))
         counts = torch.bincount(torch.cat(flat), minlength=batch * self.dim).view(batch, self.dim)
-        return _unit(_unit(torch.log1p(counts.float())) - self.center)
-
-    @torch.no_grad()
-    def fit_center(self, encodings: Tensor) -> Tensor:
-        """Centre this encoder on a corpus.
-
-        Args:
-            encodings: `[n, dim]` encodings of the corpus made by this encoder before any centring.
-
-        Returns:
-            the same encodings re-centred, `[n, dim]`, as :meth:`encode` now gives them.
-        """
-        if bool(self.center.any()):
-            raise ValueError("the hashed encoder is already centred")
-        self.center.copy_(encodings.mean(0))
-        return _unit(encodings - self.center)
+        return _unit(torch.log1p(counts.float()))
 
 
-class SeedEncoder(nn.Module):
-    """The frozen monolithic seed model: mean of its final d_E features over the first 256 bytes.
+VECTORIZER = {"sublinear_tf": True, "stop_words": "english", "decode_error": "ignore"}
+"""The tf–idf settings every fitted vocabulary shares (App. D): sublinear term frequencies, English
+stop words, bytes decoded as UTF-8 with invalid sequences left out of the features."""
+
+
+class TfidfEncoder(nn.Module):
+    """The paper's router features (§4, App. D): word-level tf–idf → truncated SVD → mean removed,
+    L2-normalised.
+
+    A text's bytes are decoded as UTF-8 ignoring errors (the model still reads and scores every
+    byte); its tf–idf row (the fitted vocabulary and idf, L2-normalised) is projected on the SVD's
+    components, the fitted mean is subtracted and the row scaled to unit length. `fit` lives with the
+    sharding that fits it (`soma_pl.data.sharding.assign.fit_router`).
 
     Args:
-        model: a `StackedExperts` with one expert (E = 1).
+        vocabulary: the fitted terms, in column order.
+        dim: SVD dimensions (paper: 128).
     """
 
-    kind = EncoderKind.seed
+    kind = EncoderKind.tfidf
 
-    def __init__(self, model: StackedExperts):
+    def __init__(self, vocabulary: Sequence[str] = (), dim: int = 128):
         super().__init__()
-        if model.num_experts != 1:
-            raise ConfigError(f"a seed model is monolithic (1 expert), got {model.num_experts} experts")
-        self.model = model.requires_grad_(False).eval()
+        self.vocabulary = list(vocabulary)
+        self.register_buffer("idf", torch.ones(len(self.vocabulary), dtype=torch.float64))
+        self.register_buffer("components", torch.zeros(dim, len(self.vocabulary), dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(dim, dtype=torch.float64))
+        self._cached = None
 
     @property
     def output_dim(self) -> int:
-        return self.model.embed_dim
+        return self.components.shape[0]
 
     def config(self) -> dict:
-        m = self.model
-        return {"width": m.width, "num_layers": m.num_layers, "embed_dim": m.embed_dim, "head": m.head_mode.value}
+        return {"vocabulary": self.vocabulary, "dim": self.output_dim}
 
-    @classmethod
-    def from_config(cls, config: dict, state: dict[str, Tensor] | None = None) -> SeedEncoder:
-        model = StackedExperts(1, config["width"], config["embed_dim"], config["num_layers"], HeadMode(config["head"]))
-        if state is not None:
-            model.load_state_dict(state)
-        return cls(model)
+    def load_state_dict(self, *args, **kwargs):  # the cached vectorizer holds the old idf
+        self._cached = None
+        return super().load_state_dict(*args, **kwargs)
 
-    @classmethod
-    def from_checkpoint(cls, path: str | Path) -> SeedEncoder:
-        """The seed model of a monolithic Lightning checkpoint (`model.*` weights).
+    def _vectorizer(self):
+        if self._cached is None:
+            from sklearn.feature_extraction.text import TfidfVectorizer
 
-        Raises:
-            DataError: the file is missing or unreadable.
-            ConfigError: it does not hold a monolithic stacked-expert model.
-        """
-        state, config = monolithic_state(path)
-        try:
-            return cls.from_config(config, state)
-        except RuntimeError as error:
-            raise ConfigError(f"seed checkpoint {path}: {_first_line(error)}") from error
+            vectorizer = TfidfVectorizer(vocabulary=self.vocabulary, **VECTORIZER)
+            vectorizer.idf_ = self.idf.cpu().numpy()
+            self._cached = (vectorizer, self.components.cpu().numpy().T.copy(), self.mean.cpu().numpy())
+        return self._cached
+
+    def features(self, texts: Sequence[bytes]) -> np.ndarray:
+        """`[n, dim]` float32 unit rows (a text with no known term gets minus the mean, normalised)."""
+        vectorizer, components_t, mean = self._vectorizer()
+        reduced = np.asarray(vectorizer.transform(list(texts)) @ components_t) - mean
+        return (reduced / np.maximum(np.linalg.norm(reduced, axis=1, keepdims=True), 1e-12)).astype(np.float32)
 
     @torch.no_grad()
     def encode(self, windows: Tensor) -> Tensor:
-        """`windows: [b, >=256]` uint8 → `[b, d_E]` float32."""
-        tokens = _route_prefix(windows).to(self.model.head.device)[None]
-        params = self.model.group_parameters({}, 1)
-        total = sum(chunk.sum(dim=2) for chunk in self.model.features(params, tokens))
-        return (total[0] / ROUTE_BYTES).float()
+        """`windows: [b, >=256]` uint8 → `[b, dim]` float32 from the first 256 bytes, on the CPU."""
+        prefix = _route_prefix(windows).to(torch.uint8).cpu().numpy()
+        return torch.from_numpy(self.features([row.tobytes() for row in prefix])).to(self.mean.device)
 
 
 def encoder_from_saved(kind: str, config: dict, state: dict[str, Tensor]) -> nn.Module:
     """An encoder rebuilt from its kind (`EncoderKind` value), `config()` and state dict."""
-    seed = EncoderKind(kind) is EncoderKind.seed
-    encoder = SeedEncoder.from_config(config) if seed else HashedNgramEncoder(**config)
+    encoder = (TfidfEncoder if EncoderKind(kind) is EncoderKind.tfidf else HashedNgramEncoder)(**config)
     encoder.load_state_dict(state)
     return encoder
 
@@ -191,7 +182,7 @@ class Router(nn.Module):
     """Nearest-centroid routing of a window's first 256 bytes to N experts.
 
     Args:
-        encoder: a `SeedEncoder` or `HashedNgramEncoder`.
+        encoder: a `TfidfEncoder` or `HashedNgramEncoder`.
         centroids: `[N, D]`, D the encoder's output width; expert e's centroid is row e.
         sharding: the fingerprint of the sharding that fitted it (`experts.json`'s `fingerprint`),
             saved with it so that a router of another sharding can be told apart; None: unknown.

@@ -527,7 +527,7 @@ class StackedExperts(nn.Module):
             start = stop
 
     def window_losses(self, tokens: Tensor, score_from: int = 0, params: Mapping[str, Tensor] | None = None,
-                      noise: LowRank | None = None) -> Tensor:
+                      noise: LowRank | None = None, reduce_dtype: torch.dtype | None = None) -> Tensor:
         """Mean scored next-byte cross entropy (nats/byte) of every window, per group.
 
         Args:
@@ -535,12 +535,15 @@ class StackedExperts(nn.Module):
             score_from: first target position scored.
             params: name → ``[G, ...]`` weights; None: this module's own (G = E).
             noise: EGGROLL's members, or None.
+            reduce_dtype: the sum over positions in this dtype (evaluation: float64, App. L, so that
+                a window's loss does not depend on how many other rows share the reduction); None:
+                the features' own.
 
         Returns:
             loss: ``[G, R]``.
         """
         chunks = self.target_log_probs(params or {}, tokens, score_from, noise)
-        total = sum(-chunk.sum(2) for chunk in chunks)
+        total = sum(-chunk.sum(2, dtype=reduce_dtype) for chunk in chunks)
         return total / (tokens.shape[2] - 1 - score_from)
 
     def loss_per_group(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0) -> Tensor:

@@ -89,11 +89,20 @@ class Experiment:
 
 
 def demo_shards(*counts: int) -> list[list[str]]:
-    """The `shard` commands of the demo corpus's N-way semantic shardings (N = 2 is
-    configs/shard/demo_n2.yaml's own folder; others go to data/demo-experts-n<N>)."""
-    return [["shard", "--config", "configs/shard/demo_n2.yaml",
-             *([] if n == 2 else [f"--shard.num_experts={n}", f"--shard.output_dir=data/demo-experts-n{n}"])]
-            for n in counts]
+    """The `shard` commands of the demo corpus's N = 1 sharding (configs/demo/spsa.yaml's data) and
+    its N-way semantic shardings (N = 2 is configs/shard/demo_n2.yaml's own folder; others go to
+    data/demo-experts-n<N>)."""
+    return [["shard", "--config", "configs/shard/demo_n1.yaml"],
+            *(["shard", "--config", "configs/shard/demo_n2.yaml",
+               *([] if n == 2 else [f"--shard.num_experts={n}", f"--shard.output_dir=data/demo-experts-n{n}"])]
+              for n in counts)]
+
+
+DEMO_SEEDS = [["fit", "--config", "configs/demo/seed.yaml", "--trainer.enable_progress_bar=false", "--ckpt_path=last"],
+              ["fit", "--config", "configs/demo/seed.yaml", "--model.shape.width=44",
+               "--trainer.default_root_dir=runs/demo_seed_w44", "--checkpoint.dirpath=runs/demo_seed_w44/checkpoints",
+               "--trainer.enable_progress_bar=false", "--ckpt_path=last"]]
+"""The seed runs of the demo pair (configs/demo/spsa.yaml's width 64, soma_n2.yaml's 44), App. D."""
 
 
 # Table 7 (the paper's Table 6 caption and rows): test loss after each seed's selection on ensemble
@@ -172,14 +181,14 @@ EXPERIMENTS: dict[str, Experiment] = {
         basis="cpu: equal updates of equal multiply-adds (Table 11's basis; 400 updates each), with the same "
               "selections compared at equal measured update time (Table 3's U·Σₑ t̄ₑ, interpolated on the "
               "validation curves) beside it; paper: an equal aggregate GPU-hour budget per trial (Table 3's basis)",
-        cost={"cpu": "18 fits of 400 updates: about 190 core-minutes, 95 minutes on 2 cores (a fit: SPSA about 8 "
-                     "minutes, SOMA about 13)",
+        cost={"cpu": "two seed runs of 1,000 updates (11 minutes on 2 cores), then 12 fits of 400 updates (one seed): "
+                     "38 minutes on 2 cores (measured 2026-12-05)",
               "paper": "54 trials of 50 aggregate GPU-hours each: 2,700 GPU-hours"},
         result=table7_result,
         table=table7_markdown,
         figure=figure,
         paper=TABLE7_PAPER,
-        data={"cpu": demo_shards(2),
+        data={"cpu": [*DEMO_SEEDS, *demo_shards(2)],
               "paper": [["shard", "--config", "configs/shard/fineweb_n8.yaml", "--shard.num_experts=2",
                          "--shard.output_dir=data/fineweb_edu-experts-n2"]]},
     ),
@@ -244,16 +253,15 @@ EXPERIMENTS: dict[str, Experiment] = {
         sweeps={"cpu": "sweeps/demo/fig9.yaml"},
         basis="equal updates of equal multiply-adds (the figure's training steps; 200 updates each), the seed "
               "model's cost excluded as in the paper",
-        cost={"cpu": "15 fits of 200 updates and a 150-step backprop seed model: 41 core-minutes, 22 minutes on 2 "
-                     "cores (measured)",
+        cost={"cpu": "15 fits of 200 updates and a 1,000-update zero-order seed model (configs/demo/seed.yaml at "
+                     "width 44); measured before the seed was zero-order: 41 core-minutes, 22 minutes on 2 cores",
               "paper": "none: the paper's captions give neither the model nor the steps of the figure's runs"},
         result=fig9_result,
         table=fig9_markdown,
         figure=fig9_figure,
         paper=FIG9_PAPER,
         data={"cpu": [*demo_shards(2), ["shard", "--config", "configs/shard/demo_n2_random.yaml"],
-                      ["fit", "--config", "configs/demo/seed_w44.yaml", "--trainer.enable_progress_bar=false",
-                       "--ckpt_path=last"]]},
+                      DEMO_SEEDS[1]]},
         final_test=False,
     ),
     "fig7": Experiment(

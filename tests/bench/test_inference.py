@@ -63,6 +63,8 @@ LATENCIES = {("N=1", 0): (0.010, 0.030), ("N=6", 0): (0.040, 0.080), ("N=1", 1):
 """Seconds of each timed batch of each configuration in rounds 1 and 2 (after an untimed one)."""
 MEMORY = {("N=1", 0): (100, 300), ("N=6", 0): (110, 250), ("N=1", 1): (120, 400), ("N=6", 1): (130, 350)}
 """`(VmRSS at the start, VmHWM at the end)` in MiB of each configuration's process in rounds 1 and 2."""
+ROUTING = {"N=6": 0.007}
+"""Seconds the router takes for a batch, timed on its own."""
 
 
 def test_latency_throughput_and_peak_memory_follow_from_what_was_measured(monkeypatch):
@@ -74,7 +76,9 @@ def test_latency_throughput_and_peak_memory_follow_from_what_was_measured(monkey
     def in_process(function, config, settings):
         key = next(processes)
         first, second = LATENCIES[key]
-        reading.clock = iter([0.0, 0.0, first, 0.0, second])  # warmup start; each timed batch's start and end
+        # warmup start; each timed batch's start and end, then (N > 1) the router's own start and end
+        routed = [0.0, ROUTING[key[0]]] if key[0] != "N=1" else []
+        reading.clock = iter([0.0, 0.0, first, *routed, 0.0, second, *routed])
         reading.memory = iter(MEMORY[key])
         return function(config, settings)
 
@@ -85,6 +89,8 @@ def test_latency_throughput_and_peak_memory_follow_from_what_was_measured(monkey
     monolithic, soma = report["results"]
     assert monolithic["latencies_ms"] == [10.0, 30.0, 20.0, 50.0] and soma["latencies_ms"] == [40.0, 80.0, 60.0, 100.0]
     assert (monolithic["latency_ms"], soma["latency_ms"]) == (25.0, 70.0)  # medians of the four
+    assert (monolithic["routing_ms"], soma["routing_ms"]) == (0.0, 7.0)
+    assert (monolithic["routing_share"], soma["routing_share"]) == (0.0, 0.1)
     assert monolithic["tokens_per_s"] == round(2 * 768 / 0.025, 1) and soma["tokens_per_s"] == round(3 * 768 / 0.07, 1)
     assert monolithic["tokens_per_s_per_round"] == [round(2 * 768 / 0.020, 1), round(2 * 768 / 0.035, 1)]
     assert report["throughput_ratio_to_n1"]["N=6 top-4"] == round((3 * 768 / 0.07) / (2 * 768 / 0.025), 3)

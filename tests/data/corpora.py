@@ -24,11 +24,10 @@ def synthetic_text(source: str, number: int, words: int, rng: random.Random,
     return " ".join(parts)
 
 
-def window_owner(window: bytes) -> tuple[str, int]:
-    """The (source, number) a window was cut from, read off its markers (all must agree)."""
-    owners = {(m.group(1).decode(), int(m.group(2))) for m in MARKER.finditer(window)}
-    assert len(owners) == 1, f"window spans {owners}"
-    return owners.pop()
+def window_owners(window: bytes) -> set[tuple[str, int]]:
+    """The (source, number) of every document a window reads, off its markers (a window cut from
+    documents joined end to end may span two)."""
+    return {(m.group(1).decode(), int(m.group(2))) for m in MARKER.finditer(window)}
 
 
 def write_jsonl_corpus(folder: Path, sources: dict[str, int], seed: int = 0, min_words: int = 60,

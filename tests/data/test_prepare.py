@@ -38,21 +38,22 @@ def training_documents(folder: Path) -> list[Document]:
 
 def test_prepared_folder_is_consistent(small_config, jsonl_corpus):
     _, texts = jsonl_corpus
-    with pytest.warns(UserWarning, match="shorter than 1025 bytes"):
-        folder = prepare(small_config, progress=False)
+    folder = prepare(small_config, progress=False)
     manifest = read_manifest(folder)
     train = training_documents(folder)
     val = EvalSet.load(folder / "ensemble_val.npz")
     test = EvalSet.load(folder / "test.npz")
     short = sum(len(t.encode()) < WINDOW_BYTES for t in texts.values())
-    assert sum(manifest["skipped_short_documents"].values()) == short
+    assert sum(manifest["short_documents"].values()) == short > 0  # training text, never held out
     held = set(val.doc_ids) | set(test.doc_ids)
     assert not held & {d.doc_id for d in train}, "held-out documents leaked into training shards"
     expert_val = [d for s in manifest["expert_val"]["shards"] for d in iter_shard_documents(folder / s["path"])]
     assert len(expert_val) == manifest["expert_val"]["documents"] >= 1
     assert not {d.doc_id for d in expert_val} & ({d.doc_id for d in train} | held)
-    assert manifest["train"]["documents"] == len(train) == (len(texts) - short - 6 - manifest["test"]["candidates"]
+    assert manifest["train"]["documents"] == len(train) == (len(texts) - 6 - manifest["test"]["candidates"]
                                                            - len(expert_val))
+    kept = [len(d.text) for d in [*train, *expert_val]]
+    assert sum(n < WINDOW_BYTES for n in kept) > 0, "short documents are training text"
     assert manifest["train"]["bytes"] == sum(len(d.text) for d in train)
     assert (len(val), len(set(val.doc_ids))) == (20, 6)
     assert len(test) == 12 and len(set(test.doc_ids)) == 12

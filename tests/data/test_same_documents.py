@@ -1,24 +1,21 @@
-"""Same data for every side: SOMA's experts train on exactly the prepared training split (SPSA's,
-N = 1) and decay on exactly the prepared expert-validation split, cut between them by the rule that
-assigns training documents; `shard` holds out nothing of its own."""
+"""Same data for every side: every sharding of a prepared dataset (N = 1 for the monolithic side,
+N = 2 semantic or random) holds exactly the same 1,024-byte sequences, each expert's own 1% of them
+held out for its decay."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from soma_pl.data.corpus.readers import CorpusConfig
 from soma_pl.data.formats.expert_sets import read_expert_shards, read_experts_manifest
-from soma_pl.data.formats.manifest import MANIFEST, read_manifest
-from soma_pl.data.formats.tar_shards import ShardRecord, iter_shard_documents
+from soma_pl.data.formats.manifest import read_manifest
+from soma_pl.data.formats.tar_shards import iter_shard_documents
 from soma_pl.data.preparation.config import PrepareConfig
 from soma_pl.data.preparation.prepare import prepare
 from soma_pl.data.sharding.config import ShardConfig
@@ -40,59 +37,43 @@ def prepared(tmp_path_factory) -> PrepareConfig:
     config = PrepareConfig(corpus=CorpusConfig(kind="jsonl", paths=[str(folder / "corpus")]),
                            output_dir=str(folder / "prepared"), val_documents=6, val_windows=20, test_windows=12,
                            shard_max_bytes=150_000, expert_val_fraction=0.05)
-    with pytest.warns(UserWarning, match="shorter than 1025 bytes"):
-        prepare(config, progress=False)
+    prepare(config, progress=False)
     return config
 
 
-def _split(root: Path, name: str) -> dict[str, int]:
-    """doc id -> text bytes of the prepared split `name` (`train` or `expert_val`), read off its shards."""
-    records = [ShardRecord(**r) for r in read_manifest(root)[name]["shards"]]
-    return {d.doc_id: len(d.text) for r in records for d in iter_shard_documents(root / r.path)}
-
-
 def _experts(folder: Path, split: str) -> list[dict[str, int]]:
-    """Per expert: doc id -> text bytes of its `train` or `val` shards."""
+    """Per expert: sequence id -> bytes of its `train` or `val` shards."""
     return [{d.doc_id: len(d.text) for r in getattr(e, split) for d in iter_shard_documents(folder / r.path)}
             for e in read_expert_shards(folder)]
 
 
-@pytest.mark.parametrize("sharding", ["semantic", "random"])
-def test_experts_hold_exactly_the_prepared_training_and_expert_validation_documents(prepared, tmp_path, sharding):
+def test_every_sharding_holds_the_same_sequences(prepared, tmp_path):
     root = Path(prepared.output_dir)
-    folder = shard(ShardConfig(prepared=str(root), output_dir=str(tmp_path / "experts"), num_experts=2,
-                               sharding=sharding, embed_batch_size=16), progress=False)
-    manifest = read_manifest(root)
-    train, expert_val = _split(root, "train"), _split(root, "expert_val")
-    assert len(expert_val) >= 4 and len(train) > 100
-    for split, prepared_split, entry in (("train", train, "train"), ("val", expert_val, "expert_val")):
-        experts = _experts(folder, split)
-        ids = Counter(doc_id for e in experts for doc_id in e)
-        assert set(ids) == set(prepared_split), f"experts' {split} documents differ from the prepared {entry} split"
-        assert max(ids.values()) == 1, f"a {split} document is in two experts"
-        assert all(experts), f"an expert has no {split} document"
-        total = sum(n for e in experts for n in e.values())
-        assert total == sum(prepared_split.values()) == manifest[entry]["bytes"]
-    record = read_experts_manifest(folder)
-    for entry, split, documents in (("train", "train", train), ("expert_val", "val", expert_val)):
-        experts = _experts(folder, split)
-        assert [s[split] for s in record["expert_sizes"]] == [
-            {"documents": len(e), "bytes": sum(e.values())} for e in experts]
-        assert record[entry] == {"documents": len(documents), "bytes": sum(documents.values())}
-    assert record["documents"] == len(train)
+    everything = {}
+    for name, experts, sharding in (("n1", 1, "semantic"), ("n2", 2, "semantic"), ("random", 2, "random")):
+        folder = shard(ShardConfig(prepared=str(root), output_dir=str(tmp_path / name), num_experts=experts,
+                                   sharding=sharding, kmeans_n_init=2), progress=False)
+        train, val = _experts(folder, "train"), _experts(folder, "val")
+        ids = Counter(i for e in [*train, *val] for i in e)
+        assert max(ids.values()) == 1 and all(train) and all(val)
+        everything[name] = set(ids)
+        record = read_experts_manifest(folder)
+        assert [s["train"] for s in record["expert_sizes"]] == [{"sequences": len(e), "bytes": sum(e.values())}
+                                                               for e in train]
+        assert record["train"]["sequences"] + record["expert_val"]["sequences"] == record["sequences"] == len(ids)
+        sizes = [len(t) + len(v) for t, v in zip(train, val, strict=True)]
+        assert [len(v) for v in val] == [max(1, round(0.01 * n)) for n in sizes]
+    assert everything["n1"] == everything["n2"] == everything["random"]
 
 
-def test_the_datamodule_gives_each_expert_its_share_of_the_prepared_expert_validation_split(prepared, tmp_path):
+def test_the_datamodule_gives_each_expert_its_own_expert_validation_windows(prepared, tmp_path):
     folder = shard(ShardConfig(prepared=prepared.output_dir, output_dir=str(tmp_path / "experts"), num_experts=2,
-                               embed_batch_size=16), progress=False)
+                               kmeans_n_init=2), progress=False)
     module = ByteDataModule(prepared=prepared.output_dir, experts_dir=str(folder), batch_size=2, shuffle_buffer=4)
     module.setup("fit")
-    windows = [len(w) for w in module.expert_val]
-    assert len(windows) == 2 and min(windows) >= 1
-    # every expert-validation window is from its expert's share: the windows of the whole split, dealt out
-    whole = ByteDataModule(prepared=prepared.output_dir, batch_size=2, shuffle_buffer=4)
-    whole.setup("fit")
-    assert sum(windows) == len(whole.expert_val[0])
+    assert [len(w) for w in module.expert_val] == [len(v) for v in _experts(folder, "val")]
+    batch = next(iter(module.train_dataloader()))
+    assert batch.shape == (2, 2, 1025)
 
 
 def test_the_fingerprint_covers_the_expert_validation_split(prepared, tmp_path):
@@ -103,36 +84,11 @@ def test_the_fingerprint_covers_the_expert_validation_split(prepared, tmp_path):
     assert config.fingerprint(manifest) != config.fingerprint(changed)
 
 
-def test_a_prepared_dataset_without_an_expert_validation_split_is_one_line(prepared, tmp_path):
-    old = tmp_path / "old"
-    shutil.copytree(prepared.output_dir, old)
-    manifest = json.loads((old / MANIFEST).read_text())
-    del manifest["expert_val"]
-    (old / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(DataError, match="expert-validation split.*prepare again") as raised:
-        shard(ShardConfig(prepared=str(old), output_dir=str(tmp_path / "experts"), num_experts=2), progress=False)
+def test_a_dataset_too_small_for_the_experts_is_one_line(prepared, tmp_path):
+    with pytest.raises(DataError, match="num_experts=100000") as raised:
+        shard(ShardConfig(prepared=prepared.output_dir, output_dir=str(tmp_path / "experts"), num_experts=100_000,
+                          kmeans_sample=200_000), progress=False)
     assert "\n" not in str(raised.value)
-
-
-def test_fewer_expert_validation_documents_than_experts_is_one_line(prepared, tmp_path):
-    count = read_manifest(Path(prepared.output_dir))["expert_val"]["documents"]
-    with pytest.raises(DataError, match=f"{count} expert-validation documents.*expert_val_fraction"):
-        shard(ShardConfig(prepared=prepared.output_dir, output_dir=str(tmp_path / "experts"), num_experts=count + 1),
-              progress=False)
-
-
-def test_an_expert_that_no_expert_validation_document_is_nearest_takes_its_nearest_one():
-    from soma_pl.data.sharding.assign import assign_expert_val
-
-    config = ShardConfig(num_experts=3, min_expert_fraction=0.25)
-    centroids = np.array([[0, 0], [10, 0], [0, 10]], dtype=np.float32)
-    # four documents nearest expert 0, one nearest expert 1, none nearest expert 2
-    embeddings = np.array([[0, 1], [1, 0], [0, 4], [0, 3], [9, 0]], dtype=np.float32)
-    labels, moved = assign_expert_val(config, embeddings, np.arange(5, dtype=np.uint64), centroids)
-    assert moved == 1 and labels.tolist() == [0, 0, 2, 0, 1]  # [0, 4] is the nearest to expert 2
-    dealt, moved = assign_expert_val(replace(config, sharding="random"), embeddings,
-                                     np.array([4, 3, 2, 1, 0], dtype=np.uint64), centroids)
-    assert moved == 0 and dealt.tolist() == [1, 0, 2, 1, 0]  # round-robin in the order of the deal keys
 
 
 def test_val_fraction_is_an_unknown_key(prepared, tmp_path):

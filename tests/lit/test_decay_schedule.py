@@ -161,7 +161,8 @@ def _fit(root: Path, corpus: Path, name: str, run: str, schedule: list[str]) -> 
               f"--data.init_args.dataset.output_dir={root / 'data'}", *experts,
               f"--trainer.default_root_dir={run_dir}", f"--checkpoint.dirpath={run_dir / 'checkpoints'}",
               "--checkpoint.save_top_k=-1", "--trainer.logger=false", *extra,
-              "--model.init_args.plateau.patience_updates=2", "--trainer.max_steps=16", *schedule])
+              "--model.init_args.plateau.patience_updates=2", "--model.init_args.plateau.threshold=0.05",
+              "--trainer.max_steps=16", *schedule])  # improvements this small count as a plateau: decays happen
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     steps = sorted(int(p.stem.split("step=")[1]) for p in (run_dir / "checkpoints").glob("*step=*.ckpt"))
     return checkpoint, steps

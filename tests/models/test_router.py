@@ -1,15 +1,19 @@
-"""Router: encoders of the first 256 bytes, nearest-centroid ranking, save/load, seed checkpoints."""
+"""Router: encoders of the first 256 bytes (the paper's tf–idf one checked against scikit-learn run
+by hand), nearest-centroid ranking, balanced clusters, save/load."""
 
 from __future__ import annotations
 
+from functools import cache
+
+import numpy as np
 import pytest
 import torch
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
+from soma_pl.data.corpus.demo import iter_demo_documents
+from soma_pl.data.sharding.assign import cut_sequences, fit_router
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.lit import BPTTModule, ModelShape
-from soma_pl.models.router import HashedNgramEncoder, Router, SeedEncoder, prefix_batch
-from soma_pl.models.stacked import StackedExperts
+from soma_pl.models.router import HashedNgramEncoder, Router, TfidfEncoder, prefix_batch
 
 
 def _windows(batch: int, seed: int = 0, length: int = WINDOW_BYTES) -> torch.Tensor:
@@ -17,46 +21,84 @@ def _windows(batch: int, seed: int = 0, length: int = WINDOW_BYTES) -> torch.Ten
     return torch.randint(0, 256, (batch, length), generator=generator, dtype=torch.uint8)
 
 
-def _seed_encoder() -> SeedEncoder:
-    torch.manual_seed(0)
-    return SeedEncoder(StackedExperts(1, width=16, num_layers=2))
+@cache
+def _text_windows() -> torch.Tensor:
+    """The Python reference text cut into 1,025-byte windows (always present)."""
+    windows, _ = cut_sequences([d.text for d in iter_demo_documents("python_docs")])
+    return torch.from_numpy(windows)
 
 
-def _fitted_hashed() -> HashedNgramEncoder:
-    encoder = HashedNgramEncoder(dim=64, orders=(1, 2, 3), seed=3)
-    encoder.fit_center(encoder.encode(_windows(32, seed=5)))
-    return encoder
+@cache
+def _fitted(experts: int = 5) -> tuple[Router, np.ndarray]:
+    texts = [row[:-1].numpy().tobytes() for row in _text_windows()]
+    return fit_router(texts, experts, seed=3, dim=32, min_df=2, n_init=2)
 
 
-ENCODERS = {"hashed": _fitted_hashed, "seed": _seed_encoder}
+def _tfidf() -> TfidfEncoder:
+    return _fitted()[0].encoder
+
+
+ENCODERS = {"hashed": lambda: HashedNgramEncoder(dim=64, orders=(1, 2, 3), seed=3), "tfidf": _tfidf}
 
 
 def _router(kind: str, experts: int = 5) -> Router:
+    if kind == "tfidf":
+        return _fitted(experts)[0]
     encoder = ENCODERS[kind]()
-    centroids = encoder.encode(_windows(experts, seed=11))  # each centroid is some window's encoding
-    return Router(encoder, centroids)
+    return Router(encoder, encoder.encode(_windows(experts, seed=11)))  # each centroid is some window's encoding
 
 
-def _save_lightning_checkpoint(path, width: int = 16, num_layers: int = 2, num_experts: int = 1) -> BPTTModule:
-    """What Lightning writes for a monolithic module: `model.*` weights and the init hyper-parameters."""
-    torch.manual_seed(1)
-    module = BPTTModule(shape=ModelShape(width=width, num_layers=num_layers), num_experts=num_experts)
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
-    return module
+def test_tfidf_router_equals_scikit_learn_run_by_hand():
+    """tf–idf (App. D's settings) → SVD → mean removed, unit rows → balanced k-means, by hand."""
+    from k_means_constrained import KMeansConstrained
+    from sklearn.decomposition import TruncatedSVD
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    router, labels = _fitted()
+    texts = [row[:-1].numpy().tobytes() for row in _text_windows()]
+    vectorizer = TfidfVectorizer(sublinear_tf=True, stop_words="english", min_df=2, max_features=50_000,
+                                 decode_error="ignore")
+    tfidf = vectorizer.fit_transform(texts)
+    svd = TruncatedSVD(n_components=32, random_state=3).fit(tfidf)
+    reduced = tfidf @ svd.components_.T
+    mean = reduced.mean(0)
+
+    def features(rows: list[bytes]) -> np.ndarray:
+        z = vectorizer.transform(rows) @ svd.components_.T - mean
+        return z / np.linalg.norm(z, axis=1, keepdims=True)
+
+    hand = KMeansConstrained(n_clusters=5, size_min=len(texts) // 5, size_max=-(-len(texts) // 5), random_state=3,
+                             n_init=2).fit(features(texts).astype(np.float32).astype(np.float64))
+    assert np.array_equal(labels, hand.labels_)
+    assert max(np.bincount(labels)) / min(np.bincount(labels)) <= 1.05
+    centroids = hand.cluster_centers_ / np.linalg.norm(hand.cluster_centers_, axis=1, keepdims=True)
+    prefixes = [t[:ROUTE_BYTES] for t in texts]
+    expected = (features(prefixes) @ centroids.T).argmax(1)
+    assert np.array_equal(router.top_k(_text_windows(), 1)[:, 0].numpy(), expected)
+
+
+def test_a_text_with_no_known_word_still_routes():
+    router = _fitted()[0]
+    assert router.top_k(torch.zeros(2, ROUTE_BYTES, dtype=torch.uint8), 2).shape == (2, 2)
+
+
+def test_sequences_without_words_are_a_data_error():
+    with pytest.raises(DataError, match="vocabulary"):
+        fit_router([b"\x00\x01" * 512] * 8, 2)
 
 
 @pytest.mark.parametrize("kind", sorted(ENCODERS))
 def test_encoding_reads_only_the_first_256_bytes(kind):
     encoder = ENCODERS[kind]()
-    windows = _windows(4)
+    windows = _text_windows()[:4]
     changed = windows.clone()
-    changed[:, ROUTE_BYTES:] = _windows(4, seed=9)[:, ROUTE_BYTES:]
+    changed[:, ROUTE_BYTES:] = _text_windows()[10:14, ROUTE_BYTES:]
     encoded = encoder.encode(windows)
     assert encoded.shape == (4, encoder.output_dim) and encoded.dtype == torch.float32
     assert torch.equal(encoded, encoder.encode(changed))
     assert torch.equal(encoded, encoder.encode(windows[:, :ROUTE_BYTES].contiguous()))
     other = windows.clone()
-    other[:, 10] ^= 1
+    other[:, :ROUTE_BYTES] = _text_windows()[20:24, :ROUTE_BYTES]
     assert not torch.equal(encoded, encoder.encode(other))
     with pytest.raises(ValueError, match="256"):
         encoder.encode(windows[:, : ROUTE_BYTES - 1])
@@ -72,20 +114,10 @@ def test_hashed_encoder_is_a_unit_vector_of_ngram_counts():
     assert torch.equal(same_seed, encoder.encode(_windows(3)))
 
 
-def test_fit_center_matches_encode_and_refuses_twice():
-    encoder = HashedNgramEncoder(dim=64, seed=1)
-    windows = _windows(20)
-    centred = encoder.fit_center(encoder.encode(windows))
-    assert torch.allclose(centred, encoder.encode(windows), atol=1e-6)
-    assert torch.allclose(centred.norm(dim=1), torch.ones(20))
-    with pytest.raises(ValueError, match="already centred"):
-        encoder.fit_center(centred)
-
-
 @pytest.mark.parametrize("kind", sorted(ENCODERS))
 def test_ranking_follows_scores_and_top_k_is_deterministic(kind):
     router = _router(kind)
-    windows = _windows(8, seed=2)
+    windows = _text_windows()[:8]
     scores, ranking = router.scores(windows), router.ranking(windows)
     assert scores.shape == ranking.shape == (8, 5)
     ordered = scores.gather(1, ranking)
@@ -117,7 +149,7 @@ def test_save_load_round_trip_gives_identical_rankings(kind, tmp_path):
     router = _router(kind)
     path = router.save(tmp_path / "router.pt")
     loaded = Router.load(path)
-    windows = _windows(16, seed=8)
+    windows = _text_windows()[:16]
     assert type(loaded.encoder) is type(router.encoder) and loaded.num_experts == 5
     assert torch.equal(loaded.scores(windows), router.scores(windows))
     assert torch.equal(loaded.ranking(windows), router.ranking(windows))
@@ -142,27 +174,6 @@ def test_corrupt_or_missing_router_file_is_a_data_error(tmp_path):
 def test_centroids_must_match_the_encoder_width():
     with pytest.raises(ConfigError, match=r"\[N, 64\]"):
         Router(HashedNgramEncoder(dim=64), torch.zeros(3, 32))
-
-
-def test_seed_encoder_from_a_lightning_checkpoint(tmp_path):
-    module = _save_lightning_checkpoint(tmp_path / "seed.ckpt")
-    encoder = SeedEncoder.from_checkpoint(tmp_path / "seed.ckpt")
-    assert encoder.config() == {"width": 16, "num_layers": 2, "embed_dim": 32, "head": "per_expert"}
-    assert not any(p.requires_grad for p in encoder.parameters())
-    windows = _windows(3)
-    expected = torch.cat(list(module.model.features(module.model.group_parameters({}, 1), windows[None, :, :256])), 2)
-    assert torch.allclose(encoder.encode(windows), expected[0].mean(1), atol=1e-6)
-
-
-def test_seed_checkpoint_errors_name_the_file(tmp_path):
-    with pytest.raises(DataError, match="seed checkpoint not found: .*none.ckpt"):
-        SeedEncoder.from_checkpoint(tmp_path / "none.ckpt")
-    (tmp_path / "bad.ckpt").write_bytes(b"\x00" * 10)
-    with pytest.raises(DataError, match="unreadable seed checkpoint .*bad.ckpt"):
-        SeedEncoder.from_checkpoint(tmp_path / "bad.ckpt")
-    _save_lightning_checkpoint(tmp_path / "ensemble.ckpt", num_experts=2)
-    with pytest.raises(ConfigError, match="ensemble.ckpt: no monolithic model"):
-        SeedEncoder.from_checkpoint(tmp_path / "ensemble.ckpt")
 
 
 def test_prefix_batch_cuts_the_routed_bytes():

@@ -32,12 +32,12 @@ def test_help_lists_every_experiment_with_its_cost(capsys):
 
 def test_a_dry_run_lists_the_trials_and_the_paper_scale_budget(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    for scale, trials in (("cpu", 24), ("paper", 54)):
+    for scale, trials in (("cpu", 12), ("paper", 54)):  # cpu: 6 lr x 2 N x 1 seed
         spec = dataclasses.replace(load_sweep(EXPERIMENTS["table7"].sweeps[scale]), output_dir=tmp_path / scale)
         listed = command.list_trials(EXPERIMENTS["table7"], scale, spec, f"sqlite:///{tmp_path / scale / 'x.db'}")
         assert (listed["trials"], listed["done"]) == (trials, 0)
     printed = capsys.readouterr().out
-    assert printed.count(": to run") == 24 + 54
+    assert printed.count(": to run") == 12 + 54
     # Table 6's budget: 50 aggregate GPU-hours per trial, 3 lr x 3 eps x 2 N x 3 seeds
     assert "54 trials of 50 aggregate device-hours: 2,700 device-hours" in printed
     assert not (tmp_path / "cpu").exists(), "a dry run writes nothing"
@@ -47,7 +47,7 @@ def test_a_dry_run_works_from_any_folder_and_goes_back_to_it(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     main(["reproduce", "table7", "--dry_run", "true"])
     printed = capsys.readouterr().out
-    assert len(re.findall(r"^  N=\d, lr=[\d.]+, seed \d: \w+", printed, re.MULTILINE)) == 24
+    assert len(re.findall(r"^  N=\d, lr=[\d.]+, seed \d: \w+", printed, re.MULTILINE)) == 12
     assert Path.cwd() == tmp_path and list(tmp_path.iterdir()) == []
 
 

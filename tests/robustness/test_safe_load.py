@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from soma_pl.callbacks.checkpoint_io import AtomicCheckpointIO
 from soma_pl.cli import main
@@ -92,12 +91,6 @@ def _entry_point(name: str, checkpoint: Path, prepared: PrepareConfig, tmp_path:
                 "--context", "4", "--batch", "1", "--experts", "1", "--loss_groupings", "[1]", "--n_pert", "[2]",
                 "--repeats", "2",
                 "--out", str(tmp_path / "v.json")]
-    if name == "shard --shard.seed_checkpoint":
-        config = {"shard": {"prepared": prepared.output_dir, "num_experts": 2,
-                            "embedder": "seed", "seed_checkpoint": str(checkpoint),
-                            "output_dir": str(tmp_path / "experts")}}
-        (tmp_path / "shard.yaml").write_text(yaml.safe_dump(config))
-        return ["shard", "--config", str(tmp_path / "shard.yaml"), "--progress", "false"]
     run = tmp_path / "run"
     if name == "fit seed_checkpoint":
         return fit_args(corpus, data, run, "--trainer.max_steps=1", f"--model.init_args.seed_checkpoint={checkpoint}")
@@ -108,8 +101,8 @@ def _entry_point(name: str, checkpoint: Path, prepared: PrepareConfig, tmp_path:
     return fit_args(corpus, data, run, "--trainer.max_steps=1", f"--ckpt_path={checkpoint}")
 
 
-@pytest.mark.parametrize("entry", ["evaluate", "analyze topk", "analyze variance", "shard --shard.seed_checkpoint",
-                                   "fit seed_checkpoint", "fit seed_checkpoint", "fit --ckpt_path"])
+@pytest.mark.parametrize("entry", ["evaluate", "analyze topk", "analyze variance", "fit seed_checkpoint",
+                                   "fit seed_checkpoint", "fit --ckpt_path"])
 def test_a_planted_reduce_runs_through_no_entry_point(entry, prepared, tmp_path, capsys):
     checkpoint, marker = _planted(tmp_path)
     code = _exit_code(_entry_point(entry, checkpoint, prepared, tmp_path))

@@ -244,9 +244,11 @@ def test_the_fig7_experts_sweeps_give_every_n_one_shared_frozen_seed_head_at_pap
 
 
 def test_the_main_jobs_sides_start_the_same_way_with_the_same_kind_of_head():
+    """Each from a seed of its own width trained by one recipe (configs/demo/seed.yaml, App. D)."""
     sides = demo_sides(DemoConfig())
+    seed = ("seed", Recipe(layers=("configs/demo/seed.yaml",), settings=()))
     assert {name: (start(config), head_kind(config)) for name, config in sides.items()} == {
-        "spsa": (("random",), "decoder_only"), "soma": (("random",), "decoder_only")}
+        "spsa": (seed, "decoder_only"), "soma": (seed, "decoder_only")}
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if "model" in (yaml.safe_load(p.read_text()) or {})],
@@ -278,9 +280,9 @@ def test_sides_that_start_differently_are_told_apart():
     spsa, soma = compose(["configs/spsa.yaml"], {}), compose(["configs/soma_n2.yaml"], {})
     random = compose(["configs/spsa.yaml"], {"model.init_args.init": "random"})
     assert _differing({"spsa": random, "soma": soma}, start)
-    # The CPU seed recipe (configs/seed.yaml, 150 updates) against the paper's (configs/bptt.yaml).
-    cheap = compose(["configs/spsa.yaml"], {WIDTH: 32, CHECKPOINT: "runs/seed/checkpoints/last.ckpt"})
-    assert start(cheap)[1].layers[-1] == "configs/seed.yaml"
+    # The demo's seed recipe (configs/demo/seed.yaml) against the paper's (configs/seed.yaml).
+    cheap = compose(["configs/spsa.yaml"], {WIDTH: 32, CHECKPOINT: "runs/demo_seed_w32/checkpoints/last.ckpt"})
+    assert start(cheap)[1].layers[-1] == "configs/demo/seed.yaml"
     assert _differing({"cheap": cheap, "soma": soma}, start)
     assert not _differing({"spsa": spsa, "soma": soma}, start)
     wrong_width = compose(["configs/spsa.yaml"], {CHECKPOINT: "runs/seed_w361/checkpoints/last.ckpt"})

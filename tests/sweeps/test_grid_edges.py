@@ -103,14 +103,15 @@ def test_the_written_report_carries_the_flags(study, tmp_path, monkeypatch, caps
 
 def test_the_demo_grids_reach_beyond_the_main_jobs_selection(monkeypatch):
     """The main job's learning rates lie inside the grid that selects them, a step below included, and the
-    demo's Table 6 has an eps axis of three values as Table 6's cross has."""
+    demo's Table 6 has an eps axis of three values as Table 6's cross has (its trials start from random
+    weights, so its lr axis need not hold the main job's, whose sides start from seeds)."""
     monkeypatch.chdir(ROOT)
     pair, table6 = ({f.name: list(f.choices) for f in load_sweep(f"sweeps/demo/{name}.yaml").factors}
                      for name in ("table7_pair", "table6_lr_eps"))
     demo = DemoConfig()
     for side in (demo.spsa, demo.soma):
         assert min(pair["lr"]) < side.lr < max(pair["lr"]), side.name
-    assert min(table6["lr"]) < min(demo.spsa.lr, demo.soma.lr) and table6["eps"] == [0.00125, 0.0025, 0.005]
+    assert table6["eps"] == [0.00125, 0.0025, 0.005]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "sweeps").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,8 +1,9 @@
 """Per-expert shard sets: `<folder>/expert-NNN/{train,val}-*.tar` listed in `experts.json`.
 
-Written by semantic (or random) sharding: an expert's `train` shards hold its share of the prepared
-training split and its `val` shards its share of the prepared expert-validation split (together,
-exactly those splits). Read by `ByteDataModule` to give each expert its own stream and decay signal.
+Written by semantic (or random) sharding: each record is one 1,025-byte window (a 1,024-byte sequence
+of the prepared documents and the byte after it); an expert's `train` shards hold its sequences but
+its held-out 1%, which its `val` shards hold. Read by `ByteDataModule` to give each expert its own
+stream and decay signal.
 `experts.json` is written last and atomically: a folder without it is not a sharded dataset.
 It records the fingerprint of the prepared dataset the shards were cut from (`dataset_fingerprint`),
 so a reader can refuse shards of another dataset (whose documents may be its test documents).
@@ -22,7 +23,7 @@ from soma_pl.io import close_quietly, write_json_atomic
 
 EXPERTS_MANIFEST = "experts.json"
 ROUTER_FILE = "router.pt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 KIND = "sharded dataset"
 """What the output folder's marker calls it (`soma_pl.io.OUTPUT_MARKER`)."""
 

@@ -16,7 +16,7 @@ from soma_pl.data.formats.tar_shards import sha256_file
 from soma_pl.errors import DataError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 KIND = "prepared dataset"
 """What the output folder's marker calls it (`soma_pl.io.OUTPUT_MARKER`)."""
 

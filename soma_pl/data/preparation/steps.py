@@ -90,14 +90,14 @@ class SelectHeldOut(_Stage):
         expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, self.held_count() + 1)
         short, eligible = Counter(), 0
         for document in read_documents(data):
-            if len(document.text) < WINDOW_BYTES:
+            expert_val.offer(document.doc_id)
+            if len(document.text) < WINDOW_BYTES:  # no evaluation window in it: training text only
                 short[document.source] += 1
                 continue
             eligible += 1
             order = document_rank(config.seed, document.doc_id)
             validation.offer(document, order)
             candidates.offer(document, order)
-            expert_val.offer(document.doc_id)
         folder = self.stage / "select"
         write_json_atomic(folder / f"{rank:05d}.json", {
             "documents": eligible, "short": dict(short),
@@ -244,8 +244,6 @@ class WriteShards(_Stage):
         counts = {split: Counter() for split in ("documents", "bytes", "val_documents", "val_bytes")}
         try:
             for document in read_documents(data):
-                if len(document.text) < WINDOW_BYTES:
-                    continue
                 if document.doc_id in held_ids:
                     if document.doc_id in final_only:
                         by_final.add(document.text)
@@ -333,7 +331,7 @@ class FinishPrepare(_Stage):
             "expert_val": {"documents": sum(totals["val_documents"].values()),
                            "bytes": sum(totals["val_bytes"].values()), "fraction": config.expert_val_fraction,
                            "shards": [s.to_json() for s in shards["expert_val"]]},
-            "skipped_short_documents": plan["short"],
+            "short_documents": plan["short"],
             "ensemble_val": {"file": "ensemble_val.npz", "documents": len(set(val.doc_ids.tolist())),
                              "windows": len(val), "wanted": config.val_windows,
                              "sha256": sha256_file(work / "ensemble_val.npz")},
@@ -408,9 +406,6 @@ def describe(config: PrepareConfig) -> str:
 
 def warn_about(manifest: dict) -> None:
     """The warnings of a finished build (its tasks may have run in other processes)."""
-    skipped = sum(manifest["skipped_short_documents"].values())
-    if skipped:
-        warnings.warn(f"skipped {skipped} documents shorter than {WINDOW_BYTES} bytes", stacklevel=3)
     for name, label in (("ensemble_val", "ensemble validation: only {} of {} windows available"),
                         ("test", "test set: only {} of {} clean documents")):
         entry = manifest[name]

@@ -1,101 +1,124 @@
-"""Which expert each document goes to: mini-batch k-means on the (centred) encodings of the first
-256 bytes with rebalancing (semantic sharding, the paper's), or a seeded deal (random sharding, the
-Fig. 9 ablation); and the router's centroids."""
+"""Which expert each 1,024-byte sequence goes to, and which sequences each expert holds out.
+
+Semantic sharding (§4, App. D): word-level tf–idf of the sample's sequences → truncated SVD →
+mean removed, unit length → balanced k-means (`k_means_constrained`: sizes ⌊n/N⌋ or ⌈n/N⌉) whose
+centroids, scaled to unit length, route by cosine. A sampled sequence keeps its balanced cluster;
+any other goes to its nearest centroid. Random sharding (the Fig. 9 ablation) deals sequences by a
+seeded hash. Within each expert, the sequences of smallest key form its expert-validation share.
+"""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from soma_pl.data.sharding.config import ShardConfig, Sharding
+from soma_pl import WINDOW_BYTES
+from soma_pl.errors import DataError
+from soma_pl.models.router import VECTORIZER, Router, TfidfEncoder
 
+SEQUENCE_BYTES = WINDOW_BYTES - 1
+"""The unit of assignment (App. D): a 1,024-byte sequence; its training window adds the next byte."""
 
-def assign_labels(config: ShardConfig, embeddings: np.ndarray, deal_keys: np.ndarray) -> tuple[np.ndarray, int]:
-    """Each document's expert `[n]` int64, and how many documents rebalancing moved: k-means on
-    the (centred) `embeddings`, or for random sharding a deal in the order of the `deal_keys`."""
-    experts, count = config.num_experts, len(embeddings)
-    if Sharding(config.sharding) is Sharding.random:
-        return deal(deal_keys, experts), 0
-    from sklearn.cluster import MiniBatchKMeans
-
-    kmeans = MiniBatchKMeans(n_clusters=experts, random_state=config.seed, n_init=config.kmeans_n_init,
-                             batch_size=config.kmeans_batch_size)
-    labels = kmeans.fit_predict(embeddings).astype(np.int64)
-    minimum = max(1, int(config.min_expert_fraction * count / experts))
-    return rebalance(labels, kmeans.transform(embeddings), minimum)
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
 
-def assign_expert_val(config: ShardConfig, embeddings: np.ndarray, deal_keys: np.ndarray,
-                      centroids: np.ndarray) -> tuple[np.ndarray, int]:
-    """Each expert-validation document's expert `[n]` int64, and how many rebalancing moved.
+def sequence_keys(seed: int, file: int, count: int) -> np.ndarray:
+    """`[count]` uint64 keys of sequences 0..count-1 of prepared shard file `file` (splitmix64 of
+    seed, file and position): they choose the fitting sample and the expert-validation shares."""
+    with np.errstate(over="ignore"):
+        x = (np.uint64(seed) * _MIX[1] + np.uint64(file) * _MIX[0]
+             + np.arange(count, dtype=np.uint64) * _MIX[2] + _MIX[0])
+        x = (x ^ (x >> np.uint64(30))) * _MIX[1]
+        x = (x ^ (x >> np.uint64(27))) * _MIX[2]
+        return x ^ (x >> np.uint64(31))
 
-    The rule that placed the training documents, with the fitted `centroids` `[N, D]` in place of
-    a new k-means fit: each document goes to its nearest centroid, then an expert holding fewer
-    than `min_expert_fraction` of the average, and at least one, takes the documents nearest its
-    centroid from experts that hold more (`rebalance`), so no expert is left without a decay
-    signal; for random sharding the same seeded deal in the order of the `deal_keys`. Needs at
-    least N documents (`check_splits`).
 
-    Args:
-        embeddings: `[n, D]` the documents' centred encodings.
-        deal_keys: `[n]` uint64 their seeded deal keys.
-        centroids: `[N, D]` the fitted centroids (each expert's mean over its training sample).
+def cut_sequences(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Documents joined end to end, cut into non-overlapping 1,024-byte sequences from the first byte,
+    each window the sequence and the byte after it: `(windows [n, 1025] uint8, the document each
+    sequence starts in [n])`. Only the last < 1,025 bytes are left over."""
+    stream = np.frombuffer(b"".join(texts), dtype=np.uint8)
+    count = max(0, (len(stream) - 1) // SEQUENCE_BYTES)
+    if not count:
+        return np.zeros((0, WINDOW_BYTES), dtype=np.uint8), np.zeros(0, dtype=np.int64)
+    windows = np.lib.stride_tricks.sliding_window_view(stream, WINDOW_BYTES)[::SEQUENCE_BYTES][:count]
+    starts = np.cumsum([0, *(len(text) for text in texts[:-1])])
+    return np.ascontiguousarray(windows), np.searchsorted(starts, np.arange(count) * SEQUENCE_BYTES, "right") - 1
+
+
+def deal(keys: np.ndarray, experts: int) -> np.ndarray:
+    """Random sharding: each sequence's expert from its key `[n]` int64 (independent of the sample)."""
+    return ((keys >> np.uint64(17)) % np.uint64(experts)).astype(np.int64)
+
+
+def fit_router(texts: list[bytes], experts: int, seed: int = 0, dim: int = 128, max_features: int = 50_000,
+               min_df: int = 5, n_init: int = 10, labels: np.ndarray | None = None) -> tuple[Router, np.ndarray]:
+    """Fit the router on the sample's sequences: `(router, each sequence's balanced cluster [n])`.
+    Given `labels` (random sharding), the encoder is fitted and each centroid is its expert's mean.
+
+    Raises:
+        DataError: the texts give no vocabulary, or fewer sequences than experts.
     """
-    experts, count = config.num_experts, len(embeddings)
-    if Sharding(config.sharding) is Sharding.random:
-        return deal(deal_keys, experts), 0
-    distances = centroid_distances(embeddings, centroids)
-    minimum = max(1, int(config.min_expert_fraction * count / experts))
-    return rebalance(distances.argmin(axis=1).astype(np.int64), distances, minimum)
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):  # the same bits whatever cores an executor's task is given
+        return _fit_router(texts, experts, seed, dim, max_features, min_df, n_init, labels)
 
 
-def deal(deal_keys: np.ndarray, experts: int) -> np.ndarray:
-    """Random sharding: documents dealt to experts round-robin in the order of their seeded deal
-    keys `[n]`, so the experts' counts differ by at most one. `[n]` int64."""
-    labels = np.empty(len(deal_keys), dtype=np.int64)
-    labels[np.argsort(deal_keys, kind="stable")] = np.arange(len(deal_keys)) % experts
-    return labels
+def _fit_router(texts: list[bytes], experts: int, seed: int, dim: int, max_features: int, min_df: int, n_init: int,
+                labels: np.ndarray | None) -> tuple[Router, np.ndarray]:
+    from k_means_constrained import KMeansConstrained
+    from sklearn.decomposition import TruncatedSVD
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    if len(texts) < experts:
+        raise DataError(f"{len(texts)} sequences to cluster into {experts} experts")
+    vectorizer = TfidfVectorizer(max_features=max_features, min_df=min(min_df, len(texts)), **VECTORIZER)
+    try:
+        tfidf = vectorizer.fit_transform(texts)
+    except ValueError as error:  # sklearn: "empty vocabulary; perhaps the documents only contain stop words"
+        raise DataError(f"the sequences give no tf-idf vocabulary ({error}): a larger or wordier corpus, "
+                        "or a smaller shard.tfidf_min_df") from error
+    svd = TruncatedSVD(n_components=max(1, min(dim, tfidf.shape[1] - 1)), random_state=seed).fit(tfidf)
+    encoder = TfidfEncoder(vectorizer.get_feature_names_out().tolist(), svd.components_.shape[0])
+    reduced = tfidf @ svd.components_.T  # what `TfidfEncoder.features` computes
+    encoder.load_state_dict({"idf": torch.from_numpy(vectorizer.idf_), "components": torch.from_numpy(svd.components_),
+                             "mean": torch.from_numpy(reduced.mean(0))})
+    features = encoder.features(texts)
+    if experts == 1 or labels is not None:
+        labels = np.zeros(len(texts), np.int64) if labels is None else labels
+        sums = np.zeros((experts, features.shape[1]))
+        np.add.at(sums, labels, features)
+        return Router(encoder, torch.from_numpy(_unit(sums).astype(np.float32))), labels
+    kmeans = KMeansConstrained(n_clusters=experts, size_min=len(texts) // experts, size_max=-(-len(texts) // experts),
+                               random_state=seed, n_init=n_init)
+    labels = kmeans.fit_predict(features.astype(np.float64)).astype(np.int64)
+    return Router(encoder, torch.from_numpy(_unit(kmeans.cluster_centers_).astype(np.float32))), labels
 
 
-def centroid_distances(embeddings: np.ndarray, centroids: np.ndarray) -> np.ndarray:
-    """`[n, N]` squared Euclidean distance of each embedding `[n, D]` to each centroid `[N, D]`."""
-    embeddings = np.asarray(embeddings, dtype=np.float64)
-    return ((embeddings ** 2).sum(1)[:, None] + (centroids.astype(np.float64) ** 2).sum(1)[None]
-            - 2 * embeddings @ centroids.T.astype(np.float64))
+def _unit(rows: np.ndarray) -> np.ndarray:
+    return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
 
 
-def rebalance(labels: np.ndarray, distances: np.ndarray, minimum: int) -> tuple[np.ndarray, int]:
-    """Give every expert at least `minimum` documents.
+def nearest(router: Router, texts: list[bytes]) -> np.ndarray:
+    """Each text's most cosine-similar centroid `[n]` int64 (ties: the lower index)."""
+    if not texts:
+        return np.zeros(0, dtype=np.int64)
+    scores = router.encoder.features(texts) @ router.centroids.cpu().numpy().T
+    return scores.argmax(axis=1).astype(np.int64)
 
-    An expert below it takes, nearest to its centroid first, documents from experts holding more
-    than `minimum`, so no donor falls below it (feasible whenever `minimum · N ≤ n`).
 
-    Args:
-        labels: `[n]` expert of each document.
-        distances: `[n, N]` distance of each document to each centroid.
-        minimum: least documents per expert.
+def held_out_thresholds(labels: np.ndarray, keys: np.ndarray, experts: int, fraction: float) -> np.ndarray:
+    """Per expert, the largest key of its expert-validation share `[N]` uint64: its
+    max(1, round(fraction · n_e)) sequences of smallest key (none for an expert of one sequence).
 
-    Returns:
-        the new labels `[n]` and the number of documents moved.
+    Raises:
+        DataError: an expert received no sequence.
     """
-    labels = labels.copy()
-    counts = np.bincount(labels, minlength=distances.shape[1])
-    moved = 0
-    for expert in range(distances.shape[1]):
-        for document in np.argsort(distances[:, expert], kind="stable"):
-            if counts[expert] >= minimum:
-                break
-            donor = labels[document]
-            if donor != expert and counts[donor] > minimum:
-                labels[document] = expert
-                counts[donor] -= 1
-                counts[expert] += 1
-                moved += 1
-    return labels, moved
-
-
-def expert_centroids(embeddings: np.ndarray, labels: np.ndarray, experts: int) -> np.ndarray:
-    """Mean embedding of each expert's documents: `[N, D]` float32 (the router's centroids)."""
-    sums = np.zeros((experts, embeddings.shape[1]), dtype=np.float64)
-    np.add.at(sums, labels, embeddings)
-    counts = np.bincount(labels, minlength=experts)[:, None]
-    return (sums / np.maximum(counts, 1)).astype(np.float32)
+    counts = np.bincount(labels, minlength=experts)
+    if not counts.all():
+        raise DataError(f"expert {int(np.argmin(counts))} received no sequence: fewer experts or a larger corpus")
+    ordered = keys[np.lexsort((keys, labels))]  # by expert, then key
+    held = np.minimum(np.maximum(1, np.round(fraction * counts).astype(np.int64)), counts - 1)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return np.where(held > 0, ordered[np.maximum(starts + held - 1, 0)], np.uint64(0)).astype(np.uint64)

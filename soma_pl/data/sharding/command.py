@@ -8,12 +8,13 @@ from soma_pl.data.formats.expert_sets import EXPERTS_MANIFEST, read_experts_mani
 from soma_pl.data.sharding.config import ShardConfig
 from soma_pl.data.sharding.shard import shard as run_shard  # `shard_dataset`'s argument `shard` hides the name
 
-SHARD_SUMMARY = ("num_experts", "documents", "train", "expert_val", "kmeans_sample", "shard_sizes",
-                 "rebalanced_documents", "rebalanced_expert_val_documents", "contingency", "purity",
-                 "router_agreement", "tasks", "shard_seconds")
-"""`experts.json` entries that `shard` prints as they are: `train` and `expert_val` are the documents
-and bytes of the prepared splits, all of them placed; `documents`, `shard_sizes`, `contingency`,
-`purity` and `router_agreement` are over the training documents."""
+SHARD_SUMMARY = ("num_experts", "sequences", "train", "expert_val", "kmeans_sample", "vocabulary", "shard_sizes",
+                 "contingency", "purity", "router_agreement", "tasks", "shard_seconds")
+"""`experts.json` entries that `shard` prints as they are: `sequences` is every 1,024-byte sequence
+cut, `train` and `expert_val` its two parts (sequences and bytes); `shard_sizes` counts each expert's
+sequences; `contingency` and `purity` are over training sequences by the source of their first byte;
+`router_agreement` is the share of sequences whose nearest centroid is their expert, reading the
+whole sequence and reading its first 256 bytes (what evaluation routes on)."""
 
 
 def shard_dataset(shard: ShardConfig = ShardConfig(), progress: bool = True) -> None:
@@ -30,8 +31,8 @@ def shard_dataset(shard: ShardConfig = ShardConfig(), progress: bool = True) -> 
         return
     manifest = read_experts_manifest(output)
     summary = {"output_dir": str(output), "router": str(output / manifest["router"]),
-               "embedder": manifest["config"]["embedder"], "sharding": manifest["config"]["sharding"],
+               "sharding": manifest["config"]["sharding"],
                **{key: manifest[key] for key in SHARD_SUMMARY},
                **{f"{name}_{key}": [e[split][key] for e in manifest["expert_sizes"]]
-                  for name, split in (("train", "train"), ("expert_val", "val")) for key in ("documents", "bytes")}}
+                  for name, split in (("train", "train"), ("expert_val", "val")) for key in ("sequences", "bytes")}}
     print(json.dumps(summary, indent=2))

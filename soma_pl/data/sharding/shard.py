@@ -1,36 +1,37 @@
-"""`shard`: split a prepared dataset's training documents into N expert shard sets and fit the router.
+"""`shard`: cut a prepared dataset into 1,024-byte sequences, fit the router, and write N expert shard sets.
 
 ```
 <output_dir>/
-  expert-000/train-<task>-000000.tar ... val-<task>-000000.tar   expert 0's documents (train / expert validation)
+  expert-000/train-<task>-000000.tar ... val-<task>-000000.tar   expert 0's sequences (train / expert validation)
   ...
-  router.pt                                        encoder of the first 256 bytes + N centroids
-  experts.json                                     written last: shard records, sizes, contingency
+  router.pt                                        tf–idf vocabulary and idf, SVD, mean, N unit centroids
+  experts.json                                     written last: shard records, sizes, contingency, agreement
 ```
 
-Semantic sharding (the paper's) embeds each training document's first 256 bytes (the routed prefix)
-and clusters the embeddings with mini-batch k-means, fitted on a bounded sample of documents (all of
-them up to `kmeans_sample`); random sharding (the Fig. 9 ablation) deals the documents to experts
-in the order of a seeded hash. Every side of a comparison trains on the same documents: each
-document of the prepared `train` split goes to exactly one expert's training shards, and each of the
-prepared `expert_val` split (the monolithic model's decay split) to the expert-validation shards of
-the expert the same rule picks for it (its nearest fitted centroid, or the same seeded deal), so
-`shard` holds out nothing of its own. The k-means fit, the hashed encoder's centre and the router's
-centroids see only training documents; ensemble-validation and test documents never reach a shard.
-It runs as a datatrove pipeline (`soma_pl.data.sharding.steps`: embed, fit, write,
-finish) on the executor of `shard.executor`, local with all cores by default; per-task memory is
-bounded whatever the corpus size, and any task count gives the same experts and splits. The
-finished folder is renamed into place with experts.json last; experts.json records a fingerprint,
-so an identical re-run is a no-op and a changed one rebuilds. experts.json also records the
-prepared dataset's fingerprint, and router.pt the sharding's, so training and evaluation can refuse
-shards or a router that belong to another dataset or sharding. Only a folder soma_pl wrote as a
-sharded dataset is replaced, never an input or a folder holding one.
+The paper's recipe (§4, App. D): the prepared training and expert-validation documents, joined end
+to end in corpus order, are cut into non-overlapping 1,024-byte sequences (each stored as a 1,025-byte
+training window: the sequence and the byte after it, so every byte is a target once). Semantic
+sharding fits word-level tf–idf (`tfidf_max_features`, sublinear tf, English stop words,
+`tfidf_min_df`; bytes decoded as UTF-8 ignoring errors) → truncated SVD (`svd_dim`) → mean removed,
+unit length → balanced k-means on a sample of `kmeans_sample` sequences; every sequence is assigned
+on its whole 1,024 bytes (a sampled one keeps its balanced cluster, any other goes to its nearest
+centroid). Clustering comes first; then each expert holds out the `expert_val_fraction` of its own
+sequences of smallest key as its expert-validation split. Evaluation routes on the first 256 bytes
+only (`Router`). Random sharding (the Fig. 9 ablation) deals sequences by a seeded hash. Ensemble-
+validation and test documents never reach a shard: `prepare` held them out.
+
+It runs as a datatrove pipeline (`soma_pl.data.sharding.steps`) on the executor of `shard.executor`,
+local with all cores by default; any task count gives the same experts and splits. The finished folder
+is renamed into place with experts.json last; experts.json records a fingerprint, so an identical
+re-run is a no-op and a changed one rebuilds. experts.json also records the prepared dataset's
+fingerprint, and router.pt the sharding's, so training and evaluation can refuse shards or a router
+that belong to another dataset or sharding. Only a folder soma_pl wrote as a sharded dataset is
+replaced, never an input or a folder holding one.
 """
 
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from pathlib import Path
@@ -39,10 +40,18 @@ from soma_pl.data.formats.expert_sets import EXPERTS_MANIFEST, KIND, experts_fin
 from soma_pl.data.formats.manifest import open_prepared
 from soma_pl.data.formats.tar_shards import ShardRecord, Verify, verify_shards
 from soma_pl.data.preparation.prepare import prepare_recipe
-from soma_pl.data.runner.pipeline import ExecutorKind, chain
+from soma_pl.data.runner.pipeline import chain
 from soma_pl.data.runner.staging import check_unchanged, remove_staging, run_build
+from soma_pl.data.sharding.assign import SEQUENCE_BYTES
 from soma_pl.data.sharding.config import ShardConfig
-from soma_pl.data.sharding.steps import EmbedDocuments, FinishShard, FitExperts, PreparedShardsReader, WriteExperts
+from soma_pl.data.sharding.steps import (
+    AssignSequences,
+    CutSequences,
+    FinishShard,
+    FitRouter,
+    PreparedShardsReader,
+    WriteExperts,
+)
 from soma_pl.errors import DataError, SomaError
 from soma_pl.io import build_lock, check_output
 
@@ -111,42 +120,30 @@ def _build_shards(config: ShardConfig, progress: bool, output: Path, before: str
 
 
 def check_splits(manifest: dict, root: Path, experts: int) -> None:
-    """Refuse a prepared dataset whose splits cannot give every expert training and
-    expert-validation documents, with one line naming what to do.
+    """Refuse a prepared dataset too small to give every expert two sequences, with one line.
 
     Raises:
-        DataError: no `expert_val` split (an older `prepare`), or fewer training or
-            expert-validation documents than experts.
+        DataError: fewer than 2·N sequences' bytes in the training and expert-validation splits.
     """
-    if "expert_val" not in manifest:
-        raise DataError(f"shard.prepared={root} has no expert-validation split (prepared by an older soma_pl): "
-                        "run prepare again")
-    for split, name, fix in (("train", "training", "a larger corpus or fewer experts"),
-                             ("expert_val", "expert-validation", "a larger dataset.expert_val_fraction")):
-        documents = manifest[split].get("documents", 0)
-        if documents < experts:
-            raise DataError(f"shard.prepared={root} holds {documents} {name} documents, fewer than "
-                            f"shard.num_experts={experts} (each expert needs one): prepare again with {fix}")
+    total = sum(manifest[split].get("bytes", 0) for split in ("train", "expert_val") if split in manifest)
+    if total // SEQUENCE_BYTES < 2 * experts:
+        raise DataError(f"shard.prepared={root} holds {total} training bytes, fewer than two "
+                        f"{SEQUENCE_BYTES}-byte sequences for each of shard.num_experts={experts}: "
+                        "a larger corpus or fewer experts")
 
 
 def _stages(config: ShardConfig, paths: dict[str, list[Path]], stage: Path, fingerprint: str, manifest: dict,
             started: float, progress: bool = False) -> list[tuple[str, object]]:
-    """The four executors, each depending on the one before: `(name, executor)`. `paths`: the
+    """The five executors, each depending on the one before: `(name, executor)`. `paths`: the
     prepared `train` and `expert_val` shard files."""
-    files = len(paths["train"]) + len(paths["expert_val"])
-    tasks = max(1, min(config.executor.task_count(), files))  # whole shards are dealt out
-    # The tasks run torch (the encoder), so local workers start from a fresh server process
-    # (`default_start_method`: this process has imported torch) unless the config says otherwise.
-    executor = config.executor
-    threads = None
-    if ExecutorKind(executor.kind) is ExecutorKind.local:  # the tasks running at once share this machine's cores
-        threads = max(1, (os.cpu_count() or 1) // min(tasks, executor.workers or tasks))
+    tasks = max(1, min(config.executor.task_count(), len(paths["train"]) + len(paths["expert_val"])))
 
     def reader(name: str) -> PreparedShardsReader:
         return PreparedShardsReader(paths["train"], progress, name, paths["expert_val"])
 
-    pipelines = [("embed", [reader("embed"), EmbedDocuments(config, stage, threads)], tasks),
-                 ("fit", [FitExperts(config, stage, tasks)], 1),
-                 ("write", [reader("write"), WriteExperts(config, stage, threads)], tasks),
+    pipelines = [("sequences", [reader("sequences"), CutSequences(config, stage, tasks)], tasks),
+                 ("fit", [FitRouter(config, stage, tasks)], 1),
+                 ("assign", [reader("assign"), AssignSequences(config, stage, tasks)], tasks),
+                 ("write", [reader("write"), WriteExperts(config, stage, tasks)], tasks),
                  ("finish", [FinishShard(config, stage, tasks, fingerprint, manifest, started)], 1)]
-    return chain(executor, pipelines, stage, "shard")
+    return chain(config.executor, pipelines, stage, "shard")

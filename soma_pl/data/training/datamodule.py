@@ -57,8 +57,11 @@ class ByteDataModule(L.LightningDataModule):
         seed: seed of the training stream.
         verify: check shards against the manifest by `size` or by `sha256` before reading.
         expert_val_windows: windows per expert from its own expert-validation split, the held-out
-            1% of its training documents that drives its learning-rate decay (N = 1: the prepared
-            dataset's split). None: all of them (the paper); a cap keeps CPU runs short.
+            1% of its sequences that drives its learning-rate decay (without `experts_dir`: the
+            prepared dataset's split, cut into windows). None: all of them (the paper); a cap,
+            evenly spaced over the split, keeps CPU runs short.
+        train_subset: the fraction of training windows read, chosen by a seeded key of each window
+            (1: all; a seed run reads a subset of the corpus, App. D).
         auto_prepare: run `prepare` in `prepare_data()` when the dataset is missing or stale.
         test_split: what `test` and `predict` score, and what `test_set` (the windows of bootstrap
             reports) holds: `test`, the screened test split every development result reports, or
@@ -70,8 +73,10 @@ class ByteDataModule(L.LightningDataModule):
                  batch_size: int = 64, eval_batch_size: int = 64, shuffle_buffer: int = 1024,
                  num_workers: int = 0, seed: int = 0, verify: Verify = Verify.sha256, auto_prepare: bool = True,
                  expert_val_windows: int | None = None, prepared: str | None = None, recipe: str | None = None,
-                 test_split: str = "test"):
+                 test_split: str = "test", train_subset: float = 1.0):
         super().__init__()
+        if not 0 < train_subset <= 1:
+            raise ConfigError(f"data.init_args.train_subset={train_subset} must be in (0, 1]")
         if test_split not in TEST_SPLITS:
             raise ConfigError(f"data.init_args.test_split={test_split} must be one of: {', '.join(TEST_SPLITS)}")
         for key, value, least in (("batch_size", batch_size, 1), ("eval_batch_size", eval_batch_size, 1),
@@ -103,6 +108,7 @@ class ByteDataModule(L.LightningDataModule):
         self.auto_prepare = auto_prepare
         self.expert_val_windows = expert_val_windows
         self.test_split = test_split
+        self.train_subset = train_subset
         self.expert_val: list[torch.Tensor] | None = None
         """Each expert's expert-validation windows, `[n_e, 1025]` each."""
         self.shard_sets: list[list[Path]] = []
@@ -146,7 +152,7 @@ class ByteDataModule(L.LightningDataModule):
             self.shard_sets = [verify_shards(origin, e.train, self.verify) for e in experts]
             val_sets = [verify_shards(origin, e.val, self.verify) for e in experts]
         if all(val_sets):
-            self.expert_val = [fixed_windows(paths, self.expert_val_windows) for paths in val_sets]
+            self.expert_val = [fixed_windows(paths, self.expert_val_windows, self.joined) for paths in val_sets]
         else:
             warnings.warn(f"{origin}: some experts have no validation shards: no learning-rate decay", stacklevel=2)
         self.fingerprints["dataset"] = manifest.get("fingerprint")
@@ -181,6 +187,12 @@ class ByteDataModule(L.LightningDataModule):
         return {kind: (fingerprint, folders[kind]) for kind, fingerprint in self.fingerprints.items()}
 
     @property
+    def joined(self) -> bool:
+        """Whether the shards hold documents to cut into windows (a prepared dataset) rather than
+        windows (a sharded one)."""
+        return self.experts_dir is None
+
+    @property
     def num_experts(self) -> int:
         return len(self.shard_sets)
 
@@ -211,11 +223,12 @@ class ByteDataModule(L.LightningDataModule):
         split, rank, world = self.rank_layout()
         if split is RankSplit.documents:
             return WindowStream(self.shard_sets, self.batch_size, self.seed, self.shuffle_buffer, rank, world,
-                                skip_batches)
+                                skip_batches, joined=self.joined, subset=self.train_subset)
         # Replicated and expert-parallel ranks read whole streams, each what one process would read.
         share = self.expert_share()
         return WindowStream(self.shard_sets[share.start : share.stop], self.batch_size, self.seed,
-                            self.shuffle_buffer, skip_batches=skip_batches, expert_ids=share)
+                            self.shuffle_buffer, skip_batches=skip_batches, expert_ids=share, joined=self.joined,
+                            subset=self.train_subset)
 
     def train_dataloader(self) -> DataLoader:
         # One batch per optimizer step: a resumed run skips the batches its restored steps consumed.

@@ -1,20 +1,24 @@
 """The endless training stream: `[E, B, 1025] uint8` batches, row block e from expert e's shards.
 
-Each expert's stream reads its shards in a freshly shuffled order every pass, cuts each document
-into consecutive 1,025-byte windows from a random start, and mixes them through a shuffle buffer.
-Every consumer (DataLoader worker × DDP rank) reads a disjoint part of each expert's data: whole
-shards when there are enough of them, otherwise every consumer reads all shards and keeps every
-`consumers`-th document. The stream is a pure function of (seed, consumer layout), so a resumed run
-replays it and skips the batches already consumed (`skip_batches`).
+Each expert's stream reads its shards in a freshly shuffled order every pass and mixes their windows
+through a shuffle buffer. A sharded dataset's records are its windows already (1,024-byte sequences
+and the byte after each, `soma_pl.data.sharding`); a prepared dataset's documents are cut the same
+way, per shard file (`cut_sequences`: joined end to end, a window every 1,024 bytes), so no document
+is dropped for being short and no tail is lost. Every consumer (DataLoader worker × DDP rank) reads
+a disjoint part of each expert's data: whole shards when there are enough of them, otherwise every
+consumer reads all shards and keeps every `consumers`-th window. The stream is a pure function of
+(seed, consumer layout), so a resumed run replays it and skips the batches already consumed
+(`skip_batches`).
 
 How DDP ranks share the data depends on the training mode (`RankSplit`): plain data parallelism
-gives each rank disjoint documents; DDPP gives every rank the one global stream, from which each
+gives each rank disjoint windows; DDPP gives every rank the one global stream, from which each
 rank evaluates its own micro-batches; expert-parallel SOMA gives rank r only its own experts' streams,
 each exactly the stream a single process would read for that expert.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -24,6 +28,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.formats.tar_shards import iter_shard_documents
+from soma_pl.data.sharding.assign import cut_sequences, sequence_keys
 from soma_pl.errors import DataError
 
 
@@ -38,63 +43,55 @@ def consumer_slice(shards: Sequence[Path], consumer: int, consumers: int) -> tup
     return list(shards), consumers, consumer
 
 
-def document_windows(text: bytes, rng: np.random.Generator, window: int = WINDOW_BYTES) -> list[np.ndarray]:
-    """Consecutive non-overlapping windows of `text` from a random start in `[0, window)`."""
-    data = np.frombuffer(text, dtype=np.uint8)
-    spare = len(data) - window
-    if spare < 0:
-        return []
-    start = int(rng.integers(0, min(spare, window - 1) + 1))
-    return [data[offset : offset + window] for offset in range(start, len(data) - window + 1, window)]
+def shard_windows(path: Path, joined: bool, subset: float = 1.0) -> np.ndarray:
+    """The windows of one shard file `[n, 1025]` uint8.
 
-
-def fixed_windows(shards: Sequence[Path], count: int | None = None) -> torch.Tensor:
-    """The windows of the shards' documents, each document cut from its start into consecutive
-    1,025-byte windows: `[n, 1025]`, all of them, or `count` spread over the documents.
-
-    With `count`, every document gives its first windows in turn, as evenly as their lengths allow
-    (k each from the documents that have k, one more from the first ones until `count`), so a
-    capped split measures all its documents rather than the first one or two. The same on every call;
-    memory is O(count) windows.
+    Args:
+        joined: the records are documents (a prepared dataset): join and cut them (`cut_sequences`);
+            otherwise every record is one window (a sharded dataset).
+        subset: keep the windows whose seeded key falls in this fraction (a seed run's subset).
 
     Raises:
-        DataError: the shards hold no document long enough for a window.
+        DataError: a record of a sharded dataset is not one window.
     """
-    lengths = [len(d.text) // WINDOW_BYTES for shard in shards for d in iter_shard_documents(shard)]
-    if not any(lengths):
+    texts = [document.text for document in iter_shard_documents(path)]
+    if joined:
+        windows = cut_sequences(texts)[0]
+    else:
+        if any(len(text) != WINDOW_BYTES for text in texts):
+            raise DataError(f"{path}: a record is not one {WINDOW_BYTES}-byte window: shard the dataset again")
+        windows = np.frombuffer(b"".join(texts), dtype=np.uint8).reshape(-1, WINDOW_BYTES)
+    if subset < 1:
+        keys = sequence_keys(0, zlib.crc32(path.name.encode()), len(windows))
+        windows = windows[keys < np.uint64(int(subset * 2**64))]
+    return windows
+
+
+def fixed_windows(shards: Sequence[Path], count: int | None = None, joined: bool = False) -> torch.Tensor:
+    """The windows of `shards` (`shard_windows`), all of them or `count` evenly spaced over them:
+    `[n, 1025]`, the same on every call.
+
+    Raises:
+        DataError: the shards hold no window.
+    """
+    windows = [shard_windows(path, joined) for path in shards]
+    rows = np.concatenate(windows) if windows else np.zeros((0, WINDOW_BYTES), dtype=np.uint8)
+    if not len(rows):
         raise DataError(f"no {WINDOW_BYTES}-byte window in validation shards {[str(s) for s in shards]}")
-    take = lengths if count is None else _spread(lengths, count)
-    rows: list[np.ndarray] = []
-    documents = (d for shard in shards for d in iter_shard_documents(shard))
-    for document, k in zip(documents, take, strict=False):
-        data = np.frombuffer(document.text, dtype=np.uint8)
-        rows.extend(data[i * WINDOW_BYTES : (i + 1) * WINDOW_BYTES] for i in range(k))
-    return torch.from_numpy(np.stack(rows))
-
-
-def _spread(lengths: list[int], count: int) -> list[int]:
-    """Windows to take from each document: the largest level k with Σ min(n, k) ≤ count, then one
-    more from the first documents that have more, until `count` (or every window) is taken."""
-    level = 0
-    while level < max(lengths) and sum(min(n, level + 1) for n in lengths) <= count:
-        level += 1
-    take = [min(n, level) for n in lengths]
-    left = count - sum(take)
-    for i, n in enumerate(lengths):
-        if left > 0 and n > take[i]:
-            take[i] += 1
-            left -= 1
-    return take
+    if count is not None and count < len(rows):
+        rows = rows[np.linspace(0, len(rows) - 1, count).round().astype(np.int64)]
+    return torch.from_numpy(np.ascontiguousarray(rows))
 
 
 class ExpertWindows:
     """One expert's endless window iterator for one consumer."""
 
     def __init__(self, shards: Sequence[Path], consumer: int, consumers: int, buffer_size: int,
-                 rng: np.random.Generator):
+                 rng: np.random.Generator, joined: bool = False, subset: float = 1.0):
         if not shards:
             raise DataError("an expert stream has no training shards")
         self.shards, self.stride, self.offset = consumer_slice(shards, consumer, consumers)
+        self.joined, self.subset = joined, subset
         self.buffer_size = max(1, buffer_size)
         self.rng = rng
         self.buffer: list[np.ndarray] = []
@@ -104,11 +101,9 @@ class ExpertWindows:
         while True:
             produced = 0
             for shard_index in self.rng.permutation(len(self.shards)).tolist():
-                for number, document in enumerate(iter_shard_documents(self.shards[shard_index])):
-                    if number % self.stride == self.offset:
-                        windows = document_windows(document.text, self.rng)
-                        produced += len(windows)
-                        yield from windows
+                windows = shard_windows(self.shards[shard_index], self.joined, self.subset)[self.offset :: self.stride]
+                produced += len(windows)
+                yield from windows
             if produced == 0:
                 raise DataError(f"no {WINDOW_BYTES}-byte window in shards {self.shards[0].parent}")
 
@@ -138,12 +133,15 @@ class WindowStream(IterableDataset):
         skip_batches: batches to skip from the start (a resumed run's consumed batches).
         expert_ids: the global index of each shard set's expert (default `0..E-1`); it seeds that
             expert's stream, so a rank holding experts 4..7 reads what one process reads for them.
+        joined: the shards hold documents to cut (a prepared dataset), not windows (`shard_windows`).
+        subset: the fraction of windows read (`shard_windows`).
     """
 
     def __init__(self, shard_sets: Sequence[Sequence[Path]], batch_size: int, seed: int = 0,
                  shuffle_buffer: int = 1024, rank: int = 0, world_size: int = 1, skip_batches: int = 0,
-                 expert_ids: Sequence[int] | None = None):
+                 expert_ids: Sequence[int] | None = None, joined: bool = False, subset: float = 1.0):
         super().__init__()
+        self.joined, self.subset = joined, subset
         self.shard_sets = [list(shards) for shards in shard_sets]
         self.batch_size = batch_size
         self.seed = seed
@@ -163,7 +161,7 @@ class WindowStream(IterableDataset):
         consumer, consumers = self.rank * workers + role, self.world_size * workers
         experts = [
             ExpertWindows(shards, consumer, consumers, self.shuffle_buffer,
-                          np.random.default_rng([self.seed, expert, consumer, consumers]))
+                          np.random.default_rng([self.seed, expert, consumer, consumers]), self.joined, self.subset)
             for expert, shards in zip(self.expert_ids, self.shard_sets, strict=True)
         ]
         index = role
