@@ -182,7 +182,7 @@ EXPERIMENTS: dict[str, Experiment] = {
               "selections compared at equal measured update time (Table 3's U·Σₑ t̄ₑ, interpolated on the "
               "validation curves) beside it; paper: an equal aggregate GPU-hour budget per trial (Table 3's basis)",
         cost={"cpu": "two seed runs of 1,000 updates (11 minutes on 2 cores), then 12 fits of 400 updates (one seed): "
-                     "38 minutes on 2 cores (measured 2026-12-05)",
+                     "38 minutes on 2 cores (measured)",
               "paper": "54 trials of 50 aggregate GPU-hours each: 2,700 GPU-hours"},
         result=table7_result,
         table=table7_markdown,
@@ -253,8 +253,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         sweeps={"cpu": "sweeps/demo/fig9.yaml"},
         basis="equal updates of equal multiply-adds (the figure's training steps; 200 updates each), the seed "
               "model's cost excluded as in the paper",
-        cost={"cpu": "15 fits of 200 updates and a 1,000-update zero-order seed model (configs/demo/seed.yaml at "
-                     "width 44); measured before the seed was zero-order: 41 core-minutes, 22 minutes on 2 cores",
+        cost={"cpu": "15 fits of 200 updates and a seed model of 1,000 SPSA updates at width 44, 7 minutes; the "
+                     "fits measured with the earlier backprop seed: 41 core minutes, 22 minutes on 2 cores",
               "paper": "none: the paper's captions give neither the model nor the steps of the figure's runs"},
         result=fig9_result,
         table=fig9_markdown,
