@@ -37,10 +37,7 @@ from soma_pl.eval.bootstrap import RESAMPLES, document_bootstrap
 from soma_pl.eval.checks import check_counts, check_finite
 from soma_pl.eval.ensemble import score_top_k
 from soma_pl.io import check_apart, emit_json
-from soma_pl.lit.base import ByteLMModule
-from soma_pl.lit.loading import ensemble_size, load_source, routed_experts
 from soma_pl.models.devices import resolve_device
-from soma_pl.models.export import ExportedModel
 
 WIKITEXT_TITLE = re.compile(rb"^ ?= [^=\n][^\n]*[^=\n] = ?\r?$", re.MULTILINE)
 """A WikiText top-level heading line (` = Title = `); ` = = Section = = ` lines do not match."""
@@ -130,10 +127,13 @@ def read_windows(path: str | Path, split: DocumentSplit = DocumentSplit.file,
 
 
 @torch.no_grad()
-def window_losses(module: ByteLMModule | ExportedModel, windows: np.ndarray, k: int, batch_size: int,
+def window_losses(module: torch.nn.Module, windows: np.ndarray, k: int, batch_size: int,
                   device: torch.device, progress: bool = False) -> np.ndarray:
     """Scored nats/byte of the top-k average on every window: ``[n, 1025]`` → ``[n]`` float64
-    (`progress`: a bar of batches on stderr)."""
+    (`module`: what `load_source` gives, a checkpoint's module or an exported model; `progress`: a
+    bar of batches on stderr)."""
+    from soma_pl.lit.loading import routed_experts
+
     module.to(device)
     losses = []
     parts = torch.from_numpy(np.ascontiguousarray(windows)).split(batch_size)
@@ -151,6 +151,8 @@ def evaluate(checkpoint: str, text: str, config: str | None = None, router: str 
     """Evaluate a checkpoint on a text file or folder; returns the JSON report (see module doc)."""
     check_counts("evaluate", batch_size=batch_size, resamples=resamples, max_windows=max_windows)
     target = resolve_device(device, "--device")
+    from soma_pl.lit.loading import ensemble_size, load_source
+
     module = load_source(checkpoint, config, router)
     experts = module.model.num_experts
     k = ensemble_size(module, top_k)

@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 from soma_pl.io import atomic_folder, check_output, folder_lock, write_atomic
-from soma_pl.lit.loading import ensemble_router, ensemble_size, load_module
 from soma_pl.models.checkpoints import load_checkpoint, trained_on
 from soma_pl.models.export import CARD_FILE, WEIGHTS_FILE, save_exported
 from soma_pl.trainer_checks import RUN_SETTINGS_KEY
@@ -105,6 +104,8 @@ def export(checkpoint: str, out: str | Path, config: str | None = None, router: 
     """Export `checkpoint` into the folder `out`; returns its `config.json` (see the module doc)."""
     out, inputs = Path(out).expanduser(), [checkpoint, config, router]
     check_output(out, EXPORT_KIND, "--out", inputs)  # before the checkpoint is read
+    from soma_pl.lit.loading import ensemble_router, ensemble_size, load_module  # Lightning: only when run
+
     module = load_module(checkpoint, config, router)
     payload = load_checkpoint(checkpoint)
     scores, scores_from = known_scores(Path(checkpoint).expanduser(), payload.get("global_step"))

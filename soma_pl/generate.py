@@ -30,10 +30,7 @@ from soma_pl import ROUTE_BYTES, VOCAB_SIZE
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.eval.ensemble import mixture_log_probs
 from soma_pl.io import check_apart, write_json_atomic
-from soma_pl.lit.base import ByteLMModule
-from soma_pl.lit.loading import ensemble_size, load_source, routed_experts
 from soma_pl.models.devices import resolve_device
-from soma_pl.models.export import ExportedModel
 from soma_pl.models.stacked import Decoder, StackedExperts
 
 
@@ -106,10 +103,11 @@ def generate_bytes(model: StackedExperts, experts: Tensor, prompt: bytes, sampli
         tokens = torch.full((len(experts), 1, 1), out[-1], dtype=torch.uint8, device=device)
 
 
-def choose_experts(source: ByteLMModule | ExportedModel, prompt: bytes, top_k: int | None,
+def choose_experts(source: torch.nn.Module, prompt: bytes, top_k: int | None,
                    experts: list[int] | None) -> Tensor:
     """The experts averaged: `experts` as given, else the router's top-k on the prompt's first 256
-    bytes as evaluation picks them (a model that is no routed ensemble: its first expert). ``[k]``."""
+    bytes as evaluation picks them (a model that is no routed ensemble: its first expert). ``[k]``.
+    `source`: what `load_source` gives, a checkpoint's module or an exported model."""
     name, count = type(source).__name__, source.model.num_experts
     if experts is not None:
         if top_k is not None:
@@ -117,6 +115,8 @@ def choose_experts(source: ByteLMModule | ExportedModel, prompt: bytes, top_k: i
         if not experts or len(set(experts)) != len(experts) or not all(0 <= e < count for e in experts):
             raise ConfigError(f"--experts={experts} must name distinct experts of 0..{count - 1}")
         return torch.tensor(experts)
+    from soma_pl.lit.loading import ensemble_size, routed_experts
+
     k = ensemble_size(source, top_k)
     if source.routing.routed and len(prompt) < ROUTE_BYTES:
         raise ConfigError(f"the prompt has {len(prompt)} bytes, and this {name} routes on the first {ROUTE_BYTES}: "
@@ -152,6 +152,8 @@ def generate(checkpoint: str, prompt: str = "", prompt_file: str | None = None,
     """Generate a continuation; returns the record `--out` writes (see the module doc)."""
     text = read_prompt(prompt, prompt_file)
     target = resolve_device(device, "--device")
+    from soma_pl.lit.loading import load_source
+
     source = load_source(checkpoint, config, router)
     chosen = choose_experts(source, text, top_k, experts)
     started = time.perf_counter()

@@ -53,7 +53,6 @@ from soma_pl.sweeps.study import (
     sync_queue,
     trial_id,
 )
-from soma_pl.sweeps.trial import TrialReporter
 
 
 class Interrupted(Exception):
@@ -97,6 +96,9 @@ def takes_seed(config: tuple[str, ...], overrides: dict) -> bool:
     return "seed" in inspect.signature(cls.__init__).parameters
 
 
+TRIAL_REPORTER = "soma_pl.sweeps.trial.TrialReporter"
+"""The trial process's callback, named, not imported: importing it imports Lightning (4 s), which the
+runner itself never needs."""
 LIGHTNING_LOG_EVERY = 50
 """Lightning's default `trainer.log_every_n_steps`."""
 
@@ -130,7 +132,7 @@ def fit_command(spec: SweepSpec, trial: optuna.Trial, params: dict, seed: int, r
     overrides.update({f"budget.{key}": value for key, value in spec.budget.items()})
     if spec.wandb:
         overrides.update({"wandb.group": spec.name, "wandb.name": f"trial-{trial.number}"})
-    reporter = {"class_path": f"{TrialReporter.__module__}.{TrialReporter.__name__}", "init_args": {
+    reporter = {"class_path": TRIAL_REPORTER, "init_args": {
         "storage": storage, "study_name": spec.name, "trial_number": trial.number,
         "pruner": spec.pruner.kind.value, "n_startup_trials": spec.pruner.n_startup_trials,
         "n_warmup_steps": spec.pruner.n_warmup_steps, "report": report, "runner_pid": os.getpid()}}

@@ -237,10 +237,11 @@ def open_study(spec: SweepSpec, storage: BaseStorage, create: bool = True) -> op
     if not create:
         return optuna.load_study(**kwargs)
     study = optuna.create_study(direction="minimize", load_if_exists=True, **kwargs)
-    if any(SEED in trial.params for trial in study.get_trials(deepcopy=False)):
-        raise ConfigError(f"study {spec.name!r} was started by an older soma_pl, whose trials searched the seed as a "
-                          "parameter: finish it with that version, or start this sweep as a new study (another "
-                          "study name, storage or output_dir)")
+    recorded = study.user_attrs.get(SWEEP_ATTR)
+    if study.get_trials(deepcopy=False) and (recorded is None or "overrides" not in recorded):
+        raise ConfigError(f"study {spec.name!r} holds trials but no record of the sweep and fit settings that ran them "
+                          "(it was started by hand or by an earlier soma_pl): start this sweep as a new study "
+                          "(another study name, storage or output_dir)")
     check_distributions(spec, study)
     check_same_overrides(spec, study)
     if SWEEP_ATTR not in study.user_attrs or extends(study.user_attrs[SWEEP_ATTR], spec.describe()):

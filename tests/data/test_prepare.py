@@ -23,9 +23,10 @@ from soma_pl.data.corpus.readers import CorpusConfig, iter_corpus
 from soma_pl.data.formats.evalsets import EvalSet
 from soma_pl.data.formats.manifest import read_manifest
 from soma_pl.data.formats.tar_shards import ShardRecord, iter_shard_documents, verify_shards
-from soma_pl.data.preparation.heldout import OverlapScreen, seeded_hash, validation_windows
+from soma_pl.data.preparation.heldout import seeded_hash, validation_windows
+from soma_pl.data.preparation.overlap import OverlapIndex
 from soma_pl.data.preparation.prepare import prepare
-from soma_pl.data.runner.pipeline import ExecutorConfig
+from soma_pl.data.runner.executor import ExecutorConfig
 from soma_pl.errors import DataError
 
 from .corpora import write_jsonl_corpus
@@ -130,11 +131,9 @@ def test_test_windows_share_no_shingle_with_training(tmp_path, small_config):
 def test_overlap_screen_threshold_is_exact():
     rng = np.random.default_rng(0)
     window = rng.integers(128, 256, 300, dtype=np.uint8).tobytes()  # no byte in common with the ASCII around it
-    screen = OverlapScreen([window, window[::-1]], shingle_bytes=50)
-    screen.screen(b"unrelated" + window[100:149] + b"prefix")  # 49 shared bytes: not enough
-    assert screen.contaminated.tolist() == [False, False]
-    screen.screen(b"unrelated" + window[100:150] + b"prefix")  # 50 shared bytes
-    assert screen.contaminated.tolist() == [True, False]
+    index = OverlapIndex([window, window[::-1]], shingle_bytes=50)
+    assert index.find([b"unrelated" + window[100:149] + b"prefix"]).tolist() == []  # 49 shared bytes: not enough
+    assert index.find([b"unrelated" + window[100:150] + b"prefix"]).tolist() == [0]  # 50 shared bytes
 
 
 def test_validation_windows_round_robin():

@@ -19,11 +19,12 @@ from soma_pl.data.corpus.readers import CorpusConfig
 from soma_pl.data.formats.evalsets import EvalSet
 from soma_pl.data.formats.manifest import FORMAT_VERSION, read_manifest
 from soma_pl.data.formats.tar_shards import ShardWriter, iter_shard_documents
-from soma_pl.data.preparation import heldout
+from soma_pl.data.preparation import overlap
 from soma_pl.data.preparation.config import PrepareConfig
-from soma_pl.data.preparation.heldout import OverlapScreen
+from soma_pl.data.preparation.overlap import OverlapIndex
 from soma_pl.data.preparation.prepare import prepare
-from soma_pl.data.runner.pipeline import ExecutorConfig, default_start_method, make_executor
+from soma_pl.data.runner.executor import ExecutorConfig
+from soma_pl.data.runner.pipeline import default_start_method, make_executor
 from soma_pl.errors import ConfigError, DataError
 
 from .corpora import write_jsonl_corpus
@@ -110,73 +111,38 @@ def _shingles(data: bytes, size: int) -> set[bytes]:
     return {data[i : i + size] for i in range(len(data) - size + 1)}
 
 
-@pytest.mark.parametrize("mode", ["grams", "shingles", "colliding-shingles"])
+@pytest.mark.parametrize("mode", ["shingles", "colliding-shingles"])
 @pytest.mark.parametrize("size", [1, 7, 49, 50, 51])
 def test_screen_is_exact_against_independent_shingles(size, mode, monkeypatch):
-    # grams: every batch by its gram lookups; shingles: every batch with a hit by the full-shingle index
-    monkeypatch.setattr(heldout, "HITS_PER_BYTE", float("inf") if mode == "grams" else 0.0)
     if mode == "colliding-shingles":  # 256 hash values: most shingles share one with different ones
-        hashes = heldout.shingle_hashes
-        monkeypatch.setattr(heldout, "shingle_hashes", lambda data, width: hashes(data, width) & np.uint64(0xFF << 56))
+        hashes = overlap.shingle_hashes
+        monkeypatch.setattr(overlap, "shingle_hashes", lambda data, width: hashes(data, width) & np.uint64(0xFF << 56))
     rng = np.random.default_rng(size)
     for _ in range(30):
         # Three letters: long shared substrings are common, so both answers occur often.
         windows = [rng.integers(97, 100, 1025, dtype=np.uint8).tobytes() for _ in range(4)]
         documents = [rng.integers(97, 100, int(rng.integers(0, 2500)), dtype=np.uint8).tobytes() for _ in range(3)]
         documents.append(b"xyz" + windows[0][300 : 300 + size] + b"xyz")  # exactly `size` shared bytes
-        screen = OverlapScreen(windows, size)
-        screen.screen_many(documents)
+        index = OverlapIndex(windows, size)
+        found = np.zeros(len(windows), dtype=bool)
+        found[index.find(documents)] = True
         training = set().union(*(_shingles(d, size) for d in documents))
         expected = [bool(_shingles(w, size) & training) for w in windows]
-        assert screen.contaminated.tolist() == expected
+        assert found.tolist() == expected
         assert expected[0]
-        assert ("shingles" not in screen._shared) == (mode == "grams")
         if mode == "colliding-shingles" and size > 7:  # shared hashes of different shingles, one by one
-            assert screen._shared["shingles"].impure.size
+            assert index.impure.size
 
 
-def test_two_screens_of_the_same_windows_share_one_shingle_index_and_keep_their_own_marks(monkeypatch):
-    monkeypatch.setattr(heldout, "HITS_PER_BYTE", 0.0)  # every batch with a gram hit goes to the shingle index
+def test_a_saved_index_loads_mapped_and_finds_what_the_built_one_finds(tmp_path):
     rng = np.random.default_rng(0)
     windows = [rng.integers(128, 256, 1025, dtype=np.uint8).tobytes() for _ in range(3)]
-    first = OverlapScreen(windows, 50)
-    second = OverlapScreen(windows, 50, first.index_keys(), first.filter_bits(), share_with=first)
-    first.screen_many([b"a" * 9 + windows[1][100:150]])
-    second.screen_many([windows[2][500:560]])
-    assert first._shared["shingles"] is second._shared["shingles"]
-    assert first.contaminated.tolist() == [False, True, False]
-    assert second.contaminated.tolist() == [False, False, True]
-
-
-@pytest.mark.parametrize("shingles", [False, True])
-def test_the_planned_shingle_index_screens_as_the_gram_index_does(four_file_config, tmp_path, monkeypatch, shingles):
-    from soma_pl.data.preparation import steps
-
-    for path in Path(four_file_config.corpus.paths[0]).glob("*.jsonl"):  # each document quotes the one before
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
-        path.write_text("".join(json.dumps({**r, "text": r["text"] + " " + rows[i - 1]["text"][:600]}) + "\n"
-                                for i, r in enumerate(rows)))
-    config = replace(four_file_config, executor=ExecutorConfig(tasks=2), test_windows=30)
-    reference = prepare(replace(config, output_dir=str(tmp_path / "reference")), progress=False)
-    assert read_manifest(reference)["test"]["screen_index"] == "grams"  # web-like text: grams
-    monkeypatch.setattr(steps, "prefers_shingles", lambda *args: shingles)  # the forked tasks inherit it
-    monkeypatch.setattr(heldout, "HITS_PER_BYTE", 0.0 if not shingles else float("inf"))  # grams: switch on any hit
-    folder = prepare(replace(config, output_dir=str(tmp_path / "planned")), progress=False)
-    manifest, expected = read_manifest(folder), read_manifest(reference)
-    assert manifest["test"]["screen_index"] == ("shingles" if shingles else "grams")
-    assert manifest["test"]["excluded"] == expected["test"]["excluded"] > 0
-    _same_evaluation_sets(reference, folder)
-    assert [s["sha256"] for s in manifest["train"]["shards"]] == [s["sha256"] for s in expected["train"]["shards"]]
-
-
-def test_held_out_text_that_repeats_itself_prefers_the_shingle_index():
-    rng = np.random.default_rng(0)
-    lines = [b"    " * int(rng.integers(1, 4)) + rng.integers(97, 123, 20, dtype=np.uint8).tobytes() + b"\n"
-             for _ in range(8)]  # a few indented lines, repeated in every window and document: code-like
-    code = [b"".join(lines[i] for i in rng.integers(0, 8, 60)) for _ in range(80)]
-    prose = [rng.integers(32, 127, 1500, dtype=np.uint8).tobytes() for _ in range(80)]
-    assert heldout.prefers_shingles([c[:1025] for c in code[:64]], code[64:], 50)
-    assert not heldout.prefers_shingles([p[:1025] for p in prose[:64]], prose[64:], 50)
+    built = OverlapIndex(windows, 50)
+    built.save(tmp_path)
+    loaded = OverlapIndex.load(tmp_path, windows, 50)
+    assert isinstance(loaded.keys.base, np.memmap)  # mapped, not read
+    documents = [b"a" * 9 + windows[1][100:150], windows[2][500:549]]  # 50 shared bytes, then 49
+    assert built.find(documents).tolist() == loaded.find(documents).tolist() == [1]
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4, 16])
@@ -184,22 +150,12 @@ def test_keys_sort_and_filter_as_numpy_and_a_set_do(threads):
     rng = np.random.default_rng(threads)
     keys = rng.integers(0, 1 << 63, 3_000_000, dtype=np.int64).astype(np.uint64) * np.uint64(2)
     keys[::7] = keys[0]  # repeated keys
-    assert np.array_equal(heldout.sort_keys(keys.copy(), threads), np.sort(keys))
-    bits = heldout.filter_size(keys.size >> 8)
+    assert np.array_equal(overlap.sort_keys(keys.copy(), threads), np.sort(keys))
+    bits = overlap.filter_size(keys.size >> 8)
     queries = np.concatenate([keys[:1000], rng.integers(0, 1 << 63, 100_000, dtype=np.int64).astype(np.uint64)])
     top = {int(k) >> (64 - bits) for k in keys}
     expected = [int(q) >> (64 - bits) in top for q in queries]
-    assert heldout.passes(heldout.key_filter(keys, bits), queries, bits).tolist() == expected
-
-
-def test_screen_sees_a_shared_passage_one_byte_short_as_clean():
-    rng = np.random.default_rng(0)
-    window = rng.integers(128, 256, 1025, dtype=np.uint8).tobytes()
-    screen = OverlapScreen([window], 50)
-    screen.screen_many([b"a" * 30 + window[200:249] + b"b" * 30, window[600:649]])
-    assert not screen.contaminated[0]
-    screen.screen_many([b"c" * 7 + window[600:650]])
-    assert screen.contaminated[0]
+    assert overlap.passes(overlap.key_filter(keys, bits), queries, bits).tolist() == expected
 
 
 def test_fit_takes_a_prepared_folder_by_path_alone(four_file_config, tmp_path, monkeypatch):

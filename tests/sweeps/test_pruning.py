@@ -66,3 +66,10 @@ def test_the_other_ranks_of_a_multi_process_trial_are_not_the_runners_children(s
     orphaned.on_train_batch_end(other_rank)  # no RunnerGone
     with pytest.raises(RunnerGone, match="is gone"):
         orphaned.on_train_batch_end(_trainer(1, 1.0))
+
+
+def test_the_runner_names_the_trial_reporter_it_adds_to_each_trial():
+    """The runner names the class rather than importing it (that would import Lightning)."""
+    from soma_pl.sweeps import runner
+
+    assert runner.TRIAL_REPORTER == f"{TrialReporter.__module__}.{TrialReporter.__name__}"

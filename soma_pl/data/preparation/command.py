@@ -10,7 +10,6 @@ import json
 
 from soma_pl.data.formats.manifest import MANIFEST, read_manifest
 from soma_pl.data.preparation.config import PrepareConfig
-from soma_pl.data.preparation.prepare import prepare
 
 
 def prepare_dataset(dataset: PrepareConfig = PrepareConfig(), progress: bool = True) -> None:
@@ -20,6 +19,8 @@ def prepare_dataset(dataset: PrepareConfig = PrepareConfig(), progress: bool = T
         dataset: what to build and where (the `dataset:` section of `configs/data/<name>.yaml`).
         progress: show progress bars.
     """
+    from soma_pl.data.preparation.prepare import prepare  # datatrove: only when it runs
+
     output = prepare(dataset, progress=progress)
     if not (output / MANIFEST).is_file():  # a Slurm or Ray executor: its jobs are still running
         print(json.dumps({"output_dir": str(output), "submitted": True,

@@ -11,7 +11,7 @@ from pathlib import Path
 from soma_pl import WINDOW_BYTES
 from soma_pl.data.corpus.readers import CorpusConfig, corpus_fingerprint
 from soma_pl.data.formats.manifest import FORMAT_VERSION
-from soma_pl.data.runner.pipeline import ExecutorConfig
+from soma_pl.data.runner.executor import ExecutorConfig
 from soma_pl.errors import ConfigError
 
 
@@ -70,8 +70,6 @@ class PrepareConfig:
         settings = asdict(self)
         settings.pop("output_dir")
         settings.pop("executor")
-        if not self.final_test_windows:  # absent at 0: a folder without a final split keeps its fingerprint
-            settings.pop("final_test_windows")
         corpus = corpus_fingerprint(self.corpus) if corpus is None else corpus
         identity = {"settings": settings, "corpus": corpus, "format": FORMAT_VERSION}
         return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()

@@ -39,10 +39,21 @@ import time
 import warnings
 from pathlib import Path
 
+from datatrove.pipeline.filters import LambdaFilter
+
 from soma_pl.data.corpus.readers import CorpusKind, corpus_fingerprint, corpus_inputs
 from soma_pl.data.formats.manifest import KIND, MANIFEST, existing_fingerprint, read_manifest
 from soma_pl.data.preparation.config import PrepareConfig, recipe_config
-from soma_pl.data.preparation.steps import FinishPrepare, PlanHeldOut, SelectHeldOut, WriteShards, warn_about
+from soma_pl.data.preparation.steps import (
+    FinishPrepare,
+    PlanHeldOut,
+    ScreenOverlap,
+    SelectHeldOut,
+    SplitHeldOut,
+    WriteShards,
+    is_training,
+    warn_about,
+)
 from soma_pl.data.runner.pipeline import chain, corpus_reader, write_paths_file
 from soma_pl.data.runner.staging import check_unchanged, remove_staging, run_build
 from soma_pl.errors import ConfigError
@@ -127,9 +138,11 @@ def _stages(config: PrepareConfig, stage: Path, fingerprint: str, corpus: dict, 
         files = sum(1 for line in (stage / "files.txt").read_text().splitlines() if line)
         tasks = min(tasks, files)  # datatrove deals out whole files: more tasks would idle
     paths = stage / "files.txt"
+    write = [corpus_reader(config.corpus, paths, progress), SplitHeldOut(config, stage), ScreenOverlap(config, stage),
+             LambdaFilter(is_training), WriteShards(config, stage)]
     pipelines = [("select", [corpus_reader(config.corpus, paths, progress), SelectHeldOut(config, stage)], tasks),
                  ("plan", [PlanHeldOut(config, stage, tasks)], 1),
-                 ("write", [corpus_reader(config.corpus, paths, progress), WriteShards(config, stage)], tasks),
+                 ("write", write, tasks),
                  ("finish", [FinishPrepare(config, stage, tasks, fingerprint, corpus, started)], 1)]
     return chain(config.executor, pipelines, stage, "prepare")
 

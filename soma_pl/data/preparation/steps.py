@@ -6,13 +6,15 @@ select  (N tasks)  each task: its documents' held-out candidates (smallest seede
                    their test window), short-document counts, expert-validation candidates
                                                                               -> select/<rank>.json
 plan    (1 task)   the global held-out choice from the union of the tasks' candidates; the
-                   ensemble-validation windows; the test candidate windows and the overlap
-                   screen's index (built once: grams, or every shingle where the held-out
-                   documents show the corpus repeating itself)                -> plan.json
-write   (N tasks)  each task: screens its training documents against the test candidates (exact,
-                   any shared 50-byte substring; for `test`, also the documents held out only for
-                   the final split) and writes them to its own WebDataset shards
-                   (train/train-<rank>-NNNNNN.tar, expert_val/val-<rank>-NNNNNN.tar) -> write/<rank>.json
+                   ensemble-validation windows; the test candidate windows and their overlap
+                   index (`OverlapIndex`, built once)                          -> plan.json
+write   (N tasks)  each task, one document at a time through its steps: reader -> held-out split
+                   (`SplitHeldOut` tags each document's split) -> overlap screen (`ScreenOverlap`
+                   marks the candidates a training document overlaps: any shared 50-byte
+                   substring, exact)                                          -> screen/<rank>.json
+                   -> filter (datatrove's `LambdaFilter` drops the held-out documents) -> tar
+                   writer (`WriteShards`: train/train-<rank>-NNNNNN.tar, expert_val/val-<rank>-NNNNNN.tar)
+                                                                              -> write/<rank>.json
 finish  (1 task)   the manifest (sha256 of every shard), the screened test set (and the final
                    test set after it); the finished folder is renamed into place
 ```
@@ -32,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from datatrove.data import Document as PipelineDocument
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
@@ -42,24 +45,15 @@ from soma_pl.data.formats.evalsets import EvalSet
 from soma_pl.data.formats.manifest import FORMAT_VERSION, KIND, MANIFEST, existing_fingerprint
 from soma_pl.data.formats.tar_shards import ShardRecord, ShardWriter, sha256_file
 from soma_pl.data.preparation.config import PrepareConfig, config_json
-from soma_pl.data.preparation.heldout import (
-    ExpertValChoice,
-    HeldOutSelector,
-    OverlapScreen,
-    ShingleIndex,
-    document_rank,
-    prefers_shingles,
-    validation_windows,
-)
-from soma_pl.data.runner.pipeline import read_documents
-from soma_pl.data.runner.task_files import base_pages, link_or_copy, peak_rss_mib, save_npy
+from soma_pl.data.preparation.heldout import ExpertValChoice, HeldOutSelector, document_rank, validation_windows
+from soma_pl.data.preparation.overlap import OverlapIndex
+from soma_pl.data.runner.pipeline import from_pipeline, read_documents
+from soma_pl.data.runner.task_files import base_pages, link_or_copy, peak_rss_mib
 from soma_pl.errors import DataError
 from soma_pl.io import atomic_folder, close_quietly, write_atomic, write_json_atomic
 
 SCREEN_BATCH_BYTES = 4_000_000
 """Training bytes screened at once (one vectorised lookup)."""
-SCREEN_PROBE_BYTES = 1 << 20
-"""Ensemble-validation text (its first documents) whose gram hits decide the screen's index (`prefers_shingles`)."""
 
 
 class _Stage(PipelineStep):
@@ -157,105 +151,107 @@ class PlanHeldOut(_Stage):
         candidate_set = EvalSet.from_picks([d for d, _ in candidates], [(i, 0) for i in range(len(candidates))])
         candidate_set.offsets = np.array([offset for _, offset in candidates], dtype=np.int64)
         candidate_set.save(self.stage / "candidates.npz")
-        # The screen's index, built once here rather than by every screening task: the full-shingle
-        # index when the held-out documents say the corpus repeats itself (code, markup), else grams.
-        windows = [w.tobytes() for w in candidate_set.windows]
-        screen_kind = "grams"
-        probe = [d.text for d in val_docs]
-        probe = probe[: max(1, int(np.searchsorted(np.cumsum([len(t) for t in probe]), SCREEN_PROBE_BYTES)))]
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if prefers_shingles(windows, probe, config.shingle_bytes):
-            screen_kind, shingles = "shingles", ShingleIndex(windows, config.shingle_bytes, threads=threads)
-            for name, array in (("keys", shingles.keys), ("impure", shingles.impure),
-                                ("filter", shingles.filter_bits())):
-                save_npy(self.stage / f"shingle_{name}.npy", array)
-        else:
-            screen = OverlapScreen(windows, config.shingle_bytes, threads=threads)
-            save_npy(self.stage / "screen_keys.npy", screen.index_keys())
-            save_npy(self.stage / "screen_filter.npy", screen.filter_bits())
+        windows = [w.tobytes() for w in candidate_set.windows]
+        OverlapIndex(windows, config.shingle_bytes, threads=threads).save(self.stage)
         write_json_atomic(self.stage / "plan.json", {
-            "held_ids": sorted(held_ids), "expert_val_fallback": expert_val.fallback, "screen": screen_kind,
+            "held_ids": sorted(held_ids), "expert_val_fallback": expert_val.fallback,
             "final_only_ids": sorted(d.doc_id for d, _ in candidates[config.test_own_candidates :]),
             "short": dict(sorted(short.items())), "documents": sum(p["documents"] for p in parts),
             "seconds": round(time.perf_counter() - begun, 3),
         })
 
 
-class _BatchedScreen:
-    """An `OverlapScreen` fed documents `SCREEN_BATCH_BYTES` at a time (one vectorised lookup each)."""
+class SplitHeldOut(_Stage):
+    """Per task: tag each document's `metadata["split"]` by the plan: `held` (an evaluation
+    document), `final_only` (held out only for the final split), `expert_val` (a seeded hash of
+    its id) or `train`."""
 
-    def __init__(self, screen: OverlapScreen):
-        self.screen, self.pending, self.pending_bytes = screen, [], 0
+    name = "held-out split"
 
-    def add(self, text: bytes) -> None:
-        self.pending.append(text)
-        self.pending_bytes += len(text)
-        if self.pending_bytes >= SCREEN_BATCH_BYTES:
-            self.flush()
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        plan = json.loads((self.stage / "plan.json").read_text())
+        held, final_only = set(plan["held_ids"]), set(plan["final_only_ids"])
+        expert_val = ExpertValChoice(self.config.seed, self.config.expert_val_fraction, 0)
+        expert_val.fallback = plan["expert_val_fallback"]
+        for document in data:
+            if document.id in held:
+                split = "final_only" if document.id in final_only else "held"
+            else:
+                split = "expert_val" if expert_val.holds(document.id) else "train"
+            document.metadata["split"] = split
+            self.stat_update(split)
+            yield document
 
-    def flush(self) -> None:
-        self.screen.screen_many(self.pending)
-        self.pending, self.pending_bytes = [], 0
 
-    def contaminated(self) -> list[int]:
-        return self.screen.contaminated.nonzero()[0].tolist()
+SCREENED_AS = {"train": "training", "expert_val": "training", "final_only": "final_only"}
+"""Which marks a document of each split screens the candidates into (a held document: none)."""
 
 
-class WriteShards(_Stage):
-    """Per task: screen the test candidates against its training documents and write them into its
-    own shards, training or expert validation by a seeded hash of the id.
+class ScreenOverlap(_Stage):
+    """Per task: mark the test candidates sharing a `shingle_bytes`-long substring with a training
+    document (expert validation included), passing every document on; `SCREEN_BATCH_BYTES` at a
+    time through the planning task's `OverlapIndex`.
 
-    The documents held out only for the final split (the candidates after `test_own_candidates`)
-    would be training documents in a build without one: the candidates are screened against them
-    too, apart, so that `test` excludes what it would exclude without a final split and keeps its
-    documents."""
+    The documents held out only for the final split would be training documents in a build without
+    one: the candidates are screened against them too, apart, so that `test` excludes what it would
+    exclude without a final split and keeps its documents."""
 
-    name = "screen and write shards"
+    name = "overlap screen"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         with base_pages():
-            self._write(data, rank)
-        return
-        yield
+            windows = [w.tobytes() for w in EvalSet.load(self.stage / "candidates.npz").windows]
+            index = OverlapIndex.load(self.stage, windows, self.config.shingle_bytes)
+        marks = {"training": np.zeros(len(windows), dtype=bool), "final_only": np.zeros(len(windows), dtype=bool)}
+        pending, waiting, size = {"training": [], "final_only": []}, [], 0
 
-    def _write(self, data: DocumentsPipeline, rank: int) -> None:
+        def screen(which: str) -> None:
+            with base_pages():
+                marks[which][index.find(pending[which])] = True
+            pending[which].clear()
+
+        for document in data:
+            which = SCREENED_AS.get(document.metadata["split"])
+            if which is not None:
+                pending[which].append(document.text)
+                size += len(document.text) if which == "training" else 0
+            waiting.append(document)
+            if size >= SCREEN_BATCH_BYTES:
+                screen("training")
+                yield from waiting
+                waiting, size = [], 0
+        screen("training")
+        screen("final_only")
+        yield from waiting
+        write_json_atomic(self.stage / "screen" / f"{rank:05d}.json", {
+            "contaminated": np.flatnonzero(marks["training"]).tolist(),
+            "contaminated_by_final_only": np.flatnonzero(marks["final_only"]).tolist()})
+
+
+def is_training(document: PipelineDocument) -> bool:
+    """The documents `WriteShards` takes (`LambdaFilter` drops the others: the held-out ones)."""
+    return document.metadata["split"] in ("train", "expert_val")
+
+
+class WriteShards(_Stage):
+    """Per task: write the training documents into its own WebDataset shards, by `metadata["split"]`
+    (train/train-<rank>-NNNNNN.tar, expert_val/val-<rank>-NNNNNN.tar)."""
+
+    name = "write shards"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         config, begun = self.config, time.perf_counter()
-        plan = json.loads((self.stage / "plan.json").read_text())
-        held_ids = set(plan["held_ids"])
-        expert_val = ExpertValChoice(config.seed, config.expert_val_fraction, 0)
-        expert_val.fallback = plan["expert_val_fallback"]
-        final_only = set(plan.get("final_only_ids", ()))
-        windows = [w.tobytes() for w in EvalSet.load(self.stage / "candidates.npz").windows]
-        # Mapped, not read: the 40 MB of keys come from the page cache, shared by the tasks.
-        if plan.get("screen") == "shingles":
-            shingles = ShingleIndex(windows, config.shingle_bytes,
-                                    *(np.load(self.stage / f"shingle_{name}.npy", mmap_mode="r")
-                                      for name in ("keys", "impure", "filter")))
-            screen = OverlapScreen(windows, config.shingle_bytes, shingles=shingles)
-            by_final = OverlapScreen(windows, config.shingle_bytes, shingles=shingles)
-        else:
-            index = np.load(self.stage / "screen_keys.npy", mmap_mode="r")
-            filter_bits = np.load(self.stage / "screen_filter.npy", mmap_mode="r")
-            screen = OverlapScreen(windows, config.shingle_bytes, index, filter_bits)
-            by_final = OverlapScreen(windows, config.shingle_bytes, index, filter_bits, share_with=screen)
-        screen, by_final = _BatchedScreen(screen), _BatchedScreen(by_final)
         writers = {"train": ShardWriter(self.stage / "train", f"train-{rank:05d}", config.shard_max_bytes),
                    "expert_val": ShardWriter(self.stage / "expert_val", f"val-{rank:05d}", config.shard_max_bytes)}
         counts = {split: Counter() for split in ("documents", "bytes", "val_documents", "val_bytes")}
         try:
-            for document in read_documents(data):
-                if document.doc_id in held_ids:
-                    if document.doc_id in final_only:
-                        by_final.add(document.text)
-                    continue
-                screen.add(document.text)  # expert-validation documents are training data too
-                split = "expert_val" if expert_val.holds(document.doc_id) else "train"
-                writers[split].write(document)
+            for document in data:
+                split, source = document.metadata["split"], document.metadata["source"]
+                writers[split].write(from_pipeline(document))
                 prefix = "val_" if split == "expert_val" else ""
-                counts[f"{prefix}documents"][document.source] += 1
-                counts[f"{prefix}bytes"][document.source] += len(document.text)
-            screen.flush()
-            by_final.flush()
+                counts[f"{prefix}documents"][source] += 1
+                counts[f"{prefix}bytes"][source] += len(document.text)
             records = {split: writer.close() for split, writer in writers.items()}
         except BaseException:
             close_quietly(writers.values())
@@ -263,10 +259,10 @@ class WriteShards(_Stage):
         write_json_atomic(self.stage / "write" / f"{rank:05d}.json", {
             "records": {split: [r.to_json() for r in rs] for split, rs in records.items()},
             "counts": {key: dict(counter) for key, counter in counts.items()},
-            "contaminated": screen.contaminated(), "contaminated_by_final_only": by_final.contaminated(),
-            "peak_rss_mib": peak_rss_mib(),
-            "seconds": round(time.perf_counter() - begun, 3),
+            "peak_rss_mib": peak_rss_mib(), "seconds": round(time.perf_counter() - begun, 3),
         })
+        return
+        yield
 
 
 class FinishPrepare(_Stage):
@@ -307,10 +303,9 @@ class FinishPrepare(_Stage):
                   for split in ("train", "expert_val")}
         if not shards["train"]:
             raise DataError(f"no training documents left in {describe(config)}")
-        test_splits = self._test_splits(work, {i for p in parts for i in p["contaminated"]},
-                                        {i for p in parts for i in p.get("contaminated_by_final_only", ())})
-        # which index screened (`prefers_shingles`): it changes the time, never the windows
-        test_splits["test"]["screen_index"] = plan.get("screen", "grams")
+        screens = [json.loads((self.stage / "screen" / f"{task:05d}.json").read_text()) for task in range(self.tasks)]
+        test_splits = self._test_splits(work, {i for p in screens for i in p["contaminated"]},
+                                        {i for p in screens for i in p["contaminated_by_final_only"]})
         for record in shards["train"] + shards["expert_val"]:
             (work / record.path).parent.mkdir(parents=True, exist_ok=True)
             link_or_copy(self.stage / record.path, work / record.path)
@@ -339,8 +334,8 @@ class FinishPrepare(_Stage):
             "tasks": self.tasks,
             "peak_rss_mib": {"select": [self._select_part(task)["peak_rss_mib"] for task in range(self.tasks)],
                              "write": [p["peak_rss_mib"] for p in parts]},
-            "task_seconds": {"select": [self._select_part(task).get("seconds") for task in range(self.tasks)],
-                             "plan": plan.get("seconds"), "write": [p.get("seconds") for p in parts]},
+            "task_seconds": {"select": [self._select_part(task)["seconds"] for task in range(self.tasks)],
+                             "plan": plan["seconds"], "write": [p["seconds"] for p in parts]},
             "prepare_seconds": round(time.time() - self.started, 3),
         }
 
@@ -409,7 +404,7 @@ def warn_about(manifest: dict) -> None:
     for name, label in (("ensemble_val", "ensemble validation: only {} of {} windows available"),
                         ("test", "test set: only {} of {} clean documents")):
         entry = manifest[name]
-        if entry["windows"] < entry.get("wanted", entry["windows"]):
+        if entry["windows"] < entry["wanted"]:
             warnings.warn(label.format(entry["windows"], entry["wanted"]), stacklevel=3)
 
 

@@ -14,7 +14,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from soma_pl.data.runner.pipeline import ExecutorConfig, ExecutorKind, run_stages
+from soma_pl.data.runner.executor import ExecutorConfig, ExecutorKind
+from soma_pl.data.runner.pipeline import run_stages
 from soma_pl.errors import ConfigError, DataError, SomaError
 from soma_pl.io import write_error, write_json_atomic
 

@@ -6,7 +6,6 @@ import json
 
 from soma_pl.data.formats.expert_sets import EXPERTS_MANIFEST, read_experts_manifest
 from soma_pl.data.sharding.config import ShardConfig
-from soma_pl.data.sharding.shard import shard as run_shard  # `shard_dataset`'s argument `shard` hides the name
 
 SHARD_SUMMARY = ("num_experts", "sequences", "train", "expert_val", "kmeans_sample", "vocabulary", "shard_sizes",
                  "contingency", "purity", "router_agreement", "tasks", "shard_seconds")
@@ -24,6 +23,9 @@ def shard_dataset(shard: ShardConfig = ShardConfig(), progress: bool = True) -> 
         shard: what to split, how and where (the `shard:` section of `configs/shard/<name>.yaml`).
         progress: show progress bars.
     """
+    # torch and datatrove only when it runs; `shard_dataset`'s argument `shard` hides the name
+    from soma_pl.data.sharding.shard import shard as run_shard
+
     output = run_shard(shard, progress=progress)
     if not (output / EXPERTS_MANIFEST).is_file():  # a Slurm or Ray executor: its jobs are still running
         print(json.dumps({"output_dir": str(output), "submitted": True,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from soma_pl.data.formats.expert_sets import FORMAT_VERSION
 from soma_pl.data.formats.manifest import MANIFEST, read_manifest
-from soma_pl.data.runner.pipeline import ExecutorConfig
+from soma_pl.data.runner.executor import ExecutorConfig
 from soma_pl.errors import ConfigError, DataError
 
 

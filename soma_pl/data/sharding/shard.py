@@ -109,8 +109,8 @@ def _build_shards(config: ShardConfig, progress: bool, output: Path, before: str
             return output
         check_unchanged(output, "shard.output_dir", before, existing, fingerprint)
         warnings.warn(f"{output}: sharded with another config or dataset; rebuilding", stacklevel=2)
-    paths = {split: verify_shards(root, [ShardRecord(**r) for r in manifest[split]["shards"]], Verify.sha256)
-             for split in ("train", "expert_val")}
+    paths = verify_shards(root, [ShardRecord(**r) for split in ("train", "expert_val")
+                                 for r in manifest[split]["shards"]], Verify.sha256)
     if not run_build(config.executor, output, "shard", "shard.output_dir", fingerprint,
                      lambda stage: _stages(config, paths, stage, fingerprint, manifest, started, progress),
                      lambda: experts_fingerprint(output) == fingerprint):
@@ -125,21 +125,21 @@ def check_splits(manifest: dict, root: Path, experts: int) -> None:
     Raises:
         DataError: fewer than 2·N sequences' bytes in the training and expert-validation splits.
     """
-    total = sum(manifest[split].get("bytes", 0) for split in ("train", "expert_val") if split in manifest)
+    total = manifest["train"]["bytes"] + manifest["expert_val"]["bytes"]
     if total // SEQUENCE_BYTES < 2 * experts:
         raise DataError(f"shard.prepared={root} holds {total} training bytes, fewer than two "
                         f"{SEQUENCE_BYTES}-byte sequences for each of shard.num_experts={experts}: "
                         "a larger corpus or fewer experts")
 
 
-def _stages(config: ShardConfig, paths: dict[str, list[Path]], stage: Path, fingerprint: str, manifest: dict,
+def _stages(config: ShardConfig, paths: list[Path], stage: Path, fingerprint: str, manifest: dict,
             started: float, progress: bool = False) -> list[tuple[str, object]]:
     """The five executors, each depending on the one before: `(name, executor)`. `paths`: the
-    prepared `train` and `expert_val` shard files."""
-    tasks = max(1, min(config.executor.task_count(), len(paths["train"]) + len(paths["expert_val"])))
+    prepared shard files, training then expert validation."""
+    tasks = max(1, min(config.executor.task_count(), len(paths)))
 
     def reader(name: str) -> PreparedShardsReader:
-        return PreparedShardsReader(paths["train"], progress, name, paths["expert_val"])
+        return PreparedShardsReader(paths, progress, name)
 
     pipelines = [("sequences", [reader("sequences"), CutSequences(config, stage, tasks)], tasks),
                  ("fit", [FitRouter(config, stage, tasks)], 1),

@@ -68,26 +68,23 @@ BLOCK = 4096
 
 
 class PreparedShardsReader(PipelineStep):
-    """The prepared dataset's training shards, then its expert-validation shards, dealt to tasks as
-    datatrove deals files: task r reads files r, r + tasks, ..., in order (the same order in every
-    pass). Each document's metadata says where it is (`place`: file, position) and whether it is an
-    expert-validation document (`expert_val`).
+    """The prepared dataset's shard files (training, then expert validation: the prepared split is
+    no concern of `shard`, which cuts its own), dealt to tasks as datatrove deals files: task r reads
+    files r, r + tasks, ..., in order (the same order in every pass). Each document's metadata says
+    where it is (`place`: file, position).
 
     Args:
-        paths: the training shard files.
+        paths: the shard files.
         progress: show a bar per task on stderr over its shard files, named `<stage> task <r>`
             (as `prepare`'s readers show theirs).
-        expert_val_paths: the expert-validation shard files.
     """
 
     name = "soma_pl prepared shards"
     type = "📖 - READER"
 
-    def __init__(self, paths: list[Path], progress: bool = False, stage: str = "read",
-                 expert_val_paths: list[Path] = ()):
+    def __init__(self, paths: list[Path], progress: bool = False, stage: str = "read"):
         super().__init__()
-        self.paths = [str(p) for p in [*paths, *expert_val_paths]]
-        self.training_files = len(paths)
+        self.paths = [str(p) for p in paths]
         self.progress, self.stage_name = progress, stage
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
@@ -99,7 +96,6 @@ class PreparedShardsReader(PipelineStep):
                     self.stat_update("documents")
                     shared = to_pipeline(document)
                     shared.metadata["place"] = (index, number)  # corpus order: shard file, then position
-                    shared.metadata["expert_val"] = index >= self.training_files
                     yield shared
                 bar.update()
 
