@@ -6,7 +6,8 @@ from soma_pl.lit.bptt import BPTTModule
 from soma_pl.lit.ddpp import Exchange
 from soma_pl.lit.estimators import EGGROLLArgs, EpsSchedule, Estimator, SPSAArgs
 from soma_pl.lit.plateau import PlateauConfig
-from soma_pl.lit.zo import HeadTraining, Init, ZOModule
+from soma_pl.lit.starts import HeadTraining, Init
+from soma_pl.lit.zo import ZOModule
 
 __all__ = ["BPTTModule", "ByteLMModule", "EGGROLLArgs", "EpsSchedule", "Estimator", "Exchange", "HeadTraining",
            "Init", "ModelShape", "PlateauConfig", "SPSAArgs", "ZOModule"]

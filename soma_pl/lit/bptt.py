@@ -4,6 +4,12 @@ With N > 1 experts (Table 5's BPTT N = 2, 8) it trains an ensemble exactly as SO
 backprop instead of SPSA: each expert on its own shard (`data.init_args.experts_dir`) with its own
 loss, its learning rate decaying on its own expert-validation split, evaluated by the router on
 the first 256 bytes and top-k probability averaging (the same scoring code as SOMA).
+
+It starts and trains its head as the zero-order module does (`soma_pl.lit.starts`), so Fig. 9's BPTT
+controls (App. D.1) vary one thing at a time: a warm start from a seed model (`init`,
+`seed_checkpoint`) or random weights, and a head trained by backprop, by the decoder-path delta rule
+(`decoder_only`: the gradient through the decoder alone, none through the input embedding) or
+frozen (`frozen_random`, `frozen_shared`).
 """
 
 from __future__ import annotations
@@ -13,10 +19,11 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
-from soma_pl.contracts import UpdateClock
+from soma_pl.contracts import RecordsData, UpdateClock
 from soma_pl.lit.args import ModelShape
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.lit.plateau import PlateauConfig
+from soma_pl.lit.starts import HeadTraining, Init, head_gradient, head_mode, start_checkpoint, warm_start
 from soma_pl.models.stacked import HeadMode
 
 
@@ -28,22 +35,43 @@ class BPTTModule(ByteLMModule):
         plateau: each expert's learning-rate decay when its own expert-validation loss plateaus
             (N = 1: the prepared dataset's held-out 1%).
         num_experts: N; each expert is trained on its own shard with its own loss.
+        head_training: `trainable` (backprop through decoder and embedding), `decoder_only` (the
+            delta rule, Eq. 7), `frozen_shared` (one head, the seed's) or `frozen_random`.
+        init: `seed` (every expert a copy of `seed_checkpoint`) or `random`; None: `seed` when
+            `seed_checkpoint` is given, else `random`.
+        seed_checkpoint: a monolithic checkpoint of the same width. Ignored when resuming.
         router_path: with N > 1, the sharding's `router.pt`; None: `<data.experts_dir>/router.pt`.
         top_k: with N > 1, experts averaged in evaluation (the paper: 4; capped at N).
         Other arguments: see `ByteLMModule`.
     """
 
     def __init__(self, num_experts: int = 1, shape: ModelShape = ModelShape(),
-                 head: HeadMode = HeadMode.per_expert, optimizer: OptimizerCallable = torch.optim.Adam,
+                 head_training: HeadTraining = HeadTraining.trainable, init: Init | None = None,
+                 seed_checkpoint: str | None = None, optimizer: OptimizerCallable = torch.optim.Adam,
                  plateau: PlateauConfig = PlateauConfig(), train_context: int = 1024,
                  score_from: int = ROUTE_BYTES, router_path: str | None = None, top_k: int = 4):
-        super().__init__(num_experts=num_experts, shape=shape, head=head, train_context=train_context,
-                         score_from=score_from, optimizer=optimizer, plateau=plateau, router_path=router_path,
-                         top_k=top_k)
+        head_training = HeadTraining(head_training)
+        super().__init__(num_experts=num_experts, shape=shape, head=head_mode(head_training),
+                         train_context=train_context, score_from=score_from, optimizer=optimizer, plateau=plateau,
+                         router_path=router_path, top_k=top_k)
+        self.head_training = head_training
+        self.seed_checkpoint = start_checkpoint(init, seed_checkpoint, "seed_checkpoint")
+        """The seed checkpoint a fresh fit starts from; None: random weights."""
+        if head_mode(head_training) is HeadMode.shared:
+            self.model.head.requires_grad_(False)
 
     @property
     def method(self) -> str:
         return "bptt"
+
+    def setup(self, stage: str) -> None:
+        # Without a checkpoint the module is its seed (a fresh fit starts from it; validate and test
+        # score it); with one, the weights come from the checkpoint.
+        if self.seed_checkpoint and self.trainer.ckpt_path is None:
+            data = self.trainer.datamodule
+            warm_start(self.model, self.seed_checkpoint, self.head_training,
+                       data.data_in_use() if isinstance(data, RecordsData) else None)
+        super().setup(stage)
 
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
         tokens = self.training_tokens(batch)
@@ -52,8 +80,12 @@ class BPTTModule(ByteLMModule):
         clock.start()
         losses = self.model.loss_per_group({}, tokens)  # [E]: each expert's own loss
         self.manual_backward(losses.sum())  # experts share no weight: each gets its own loss's gradient
+        count, windows, length = tokens.shape
+        forwards = count * windows * (length - 1)
+        if self.head_training is HeadTraining.decoder_only:  # the decoder's share of the head's gradient
+            self.model.head.grad = head_gradient(self.model, tokens)
+            forwards *= 2  # its forward runs without the tape
         self.step_optimizer()
         clock.stop()
         self.check_finite(step, losses)  # the step's one host read
-        count, windows, length = tokens.shape
-        self.log_update(losses, clock.seconds(), count * windows * (length - 1))
+        self.log_update(losses, clock.seconds(), forwards)

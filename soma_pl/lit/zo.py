@@ -25,7 +25,6 @@ is refused (each process would train its own, diverging replica).
 from __future__ import annotations
 
 from dataclasses import replace
-from enum import Enum
 
 import torch
 from lightning.pytorch.cli import OptimizerCallable
@@ -36,7 +35,6 @@ from soma_pl import ROUTE_BYTES
 from soma_pl.contracts import BatchesWindows, RecordsData, UpdateClock, UpdateMemory
 from soma_pl.distributed import RankSplit, rank_share
 from soma_pl.errors import ConfigError
-from soma_pl.estimators.delta_rule import decoder_gradient
 from soma_pl.lit.args import KEY, ModelShape
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.lit.ddpp import Exchange
@@ -44,7 +42,7 @@ from soma_pl.lit.estimators import EGGROLLArgs, EpsSchedule, Estimator, SPSAArgs
 from soma_pl.lit.optim import ZOAdam
 from soma_pl.lit.parallel import ExpertParallel, keep_buffers_local
 from soma_pl.lit.plateau import PlateauConfig
-from soma_pl.models.checkpoints import monolithic_state
+from soma_pl.lit.starts import HeadTraining, Init, head_gradient, head_mode, start_checkpoint, warm_start
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
 FULL_PRECISION = ("32-true", "64-true")
@@ -62,46 +60,6 @@ def small_eps_warning(eps: float | Tensor, dtype: torch.dtype) -> str | None:
         return None
     return (f"eps has decayed to {smallest:.3g}, below {floor:g}: central differences in {dtype} lose their "
             f"precision there; set plateau.min_lr (or eps_schedule: constant)")
-
-
-class Init(str, Enum):
-    """Where a fresh fit starts (Fig. 9); every side of a comparison starts the same way."""
-
-    seed = "seed"
-    """From a seed model of the same width: every expert a copy of it (the paper's warm start)."""
-    random = "random"
-    """From the module's random initialisation (`seed_everything`)."""
-
-
-def start_checkpoint(init: Init | str | None, checkpoint: str | None, key: str) -> str | None:
-    """The checkpoint a fresh fit starts from: `checkpoint` under `init: seed`, None under `random`.
-
-    `init` None (unset) is `seed` when a checkpoint is given, else `random`.
-
-    Raises:
-        ConfigError: `init: seed` without a checkpoint (`key` names its setting).
-    """
-    init = (Init.seed if checkpoint else Init.random) if init is None else Init(init)
-    if init is Init.seed and checkpoint is None:
-        raise ConfigError(f"init: seed needs {KEY}.{key} (or set init: random)")
-    if init is Init.random and checkpoint is not None:
-        # A config's seed checkpoint overridden by `--model.init_args.init=random` (Fig. 9's ablation).
-        rank_zero_warn(f"init: random: {KEY}.{key}={checkpoint} is not used; the fit starts from random weights")
-    return checkpoint if init is Init.seed else None
-
-
-class HeadTraining(str, Enum):
-    """How the tied byte embedding / output head is trained (Fig. 9 ablations)."""
-
-    trainable = "trainable"
-    """Each expert's own head, perturbed and updated by its estimator."""
-    decoder_only = "decoder_only"
-    """Each expert's own head, never perturbed, stepped by the decoder-path delta rule (Eq. 7, App. E:
-    its exact gradient through the decoder at the unperturbed weights) with the body's optimizer."""
-    frozen_shared = "frozen_shared"
-    """One head shared by all experts, frozen at the seed's values (the N = 256 default)."""
-    frozen_random = "frozen_random"
-    """One shared head frozen at random values."""
 
 
 class ZOModule(ByteLMModule):
@@ -136,8 +94,7 @@ class ZOModule(ByteLMModule):
                  plateau: PlateauConfig = PlateauConfig(), seed: int = 0, train_context: int = 1024,
                  score_from: int = ROUTE_BYTES):
         head_training = HeadTraining(head_training)
-        shared = head_training in (HeadTraining.frozen_shared, HeadTraining.frozen_random)
-        super().__init__(num_experts=num_experts, shape=shape, head=HeadMode.shared if shared else HeadMode.per_expert,
+        super().__init__(num_experts=num_experts, shape=shape, head=head_mode(head_training),
                          train_context=train_context, score_from=score_from, optimizer=optimizer, plateau=plateau,
                          router_path=router_path, top_k=top_k)
         self.estimator: Estimator = self.arg_group(SPSAArgs, spsa, "spsa")
@@ -156,7 +113,7 @@ class ZOModule(ByteLMModule):
         self.seed = seed
         self.seed_checkpoint = start_checkpoint(init, seed_checkpoint, "seed_checkpoint")
         """The seed checkpoint a fresh fit starts from; None: random weights."""
-        if shared:
+        if head_mode(head_training) is HeadMode.shared:
             self.model.head.requires_grad_(False)
         self.parallel = ExpertParallel(self, enabled=num_experts > 1)
         """This rank's share of the experts when fitting N > 1 on several processes."""
@@ -203,7 +160,8 @@ class ZOModule(ByteLMModule):
         # Without a checkpoint the module is its seed (a fresh fit starts from it; validate and test
         # score it); with one, the weights come from the checkpoint.
         if self.seed_checkpoint and self.trainer.ckpt_path is None:
-            self._warm_start(self.seed_checkpoint, data.data_in_use() if isinstance(data, RecordsData) else None)
+            warm_start(self.model, self.seed_checkpoint, self.head_training,
+                       data.data_in_use() if isinstance(data, RecordsData) else None)
         super().setup(stage)
         self.parallel.setup()
         if self.exchange is not None and self.trainer.world_size > 1:
@@ -234,25 +192,6 @@ class ZOModule(ByteLMModule):
     def configure_optimizers(self):
         self.parallel.take_share()  # after setup and any checkpoint restore: `model` holds the start weights
         return super().configure_optimizers()
-
-    @torch.no_grad()
-    def _warm_start(self, path: str, data: dict[str, tuple[str | None, str]] | None = None) -> None:
-        """Copy the seed model into every expert (and into the shared head, unless it is random).
-        A seed trained on other data than `data` (the data module's `data_in_use`) is refused, as
-        `--ckpt_path` refuses such a checkpoint."""
-        state, _ = monolithic_state(path, data)
-        for name, param in self.model.named_parameters():
-            if name == "head" and self.head_training is HeadTraining.frozen_random:
-                continue
-            if name not in state:
-                raise ConfigError(f"seed checkpoint {path}: no '{name}'")
-            source = state[name]
-            one = source if name == "head" and source.dim() == 2 else source[0]  # one expert's tensor
-            wanted = param.shape if self.model.is_shared(name) else param.shape[1:]
-            if one.shape != wanted:
-                raise ConfigError(f"seed checkpoint {path}: '{name}' has shape {list(one.shape)} per expert, "
-                                  f"the configured experts have {list(wanted)}")
-            param.copy_(one if self.model.is_shared(name) else one.expand_as(param))
 
     def training_tokens(self, batch: Tensor) -> Tensor:
         """`batch: [E, B, 1025] uint8` (E: this process's experts) → `[E, B, train_context + 1]`; the
@@ -305,21 +244,9 @@ class ZOModule(ByteLMModule):
         return replace(update, gradient={**update.gradient, "head": self.head_gradient(tokens)},
                        forwards=update.forwards + count * windows * (length - 1))
 
-    @torch.no_grad()
     def head_gradient(self, tokens: Tensor) -> Tensor:
-        """Eq. 7's decoder-path gradient of every trained expert's head on `tokens [E, B, T]`, mean
-        over the B windows and T − 1 targets, as the body's loss: one unperturbed forward, span by
-        span (each span's mean weighted by its share of the targets). Returns `[E, 256, d_E]`."""
-        model = self.trained_model
-        params = dict(model.named_parameters())
-        inputs, targets = tokens[..., :-1], tokens[..., 1:]
-        gradient, start = torch.zeros_like(model.head), 0
-        for features in model.features(params, inputs):
-            stop = start + features.shape[2]
-            gradient.add_(decoder_gradient(features, params["head"], targets[..., start:stop]),
-                          alpha=features.shape[2] / inputs.shape[2])
-            start = stop
-        return gradient
+        """Eq. 7's decoder-path gradient of every trained expert's head (`head_gradient`)."""
+        return head_gradient(self.trained_model, tokens)
 
     @torch.no_grad()
     def warm_up(self, tokens: Tensor) -> None:

@@ -19,7 +19,17 @@ import torch.nn.functional as F
 from soma_pl.errors import ConfigError
 from soma_pl.estimators.directions import DirectionKind
 from soma_pl.estimators.spsa import SPSAConfig, spsa_estimate
-from soma_pl.lit import EGGROLLArgs, EpsSchedule, Exchange, HeadTraining, Init, ModelShape, SPSAArgs, ZOModule
+from soma_pl.lit import (
+    BPTTModule,
+    EGGROLLArgs,
+    EpsSchedule,
+    Exchange,
+    HeadTraining,
+    Init,
+    ModelShape,
+    SPSAArgs,
+    ZOModule,
+)
 from soma_pl.models import StackedExperts
 from tests.pinned.data import PinnedData, pinned_router
 
@@ -83,3 +93,42 @@ def test_decoder_only_is_refused_with_eggroll_naming_head_training():
     with pytest.raises(ConfigError, match="head_training"):
         ZOModule(num_experts=1, head_training=HeadTraining.decoder_only, shape=SHAPE,
                  eggroll=EGGROLLArgs(sigma=0.02, rank=1, population=8, group_size=2))
+
+
+def _bptt(tmp_path, head_training: HeadTraining) -> BPTTModule:
+    torch.manual_seed(0)
+    return BPTTModule(num_experts=2, init=Init.random, head_training=head_training, router_path=pinned_router(tmp_path),
+                      top_k=1, train_context=CONTEXT, shape=SHAPE, optimizer=functools.partial(torch.optim.SGD, lr=LR))
+
+
+def _one_step(module, experts: int = 2) -> torch.Tensor:
+    data = PinnedData(experts=experts, batch_size=BATCH, steps=1)
+    L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=1, limit_val_batches=0, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(module, data)
+    return data.train[0][..., : CONTEXT + 1]
+
+
+def test_a_bptt_decoder_only_step_takes_the_heads_gradient_through_the_decoder_alone(tmp_path):
+    """Fig. 9's BPTT control (App. D.1): the body by backprop, the tied head by Eq. 7 only, none of
+    its gradient through the input embedding."""
+    module = _bptt(tmp_path, HeadTraining.decoder_only)
+    start = copy.deepcopy(module.model).double()
+    tokens = _one_step(module)
+    full = copy.deepcopy(start)
+    full.loss_per_group({}, tokens).sum().backward()  # plain autograd of the experts' own losses
+    decoder = _head_gradient(start, tokens)
+    for name, param in module.model.expert_parameters().items():
+        gradient = decoder if name == "head" else full.get_parameter(name).grad
+        expected = start.get_parameter(name).detach() - LR * gradient
+        torch.testing.assert_close(param.detach(), expected, rtol=0, atol=1e-12, msg=name)
+    assert not torch.allclose(full.head.grad, decoder)  # the embedding's share, left out
+    assert module.last_update.token_forwards == 2 * BATCH * 2 * CONTEXT  # the tape's forward and the rule's
+
+
+def test_a_bptt_frozen_random_head_is_one_shared_head_that_never_moves(tmp_path):
+    module = _bptt(tmp_path, HeadTraining.frozen_random)
+    head = module.model.head.detach().clone()
+    assert head.shape == (256, SHAPE.embed_dim) and "head" not in module.trainable_parameters()
+    before = module.model.w_hh.detach().clone()
+    _one_step(module)
+    assert torch.equal(module.model.head.double(), head.double()) and not torch.equal(module.model.w_hh, before)

@@ -10,6 +10,7 @@ from soma_pl.estimators import SPSAConfig, spsa_estimate
 from soma_pl.lit import ZOModule
 from soma_pl.lit.args import ModelShape
 from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig
+from soma_pl.lit.starts import warm_start
 from soma_pl.models import StackedExperts
 
 
@@ -141,7 +142,7 @@ def test_warm_start_copies_the_seed_into_every_expert(tmp_path):
     path = _seed_checkpoint(tmp_path / "seed.ckpt", width=8)
     seed_state = torch.load(path, weights_only=False)["state_dict"]
     module = _soma(tmp_path, init="seed", seed_checkpoint=str(path))
-    module._warm_start(str(path))
+    warm_start(module.model, str(path), module.head_training)
     for name, param in module.model.named_parameters():
         for expert in range(2):
             assert torch.equal(param[expert], seed_state[f"model.{name}"][0]), name
@@ -151,16 +152,16 @@ def test_warm_start_from_another_width_names_both_shapes(tmp_path):
     path = _seed_checkpoint(tmp_path / "seed.ckpt", width=6)
     module = _soma(tmp_path, init="seed", seed_checkpoint=str(path))
     with pytest.raises(ConfigError, match=r"'norm_gains' has shape \[3, 6\] per expert.*have \[3, 8\]"):
-        module._warm_start(str(path))
+        warm_start(module.model, str(path), module.head_training)
 
 
 def test_frozen_shared_head_is_one_frozen_copy_of_the_seed_head(tmp_path):
     path = _seed_checkpoint(tmp_path / "seed.ckpt", width=8)
     module = _soma(tmp_path, init="seed", seed_checkpoint=str(path), head_training="frozen_shared")
-    module._warm_start(str(path))
+    warm_start(module.model, str(path), module.head_training)
     assert module.model.head.shape == (256, 8) and not module.model.head.requires_grad
     assert "head" not in module.trainable_parameters()
     assert torch.equal(module.model.head, torch.load(path, weights_only=False)["state_dict"]["model.head"][0])
     random_head = _soma(tmp_path, init="seed", seed_checkpoint=str(path), head_training="frozen_random")
-    random_head._warm_start(str(path))
+    warm_start(random_head.model, str(path), random_head.head_training)
     assert not torch.equal(random_head.model.head, module.model.head)

@@ -1,4 +1,4 @@
-"""Every zero-order module starts from a seed model of its own width (`init: seed`) or from random weights.
+"""Every module, zero-order or BPTT, starts from a seed model of its own width (`init: seed`) or from random weights.
 
 The seed is what the seed recipe trains (a BPTT model, as `configs/bptt.yaml` and `configs/seed.yaml`);
 monolithic SPSA, DDPP and EGGROLL copy it as SOMA's experts do, so the sides of a comparison can
@@ -14,6 +14,7 @@ import torch
 
 from soma_pl.errors import ConfigError
 from soma_pl.lit import BPTTModule, EGGROLLArgs, ModelShape, ZOModule
+from soma_pl.lit.starts import warm_start
 from tests.robustness.cli import cli, one_error
 
 from .conftest import final_weights, fit_args, run_cli
@@ -25,6 +26,8 @@ MONOLITHIC = {
     "spsa_shared_head": lambda **kw: ZOModule(shape=SHAPE, head_training="frozen_shared", **kw),
     "ddpp": lambda **kw: ZOModule(shape=SHAPE, spsa={"exchange": "scalars"}, **kw),
     "eggroll": lambda **kw: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6), **kw),
+    "bptt": lambda **kw: BPTTModule(shape=SHAPE, **kw),
+    "bptt_shared_head": lambda **kw: BPTTModule(shape=SHAPE, head_training="frozen_shared", **kw),
 }
 
 
@@ -46,11 +49,11 @@ def test_a_monolithic_module_starts_as_a_copy_of_a_seed_of_its_width(name, tmp_p
     module = MONOLITHIC[name](init="seed", seed_checkpoint=str(path))
     assert module.seed_checkpoint == str(path)
     assert not torch.equal(module.model.w_hh, seed["w_hh"])  # its own random initialisation first
-    module._warm_start(module.seed_checkpoint)
+    warm_start(module.model, module.seed_checkpoint, module.head_training)
     for weight, value in module.model.state_dict().items():
         expected = seed[weight][0] if module.model.is_shared(weight) else seed[weight]
         assert torch.equal(value, expected), weight
-    if name == "spsa_shared_head":  # one head, never perturbed: frozen at the seed's
+    if name.endswith("shared_head"):  # one head, never trained: frozen at the seed's
         assert "head" not in module.trainable_parameters()
 
 
@@ -108,3 +111,25 @@ def test_monolithic_spsa_with_a_shared_head_trains_its_body_and_keeps_the_seeds_
     trained = final_weights(tmp_path / "run")
     assert torch.equal(trained["model.head"], seed["head"][0])
     assert not torch.equal(trained["model.w_hh"], seed["w_hh"])
+
+
+def test_a_bptt_fit_starts_from_its_seed(tmp_path):
+    """BPTT copies the seed at setup as the zero-order module does: a fit of no update ends with every
+    weight at the seed's (the head too, frozen shared or per expert)."""
+    import functools
+
+    import lightning as L
+
+    from tests.pinned.data import PinnedData
+
+    path = tmp_path / "seed.ckpt"
+    seed = bptt_seed(path)
+    for head_training in ("trainable", "frozen_shared", "decoder_only"):
+        module = BPTTModule(shape=SHAPE, init="seed", seed_checkpoint=str(path), head_training=head_training,
+                            train_context=40, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        L.Trainer(accelerator="cpu", devices=1, max_steps=0, limit_val_batches=0, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
+            module, PinnedData(experts=1, batch_size=2, steps=1))
+        for weight, value in module.model.state_dict().items():
+            expected = seed[weight][0] if module.model.is_shared(weight) else seed[weight]
+            assert torch.equal(value, expected), (head_training, weight)

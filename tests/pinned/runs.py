@@ -37,7 +37,6 @@ from soma_pl.lit import (
     ZOModule,
 )
 from soma_pl.lit.optim import ZOAdam
-from soma_pl.models.stacked import HeadMode
 from tests.pinned.data import PinnedData, pinned_router
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,12 +107,12 @@ def ddpp(router: str | None) -> ZOModule:
 
 
 def bptt_n1(router: str | None) -> BPTTModule:
-    return BPTTModule(num_experts=1, head=HeadMode.per_expert, optimizer=ADAM, router_path=None, top_k=1, **COMMON)
+    return BPTTModule(num_experts=1, optimizer=ADAM, router_path=None, top_k=1, **COMMON)
 
 
 def bptt_n2(router: str | None) -> BPTTModule:
     """SGD, not Adam: a change of scale of the experts' gradients moves SGD's step, never Adam's."""
-    return BPTTModule(num_experts=2, head=HeadMode.per_expert, optimizer=sgd(0.1, 0.9), router_path=router, top_k=1,
+    return BPTTModule(num_experts=2, optimizer=sgd(0.1, 0.9), router_path=router, top_k=1,
                       **COMMON)
 
 
