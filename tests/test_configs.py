@@ -15,9 +15,9 @@ from soma_pl.lit.base import ByteLMModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
-EXPECTED = 27
+EXPECTED = 28
 # configs/{quickstart,spsa,bptt,seed,soma_quickstart,soma_n2,soma_n8,soma_n256,eggroll,ddpp} (10),
-# data/{demo,fineweb_edu} (2), shard/{demo_n1,demo_n2,demo_n2_random,demo_n3,fineweb_n8} (5),
+# data/{demo,fineweb_edu} (2), shard/{demo_n1,demo_n2,demo_n2_random,demo_n2_iid,demo_n3,fineweb_n8} (6),
 # demo/{spsa,soma_n2,bptt_n2,eggroll,ddpp,seed} (6),
 # the layers under them: trainer/{cpu,gpu} (2), datamodule/{demo,fineweb_edu} (2)
 CPU = ("configs/trainer/cpu.yaml", "configs/datamodule/demo.yaml")

@@ -24,6 +24,7 @@ REFERENCE = "reference"
 
 FIG9_CLAIMS = {
     "random_shards": "Semantic shards lower loss: random shards end higher than semantic ones",
+    "global_iid": "Semantic shards lower loss: every expert reading the whole corpus ends higher than semantic shards",
     "cold": "Warm initialisation lowers loss: a cold (random) start ends higher than the seed-model start",
     "decoder_only_head": "Updating the tied head only through the decoder raises loss (paper: +0.029 nats/byte)",
     "frozen_random_head": "Freezing a random head performs much worse than training each expert's head",

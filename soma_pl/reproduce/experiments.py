@@ -248,20 +248,20 @@ EXPERIMENTS: dict[str, Experiment] = {
     ),
     "fig9": Experiment(
         name="fig9",
-        title="Fig. 9: semantic against random shards, warm against cold start, and how the tied head is trained "
-              "(SOMA N = 2)",
+        title="Fig. 9: semantic shards against random and global-IID data, warm against cold start, and how the "
+              "tied head is trained (the paper's BPTT controls, N = 2)",
         sweeps={"cpu": "sweeps/demo/fig9.yaml"},
-        basis="equal updates of equal multiply-adds (the figure's training steps; 200 updates each), the seed "
+        basis="equal updates of equal windows (the figure's training steps; 200 updates each), the seed "
               "model's cost excluded as in the paper",
-        cost={"cpu": "15 fits of 200 updates and a seed model of 1,000 SPSA updates at width 44, 7 minutes; the "
-                     "fits measured with the earlier backprop seed: 41 core minutes, 22 minutes on 2 cores",
-              "paper": "none: the paper's captions give neither the model nor the steps of the figure's runs"},
+        cost={"cpu": "18 BPTT fits of 200 updates and a seed model of 1,000 SPSA updates at width 44 (7 "
+                     "minutes); the fits not yet measured",
+              "paper": "none: the paper gives the controls' batch (512) and conditions, not their model or steps"},
         result=fig9_result,
         table=fig9_markdown,
         figure=fig9_figure,
         paper=FIG9_PAPER,
         data={"cpu": [*demo_shards(2), ["shard", "--config", "configs/shard/demo_n2_random.yaml"],
-                      DEMO_SEEDS[1]]},
+                      ["shard", "--config", "configs/shard/demo_n2_iid.yaml"], DEMO_SEEDS[1]]},
         final_test=False,
     ),
     "fig7": Experiment(

@@ -148,6 +148,22 @@ def test_random_sharding_mixes_sources(dataset, tmp_path):
     assert read_experts_manifest(folder)["purity"] < 0.6
 
 
+def test_global_iid_sharding_gives_every_expert_every_sequence_and_the_same_held_out_ones(dataset, semantic,
+                                                                                          tmp_path):
+    """Fig. 9's global-IID condition: each expert's split is the whole corpus's (one 1% of smallest
+    key held out of all sequences); the router is the semantic sharding's, for evaluation."""
+    folder = shard(_config(dataset, tmp_path / "iid", sharding="global_iid"), progress=False)
+    experts = _expert_documents(folder)
+    whole = {d.doc_id: d.text for e in _expert_documents(semantic) for split in ("train", "val") for d in e[split]}
+    for expert in experts:
+        assert {d.doc_id: d.text for split in ("train", "val") for d in expert[split]} == whole
+        assert len(expert["val"]) == max(1, round(0.01 * len(whole)))
+    assert [d.doc_id for d in experts[0]["val"]] == [d.doc_id for d in experts[1]["val"]]
+    assert read_experts_manifest(folder)["sequences"] == len(whole)
+    router, semantic_router = Router.load(folder / ROUTER_FILE), Router.load(semantic / ROUTER_FILE)
+    assert torch.equal(router.centroids, semantic_router.centroids)
+
+
 def test_sharding_is_deterministic_and_an_identical_rerun_is_a_no_op(dataset, semantic, tmp_path):
     again = shard(_config(dataset, tmp_path / "again"), progress=False)
     first, second = read_experts_manifest(semantic), read_experts_manifest(again)

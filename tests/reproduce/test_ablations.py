@@ -13,8 +13,9 @@ from soma_pl.reproduce import ablations
 from soma_pl.reproduce.ablations import FIG9_CLAIMS, REFERENCE, fig9_figure, fig9_markdown, fig9_result
 from soma_pl.reproduce.verdicts import Verdict
 
-CONDITIONS = [REFERENCE, "random_shards", "cold", "decoder_only_head", "frozen_random_head"]
-SHIFT = {REFERENCE: 0.0, "random_shards": 0.02, "cold": -0.05, "decoder_only_head": 0.03, "frozen_random_head": 1.5}
+CONDITIONS = [REFERENCE, "random_shards", "global_iid", "cold", "decoder_only_head", "frozen_random_head"]
+SHIFT = {REFERENCE: 0.0, "random_shards": 0.02, "global_iid": 0.01, "cold": -0.05, "decoder_only_head": 0.03,
+         "frozen_random_head": 1.5}
 """Each condition's test loss above the reference's, on every window (cold: below it)."""
 STEPS = (50, 100)
 
@@ -89,7 +90,7 @@ def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(
     assert rows["decoder_only_head"]["paper_difference"] == 0.029 and "difference" not in rows[REFERENCE]
     checks = {check["claim"]: check for check in result["checks"]}
     assert set(checks) == set(FIG9_CLAIMS.values())
-    for condition in ("random_shards", "decoder_only_head", "frozen_random_head"):
+    for condition in ("random_shards", "global_iid", "decoder_only_head", "frozen_random_head"):
         check = checks[FIG9_CLAIMS[condition]]
         assert check["verdict"] == Verdict.holds.value and check["split"] == "test"
         assert check["document_interval"] == pytest.approx([SHIFT[condition] + 0.001] * 2)

@@ -56,9 +56,9 @@ def test_fig9_lists_its_conditions_and_refuses_a_paper_scale_it_has_not(tmp_path
     monkeypatch.chdir(ROOT)
     spec = dataclasses.replace(load_sweep(EXPERIMENTS["fig9"].sweeps["cpu"]), output_dir=tmp_path)
     listed = command.list_trials(EXPERIMENTS["fig9"], "cpu", spec, f"sqlite:///{tmp_path / 'x.db'}")
-    assert (listed["trials"], listed["done"]) == (15, 0)
+    assert (listed["trials"], listed["done"]) == (18, 0)
     printed = capsys.readouterr().out
-    for condition in ("reference", "random_shards", "cold", "decoder_only_head", "frozen_random_head"):
+    for condition in ("reference", "random_shards", "global_iid", "cold", "decoder_only_head", "frozen_random_head"):
         assert printed.count(f"condition={condition}, seed") == 3
     with pytest.raises(SystemExit) as stop:
         main(["reproduce", "fig9", "--scale", "paper", "--dry_run", "true"])

@@ -228,6 +228,7 @@ def test_each_fig9_condition_changes_exactly_its_one_thing(monkeypatch):
     seen = {name: (start(config)[0], head_kind(config), shards[name]) for name, config in sides.items()}
     reference = ("seed", "trainable", "data/demo-experts-n2")
     assert seen == {"reference": reference, "random_shards": ("seed", "trainable", "data/demo-experts-n2-random"),
+                    "global_iid": ("seed", "trainable", "data/demo-experts-n2-iid"),
                     "cold": ("random", "trainable", reference[2]),
                     "decoder_only_head": ("seed", "decoder_only", reference[2]),
                     "frozen_random_head": ("seed", "frozen_random", reference[2])}
@@ -253,11 +254,11 @@ def test_the_main_jobs_sides_start_the_same_way_with_the_same_kind_of_head():
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if "model" in (yaml.safe_load(p.read_text()) or {})],
                          ids=_name)
-def test_every_zero_order_method_config_says_how_it_starts(path):
+def test_every_method_config_says_how_it_starts(path):
     """An explicit `init`; a seed start names a seed of the model's own width whose command is written down."""
     [*_, (_, content)] = read_layers(["--config", str(path)])
     _, defaults = _arguments(content)
-    if not {"seed_checkpoint"} & set(defaults):  # BPTT: no warm start, random weights
+    if not {"seed_checkpoint"} & set(defaults):  # a module that takes no seed starts from random weights
         assert seed_checkpoint(content) is None
         return
     assert content["model"]["init_args"].get("init") in ("seed", "random"), _name(path)

@@ -23,6 +23,9 @@ class Sharding(str, Enum):
     """tf–idf → SVD → balanced spherical k-means on whole 1,024-byte sequences (the paper's)."""
     random = "random"
     """Dealt by a seeded hash of the sequence (Fig. 9 ablation)."""
+    global_iid = "global_iid"
+    """Every expert holds every sequence, each reading its own shuffled stream of the whole corpus
+    (Fig. 9's global-IID condition, App. D.1); the router is the semantic one, for evaluation."""
 
 
 @dataclass

@@ -237,9 +237,14 @@ class WriteExperts(_Stage):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         config, begun, experts = self.config, time.perf_counter(), self.config.num_experts
         every = [(self.load("seq", t)["keys"], self.load("assign", t)["labels"]) for t in range(self.tasks)]
-        thresholds = held_out_thresholds(np.concatenate([labels for _, labels in every]),
-                                         np.concatenate([keys for keys, _ in every]), experts,
-                                         config.expert_val_fraction)
+        every_key = np.concatenate([keys for keys, _ in every])
+        replicated = Sharding(config.sharding) is Sharding.global_iid  # every expert holds every sequence
+        if replicated:  # each expert holds out the same 1% of the whole corpus
+            thresholds = np.repeat(held_out_thresholds(np.zeros(len(every_key), np.int64), every_key, 1,
+                                                       config.expert_val_fraction), experts)
+        else:
+            thresholds = held_out_thresholds(np.concatenate([labels for _, labels in every]), every_key, experts,
+                                             config.expert_val_fraction)
         labels, names = every[rank][1], self.meta("seq", rank)["sources"]
         writer = ExpertShardWriter(self.stage, experts, config.shard_max_bytes, task=rank)
         sizes = [{split: {"sequences": 0, "bytes": 0} for split in ("train", "val")} for _ in range(experts)]
@@ -251,13 +256,13 @@ class WriteExperts(_Stage):
                 if position + len(windows) > len(labels):
                     raise DataError("prepared shards changed between the passes of shard")
                 for number, (window, source) in enumerate(zip(windows, sources, strict=True)):
-                    expert = int(labels[position])
-                    held = bool(keys[number] <= thresholds[expert])
-                    split = "val" if held else "train"
-                    writer.write(expert, Document(window.tobytes(), source, f"{file}:{number}"), validation=held)
-                    sizes[expert][split]["sequences"] += 1
-                    sizes[expert][split]["bytes"] += len(window)
-                    contingency[expert][source] += not held
+                    for expert in range(experts) if replicated else (int(labels[position]),):
+                        held = bool(keys[number] <= thresholds[expert])
+                        split = "val" if held else "train"
+                        writer.write(expert, Document(window.tobytes(), source, f"{file}:{number}"), validation=held)
+                        sizes[expert][split]["sequences"] += 1
+                        sizes[expert][split]["bytes"] += len(window)
+                        contingency[expert][source] += not held
                     position += 1
             records = experts_json(writer.close())
         except BaseException:
@@ -298,7 +303,7 @@ class FinishShard(_Stage):
                    for e in range(experts)]
         totals = {entry: {key: sum(s[split][key] for s in sizes) for key in ("sequences", "bytes")}
                   for entry, split in (("train", "train"), ("expert_val", "val"))}
-        sequences = totals["train"]["sequences"] + totals["expert_val"]["sequences"]
+        sequences = sum(len(self.load("seq", task)["keys"]) for task in range(self.tasks))  # each counted once
         members = [s["train"]["sequences"] + s["val"]["sequences"] for s in sizes]
         router = Router.load(self.stage / "fit" / ROUTER_FILE)
         router.sharding = self.fingerprint
