@@ -83,8 +83,9 @@ def trial_settings(config: tuple[str, ...], overrides: dict) -> dict:
 
 def takes_seed(config: tuple[str, ...], overrides: dict) -> bool:
     """Whether the trial's module has a `seed` argument (the zero-order modules: their directions'
-    seed); BPTT's randomness is `seed_everything`'s alone. The module is the trial's
-    `model.class_path` (True when none names one)."""
+    seed). BPTT has none: its repetition seed is `seed_everything`'s (a random initialisation) and
+    the training stream's (`data.init_args.seed`), without which three warm-started repetitions would
+    be one run three times. The module is the trial's `model.class_path` (True when none names one)."""
     class_path = trial_settings(config, overrides).get("model.class_path")
     if not isinstance(class_path, str) or "." not in class_path:
         return True
@@ -129,6 +130,8 @@ def fit_command(spec: SweepSpec, trial: optuna.Trial, params: dict, seed: int, r
     overrides.update({"seed_everything": seed, "trainer.default_root_dir": str(run_dir)})  # checkpoints: below it
     if takes_seed(config, overrides):
         overrides["model.init_args.seed"] = seed
+    else:  # BPTT: a warm start draws nothing from `seed_everything`, so its repetitions differ by their data
+        overrides.setdefault("data.init_args.seed", seed)
     overrides.update({f"budget.{key}": value for key, value in spec.budget.items()})
     if spec.wandb:
         overrides.update({"wandb.group": spec.name, "wandb.name": f"trial-{trial.number}"})

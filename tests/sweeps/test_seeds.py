@@ -103,16 +103,18 @@ def test_a_sweep_file_that_searches_or_fixes_the_seed_is_refused_in_one_line(fie
 
 def test_the_module_seed_goes_only_to_modules_that_take_one(tmp_path, monkeypatch):
     """A zero-order module's directions take `model.init_args.seed`; BPTT has no such argument, so
-    its trials get `seed_everything` alone (a grid mixing both, as Table 5's does, runs both)."""
+    its trials' repetition seed is `seed_everything`'s and its training stream's (a warm-started BPTT
+    run draws nothing else at random); a grid mixing both, as Table 5's does, runs both."""
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     spec = load_sweep("sweeps/demo/table5.yaml")
     seen = {}
     for point in spec.grid_points()[::2]:
         command = runner.fit_command(spec, SimpleNamespace(number=0), {"run": point["run"]}, 3, tmp_path / "t",
                                      "sqlite:///x.db", report=False)
-        seen[point["run"]] = ("--model.init_args.seed=3" in command, "--seed_everything=3" in command)
-    assert seen == {"soma_n1": (True, True), "soma_n2": (True, True), "soma_n4": (True, True),
-                    "bptt_n1": (False, True), "bptt_n2": (False, True), "bptt_n4": (False, True)}
+        seen[point["run"]] = ("--model.init_args.seed=3" in command, "--seed_everything=3" in command,
+                              "--data.init_args.seed=3" in command)
+    assert seen == {"soma_n1": (True, True, False), "soma_n2": (True, True, False), "soma_n4": (True, True, False),
+                    "bptt_n1": (False, True, True), "bptt_n2": (False, True, True), "bptt_n4": (False, True, True)}
     class_paths = {"soma_pl.lit.ZOModule": True, "soma_pl.lit.BPTTModule": False}
     for class_path, takes in class_paths.items():
         assert runner.takes_seed((), {"model.class_path": class_path}) is takes
