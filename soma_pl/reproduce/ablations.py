@@ -66,7 +66,7 @@ def seed_model(run_dir: Path) -> dict | None:
     for summary in sorted(path.parent.parent.glob("version_*/summary.json")):
         record = json.loads(summary.read_text())
         if record.get("last_checkpoint") and Path(record["last_checkpoint"]).resolve() == path:
-            return {"checkpoint": checkpoint, "steps": record["global_step"],
+            return {"checkpoint": checkpoint, "steps": record["global_step"], "method": record.get("method"),
                     "val_loss": record["metrics"].get("val/loss")}
     return None
 
@@ -136,8 +136,8 @@ def fig9_markdown(result: dict) -> str:
     seed = result.get("seed_model")
     if seed and seed["val_loss"] is not None:
         lines += ["", f"Every warm condition starts from the seed model (`{seed['checkpoint']}`, {seed['steps']} "
-                      f"backprop steps), whose ensemble-validation loss is {number(seed['val_loss'])}: the warm "
-                      "curves' value at update 0."]
+                      f"updates of {seed.get('method') or 'its method'}), whose ensemble-validation loss is "
+                      f"{number(seed['val_loss'])}: the warm curves' value at update 0."]
     lines += ["", "## Ensemble validation at the figure's steps", "",
               *table_head(["Condition", *(f"update {step}" for step in steps)])]
     for label, curve in result["curves"].items():

@@ -64,7 +64,7 @@ def _seed_model(tmp_path: Path, folders: dict, report: dict) -> None:
     (seed_root / "version_0").mkdir(parents=True)
     checkpoint = seed_root / "checkpoints" / "last.ckpt"
     (seed_root / "version_0" / "summary.json").write_text(json.dumps(
-        {"global_step": 150, "last_checkpoint": str(checkpoint), "metrics": {"val/loss": 2.2867}}))
+        {"global_step": 150, "method": "spsa", "last_checkpoint": str(checkpoint), "metrics": {"val/loss": 2.2867}}))
     entry = report["table7"]["per_seed"][0]
     run = Path(folders[entry["trial"][REFERENCE]][entry["seed"]])
     (run / "config.yaml").write_text(f"model:\n  init_args:\n    init: seed\n    seed_checkpoint: {checkpoint}\n")
@@ -99,7 +99,8 @@ def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(
                           "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
     assert "| decoder_only_head | 3.2800 ± 0.0289 | 3.0835 ± 0.0020 | +0.0310 ± 0.0006 | +0.029 |" in text
     assert "| update 50 | update 100 |" in text and "**does not hold**" in text
-    assert result["seed_model"]["val_loss"] == 2.2867 and "loss is 2.2867: the warm curves' value at update 0" in text
+    assert result["seed_model"]["val_loss"] == 2.2867
+    assert "150 updates of spsa), whose ensemble-validation loss is 2.2867" in text
     assert fig9_figure({**result, "experiment": "fig9", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
 
 
