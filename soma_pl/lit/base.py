@@ -32,7 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES, WINDOW_BYTES
-from soma_pl.contracts import HoldsEvalSets, UpdateRecord
+from soma_pl.contracts import HoldsEvalSets, RecordsData, UpdateRecord
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.eval.checks import check_finite, largest_weights
@@ -43,6 +43,7 @@ from soma_pl.lit.args import KEY, Group, ModelShape, arg_group, plain, require
 from soma_pl.lit.optim import LR_KEY, check_positive_lr, optimizer_factory, optimizer_spec
 from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig, scale_gradients, scale_updates, steps_with_gradient
 from soma_pl.lit.routing import Routing
+from soma_pl.lit.starts import HeadTraining, Init, head_mode, start_checkpoint, warm_start
 from soma_pl.models.checkpoints import first_nonfinite
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
@@ -63,7 +64,12 @@ class ByteLMModule(L.LightningModule):
     Args:
         num_experts: experts in the stacked model (1: monolithic).
         shape: the model's width, layers, head width and forward chunking.
-        head: per-expert or one shared head.
+        head_training: how the tied head learns (`soma_pl.lit.starts.HeadTraining`): a frozen head is
+            one head shared by the experts, any other each expert's own.
+        init: `seed` (every expert a copy of `seed_checkpoint`) or `random`; None: `seed` when
+            `seed_checkpoint` is given, else `random`.
+        seed_checkpoint: a monolithic checkpoint of the same width, copied at `setup` into a fresh
+            fit (and into `validate` or `test` without `--ckpt_path`); ignored when resuming.
         train_context: bytes of context per training window (the paper: 1,024); training uses the
             first `train_context + 1` bytes of each window, so CPU runs can train on less.
         score_from: first target position scored in evaluation (the paper: 256).
@@ -74,7 +80,8 @@ class ByteLMModule(L.LightningModule):
     """
 
     def __init__(self, num_experts: int = 1, shape: ModelShape = ModelShape(),
-                 head: HeadMode = HeadMode.per_expert, train_context: int = 1024, score_from: int = ROUTE_BYTES,
+                 head_training: HeadTraining = HeadTraining.trainable, init: Init | None = None,
+                 seed_checkpoint: str | None = None, train_context: int = 1024, score_from: int = ROUTE_BYTES,
                  optimizer: Callable | dict = torch.optim.SGD, plateau: PlateauConfig = PlateauConfig(),
                  router_path: str | None = None, top_k: int = 4):
         super().__init__()
@@ -91,8 +98,13 @@ class ByteLMModule(L.LightningModule):
         self.keep_optimizer(optimizer)
         self.shape = self.arg_group(ModelShape, shape, "shape")
         self.plateau_config = self.arg_group(PlateauConfig, plateau, "plateau")
+        self.head_training = HeadTraining(head_training)
         self.model = StackedExperts(num_experts, self.shape.width, self.shape.embed_dim, self.shape.num_layers,
-                                    HeadMode(head), self.shape.time_chunk)
+                                    head_mode(self.head_training), self.shape.time_chunk)
+        if head_mode(self.head_training) is HeadMode.shared:
+            self.model.head.requires_grad_(False)  # a frozen head, the seed's or a random one
+        self.seed_checkpoint = start_checkpoint(init, seed_checkpoint, "seed_checkpoint")
+        """The seed checkpoint a fresh fit starts from; None: random weights."""
         self.plateau = ExpertPlateau(num_experts, self.plateau_config)
         """Each expert's learning-rate multiplier, floored at `plateau.min_lr`."""
         self.routing = Routing(num_experts, top_k, router_path)
@@ -236,7 +248,13 @@ class ByteLMModule(L.LightningModule):
         return self.routing.ranking(windows)
 
     def setup(self, stage: str) -> None:
-        self.routing.setup(self.trainer.datamodule, resuming=self.trainer.ckpt_path is not None)
+        # Without a checkpoint the module is its seed (a fresh fit starts from it; validate and test
+        # score it); with one, the weights come from the checkpoint.
+        data = self.trainer.datamodule
+        if self.seed_checkpoint and self.trainer.ckpt_path is None:
+            warm_start(self.model, self.seed_checkpoint, self.head_training,
+                       data.data_in_use() if isinstance(data, RecordsData) else None)
+        self.routing.setup(data, resuming=self.trainer.ckpt_path is not None)
 
     def score(self, windows: Tensor) -> EnsembleScores:
         return score_windows(self.model, self.ranking(windows), windows, self.model.num_experts, self.score_from)

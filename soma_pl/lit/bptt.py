@@ -19,12 +19,11 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
-from soma_pl.contracts import RecordsData, UpdateClock
+from soma_pl.contracts import UpdateClock
 from soma_pl.lit.args import ModelShape
 from soma_pl.lit.base import ByteLMModule
 from soma_pl.lit.plateau import PlateauConfig
-from soma_pl.lit.starts import HeadTraining, Init, head_gradient, head_mode, start_checkpoint, warm_start
-from soma_pl.models.stacked import HeadMode
+from soma_pl.lit.starts import HeadTraining, Init, head_gradient
 
 
 class BPTTModule(ByteLMModule):
@@ -50,28 +49,13 @@ class BPTTModule(ByteLMModule):
                  seed_checkpoint: str | None = None, optimizer: OptimizerCallable = torch.optim.Adam,
                  plateau: PlateauConfig = PlateauConfig(), train_context: int = 1024,
                  score_from: int = ROUTE_BYTES, router_path: str | None = None, top_k: int = 4):
-        head_training = HeadTraining(head_training)
-        super().__init__(num_experts=num_experts, shape=shape, head=head_mode(head_training),
-                         train_context=train_context, score_from=score_from, optimizer=optimizer, plateau=plateau,
-                         router_path=router_path, top_k=top_k)
-        self.head_training = head_training
-        self.seed_checkpoint = start_checkpoint(init, seed_checkpoint, "seed_checkpoint")
-        """The seed checkpoint a fresh fit starts from; None: random weights."""
-        if head_mode(head_training) is HeadMode.shared:
-            self.model.head.requires_grad_(False)
+        super().__init__(num_experts=num_experts, shape=shape, head_training=head_training, init=init,
+                         seed_checkpoint=seed_checkpoint, train_context=train_context, score_from=score_from,
+                         optimizer=optimizer, plateau=plateau, router_path=router_path, top_k=top_k)
 
     @property
     def method(self) -> str:
         return "bptt"
-
-    def setup(self, stage: str) -> None:
-        # Without a checkpoint the module is its seed (a fresh fit starts from it; validate and test
-        # score it); with one, the weights come from the checkpoint.
-        if self.seed_checkpoint and self.trainer.ckpt_path is None:
-            data = self.trainer.datamodule
-            warm_start(self.model, self.seed_checkpoint, self.head_training,
-                       data.data_in_use() if isinstance(data, RecordsData) else None)
-        super().setup(stage)
 
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
         tokens = self.training_tokens(batch)

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from soma_pl import ROUTE_BYTES
-from soma_pl.contracts import BatchesWindows, RecordsData, UpdateClock, UpdateMemory
+from soma_pl.contracts import BatchesWindows, UpdateClock, UpdateMemory
 from soma_pl.distributed import RankSplit, rank_share
 from soma_pl.errors import ConfigError
 from soma_pl.lit.args import KEY, ModelShape
@@ -42,8 +42,8 @@ from soma_pl.lit.estimators import EGGROLLArgs, EpsSchedule, Estimator, SPSAArgs
 from soma_pl.lit.optim import ZOAdam
 from soma_pl.lit.parallel import ExpertParallel, keep_buffers_local
 from soma_pl.lit.plateau import PlateauConfig
-from soma_pl.lit.starts import HeadTraining, Init, head_gradient, head_mode, start_checkpoint, warm_start
-from soma_pl.models.stacked import HeadMode, StackedExperts
+from soma_pl.lit.starts import HeadTraining, Init, head_gradient
+from soma_pl.models.stacked import StackedExperts
 
 FULL_PRECISION = ("32-true", "64-true")
 """The precisions zero-order modules run in: a bf16 forward puts a 1.3% error into each δ."""
@@ -93,10 +93,9 @@ class ZOModule(ByteLMModule):
                  top_k: int = 4, optimizer: OptimizerCallable = ZOAdam,
                  plateau: PlateauConfig = PlateauConfig(), seed: int = 0, train_context: int = 1024,
                  score_from: int = ROUTE_BYTES):
-        head_training = HeadTraining(head_training)
-        super().__init__(num_experts=num_experts, shape=shape, head=head_mode(head_training),
-                         train_context=train_context, score_from=score_from, optimizer=optimizer, plateau=plateau,
-                         router_path=router_path, top_k=top_k)
+        super().__init__(num_experts=num_experts, shape=shape, head_training=head_training, init=init,
+                         seed_checkpoint=seed_checkpoint, train_context=train_context, score_from=score_from,
+                         optimizer=optimizer, plateau=plateau, router_path=router_path, top_k=top_k)
         self.estimator: Estimator = self.arg_group(SPSAArgs, spsa, "spsa")
         """The estimator's settings, which also compute its update (`soma_pl.lit.estimators.Estimator`)."""
         if eggroll is not None:
@@ -104,17 +103,12 @@ class ZOModule(ByteLMModule):
                 rank_zero_warn(f"{KEY}.spsa is not used: {KEY}.eggroll makes EGGROLL the estimator")
             self.estimator = self.arg_group(EGGROLLArgs, eggroll, "eggroll")
         self.estimator.check_module(self)
-        if head_training is HeadTraining.decoder_only and isinstance(self.estimator, EGGROLLArgs):
+        if self.head_training is HeadTraining.decoder_only and isinstance(self.estimator, EGGROLLArgs):
             # EGGROLL's `.grad` is σ₀/√N·Σ φ·ε (the reference's step), not a gradient's scale.
             raise ConfigError(f"{KEY}.head_training=decoder_only steps the head by its exact gradient with the "
                               f"estimate's learning rate, which {KEY}.eggroll's step convention does not share: "
                               f"use head_training: trainable (or frozen_*) with eggroll")
-        self.head_training = head_training
         self.seed = seed
-        self.seed_checkpoint = start_checkpoint(init, seed_checkpoint, "seed_checkpoint")
-        """The seed checkpoint a fresh fit starts from; None: random weights."""
-        if head_mode(head_training) is HeadMode.shared:
-            self.model.head.requires_grad_(False)
         self.parallel = ExpertParallel(self, enabled=num_experts > 1)
         """This rank's share of the experts when fitting N > 1 on several processes."""
         self.eps_warned = False
@@ -157,12 +151,7 @@ class ZOModule(ByteLMModule):
         data = self.trainer.datamodule
         if stage == "fit" and isinstance(data, BatchesWindows) and isinstance(data.batch_size, int):
             self.estimator.check_batch_size(data.batch_size)  # before the first step, not at it
-        # Without a checkpoint the module is its seed (a fresh fit starts from it; validate and test
-        # score it); with one, the weights come from the checkpoint.
-        if self.seed_checkpoint and self.trainer.ckpt_path is None:
-            warm_start(self.model, self.seed_checkpoint, self.head_training,
-                       data.data_in_use() if isinstance(data, RecordsData) else None)
-        super().setup(stage)
+        super().setup(stage)  # the warm start, then the router
         self.parallel.setup()
         if self.exchange is not None and self.trainer.world_size > 1:
             keep_buffers_local(self)

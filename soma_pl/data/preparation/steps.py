@@ -203,27 +203,25 @@ class ScreenOverlap(_Stage):
         with base_pages():
             windows = [w.tobytes() for w in EvalSet.load(self.stage / "candidates.npz").windows]
             index = OverlapIndex.load(self.stage, windows, self.config.shingle_bytes)
-        marks = {"training": np.zeros(len(windows), dtype=bool), "final_only": np.zeros(len(windows), dtype=bool)}
-        pending, waiting, size = {"training": [], "final_only": []}, [], 0
+        marks = {which: np.zeros(len(windows), dtype=bool) for which in ("training", "final_only")}
+        pending = {which: [] for which in marks}  # texts not screened yet: up to SCREEN_BATCH_BYTES each
+        size = dict.fromkeys(marks, 0)
 
         def screen(which: str) -> None:
             with base_pages():
                 marks[which][index.find(pending[which])] = True
-            pending[which].clear()
+            pending[which], size[which] = [], 0
 
-        for document in data:
+        for document in data:  # each passed on at once: the marks are read only when the task ends
             which = SCREENED_AS.get(document.metadata["split"])
             if which is not None:
                 pending[which].append(document.text)
-                size += len(document.text) if which == "training" else 0
-            waiting.append(document)
-            if size >= SCREEN_BATCH_BYTES:
-                screen("training")
-                yield from waiting
-                waiting, size = [], 0
+                size[which] += len(document.text)
+                if size[which] >= SCREEN_BATCH_BYTES:
+                    screen(which)
+            yield document
         screen("training")
         screen("final_only")
-        yield from waiting
         write_json_atomic(self.stage / "screen" / f"{rank:05d}.json", {
             "contaminated": np.flatnonzero(marks["training"]).tolist(),
             "contaminated_by_final_only": np.flatnonzero(marks["final_only"]).tolist()})
