@@ -103,7 +103,7 @@ class ByteLMModule(L.LightningModule):
                                     head_mode(self.head_training), self.shape.time_chunk)
         if head_mode(self.head_training) is HeadMode.shared:
             self.model.head.requires_grad_(False)  # a frozen head, the seed's or a random one
-        self.seed_checkpoint = start_checkpoint(init, seed_checkpoint, "seed_checkpoint")
+        self.seed_checkpoint = start_checkpoint(init, seed_checkpoint)
         """The seed checkpoint a fresh fit starts from; None: random weights."""
         self.plateau = ExpertPlateau(num_experts, self.plateau_config)
         """Each expert's learning-rate multiplier, floored at `plateau.min_lr`."""

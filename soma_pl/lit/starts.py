@@ -27,20 +27,21 @@ class Init(str, Enum):
     """From the module's random initialisation (`seed_everything`)."""
 
 
-def start_checkpoint(init: Init | str | None, checkpoint: str | None, key: str) -> str | None:
+def start_checkpoint(init: Init | str | None, checkpoint: str | None) -> str | None:
     """The checkpoint a fresh fit starts from: `checkpoint` under `init: seed`, None under `random`.
 
     `init` None (unset) is `seed` when a checkpoint is given, else `random`.
 
     Raises:
-        ConfigError: `init: seed` without a checkpoint (`key` names its setting).
+        ConfigError: `init: seed` without a checkpoint, naming `seed_checkpoint`.
     """
     init = (Init.seed if checkpoint else Init.random) if init is None else Init(init)
     if init is Init.seed and checkpoint is None:
-        raise ConfigError(f"init: seed needs {KEY}.{key} (or set init: random)")
+        raise ConfigError(f"init: seed needs {KEY}.seed_checkpoint (or set init: random)")
     if init is Init.random and checkpoint is not None:
         # A config's seed checkpoint overridden by `--model.init_args.init=random` (Fig. 9's ablation).
-        rank_zero_warn(f"init: random: {KEY}.{key}={checkpoint} is not used; the fit starts from random weights")
+        rank_zero_warn(f"init: random: {KEY}.seed_checkpoint={checkpoint} is not used; the fit starts from "
+                       "random weights")
     return checkpoint if init is Init.seed else None
 
 

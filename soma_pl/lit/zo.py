@@ -230,12 +230,8 @@ class ZOModule(ByteLMModule):
         if self.head_training is not HeadTraining.decoder_only:
             return update
         count, windows, length = tokens.shape
-        return replace(update, gradient={**update.gradient, "head": self.head_gradient(tokens)},
+        return replace(update, gradient={**update.gradient, "head": head_gradient(self.trained_model, tokens)},
                        forwards=update.forwards + count * windows * (length - 1))
-
-    def head_gradient(self, tokens: Tensor) -> Tensor:
-        """Eq. 7's decoder-path gradient of every trained expert's head (`head_gradient`)."""
-        return head_gradient(self.trained_model, tokens)
 
     @torch.no_grad()
     def warm_up(self, tokens: Tensor) -> None:
@@ -250,7 +246,7 @@ class ZOModule(ByteLMModule):
         params = {name: param.detach().repeat_interleave(2, 0) for name, param in self.perturbed_parameters().items()}
         self.loss_fn(params, tokens[:, :1].repeat_interleave(2, 0))
         if self.head_training is HeadTraining.decoder_only:
-            self.head_gradient(tokens[:, :1])  # the delta rule's forward runs one weight set per expert
+            head_gradient(self.trained_model, tokens[:, :1])  # the delta rule's forward runs one weight set per expert
 
     def current_scale(self) -> float | Tensor:
         """The perturbation scale now: ε₀ (σ₀) times each expert's learning-rate multiplier under a
