@@ -134,6 +134,26 @@ def test_screen_is_exact_against_independent_shingles(size, mode, monkeypatch):
             assert index.impure.size
 
 
+@pytest.mark.parametrize("width", [1, 50, 51])
+def test_shingle_hashes_are_the_polynomial_hash_across_chunk_boundaries(width):
+    """Every position, in every chunk, gets sum_j data[i + j] * q**j mod 2**64 (q the base's inverse),
+    then MurmurHash3's finisher: computed here with Python's integers."""
+    mask = (1 << 64) - 1
+
+    def reference(string: bytes) -> int:
+        value = sum(byte * pow(int(overlap._INVERSE), j, 1 << 64) for j, byte in enumerate(string)) & mask
+        for factor in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, None):
+            value ^= value >> 33
+            value = value * factor & mask if factor else value
+        return value
+
+    data = np.random.default_rng(width).integers(0, 256, 3 * overlap.HASH_CHUNK + 77, dtype=np.uint8)
+    hashes = overlap.shingle_hashes(data, width)
+    assert hashes.size == data.size - width + 1
+    for i in [0, 1, overlap.HASH_CHUNK - 1, overlap.HASH_CHUNK, 2 * overlap.HASH_CHUNK + 5, hashes.size - 1]:
+        assert int(hashes[i]) == reference(data[i : i + width].tobytes()), i
+
+
 def test_a_saved_index_loads_mapped_and_finds_what_the_built_one_finds(tmp_path):
     rng = np.random.default_rng(0)
     windows = [rng.integers(128, 256, 1025, dtype=np.uint8).tobytes() for _ in range(3)]

@@ -16,7 +16,9 @@ import numpy as np
 
 from soma_pl.data.runner.task_files import save_npy
 
-_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_BASE = np.uint64(0x9E3779B97F4A7C15)
+_INVERSE = np.uint64(pow(0x9E3779B97F4A7C15, -1, 1 << 64))
+_FINISH = (np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53), None)
 
 
 def word_view(data: np.ndarray) -> np.ndarray:
@@ -31,39 +33,41 @@ HASH_CHUNK = 1 << 15
 made hashing every position of real text 2.5x faster than whole-array passes."""
 
 
+def _powers(base: np.uint64, count: int) -> np.ndarray:
+    """`[count] uint64`: base**0, base**1, ... modulo 2**64."""
+    powers = np.full(count, base, dtype=np.uint64)
+    powers[0] = 1
+    return np.cumprod(powers, out=powers)
+
+
 def shingle_hashes(data: np.ndarray, width: int) -> np.ndarray:
     """64-bit hashes of every `width`-byte string of `data` (uint8, 1-D): `[len(data) - width + 1]`,
     equal for equal strings wherever they lie.
 
-    Each string is read 8 bytes at a time (the last word masked to its bytes) as unaligned little-endian
-    words: for all positions of a chunk at once, word j of every string is one contiguous view of the data
-    shifted by 8·j bytes, folded in place with a xor-multiply-xorshift step, then mixed so that the top bits
-    the screen's filter reads depend on every byte. Equal strings always hash equal, which is all the
-    screen needs: a collision only costs a byte comparison.
+    A rolling polynomial hash modulo 2**64, sum_j data[i + j] * q**j with q the inverse of an odd base p,
+    for all positions of a chunk at once: one running sum G of data[k] * q**k gives each string's sum
+    as G[i + width] - G[i] = q**i * hash(i), and multiplying by p**i leaves hash(i), whatever i is.
+    MurmurHash3's finisher then mixes every bit into the top ones the screen's filter reads. Equal
+    strings always hash equal, which is all the screen needs: a collision only costs a byte comparison.
     """
     count = data.size - width + 1
     if count <= 0:
         return np.empty(0, dtype=np.uint64)
-    words = word_view(data)
-    lanes = -(-width // 8)
-    tail = np.uint64((1 << (8 * (width - 8 * (lanes - 1)))) - 1)
+    chunk = min(count, HASH_CHUNK)
+    inverse, base = _powers(_INVERSE, chunk + width - 1), _powers(_BASE, chunk)
     hashes = np.empty(count, dtype=np.uint64)
-    scratch = np.empty(min(count, HASH_CHUNK), dtype=np.uint64)
+    running = np.zeros(chunk + width, dtype=np.uint64)
+    spare = np.empty(chunk, dtype=np.uint64)
     for first in range(0, count, HASH_CHUNK):
-        end = min(count, first + HASH_CHUNK)
-        out, spare = hashes[first:end], scratch[: end - first]
-        out.fill(_MIX[0])
-        for lane in range(lanes):
-            word = words[first + 8 * lane : end + 8 * lane]
-            if lane == lanes - 1 and width % 8:
-                word = np.bitwise_and(word, tail, out=spare)
-            np.bitwise_xor(out, word, out=out)
-            np.multiply(out, _MIX[1], out=out)
-            np.right_shift(out, np.uint64(29), out=spare)  # a product carries differences only upward:
-            np.bitwise_xor(out, spare, out=out)  # fold the high bits back down before the next word
-        for shift, factor in ((31, _MIX[2]), (29, _MIX[1]), (32, None)):
-            np.right_shift(out, np.uint64(shift), out=spare)
-            np.bitwise_xor(out, spare, out=out)
+        size = min(count, first + HASH_CHUNK) - first
+        out, scratch, sums = hashes[first : first + size], spare[:size], running[1 : size + width]
+        np.multiply(data[first : first + size + width - 1], inverse[: size + width - 1], out=sums)
+        np.cumsum(sums, out=sums)
+        np.subtract(running[width : width + size], running[:size], out=out)
+        np.multiply(out, base[:size], out=out)
+        for factor in _FINISH:
+            np.right_shift(out, np.uint64(33), out=scratch)
+            np.bitwise_xor(out, scratch, out=out)
             if factor is not None:
                 np.multiply(out, factor, out=out)
     return hashes
@@ -107,10 +111,10 @@ def passes(filter_bits: np.ndarray, hashes: np.ndarray, bits: int) -> np.ndarray
     """`[n] bool`: whether each hash's top `bits` bits are set in `key_filter`'s packed bits
     (`HASH_CHUNK` hashes at a time)."""
     passed = np.empty(hashes.size, dtype=bool)
-    for first in range(0, hashes.size, HASH_CHUNK):
-        slot = hashes[first : first + HASH_CHUNK] >> np.uint64(64 - bits)
-        byte = filter_bits[slot >> np.uint64(3)]
-        np.greater_equal(byte << (slot & np.uint64(7)).astype(np.uint8), 128, out=passed[first : first + HASH_CHUNK])
+    for first in range(0, hashes.size, HASH_CHUNK):  # as int64: `np.take` gathers them fastest
+        slot = (hashes[first : first + HASH_CHUNK] >> np.uint64(64 - bits)).view(np.int64)
+        byte = np.take(filter_bits, slot >> 3)
+        np.greater_equal(byte << (slot & 7).astype(np.uint8), 128, out=passed[first : first + HASH_CHUNK])
     return passed
 
 
@@ -263,7 +267,10 @@ class OverlapIndex:
         matched[back[rest[self._same(positions[rest], (keys[at[back[rest]]] & low).astype(np.int64), words)]]] = True
         groups = at[matched]  # sorted and distinct: the first keys of distinct sorted hashes
         if groups.size:  # every window holding a found shingle
-            spans = np.searchsorted(keys, keys[groups] | low, side="right") - groups
+            spans = np.ones(groups.size, dtype=np.int64)  # most shingles lie in one window: searched no further
+            more = np.flatnonzero((keys[np.minimum(groups + 1, keys.size - 1)] ^ keys[groups]) <= low)
+            more = more[groups[more] + 1 < keys.size]
+            spans[more] = np.searchsorted(keys, keys[groups[more]] | low, side="right") - groups[more]
             entries = np.repeat(groups - (np.cumsum(spans) - spans), spans) + np.arange(spans.sum())
             held.append((keys[entries] & low).astype(np.int64))
         return np.concatenate(held)
