@@ -5,10 +5,12 @@ synchronised before the clock is read) and reports, as `compute/...` metrics and
 the run directory:
 
 - `aggregate_device_hours = U · Σₑ t̄ₑ / 3600`: U updates (per expert: every expert is updated once
-  per step) and t̄ₑ expert e's mean update time. A batched module updating E experts in t seconds on
-  one device gives each expert t/E, so Σₑ t̄ₑ is the mean update time of the whole device; under
-  expert parallelism each rank times its own slice and the per-expert means are gathered at the end.
-  This is the paper's "recorded expert mean times" row, the one its budgets and endpoints use.
+  per step) and t̄ₑ expert e's mean update time. This is the paper's "recorded expert mean times"
+  row, the one its budgets and endpoints use. What t̄ₑ is depends on where the experts ran, and
+  `accounting` (`Accounting`) says which of three it was: each expert on a device of its own, as the
+  paper charges SOMA (H.1); experts batched on one device, each charged t/E (the CPU-scale mode);
+  or one model on several devices, each device charged the whole step with its communication and
+  waiting (DDPP, data-parallel BPTT: App. I.1, K).
 - `physical_device_hours = ranks × elapsed training wall time / 3600` (validation, data loading and
   waiting included): the paper's "physical total".
 - fixed-rate conventions `E · U · r / 3600` for each configured seconds-per-expert-update r (the
@@ -37,6 +39,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from soma_pl.analysis.time_basis import Accounting
 from soma_pl.contracts import ReportsUpdates, UpdateRecord
 from soma_pl.errors import ConfigError
 from soma_pl.io import write_json_atomic
@@ -111,6 +114,13 @@ class NewRecord:
         return record
 
 
+def accounting_of(tallies: list[Tally], model_experts: int) -> Accounting:
+    """Which `Accounting` every rank's tally (`tallies`) of a model of `model_experts` experts makes."""
+    if sum(t.experts for t in tallies) > model_experts:
+        return Accounting.every_device
+    return Accounting.device_per_expert if all(t.experts <= 1 for t in tallies) else Accounting.batched
+
+
 @dataclass(frozen=True)
 class FixedRate:
     """A fixed-rate convention: every expert update costs `seconds_per_expert_update`."""
@@ -141,6 +151,8 @@ class ComputeReport:
     """Forward multiply-adds: token forwards × parameters per expert."""
     fixed_rate: list[FixedRate] = field(default_factory=list)
     device: str = "cpu"
+    accounting: Accounting = Accounting.device_per_expert
+    """Where the experts were updated, which decides what t̄ₑ is."""
 
     def metrics(self) -> dict[str, float]:
         """`compute/...` figures and `expert/<e>/mean_update_seconds` for the loggers."""
@@ -157,8 +169,8 @@ class ComputeReport:
 
 
 def compute_report(tallies: list[Tally], elapsed_seconds: float, reference_seconds: list[float],
-                   device: str = "cpu", parameters_per_expert: int = 0) -> ComputeReport:
-    """Table 3's figures from every rank's tally (`tallies`, rank order)."""
+                   device: str = "cpu", parameters_per_expert: int = 0, model_experts: int = 1) -> ComputeReport:
+    """Table 3's figures from every rank's tally (`tallies`, rank order) of a model of `model_experts`."""
     updates = max((t.updates for t in tallies), default=0)
     per_expert = [t.seconds / (t.updates * t.experts) for t in tallies if t.updates and t.experts
                   for _ in range(t.experts)]
@@ -170,7 +182,7 @@ def compute_report(tallies: list[Tally], elapsed_seconds: float, reference_secon
         elapsed_training_seconds=elapsed_seconds, token_forwards=sum(t.token_forwards for t in tallies),
         multiply_adds=sum(t.token_forwards for t in tallies) * parameters_per_expert,
         fixed_rate=[FixedRate(r, experts * updates * r / SECONDS_PER_HOUR) for r in reference_seconds],
-        device=device)
+        device=device, accounting=accounting_of(tallies, model_experts))
 
 
 def _log(trainer: L.Trainer, metrics: dict[str, float], join_wandb_row: bool = False) -> None:
@@ -237,9 +249,10 @@ class ComputeAccounting(L.Callback):
         device = trainer.strategy.root_device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
         module = trainer.lightning_module
-        per_expert = sum(p.numel() for p in module.parameters()) // module.model.num_experts
+        experts = module.model.num_experts
+        per_expert = sum(p.numel() for p in module.parameters()) // experts
         return compute_report(gather_tallies(trainer, self.tally), self.elapsed_seconds(), self.reference_seconds,
-                              name, per_expert)
+                              name, per_expert, experts)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         record = self._new_record(pl_module)
@@ -304,6 +317,9 @@ class BudgetKind(str, Enum):
 
     device_hours = "device_hours"
     """Aggregate device-hours (summed measured update wall time): a wall-clock budget."""
+    elapsed_hours = "elapsed_hours"
+    """Estimated elapsed hours: the slowest expert's summed update time (U · maxₑ t̄ₑ with each expert
+    on a device of its own; Fig. 7's common cutoff), each expert's time as `Accounting` charges it."""
     token_forwards = "token_forwards"
     """Token forward passes: exact, so the stopping update is deterministic."""
 
@@ -315,22 +331,28 @@ class ComputeBudget(L.Callback):
     Token forwards per update are fixed by the batch shape, so a `token_forwards` budget stops
     at update ⌈budget / forwards per update⌉ every time. A `device_hours` budget sums measured update
     times (the aggregate device-hours of `ComputeAccounting`), so where it stops varies with the
-    machine's speed. Totals are summed over ranks each update (one small all-reduce) so that all
-    ranks stop together, and are kept in the checkpoint: a resumed run stops where an uninterrupted
-    one would. Without a limit nothing is counted, so a budget first given when resuming counts
-    from the resume.
+    machine's speed; an `elapsed_hours` budget takes the slowest expert's summed update time, so an
+    ensemble of N experts may spend up to N times it in device-hours. Totals are gathered from every
+    rank each update (one small all-gather) so that all ranks stop together, and are kept in the
+    checkpoint: a resumed run stops where an uninterrupted one would. Without a limit nothing is
+    counted, so a budget first given when resuming counts from the resume.
 
     Args:
         device_hours: budget of aggregate device-hours.
+        elapsed_hours: budget of estimated elapsed hours (the slowest expert's update time).
         token_forwards: budget of token forward passes (all ranks together).
     """
 
-    def __init__(self, device_hours: float | None = None, token_forwards: float | None = None):
-        for kind, limit in ((BudgetKind.device_hours, device_hours), (BudgetKind.token_forwards, token_forwards)):
+    def __init__(self, device_hours: float | None = None, elapsed_hours: float | None = None,
+                 token_forwards: float | None = None):
+        self.limits = {BudgetKind.device_hours: device_hours, BudgetKind.elapsed_hours: elapsed_hours,
+                       BudgetKind.token_forwards: token_forwards}
+        for kind, limit in self.limits.items():
             if limit is not None and limit <= 0:
                 raise ConfigError(f"budget.{kind.value}={limit}: a budget must be positive (or null for none)")
-        self.limits = {BudgetKind.device_hours: device_hours, BudgetKind.token_forwards: token_forwards}
         self.seconds = 0.0
+        self.expert_seconds: list[float] = []
+        """Each rank's summed update time per expert of its own (rank order): its experts' elapsed time."""
         self.token_forwards = 0
         self.updates = 0
         self.reached: BudgetKind | None = None
@@ -339,6 +361,7 @@ class ComputeBudget(L.Callback):
 
     def spent(self) -> dict[BudgetKind, float]:
         return {BudgetKind.device_hours: self.seconds / SECONDS_PER_HOUR,
+                BudgetKind.elapsed_hours: max(self.expert_seconds, default=0.0) / SECONDS_PER_HOUR,
                 BudgetKind.token_forwards: float(self.token_forwards)}
 
     def _exhausted(self) -> BudgetKind | None:
@@ -363,11 +386,14 @@ class ComputeBudget(L.Callback):
         record = self._new_record(pl_module)
         if record is None:
             return
-        spent = torch.tensor([record.seconds, record.token_forwards], dtype=torch.float64,
-                             device=trainer.strategy.root_device)
-        seconds, forwards = trainer.strategy.reduce(spent, reduce_op="sum").cpu().tolist()
-        self.seconds += seconds
-        self.token_forwards += int(forwards)
+        spent = torch.tensor([record.seconds, record.token_forwards, record.seconds / max(record.experts, 1)],
+                             dtype=torch.float64, device=trainer.strategy.root_device)
+        ranks = trainer.strategy.all_gather(spent).reshape(-1, 3).cpu().tolist()  # one collective
+        self.seconds += sum(seconds for seconds, _, _ in ranks)
+        self.token_forwards += int(sum(forwards for _, forwards, _ in ranks))
+        if len(self.expert_seconds) != len(ranks):  # the first update, or resumed on other ranks
+            self.expert_seconds = [max(self.expert_seconds, default=0.0)] * len(ranks)
+        self.expert_seconds = [total + each for total, (_, _, each) in zip(self.expert_seconds, ranks, strict=True)]
         self.updates += 1
         reached = self._exhausted()
         if reached is not None and self.reached is None:
@@ -383,11 +409,13 @@ class ComputeBudget(L.Callback):
                 "reached": self.reached.value if self.reached else None, "stopped_at_step": self.stopped_at_step}
 
     def state_dict(self) -> dict:
-        return {"seconds": self.seconds, "token_forwards": self.token_forwards, "updates": self.updates,
+        return {"seconds": self.seconds, "expert_seconds": self.expert_seconds, "token_forwards": self.token_forwards,
+                "updates": self.updates,
                 "reached": self.reached.value if self.reached else None, "stopped_at_step": self.stopped_at_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.seconds = float(state_dict["seconds"])
+        self.expert_seconds = [float(seconds) for seconds in state_dict["expert_seconds"]]
         self.token_forwards = int(state_dict["token_forwards"])
         self.updates = int(state_dict["updates"])
         self.reached = BudgetKind(state_dict["reached"]) if state_dict.get("reached") else None

@@ -26,12 +26,13 @@ from typing import Literal
 import optuna
 from optuna.trial import TrialState
 
+from soma_pl.analysis.time_basis import accountings
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.experiments import EXPERIMENTS, Experiment
 from soma_pl.sweeps.report import build_report, run_folders
 from soma_pl.sweeps.runner import SweepProgress
-from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, point_key
+from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, point_experts, point_key
 from soma_pl.sweeps.study import default_storage, open_storage, open_study
 
 POLL_SECONDS = 5.0
@@ -112,11 +113,18 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
     for point in points:
         shown = ", ".join(f"{k}={v}" for k, v in point.items() if k != SEED)
         print(f"  {shown}, seed {point[SEED]}: {states.get(point_key(point), 'to run').lower()}")
-    budget = spec.budget.get("device_hours")
-    remaining = len(points) - done
-    cost = f"{remaining} trials of {budget:g} aggregate device-hours: {remaining * budget:,.4g} device-hours" \
-        if budget else f"{remaining} of {len(points)} trials; all of them: {experiment.cost[scale]}"
-    measured = _measured_minutes(study) if remaining and not budget else None
+    budget, elapsed = spec.budget.get("device_hours"), spec.budget.get("elapsed_hours")
+    left = [p for p in points if states.get(point_key(p)) not in ("COMPLETE", "PRUNED")]
+    remaining = len(left)
+    if budget:
+        cost = f"{remaining} trials of {budget:g} aggregate device-hours: {remaining * budget:,.4g} device-hours"
+    elif elapsed:  # N experts on N devices spend up to N times the slowest one's time
+        most = sum(point_experts(spec, p) for p in left) * elapsed
+        cost = (f"{remaining} trials to {elapsed:g} estimated elapsed hours each (the slowest expert's update "
+                f"time): at most {most:,.1f} aggregate device-hours, every expert as slow as the slowest")
+    else:
+        cost = f"{remaining} of {len(points)} trials; all of them: {experiment.cost[scale]}"
+    measured = _measured_minutes(study) if remaining and not (budget or elapsed) else None
     if measured:
         cost += f"; the study's finished trials took {measured:.1f} min each: about {remaining * measured:.0f} " \
                 "core-minutes to go"
@@ -216,7 +224,7 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
               "sweep": str(spec.path), "study": spec.name, "unit": "nats/byte", "workers": workers,
               "wall_seconds": round(time.time() - started, 1), "load_average": [load_before, os.getloadavg()[0]],
               "sweep_wall_seconds": round(busy_seconds(study.get_trials(deepcopy=False)), 1),
-              "trial_minutes": round(trial_minutes, 1),
+              "trial_minutes": round(trial_minutes, 1), "accounting": accountings(run_folders(study)),
               **measured}
     text = experiment.table(result)
     folder.mkdir(parents=True, exist_ok=True)

@@ -233,12 +233,13 @@ EXPERIMENTS: dict[str, Experiment] = {
         name="table5",
         title="Table 5: SOMA against BPTT at N = 1, 2 and 4 experts, ensemble validation at three budgets of "
               "measured update time",
-        sweeps={"cpu": "sweeps/demo/table5.yaml"},
-        basis="equal measured update time (Table 3's U·Σₑ t̄ₑ, one thread per run): 120, 180 and 240 s, the "
-              "paper's 50, 75 and 100 GPU-hours in proportion, interpolated on each run's validation curve",
+        sweeps={"cpu": "sweeps/demo/table5.yaml", "paper": "sweeps/table5.yaml"},
+        basis="equal measured update time (Table 3's U·Σₑ t̄ₑ), at half, three quarters and all of the runs' budget, "
+              "interpolated on each run's validation curve: cpu: 120, 180 and 240 s of one thread, the paper's "
+              "50, 75 and 100 GPU-hours in proportion; paper: 50, 75 and 100 GPU-hours, BPTT on 4, 2 and 1 GPUs per "
+              "expert (N = 1, 2, 8) and every SOMA expert on a GPU of its own",
         cost={"cpu": "12 fits stopped at 240 s of update time: 53 core-minutes, 27 minutes on 2 cores (measured)",
-              "paper": "none here: the paper's BPTT recipe (and its hardware) differ from SOMA's; run it with "
-                       "configs/bptt.yaml and configs/soma_n2.yaml under a device_hours budget"},
+              "paper": "6 runs of 100 aggregate GPU-hours: 600 GPU-hours"},
         result=table5_result,
         table=table5_markdown,
         figure=table5_figure,
@@ -272,11 +273,11 @@ EXPERIMENTS: dict[str, Experiment] = {
         basis="cpu: equal updates of experts of one width (200 each), so equal elapsed update time per expert "
               "(Fig. 7: U·t̄ₑ, one device per expert) while the aggregate (Fig. 8: U·Σₑ t̄ₑ) grows with N; both read "
               "from measured update time, multiply-adds per update recorded beside them; paper: "
-              "sweeps/fig7_experts.yaml stops every N at one budget of 183.6 aggregate GPU-hours (the figure's "
-              "common cutoff is elapsed)",
+              "sweeps/fig7_experts.yaml stops every N at the figure's common cutoff, 183.6 estimated elapsed hours (the "
+              "slowest expert's update time, one GPU per expert)",
         cost={"cpu": "8 fits of 200 updates (N = 1, 2, 4, 8 experts of width 32; two seeds), then two analyses of each "
                      "N = 8 checkpoint: 51 core-minutes, 26 minutes on 2 cores (measured)",
-              "paper": "5 runs (N = 1, 2, 8, 32, 256) to the paper's common cutoff of 183.6 estimated GPU-hours; "
+              "paper": "5 runs (N = 1, 2, 8, 32, 256) to the paper's common cutoff of 183.6 estimated elapsed hours; "
                        "their shards and width-32 seed model by hand first (sweeps/fig7_experts.yaml's header)"},
         result=fig7_result,
         table=fig7_markdown,
@@ -326,8 +327,8 @@ EXPERIMENTS: dict[str, Experiment] = {
               "further updates of n_pert × B = 65,536",
         cost={"cpu": "a 100-update start fit (4 minutes), then 6 continuations of 40 updates (two paired seeds; 15 "
                      "core-minutes): 13 minutes on 2 cores (measured)",
-              "paper": "6 continuations of 512 updates of an N = 8, 0.272M checkpoint (two paired seeds); give the "
-                       "sweep its `ckpt_path` first (sweeps/table11_alloc.yaml's header)"},
+              "paper": "6 continuations of 512 updates of an N = 8, 0.272M checkpoint at 2,000 updates (two paired "
+                       "seeds, lr = eps = 1e-3 held); its start fit by hand first (sweeps/table11_alloc.yaml's header)"},
         result=table11_result,
         table=table11_markdown,
         figure=table11_figure,

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from soma_pl.analysis.time_basis import Accounting
 from soma_pl.errors import ConfigError
 from soma_pl.io import check_apart
 
@@ -106,6 +107,9 @@ def run_footer(result: dict, reused: str = "finished trials reused") -> str:
         line += f", {result['sweep_wall_seconds']:.0f} s of wall time while any ran (the sweep's own, kept on a rerun)"
     if "trials" in result:
         line += ". Trials: " + ", ".join(f"{k} {v}" for k, v in sorted(result["trials"].items()))
+    if result.get("accounting"):
+        line += ". Compute accounting of the runs: " + "; ".join(
+            f"{count} with {Accounting(kind).meaning}" for kind, count in result["accounting"].items())
     return line + "."
 
 

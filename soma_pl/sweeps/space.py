@@ -34,7 +34,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from soma_pl.config_files import flatten, read_yaml
+from soma_pl.config_files import config_args, flatten, read_layers, read_yaml
 from soma_pl.errors import ConfigError
 
 Label = int | float | str | bool
@@ -44,6 +44,7 @@ SEED = "seed"
 CONFIG = "config"
 """An override that picks the base fit config instead of setting a key."""
 SEED_KEYS = ("seed_everything", "model.init_args.seed")
+EXPERTS = "model.init_args.num_experts"
 """The config keys the runner sets to each of the sweep's `seeds`."""
 
 
@@ -146,6 +147,15 @@ class SweepSpec:
                 "seeds": list(self.seeds), "columns": self.report.columns, "baseline": self.report.baseline,
                 "labels": {f.name: list(f.choices) for f in self.factors}, "sweep_file": str(self.path),
                 "overrides": json.loads(json.dumps(self.overrides))}
+
+
+def point_experts(spec: SweepSpec, point: dict[str, Label]) -> int:
+    """How many experts a grid point's fit trains (its overrides, else its config's layers, else 1)."""
+    config, overrides = trial_overrides(spec, point)
+    experts = overrides.get(EXPERTS)
+    for _, settings in read_layers(config_args(config)) if experts is None else ():
+        experts = flatten(settings).get(EXPERTS, experts)
+    return int(experts or 1)
 
 
 def point_key(point: dict[str, Label]) -> str:

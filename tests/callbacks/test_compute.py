@@ -7,7 +7,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from soma_pl.analysis.time_basis import Accounting
 from soma_pl.callbacks.compute import ComputeAccounting, ComputeBudget, NewRecord, Tally, compute_report
 from soma_pl.contracts import UpdateClock, UpdateRecord
 from soma_pl.errors import ConfigError
@@ -44,6 +46,23 @@ def test_report_matches_table3_formulas_for_two_ranks_of_expert_slices():
     assert [round(r.device_hours / 1000, 1) for r in paper.fixed_rate] == [49.7, 41.4]
 
 
+@pytest.mark.parametrize(("ranks", "experts_per_rank", "model_experts", "accounting", "step_seconds"), [
+    (1, 1, 1, Accounting.device_per_expert, 1.0),  # monolithic SPSA on one device
+    (2, 1, 2, Accounting.device_per_expert, 2.0),  # SOMA N = 2, one device per expert (H.1)
+    (1, 4, 4, Accounting.batched, 1.0),  # SOMA N = 4 batched on one device: each expert t/4
+    (2, 2, 4, Accounting.batched, 2.0),  # two devices of two batched experts each
+    (4, 1, 1, Accounting.every_device, 4.0),  # DDPP: one model on 4 devices, each charged the step
+    (4, 2, 2, Accounting.every_device, 4.0),  # BPTT N = 2 data-parallel on 4 devices (2 per expert, Table 5)
+])
+def test_accounting_names_where_the_experts_ran(ranks, experts_per_rank, model_experts, accounting, step_seconds):
+    """Every rank steps in 1 s per update for 10 updates: Σₑ t̄ₑ is the devices' summed step time."""
+    tallies = [Tally(updates=10, seconds=10.0, token_forwards=0, experts=experts_per_rank) for _ in range(ranks)]
+    report = compute_report(tallies, 10.0, [], model_experts=model_experts)
+    assert report.accounting is accounting
+    assert sum(report.expert_mean_update_seconds) == pytest.approx(step_seconds)
+    assert report.aggregate_device_hours == pytest.approx(10 * step_seconds / 3600)
+
+
 def test_a_step_without_a_new_record_counts_nothing():
     module = SimpleNamespace(last_update=UpdateRecord(0.5, 10, 2))
     fresh = NewRecord()
@@ -74,6 +93,7 @@ def test_fit_writes_compute_json_and_summary(corpus_dir, tmp_path, fixed_clock):
                      "--compute.reference_seconds=[0.168]"))
     compute = _compute(run)
     assert compute["updates"] == 6 and compute["experts"] == 1 and compute["ranks"] == 1
+    assert compute["accounting"] == "device_per_expert"
     assert compute["expert_mean_update_seconds"] == pytest.approx([SECONDS])
     assert compute["aggregate_device_hours"] == pytest.approx(6 * SECONDS / 3600)
     assert compute["token_forwards"] == 6 * FORWARDS_PER_UPDATE
@@ -84,12 +104,13 @@ def test_fit_writes_compute_json_and_summary(corpus_dir, tmp_path, fixed_clock):
     assert summary["compute"] == {k: v for k, v in compute.items() if k != "budget"}
 
 
-def test_device_hour_budget_stops_at_the_update_that_reaches_it(corpus_dir, tmp_path, fixed_clock):
+@pytest.mark.parametrize("kind", ["device_hours", "elapsed_hours"])  # one expert: its time is the device's
+def test_a_time_budget_stops_at_the_update_that_reaches_it(kind, corpus_dir, tmp_path, fixed_clock):
     run = tmp_path / "run"
-    run_cli(fit_args(corpus_dir, tmp_path / "data", run, f"--budget.device_hours={4.5 * SECONDS / 3600}"))
+    run_cli(fit_args(corpus_dir, tmp_path / "data", run, f"--budget.{kind}={4.5 * SECONDS / 3600}"))
     compute = _compute(run)
     assert compute["updates"] == 5 and compute["budget"]["stopped_at_step"] == 5
-    assert compute["budget"]["reached"] == "device_hours"
+    assert compute["budget"]["reached"] == kind
 
 
 def test_token_budget_stops_a_resumed_run_at_the_same_update(corpus_dir, tmp_path, fixed_clock):
@@ -106,3 +127,27 @@ def test_token_budget_stops_a_resumed_run_at_the_same_update(corpus_dir, tmp_pat
         assert compute["token_forwards"] == 11 * FORWARDS_PER_UPDATE
         assert compute["aggregate_device_hours"] == pytest.approx(11 * SECONDS / 3600)
     assert resumed["elapsed_training_seconds"] > 0
+
+
+class TwoRanks:
+    """A strategy whose all-gather adds a second rank that updates 2 experts in 3 s per update."""
+
+    root_device = torch.device("cpu")
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack([tensor, torch.tensor([3.0, 10.0, 1.5], dtype=tensor.dtype)])
+
+
+def test_elapsed_budget_stops_at_the_slowest_experts_time():
+    """Rank 0 updates 1 expert in 1 s, rank 1 two in 3 s (1.5 s each): the slowest expert's time is
+    1.5 s per update, so an elapsed budget of 4.5 s stops at update 3, having spent 12 device-seconds."""
+    budget = ComputeBudget(elapsed_hours=4.5 / 3600)
+    trainer = SimpleNamespace(strategy=TwoRanks(), global_step=0, should_stop=False)
+    module = SimpleNamespace()
+    for step in range(1, 5):
+        module.last_update, trainer.global_step = UpdateRecord(1.0, 10, 1), step
+        budget.on_train_batch_end(trainer, module, None, None, step)
+        if trainer.should_stop:
+            break
+    assert budget.stopped_at_step == 3 and budget.reached.value == "elapsed_hours"
+    assert budget.expert_seconds == [3.0, 4.5] and budget.seconds == 12.0 and budget.token_forwards == 60

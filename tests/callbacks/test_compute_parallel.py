@@ -33,9 +33,11 @@ def test_two_processes_count_and_stop_as_one(sharded, corpus_dir, tmp_path):  # 
                      tmp_path / "b")
     one = _compute(root, "budget_one")
     assert (one["ranks"], one["experts"], one["updates"]) == (1, EXPERTS, 6)
+    assert one["accounting"] == "batched"
     for run in ("budget_two", "budget_resumed"):
         two = _compute(root, run)
         assert (two["ranks"], two["experts"], two["updates"]) == (2, EXPERTS, 6), run
+        assert two["accounting"] == "batched"  # rank 1 batches two experts
         assert two["token_forwards"] == one["token_forwards"] == 6 * FORWARDS_PER_UPDATE
         assert two["budget"]["stopped_at_step"] == one["budget"]["stopped_at_step"] == 6
         means = two["expert_mean_update_seconds"]

@@ -4,6 +4,7 @@ estimate (`estimates`, Fig. 12)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -68,6 +69,10 @@ def test_ddpp_on_two_processes_trains_the_weights_of_one_process(corpus_dir, tmp
     assert sum(r["token_forwards"] for r in ranks) == reference.model.last_update.token_forwards
     # Exchanged per step: δ and mean loss (2 float32) of 5 padded directions from each of 2 ranks.
     assert {r["exchange_bytes"] for r in ranks} == {2 * 5 * 2 * 4}
+    # Each device is charged the whole step (App. K): one model on 2 devices, against one expert on one.
+    accounting = {run: json.loads(next((tmp_path / run).rglob("compute.json")).read_text())["accounting"]
+                  for run in ("one", "two")}
+    assert accounting == {"one": "device_per_expert", "two": "every_device"}
 
 
 PAPER_PARAMETERS = 8_333_905  # configs/ddpp.yaml: the d_t = 509 body (8,325,713) and its head (8,192)

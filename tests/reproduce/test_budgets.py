@@ -3,10 +3,12 @@ measured time, the paper's rows beside ours, and the verdicts."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from soma_pl.errors import SomaError
 from soma_pl.reproduce.budgets import TABLE5_PAPER, table5_figure, table5_markdown, table5_result
 from soma_pl.reproduce.verdicts import Verdict
 
@@ -79,3 +81,14 @@ def test_a_budget_before_a_runs_first_validation_is_left_out(tmp_path):
     claim = "BPTT reaches a lower ensemble-validation loss than SOMA at N = 1, 40 s"
     check = next(c for c in result["checks"] if c["claim"] == claim)
     assert check["verdict"] == Verdict.inconclusive.value and check["seeds"] == 0
+
+
+def test_table5_budgets_are_fractions_of_the_budget_the_runs_stopped_at(tmp_path):
+    """The paper's 50, 75 and 100 GPU-hours: at CPU scale half, three quarters and all of 240 s."""
+    report, folders = _report(tmp_path)
+    (Path(folders[0][0]) / "compute.json").write_text(
+        json.dumps({"budget": {"limits": {"device_hours": 0.0666666667, "token_forwards": None}}}))
+    assert table5_result(report, folders)["budgets_seconds"] == [120.0, 180.0, 240.0]
+    (Path(folders[0][0]) / "compute.json").write_text(json.dumps({"budget": None}))
+    with pytest.raises(SomaError, match="device_hours"):
+        table5_result(report, folders)

@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from soma_pl.analysis.time_basis import Accounting, accountings
 from soma_pl.cli import main
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.reproduce import command, experiments
 from soma_pl.reproduce.experiments import EXPERIMENTS, TABLE7_PAPER, table7_result
-from soma_pl.reproduce.tables import reproduction_page, table7_markdown
+from soma_pl.reproduce.tables import reproduction_page, run_footer, table7_markdown
 from soma_pl.reproduce.verdicts import Verdict
 from soma_pl.sweeps.space import load_sweep, trial_overrides
 
@@ -79,7 +80,7 @@ def test_table4_lists_the_papers_five_rows_and_their_gpu_hours(monkeypatch, caps
     assert "5 trials of 150 aggregate device-hours: 750 device-hours" in printed
     n_pert = {point["row"]: trial_overrides(spec, point)[1].get("model.init_args.spsa.n_pert")
               for point in spec.grid_points() if point["row"].startswith("spsa")}
-    assert n_pert == {"spsa_64": None, "spsa_256": 256, "spsa_1024": 1024}  # configs/spsa.yaml holds 64
+    assert n_pert == {"spsa_64": None, "spsa_256": 256, "spsa_1024": 1024}  # configs/ddpp.yaml holds 64
 
 
 def _window_scores(losses: list[float], seed: int) -> dict:
@@ -126,6 +127,20 @@ def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
                             "trial_minutes": 3.0})
     assert "| 0 | 3.0500 | 3.0100† | 0.0400 | 2.2641 | 2.2273 | 0.0368 |" in text
     assert "| Mean | " in text and "0.0396" in text and "**does not hold**" in text and "SOMA: lr" in text
+
+
+def test_a_result_says_which_compute_accounting_its_runs_used(tmp_path):
+    folders = {}
+    for trial, seed, kind in [(0, 0, "batched"), (0, 1, "batched"), (1, 0, "device_per_expert")]:
+        run = tmp_path / f"trial{trial}_seed{seed}"
+        run.mkdir()
+        (run / "compute.json").write_text(json.dumps({"accounting": kind}))
+        folders.setdefault(trial, {})[seed] = str(run)
+    counts = accountings(folders)
+    assert counts == {"batched": 2, "device_per_expert": 1}
+    footer = run_footer({"wall_seconds": 1.0, "load_average": [0.1, 0.2], "accounting": counts})
+    assert f"2 with {Accounting.batched.meaning}" in footer
+    assert f"1 with {Accounting.device_per_expert.meaning}" in footer
 
 
 def test_the_docs_page_has_a_row_per_claim_and_each_table(tmp_path):
