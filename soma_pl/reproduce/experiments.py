@@ -273,8 +273,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         basis="cpu: equal updates of experts of one width (200 each), so equal elapsed update time per expert "
               "(Fig. 7: U·t̄ₑ, one device per expert) while the aggregate (Fig. 8: U·Σₑ t̄ₑ) grows with N; both read "
               "from measured update time, multiply-adds per update recorded beside them; paper: "
-              "sweeps/fig7_experts.yaml stops every N at the figure's common cutoff, 183.6 estimated elapsed hours (the "
-              "slowest expert's update time, one GPU per expert)",
+              "sweeps/fig7_experts.yaml stops every N at the figure's common cutoff, 183.6 estimated elapsed hours "
+              "(the slowest expert's update time, one GPU per expert)",
         cost={"cpu": "8 fits of 200 updates (N = 1, 2, 4, 8 experts of width 32; two seeds), then two analyses of each "
                      "N = 8 checkpoint: 51 core-minutes, 26 minutes on 2 cores (measured)",
               "paper": "5 runs (N = 1, 2, 8, 32, 256) to the paper's common cutoff of 183.6 estimated elapsed hours; "
@@ -328,7 +328,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         cost={"cpu": "a 100-update start fit (4 minutes), then 6 continuations of 40 updates (two paired seeds; 15 "
                      "core-minutes): 13 minutes on 2 cores (measured)",
               "paper": "6 continuations of 512 updates of an N = 8, 0.272M checkpoint at 2,000 updates (two paired "
-                       "seeds, lr = eps = 1e-3 held); its start fit by hand first (sweeps/table11_alloc.yaml's header)"},
+                       "seeds, lr = eps = 1e-3 held); its start fit by hand first (sweeps/table11_alloc.yaml's "
+                       "header)"},
         result=table11_result,
         table=table11_markdown,
         figure=table11_figure,
