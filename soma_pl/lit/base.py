@@ -392,7 +392,10 @@ class ByteLMModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse a checkpoint of another module class, with non-finite weights, or whose weights
-        have other shapes (naming both shapes)."""
+        have other shapes (naming both shapes). The optimizer keeps the checkpoint's state but steps
+        at the configured learning rate: the rate a resumed run was configured with (the decay is the
+        plateau's multiplier, restored with the checkpoint), or another that a continuation sets
+        (Table 6's settings, each continued from one checkpoint with its optimizer state)."""
         path = getattr(self._trainer, "ckpt_path", None) or "checkpoint"
         written_by = checkpoint.get("module_class") or (checkpoint.get("hyper_parameters") or {}).get("_class_path")
         if written_by and type(self).__name__ != str(written_by).rpartition(".")[2]:
@@ -408,6 +411,10 @@ class ByteLMModule(L.LightningModule):
             if name in own and tuple(own[name].shape) != tuple(tensor.shape):
                 raise ConfigError(f"checkpoint parameter '{name}' has shape {list(tensor.shape)}, "
                                   f"the configured model has {list(own[name].shape)}")
+        lr = ((self.hparams.get("optimizer") or {}).get("init_args") or {}).get("lr")
+        for state in checkpoint.get("optimizer_states", ()) if lr is not None else ():
+            for group in state.get("param_groups", ()):
+                group["lr"] = lr
         self.routing.load(checkpoint)
 
 

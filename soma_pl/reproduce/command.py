@@ -33,7 +33,7 @@ from soma_pl.reproduce.experiments import EXPERIMENTS, Experiment
 from soma_pl.sweeps.report import build_report, run_folders
 from soma_pl.sweeps.runner import SweepProgress
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, point_experts, point_key
-from soma_pl.sweeps.study import default_storage, open_storage, open_study
+from soma_pl.sweeps.study import default_storage, open_storage, open_study, selections
 
 POLL_SECONDS = 5.0
 
@@ -106,15 +106,25 @@ def _measured_minutes(study: optuna.Study | None) -> float | None:
 def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: str) -> dict:
     """The trials, their states and the cost of the rest, printed; nothing runs."""
     study = _existing_study(spec, storage)
-    points, states = spec.grid_points(), _trials(spec, study)
+    selected, states = selections(spec, study), _trials(spec, study)
+    points = spec.grid_points(selected)
+    firsts: dict[tuple, dict] = {}  # a staged grid's groups still in their first stage: the second stage to come
+    for point in spec.grid_points():
+        firsts.setdefault(spec.stage_group(point), point)
+    waiting = [{**point, **later} for group, point in firsts.items() if group not in selected
+               for later in spec.later_labels()]
     done = sum(states.get(point_key(p)) in ("COMPLETE", "PRUNED") for p in points)
     print(f"{experiment.name} ({scale}): {experiment.title}")
-    print(f"sweep {spec.path}: {len(points)} trials, {done} done; storage {storage}")
+    print(f"sweep {spec.path}: {len(points) + len(waiting)} trials, {done} done; storage {storage}")
     for point in points:
         shown = ", ".join(f"{k}={v}" for k, v in point.items() if k != SEED)
         print(f"  {shown}, seed {point[SEED]}: {states.get(point_key(point), 'to run').lower()}")
+    for point in waiting:
+        shown = ", ".join(f"{k}={v if k in spec.first or k == spec.report.columns else '(first stage)'}"
+                          for k, v in point.items() if k != SEED)
+        print(f"  {shown}, seed {point[SEED]}: after the first stage")
     budget, elapsed = spec.budget.get("device_hours"), spec.budget.get("elapsed_hours")
-    left = [p for p in points if states.get(point_key(p)) not in ("COMPLETE", "PRUNED")]
+    left = [p for p in points if states.get(point_key(p)) not in ("COMPLETE", "PRUNED")] + waiting
     remaining = len(left)
     if budget:
         cost = f"{remaining} trials of {budget:g} aggregate device-hours: {remaining * budget:,.4g} device-hours"
@@ -123,14 +133,14 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
         cost = (f"{remaining} trials to {elapsed:g} estimated elapsed hours each (the slowest expert's update "
                 f"time): at most {most:,.1f} aggregate device-hours, every expert as slow as the slowest")
     else:
-        cost = f"{remaining} of {len(points)} trials; all of them: {experiment.cost[scale]}"
+        cost = f"{remaining} of {len(points) + len(waiting)} trials; all of them: {experiment.cost[scale]}"
     measured = _measured_minutes(study) if remaining and not (budget or elapsed) else None
     if measured:
         cost += f"; the study's finished trials took {measured:.1f} min each: about {remaining * measured:.0f} " \
                 "core-minutes to go"
     print(f"to run: {cost}")
     print(f"equal compute: {experiment.basis}")
-    return {"trials": len(points), "done": done, "cost": cost}
+    return {"trials": len(points) + len(waiting), "done": done, "cost": cost}
 
 
 def _run_workers(spec: SweepSpec, storage: str, workers: int, logs: Path, progress: bool = True) -> None:
@@ -279,4 +289,4 @@ def _reproduce(chosen: list[Experiment], scale: str, dry_run: bool, workers: int
             list_trials(experiment, scale, spec, url)
             continue
         count = workers or experiment.workers or os.cpu_count() or 1
-        run(experiment, scale, spec, url, min(count, len(spec.grid_points())), results, progress)
+        run(experiment, scale, spec, url, min(count, spec.planned_trials()), results, progress)

@@ -183,7 +183,8 @@ EXPERIMENTS: dict[str, Experiment] = {
               "validation curves) beside it; paper: an equal aggregate GPU-hour budget per trial (Table 3's basis)",
         cost={"cpu": "two seed runs of 1,000 updates (11 minutes on 2 cores), then 12 fits of 400 updates (one seed): "
                      "38 minutes on 2 cores (measured)",
-              "paper": "54 trials of 50 aggregate GPU-hours each: 2,700 GPU-hours"},
+              "paper": "30 trials of 1.65 aggregate GPU-hours each (Table 6's five settings per architecture and "
+                       "seed, from each architecture's step-1 checkpoint): 49.5 GPU-hours"},
         result=table7_result,
         table=table7_markdown,
         figure=figure,

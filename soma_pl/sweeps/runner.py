@@ -217,7 +217,7 @@ class SweepProgress:
     worker, the trial running here, and the best value so far."""
 
     def __init__(self, spec: SweepSpec, enabled: bool = True):
-        total = len(spec.grid_points()) if spec.is_grid else spec.trials
+        total = spec.planned_trials() if spec.is_grid else spec.trials
         self.bar = tqdm(total=total, desc=f"sweep {spec.name}", unit="trial", disable=not enabled, file=sys.stderr)
 
     def update(self, study: optuna.Study, running: optuna.Trial | None = None) -> None:
@@ -314,7 +314,7 @@ def main(sweep: str, storage: str | None = None, n_trials: int | None = None, re
     study = open_study(spec, open_storage(url), create=False)
     counts = state_counts(study)
     print(json.dumps({"study": spec.name, "storage": url, "this_worker": ran, "study_trials": counts,
-                      "points": len(spec.grid_points()) if spec.is_grid else spec.trials}, indent=2))
+                      "points": spec.planned_trials() if spec.is_grid else spec.trials}, indent=2))
     check_some_finished(spec, ran, counts)
 
 

@@ -21,6 +21,9 @@ ranges:                                  # continuous factors: sampled by TPE (t
 trials: 20
 pruner: {kind: median, n_startup_trials: 4, n_warmup_steps: 0}
 report: {columns: N, baseline: 1}        # Table 6 columns and the Table 7 difference (baseline - other)
+first: {eps: 0.0025}                     # a staged grid (Table 6's protocol): the first stage holds these
+                                         # factors at these labels; then, per report column and seed, their
+                                         # other labels run at the first stage's selection (lowest value)
 ```
 """
 
@@ -128,18 +131,42 @@ class SweepSpec:
     heartbeat_seconds: float = 10.0
     stale_seconds: float = 60.0
     """A RUNNING trial whose heartbeat is older than this is failed and its point re-run."""
+    first: dict[str, Label] = field(default_factory=dict)
+    """A staged grid's first stage: these factors held at these labels (empty: one stage)."""
 
     @property
     def is_grid(self) -> bool:
         """Grid sweeps run each (factor combination, seed) once; range sweeps ask TPE for `trials`."""
         return not self.ranges
 
-    def grid_points(self) -> list[dict[str, Label]]:
+    def grid_points(self, selected: dict[tuple, dict[str, Label]] | None = None) -> list[dict[str, Label]]:
         """Every combination of the grid factors' labels, once per seed: `[{factor: label, "seed": seed}]`.
-        The seed tells the repetitions apart; it is not a parameter (`point_params`)."""
+        The seed tells the repetitions apart; it is not a parameter (`point_params`). A staged grid gives
+        its first stage, then the second stage of each group (`stage_group`) whose first-stage point
+        `selected` holds: the held factors' other labels, everything else as selected."""
         names = [f.name for f in self.factors]
-        return [{**dict(zip(names, labels, strict=True)), SEED: seed}
-                for labels in itertools.product(*(list(f.choices) for f in self.factors)) for seed in self.seeds]
+        points = [{**dict(zip(names, labels, strict=True)), SEED: seed}
+                  for labels in itertools.product(*(list(f.choices) for f in self.factors)) for seed in self.seeds]
+        if not self.first:
+            return points
+        points = [p for p in points if all(p[name] == label for name, label in self.first.items())]
+        return points + [{**best, **later} for best in (selected or {}).values() for later in self.later_labels()]
+
+    def later_labels(self) -> list[dict[str, Label]]:
+        """The held factors' labels a staged grid's second stage runs (each group's)."""
+        held = [f for f in self.factors if f.name in self.first]
+        return [dict(zip(self.first, labels, strict=True))
+                for labels in itertools.product(*(list(f.choices) for f in held))
+                if labels != tuple(self.first.values())]
+
+    def stage_group(self, point: dict[str, Label]) -> tuple:
+        """Which selection a staged grid's point belongs to: its report column's label and its seed."""
+        return (point[self.report.columns] if self.report.columns else None, point[SEED])
+
+    def planned_trials(self) -> int:
+        """How many trials the sweep runs in all (a staged grid's second stages included)."""
+        first = self.grid_points()
+        return len(first) + len({self.stage_group(p) for p in first}) * len(self.later_labels())
 
     def describe(self) -> dict:
         """What the report needs, stored with the study so `sweep report` works without the file."""
@@ -205,7 +232,7 @@ def _range(name: str, raw: Any, where: str) -> Range:
 
 
 KNOWN_KEYS = {"study", "config", "output_dir", "seeds", "grid", "ranges", "overrides", "budget", "trials",
-              "storage", "pruner", "report", "wandb", "heartbeat_seconds", "stale_seconds"}
+              "storage", "pruner", "report", "wandb", "heartbeat_seconds", "stale_seconds", "first"}
 
 
 STUDY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -257,9 +284,23 @@ def load_sweep(path: str | Path, overrides: dict[str, Any] | None = None) -> Swe
                              for k, v in _mapping(raw.get("pruner"), "pruner").items()}),
         report=report, wandb=bool(raw.get("wandb", True)),
         heartbeat_seconds=float(raw.get("heartbeat_seconds", 10.0)),
-        stale_seconds=float(raw.get("stale_seconds", 60.0)))
+        stale_seconds=float(raw.get("stale_seconds", 60.0)), first=_first(raw.get("first"), factors, report, path))
     _check_configs(spec)
     return spec
+
+
+def _first(raw: Any, factors: tuple[Factor, ...], report: ReportSpec, path: Path) -> dict[str, Label]:
+    """A staged grid's `first`: grid factors (not the report's columns) held at one of their labels."""
+    first = _mapping(raw, "first")
+    choices = {f.name: f.choices for f in factors}
+    for name, label in first.items():
+        if name not in choices or name == report.columns:
+            raise ConfigError(f"{path}: first.{name}: a staged grid holds a grid factor other than the report's "
+                              f"columns ({report.columns}); grid factors: {sorted(choices)}")
+        if label not in choices[name]:
+            raise ConfigError(f"{path}: first.{name}={label!r} is not one of grid.{name}'s labels "
+                              f"{list(choices[name])}")
+    return first
 
 
 def command_line_overrides(overrides: dict[str, Any] | None, factors: tuple[Factor, ...],

@@ -391,6 +391,34 @@ def settled_points(study: optuna.Study, retry_failed: bool = False) -> set[str]:
     return settled
 
 
+def selections(spec: SweepSpec, study: optuna.Study | None) -> dict[tuple, dict]:
+    """A staged grid's first-stage selection of each group (`SweepSpec.stage_group`) whose first stage
+    is over (every point complete, pruned or failed by its own error): the complete point of lowest
+    value. Empty for a grid of one stage."""
+    if not spec.first or study is None:
+        return {}
+    first = {point_key(p): p for p in spec.grid_points()}
+    trials: dict[str, list[FrozenTrial]] = {}
+    for trial in study.get_trials(deepcopy=False):
+        if trial.user_attrs.get("point") in first:
+            trials.setdefault(trial.user_attrs["point"], []).append(trial)
+
+    def over(trial: FrozenTrial) -> bool:
+        return trial.state in (TrialState.COMPLETE, TrialState.PRUNED) or (
+            trial.state == TrialState.FAIL and trial.user_attrs.get("failure") not in RETRYABLE)
+
+    groups: dict[tuple, list[str]] = {}
+    for key, point in first.items():
+        groups.setdefault(spec.stage_group(point), []).append(key)
+    chosen = {}
+    for group, keys in groups.items():
+        if all(any(over(t) for t in trials.get(key, ())) for key in keys):
+            complete = [(t.value, key) for key in keys for t in trials.get(key, ()) if t.state == TrialState.COMPLETE]
+            if complete:
+                chosen[group] = first[min(complete)[1]]
+    return chosen
+
+
 @contextlib.contextmanager
 def queue_lock(spec: SweepSpec) -> Iterator[None]:
     """Serialise enqueueing between workers that share the output folder (best effort: a server
@@ -407,7 +435,7 @@ def sync_queue(study: optuna.Study, storage: BaseStorage, spec: SweepSpec, retry
         if not spec.is_grid:
             return 0
         settled = settled_points(study, retry_failed)
-        missing = [p for p in spec.grid_points() if point_key(p) not in settled]
+        missing = [p for p in spec.grid_points(selections(spec, study)) if point_key(p) not in settled]
         for point in missing:
             study.enqueue_trial(point_params(point), user_attrs={"point": point_key(point), SEED: point[SEED]},
                                 skip_if_exists=False)

@@ -46,6 +46,21 @@ def test_resume_after_a_crash_reaches_the_same_weights_bitwise(corpus_dir, tmp_p
     assert not torch.equal(straight["model.w_hh"], checkpoint["state_dict"]["model.w_hh"])
 
 
+def test_a_continued_run_keeps_the_optimizer_state_and_steps_at_its_own_learning_rate(corpus_dir, tmp_path):
+    """Table 6's settings each continue one checkpoint with its optimizer state (App. I.2): Adam's
+    moments and step count come from the checkpoint, the learning rate from the continuation's config."""
+    adam = ("--model.init_args.optimizer=soma_pl.lit.optim.ZOAdam", "--model.init_args.optimizer.init_args.lr=0.01")
+    data, first = tmp_path / "data", tmp_path / "first" / "checkpoints" / "last.ckpt"
+    run_cli(fit_args(corpus_dir, data, tmp_path / "first", *adam, "--trainer.max_steps=2"))
+    start = torch.load(first, weights_only=False)["optimizer_states"][0]
+    run_cli(fit_args(corpus_dir, data, tmp_path / "continued", *adam, "--model.init_args.optimizer.init_args.lr=0.002",
+                     "--trainer.max_steps=3", f"--ckpt_path={first}"))
+    end = torch.load(tmp_path / "continued" / "checkpoints" / "last.ckpt", weights_only=False)["optimizer_states"][0]
+    assert [g["lr"] for g in start["param_groups"]] == [0.01] and [g["lr"] for g in end["param_groups"]] == [0.002]
+    assert {float(s["step"]) for s in start["state"].values()} == {2.0}
+    assert {float(s["step"]) for s in end["state"].values()} == {3.0}  # the moments went on, not restarted
+
+
 def test_summary_json_and_offline_loggers(corpus_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     args = [a for a in fit_args(corpus_dir, tmp_path / "data", tmp_path / "run") if a != "--trainer.logger=false"]

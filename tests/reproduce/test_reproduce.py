@@ -34,15 +34,29 @@ def test_help_lists_every_experiment_with_its_cost(capsys):
 
 def test_a_dry_run_lists_the_trials_and_the_paper_scale_budget(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    for scale, trials in (("cpu", 12), ("paper", 54)):  # cpu: 6 lr x 2 N x 1 seed
+    for scale, trials in (("cpu", 12), ("paper", 30)):  # cpu: 6 lr x 2 N x 1 seed
         spec = dataclasses.replace(load_sweep(EXPERIMENTS["table7"].sweeps[scale]), output_dir=tmp_path / scale)
         listed = command.list_trials(EXPERIMENTS["table7"], scale, spec, f"sqlite:///{tmp_path / scale / 'x.db'}")
         assert (listed["trials"], listed["done"]) == (trials, 0)
     printed = capsys.readouterr().out
-    assert printed.count(": to run") == 12 + 54
-    # Table 6's budget: 50 aggregate GPU-hours per trial, 3 lr x 3 eps x 2 N x 3 seeds
-    assert "54 trials of 50 aggregate device-hours: 2,700 device-hours" in printed
+    # Table 6 (App. I.2): 3 lr at eps 0.0025, then 2 more eps at the selected lr, x 2 N x 3 seeds
+    assert printed.count(": to run") == 12 + 18 and printed.count(": after the first stage") == 12
+    assert "30 trials of 1.65 aggregate device-hours: 49.5 device-hours" in printed
     assert not (tmp_path / "cpu").exists(), "a dry run writes nothing"
+
+
+@pytest.mark.parametrize(("experiment", "trials", "cost"), [
+    ("table5", 6, "6 trials of 100 aggregate device-hours: 600 device-hours"),
+    # Fig. 7's cutoff: 183.6 elapsed hours, N = 1 + 2 + 8 + 32 + 256 experts at most as slow as the slowest
+    ("fig7", 5, "at most 54,896.4 aggregate device-hours"),
+    ("table11", 6, "6 of 6 trials"),  # 3 allocations x 2 paired seeds, 512 updates each
+])
+def test_each_paper_scale_plan_has_the_papers_trials_and_gpu_hours(experiment, trials, cost, tmp_path, monkeypatch,
+                                                                  capsys):
+    monkeypatch.chdir(ROOT)
+    spec = dataclasses.replace(load_sweep(EXPERIMENTS[experiment].sweeps["paper"]), output_dir=tmp_path)
+    listed = command.list_trials(EXPERIMENTS[experiment], "paper", spec, f"sqlite:///{tmp_path / 'x.db'}")
+    assert (listed["trials"], listed["done"]) == (trials, 0) and cost in listed["cost"]
 
 
 def test_a_dry_run_works_from_any_folder_and_goes_back_to_it(tmp_path, monkeypatch, capsys):

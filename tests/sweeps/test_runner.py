@@ -10,9 +10,10 @@ import time
 import pytest
 from optuna.trial import TrialState
 
+from soma_pl.errors import ConfigError
 from soma_pl.sweeps import runner
 from soma_pl.sweeps.space import load_sweep, point_key
-from soma_pl.sweeps.study import HEARTBEAT, claim_waiting, open_storage, open_study, sync_queue, trial_id
+from soma_pl.sweeps.study import HEARTBEAT, claim_waiting, open_storage, open_study, selections, sync_queue, trial_id
 
 from .conftest import TINY, fake_val_loss, ran, spec_of, write_sweep
 
@@ -407,3 +408,39 @@ def test_a_grid_extended_in_its_file_runs_only_the_added_points_and_reports_them
     report = build_report(study, storage)
     assert report["sweep"]["labels"]["lr"] == [0.01, 0.02, 0.04]
     assert sorted(row["setting"]["lr"] for row in report["table6"]["rows"]) == [0.01, 0.02, 0.04]
+
+
+def test_a_staged_grid_runs_its_second_stage_at_each_groups_selection(tmp_path, fake_trials, monkeypatch):
+    """Table 6's protocol (App. I.2): every lr at eps = 0.002, then the other eps at the lr each
+    column (N) and seed selected. The best lr differs by seed (0.02 for seed 0, 0.04 for seed 1)."""
+    best = {0: 0.02, 1: 0.04}
+    monkeypatch.setattr("tests.sweeps.conftest.fake_val_loss",
+                        lambda point, seed: 2.0 + 100 * (point["lr"] - best[seed]) ** 2 + point["eps"])
+    grid = {"N": {"choices": {1: {}, 2: {"model.init_args.num_experts": 2}}},
+            "lr": {"key": "model.init_args.optimizer.init_args.lr", "values": [0.01, 0.02, 0.04]},
+            "eps": {"key": "model.init_args.spsa.eps", "values": [0.001, 0.002, 0.004]}}
+    spec = spec_of(write_sweep(tmp_path, grid=grid, first={"eps": 0.002}))
+    assert len(spec.grid_points()) == 12 and spec.planned_trials() == 12 + 2 * 2 * 2
+    storage = STORAGES["sqlite"](tmp_path)
+    assert runner.work(spec, storage) == {"COMPLETE": 20}
+    points = ran(fake_trials)
+    second = [p for p in points if p["eps"] != 0.002]
+    assert sorted((p["N"], p["seed"], p["lr"], p["eps"]) for p in second) == sorted(
+        (n, seed, best[seed], eps) for n in (1, 2) for seed in (0, 1) for eps in (0.001, 0.004))
+    for point in second:  # after every first-stage point of its group
+        group = [i for i, p in enumerate(points) if p["eps"] == 0.002 and (p["N"], p["seed"]) == (point["N"],
+                                                                                                 point["seed"])]
+        assert len(group) == 3 and max(group) < points.index(point)
+    study = _study(spec, storage)
+    assert {group: p["lr"] for group, p in selections(spec, study).items()} == {
+        (n, seed): best[seed] for n in (1, 2) for seed in (0, 1)}
+    assert runner.work(spec, storage) == {}  # nothing runs again
+
+
+def test_a_staged_grid_holds_a_grid_factor_at_one_of_its_labels(tmp_path):
+    for first in ({"eps": 0.003}, {"N": 1}, {"width": 8}):
+        with pytest.raises(ConfigError) as refused:
+            spec_of(write_sweep(tmp_path, grid={"N": {"choices": {1: {}, 2: {}}},
+                                                "eps": {"key": "model.init_args.spsa.eps", "values": [0.001, 0.002]}},
+                                first=first))
+        assert f"first.{next(iter(first))}" in str(refused.value)

@@ -56,7 +56,10 @@ def test_table6_grids_match_the_paper(monkeypatch):
     paper, demo = load_sweep("sweeps/table6_lr_eps.yaml"), load_sweep("sweeps/demo/table6_lr_eps.yaml")
     labels = {f.name: list(f.choices) for f in paper.factors}
     assert labels == {"N": [1, 2], "lr": [0.00125, 0.0025, 0.005], "eps": [0.00125, 0.0025, 0.005]}
-    assert len(paper.seeds) == 3 and len(paper.grid_points()) == 54
+    # App. I.2: every lr at eps = 0.0025, then the two other eps at each side's and seed's selected lr
+    assert paper.first == {"eps": 0.0025} and paper.later_labels() == [{"eps": 0.00125}, {"eps": 0.005}]
+    assert len(paper.seeds) == 3 and len(paper.grid_points()) == 18 and paper.planned_trials() == 30
+    assert paper.budget == {"device_hours": 1.65}
     assert len(demo.grid_points()) >= 16 and len(demo.seeds) >= 2
 
 
