@@ -299,13 +299,22 @@ def assemble_estimate(
     Returns:
         name → ``[E, ...]``.
     """
-    experts, total = projected.shape
-    device = projected.device
-    ids = torch.arange(experts, device=device) if expert_ids is None else expert_ids.to(device)
-    gradient = {name: torch.zeros_like(param) for name, param in params.items()}
-    for _, dirs in _index_chunks(range(total), config.n_pert, chunk_size(config, experts)):
-        z = _generate(params, config.direction, seed, step, ids, dirs)
-        _accumulate(gradient, projected[:, dirs.to(device)], z)
+    total = projected.shape[1]
+    gradient = estimate_sum(params, projected, config, step, seed, range(total), expert_ids)
     for grad in gradient.values():
         grad /= total
+    return gradient
+
+
+def estimate_sum(params: Mapping[str, Tensor], projected: Tensor, config: SPSAConfig, step: int, seed: int,
+                 indices: range, expert_ids: Tensor | None = None) -> dict[str, Tensor]:
+    """``Σ_{k ∈ indices} projected[e, k - indices.start] · z_ek``, accumulated chunk by chunk in index
+    order as :func:`spsa_estimate` does (`_index_chunks`): name → ``[E, ...]``. A DDPP rank sums its
+    own share of the directions this way (`soma_pl.lit.ddpp`)."""
+    experts, device = projected.shape[0], projected.device
+    ids = torch.arange(experts, device=device) if expert_ids is None else expert_ids.to(device)
+    gradient = {name: torch.zeros_like(param) for name, param in params.items()}
+    for _, dirs in _index_chunks(indices, config.n_pert, chunk_size(config, experts)):
+        z = _generate(params, config.direction, seed, step, ids, dirs)
+        _accumulate(gradient, projected[:, (dirs - indices.start).to(device)], z)
     return gradient

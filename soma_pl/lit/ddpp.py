@@ -33,8 +33,7 @@ import torch
 from torch import Tensor
 
 from soma_pl.distributed import rank_share
-from soma_pl.estimators.directions import flat_directions
-from soma_pl.estimators.spsa import SPSAConfig, SPSAResult, assemble_estimate, chunk_size, spsa_differences
+from soma_pl.estimators.spsa import SPSAConfig, SPSAResult, assemble_estimate, estimate_sum, spsa_differences
 from soma_pl.lit.parallel import coordinator_bytes, gather_bytes, gather_shares, sum_at_coordinator
 
 
@@ -68,35 +67,27 @@ def step_exchange_bytes(exchange: Exchange, direction_count: int, parameter_coun
 
 @torch.no_grad()
 def partial_estimate(params: Mapping[str, Tensor], delta: Tensor, config: SPSAConfig, step: int, seed: int,
-                     share: range, total: int) -> Tensor:
-    """One rank's share of the SPSA estimate: `Σ_{k ∈ share} δ_k · z_k / total`, flat.
+                     share: range) -> Tensor:
+    """One rank's share of the SPSA estimate, not yet divided by the step's directions:
+    `Σ_{k ∈ share} δ_k · z_k`, accumulated chunk by chunk as the one-process estimate is
+    (`soma_pl.estimators.spsa.estimate_sum`), flat.
 
-    Summed over the shares of all ranks it is the estimate `assemble_estimate` rebuilds from all δ's
-    (to float rounding: the same terms, added in another order).
+    Added in rank order, the shares' sums are the one-process sum: bit for bit when every share is
+    one whole chunk of the estimate (`spsa.max_rows` sets the chunk: the paper's 16 directions, and
+    64 directions on 4 ranks or 256 on 16 share out one chunk each), to float rounding otherwise.
 
     Args:
         params: name → `[E, ...]` (only shapes, dtype and device are read); the flat vector lists
-            them in dict order, as the direction coordinates do.
+            them in dict order.
         delta: `[E, len(share)]` the δ of directions `share`, column j for direction `share[j]`.
-        config: direction kind and chunking (directions regenerated at once are bounded as in the
-            evaluation: at most `max_rows / (E · 2 · micro_batch)`, at most n_pert).
-        share: the direction indices this rank evaluated; total: directions of the whole step.
+        config: direction kind and chunking.
+        share: the direction indices this rank evaluated.
 
     Returns:
         `[E, d]` with d the trainable parameters of one expert.
     """
-    experts = delta.shape[0]
-    first = next(iter(params.values()))
-    shapes = {name: param.shape[1:] for name, param in params.items()}
-    dim = sum(param[0].numel() for param in params.values())
-    ids = torch.arange(experts, device=first.device)
-    chunk = chunk_size(config, experts)
-    flat = first.new_zeros(experts, 1, dim)
-    for start in range(0, len(share), chunk):
-        dirs = torch.arange(share.start + start, share.start + min(start + chunk, len(share)), device=first.device)
-        z = flat_directions(config.direction, seed, step, ids, dirs, shapes, first.dtype)  # [E, c, d]
-        flat.baddbmm_(delta[:, None, start : start + len(dirs)].to(first.dtype), z)
-    return flat.squeeze(1) / total
+    gradient = estimate_sum(params, delta, config, step, seed, share)
+    return torch.cat([g.reshape(g.shape[0], -1) for g in gradient.values()], dim=1)
 
 
 def unflatten(flat: Tensor, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -131,9 +122,9 @@ def exchanged_estimate(module: L.LightningModule, tokens: Tensor, config: SPSACo
     if exchange is Exchange.estimates and world > 1:
         # Fig. 12: partial estimates and mean losses summed at rank 0, the sums sent back to all. The
         # result's `projected` holds only this rank's δ (`[E, len(share)]`): no rank sees the others'.
-        partial = partial_estimate(params, delta, config, step, seed, share, total)  # [E, d]
-        payload = torch.cat([partial, (loss.sum(1) / total).to(partial.dtype)[:, None]], dim=1)  # [E, d + 1]
-        combined = sum_at_coordinator(module, payload)
+        partial = partial_estimate(params, delta, config, step, seed, share)  # [E, d]
+        payload = torch.cat([partial, loss.sum(1).to(partial.dtype)[:, None]], dim=1)  # [E, d + 1]
+        combined = sum_at_coordinator(module, payload) / total
         return SPSAResult(unflatten(combined[:, :-1], params), combined[:, -1], delta, delta), len(share), sent
     local = torch.stack([delta, loss]).permute(2, 0, 1)  # [directions, 2, E]: one row per direction
     everyone = gather_shares(module, local, total).permute(1, 2, 0).contiguous()  # [2, E, total]

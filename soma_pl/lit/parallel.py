@@ -52,11 +52,13 @@ def gather_bytes(rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, worl
 
 
 def sum_at_coordinator(module: L.LightningModule, local: Tensor) -> Tensor:
-    """Every rank's `local` summed at rank 0 (the coordinator) and the sum sent back to all ranks.
+    """Every rank's `local` sent to rank 0 (the coordinator), added there one by one in rank order,
+    and the sum sent back to all ranks (DDPP's `estimates` exchange, Fig. 12).
 
-    A collective: all ranks call it with tensors of one shape. The broadcast makes the result the
-    same bits on every rank, whatever order the reduction added in (DDPP's `estimates` exchange,
-    Fig. 12).
+    A collective: all ranks call it with tensors of one shape. Added in rank order to rank 0's own
+    term, partial sums that each hold one chunk of a one-process accumulation give that
+    accumulation's bits; the broadcast gives every rank the same bits. The coordinator holds two
+    terms at a time, whatever the number of ranks.
 
     Args:
         module: the LightningModule whose strategy set up the process group.
@@ -65,10 +67,17 @@ def sum_at_coordinator(module: L.LightningModule, local: Tensor) -> Tensor:
     Returns:
         The sum, a new tensor (`local` itself on one process).
     """
-    if module.trainer.world_size == 1:
+    world = module.trainer.world_size
+    if world == 1:
         return local
-    total = local.clone()
-    torch.distributed.reduce(total, dst=0)
+    if module.trainer.global_rank != 0:
+        torch.distributed.send(local.contiguous(), dst=0)
+        total = torch.empty_like(local)
+    else:
+        total, arriving = local.clone(), torch.empty_like(local)
+        for rank in range(1, world):
+            torch.distributed.recv(arriving, src=rank)
+            total += arriving
     torch.distributed.broadcast(total, src=0)
     return total
 

@@ -167,7 +167,7 @@ class ZOModule(ByteLMModule):
             return
         raise ConfigError(f"{type(self).__name__} of one model trains one replica per process, so {world_size} "
                           f"processes would train {world_size} diverging replicas: share its directions out with "
-                          f"{KEY}.spsa.exchange=scalars (DDPP), or set trainer.devices=1, num_nodes=1")
+                          f"{KEY}.spsa.exchange=estimates (DDPP), or set trainer.devices=1, num_nodes=1")
 
     def _check_groups_on_ranks(self, world_size: int) -> None:
         """A summed loss is evaluated where its experts are: no group may span two ranks' shares."""
