@@ -4,17 +4,18 @@ The paper's DDPP baseline (Fig. 12). Every rank reads the same global batch `[1,
 `(B / micro_batch) · n_pert` directions (direction `m · n_pert + k` reads micro-batch m) are dealt
 out in contiguous shares and each rank evaluates its share. Then, by `exchange`:
 
-- `scalars` (default): the ranks all-gather each direction's loss difference δ and mean loss (8
-  bytes per direction in float32), and every rank regenerates every direction from
+- `estimates` (what Fig. 12 draws; the DDPP configs' choice): each rank sums its own directions'
+  terms chunk by chunk as one process does, the coordinator (rank 0) adds the ranks' sums in rank
+  order and sends the sum back. d floats up and d back per rank per step.
+- `scalars`, the cheaper option: the ranks all-gather each direction's loss difference δ and mean
+  loss (8 bytes per direction in float32), and every rank regenerates every direction from
   `(seed, step, direction)`, assembles the whole estimate in the same order and applies the same
   update. A few floats per step instead of a gradient.
-- `estimates` (what Fig. 12 draws): each rank assembles its partial estimate from its own
-  directions, the partial estimates are summed at the coordinator (rank 0) and the sum is sent
-  back. d floats up and d back per rank per step.
 
 Either way all ranks hold identical weights without exchanging any, and a run on W ranks reaches
-the weights of monolithic SPSA on one process with the same global batch (`scalars` bit for bit on
-CPU, `estimates` to float rounding: it sums the same terms in another order).
+the weights of monolithic SPSA on one process with the same global batch and chunks: `scalars` bit
+for bit, `estimates` bit for bit when every rank's share is one whole chunk (`spsa.max_rows` sets
+the chunk) and to float rounding otherwise.
 
 It is a setting of the SPSA estimator, `model.init_args.spsa.exchange` (`ZOModule`, one expert):
 run with `--trainer.strategy=ddp` and any `devices` / `num_nodes`; on one process both exchanges

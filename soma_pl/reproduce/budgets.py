@@ -60,15 +60,17 @@ def _check(claim: str, worse: list[float | None], better: list[float | None]) ->
 
 
 def run_budget_seconds(folders: dict[int, dict[int, str]]) -> float:
-    """The device-hour budget the runs were stopped at, in seconds (their `compute.json`)."""
+    """The device-hour budget the runs were stopped at, in seconds (their `compute.json`): one for all."""
+    limits = set()
     for runs in folders.values():
         for run in runs.values():
             path = Path(run) / "compute.json"
-            limit = ((json.loads(path.read_text()).get("budget") or {}).get("limits") or {}).get("device_hours") \
-                if path.is_file() else None
-            if limit:
-                return float(f"{limit * 3600:.6g}")
-    raise SomaError("table5: no run records a device_hours budget (its compute.json): the budgets are fractions of it")
+            budget = (json.loads(path.read_text()).get("budget") or {}) if path.is_file() else {}
+            limits.add((budget.get("limits") or {}).get("device_hours"))
+    if len(limits) != 1 or None in limits:
+        raise SomaError(f"table5: the runs record device_hours budgets {sorted(map(str, limits))} in their "
+                        "compute.json; the budgets are fractions of one that every run was stopped at")
+    return float(f"{limits.pop() * 3600:.6g}")
 
 
 def table5_result(report: dict, folders: dict[int, dict[int, str]], budgets: tuple[float, ...] | None = None) -> dict:

@@ -123,6 +123,9 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
         shown = ", ".join(f"{k}={v if k in spec.first or k == spec.report.columns else '(first stage)'}"
                           for k, v in point.items() if k != SEED)
         print(f"  {shown}, seed {point[SEED]}: after the first stage")
+    for group in (group for group, best in selected.items() if best is None):
+        column = f"{spec.report.columns}={group[0]}, " if spec.report.columns else ""
+        print(f"  {column}seed {group[1]}: no second stage (no first-stage trial completed)")
     budget, elapsed = spec.budget.get("device_hours"), spec.budget.get("elapsed_hours")
     left = [p for p in points if states.get(point_key(p)) not in ("COMPLETE", "PRUNED")] + waiting
     remaining = len(left)

@@ -47,8 +47,9 @@ SEED = "seed"
 CONFIG = "config"
 """An override that picks the base fit config instead of setting a key."""
 SEED_KEYS = ("seed_everything", "model.init_args.seed")
-EXPERTS = "model.init_args.num_experts"
 """The config keys the runner sets to each of the sweep's `seeds`."""
+EXPERTS = "model.init_args.num_experts"
+"""The config key of a fit's expert count (1 where no layer sets it)."""
 
 
 class PrunerKind(str, Enum):
@@ -143,21 +144,24 @@ class SweepSpec:
         """Every combination of the grid factors' labels, once per seed: `[{factor: label, "seed": seed}]`.
         The seed tells the repetitions apart; it is not a parameter (`point_params`). A staged grid gives
         its first stage, then the second stage of each group (`stage_group`) whose first-stage point
-        `selected` holds: the held factors' other labels, everything else as selected."""
+        `selected` holds (None: no second stage): the held factors' other labels, everything else as
+        selected."""
         names = [f.name for f in self.factors]
         points = [{**dict(zip(names, labels, strict=True)), SEED: seed}
                   for labels in itertools.product(*(list(f.choices) for f in self.factors)) for seed in self.seeds]
         if not self.first:
             return points
         points = [p for p in points if all(p[name] == label for name, label in self.first.items())]
-        return points + [{**best, **later} for best in (selected or {}).values() for later in self.later_labels()]
+        return points + [{**best, **later} for best in (selected or {}).values() if best is not None
+                         for later in self.later_labels()]
 
     def later_labels(self) -> list[dict[str, Label]]:
         """The held factors' labels a staged grid's second stage runs (each group's)."""
         held = [f for f in self.factors if f.name in self.first]
-        return [dict(zip(self.first, labels, strict=True))
+        names = [f.name for f in held]
+        return [dict(zip(names, labels, strict=True))
                 for labels in itertools.product(*(list(f.choices) for f in held))
-                if labels != tuple(self.first.values())]
+                if labels != tuple(self.first[name] for name in names)]
 
     def stage_group(self, point: dict[str, Label]) -> tuple:
         """Which selection a staged grid's point belongs to: its report column's label and its seed."""

@@ -391,10 +391,11 @@ def settled_points(study: optuna.Study, retry_failed: bool = False) -> set[str]:
     return settled
 
 
-def selections(spec: SweepSpec, study: optuna.Study | None) -> dict[tuple, dict]:
+def selections(spec: SweepSpec, study: optuna.Study | None) -> dict[tuple, dict | None]:
     """A staged grid's first-stage selection of each group (`SweepSpec.stage_group`) whose first stage
-    is over (every point complete, pruned or failed by its own error): the complete point of lowest
-    value. Empty for a grid of one stage."""
+    is over (every point complete, pruned or failed by its own error, and none queued or running
+    again): the complete point of lowest value, or None when none completed (the group has no second
+    stage). Empty for a grid of one stage."""
     if not spec.first or study is None:
         return {}
     first = {point_key(p): p for p in spec.grid_points()}
@@ -403,19 +404,20 @@ def selections(spec: SweepSpec, study: optuna.Study | None) -> dict[tuple, dict]
         if trial.user_attrs.get("point") in first:
             trials.setdefault(trial.user_attrs["point"], []).append(trial)
 
-    def over(trial: FrozenTrial) -> bool:
-        return trial.state in (TrialState.COMPLETE, TrialState.PRUNED) or (
-            trial.state == TrialState.FAIL and trial.user_attrs.get("failure") not in RETRYABLE)
+    def over(key: str) -> bool:
+        states = [(t.state, t.user_attrs.get("failure")) for t in trials.get(key, ())]
+        return not any(state in (TrialState.WAITING, TrialState.RUNNING) for state, _ in states) and any(
+            state in (TrialState.COMPLETE, TrialState.PRUNED) or (state == TrialState.FAIL and failure not in RETRYABLE)
+            for state, failure in states)
 
     groups: dict[tuple, list[str]] = {}
     for key, point in first.items():
         groups.setdefault(spec.stage_group(point), []).append(key)
-    chosen = {}
+    chosen: dict[tuple, dict | None] = {}
     for group, keys in groups.items():
-        if all(any(over(t) for t in trials.get(key, ())) for key in keys):
-            complete = [(t.value, key) for key in keys for t in trials.get(key, ()) if t.state == TrialState.COMPLETE]
-            if complete:
-                chosen[group] = first[min(complete)[1]]
+        if all(over(key) for key in keys):
+            complete = [(t.value, key) for key in keys for t in trials[key] if t.state == TrialState.COMPLETE]
+            chosen[group] = first[min(complete)[1]] if complete else None
     return chosen
 
 

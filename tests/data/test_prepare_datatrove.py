@@ -141,7 +141,8 @@ def test_shingle_hashes_are_the_polynomial_hash_across_chunk_boundaries(width):
     mask = (1 << 64) - 1
 
     def reference(string: bytes) -> int:
-        value = sum(byte * pow(int(overlap._INVERSE), j, 1 << 64) for j, byte in enumerate(string)) & mask
+        inverse = pow(0x9E3779B97F4A7C15, -1, 1 << 64)  # q: the odd base's inverse modulo 2**64
+        value = sum(byte * pow(inverse, j, 1 << 64) for j, byte in enumerate(string)) & mask
         for factor in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, None):
             value ^= value >> 33
             value = value * factor & mask if factor else value

@@ -86,9 +86,18 @@ def test_a_budget_before_a_runs_first_validation_is_left_out(tmp_path):
 def test_table5_budgets_are_fractions_of_the_budget_the_runs_stopped_at(tmp_path):
     """The paper's 50, 75 and 100 GPU-hours: at CPU scale half, three quarters and all of 240 s."""
     report, folders = _report(tmp_path)
-    (Path(folders[0][0]) / "compute.json").write_text(
-        json.dumps({"budget": {"limits": {"device_hours": 0.0666666667, "token_forwards": None}}}))
+
+    def record(device_hours: float | None) -> None:
+        for runs in folders.values():
+            for run in runs.values():
+                (Path(run) / "compute.json").write_text(json.dumps({"budget": {"limits": {
+                    "device_hours": device_hours, "token_forwards": None}}}))
+
+    record(0.0666666667)
     assert table5_result(report, folders)["budgets_seconds"] == [120.0, 180.0, 240.0]
-    (Path(folders[0][0]) / "compute.json").write_text(json.dumps({"budget": None}))
+    (Path(folders[0][0]) / "compute.json").write_text(json.dumps({"budget": {"limits": {"device_hours": 0.1}}}))
+    with pytest.raises(SomaError, match="device_hours"):  # runs stopped at different budgets
+        table5_result(report, folders)
+    record(None)
     with pytest.raises(SomaError, match="device_hours"):
         table5_result(report, folders)

@@ -444,3 +444,23 @@ def test_a_staged_grid_holds_a_grid_factor_at_one_of_its_labels(tmp_path):
                                                 "eps": {"key": "model.init_args.spsa.eps", "values": [0.001, 0.002]}},
                                 first=first))
         assert f"first.{next(iter(first))}" in str(refused.value)
+
+
+def test_a_staged_grid_holding_two_factors_gives_each_its_own_labels(tmp_path):
+    grid = {"lr": {"key": "model.init_args.optimizer.init_args.lr", "values": [0.005, 0.01]},
+            "eps": {"key": "model.init_args.spsa.eps", "values": [0.1, 0.2]}}
+    spec = spec_of(write_sweep(tmp_path, grid={"N": {"choices": {1: {}}}, **grid}, first={"eps": 0.2, "lr": 0.005}))
+    assert spec.later_labels() == [{"lr": 0.005, "eps": 0.1}, {"lr": 0.01, "eps": 0.1}, {"lr": 0.01, "eps": 0.2}]
+    assert [(p["lr"], p["eps"]) for p in spec.grid_points()] == [(0.005, 0.2)] * 2  # one per seed
+
+
+def test_a_group_whose_first_stage_all_failed_has_no_second_stage_until_a_retry_is_over(tmp_path, fake_trials):
+    grid = {"N": {"choices": {1: {}}}, "lr": {"key": "model.init_args.optimizer.init_args.lr", "values": [0.5]},
+            "eps": {"key": "model.init_args.spsa.eps", "values": [0.001, 0.002]}}
+    spec = spec_of(write_sweep(tmp_path, grid=grid, seeds=[0], first={"eps": 0.002}))
+    storage = STORAGES["sqlite"](tmp_path)
+    assert runner.work(spec, storage) == {"FAIL": 1}  # lr 0.5 diverges (the fake trial's own error)
+    study = _study(spec, storage)
+    assert selections(spec, study) == {(1, 0): None}
+    sync_queue(study, open_storage(storage), spec, retry_failed=True)  # queued again: not over
+    assert selections(spec, _study(spec, storage)) == {}

@@ -272,9 +272,12 @@ def _write_log(logfile, message: str) -> None:
 def _close_task_logger(logfile) -> None:
     from loguru import logger
 
+    global _task_sink
     logger.complete()
-    with contextlib.suppress(ValueError):  # gone already: the host removed every sink
-        logger.remove(_task_sink)
+    if _task_sink is not None:
+        with contextlib.suppress(ValueError):  # gone already: the host removed every sink
+            logger.remove(_task_sink)
+        _task_sink = None
     with contextlib.suppress(OSError):  # what is left to flush onto a full disk is dropped (`_write_log`)
         logfile.close()
 
