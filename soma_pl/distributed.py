@@ -40,3 +40,23 @@ def launching_process() -> bool:
     0), or a process that no launcher started. Read from the environment, before any process group
     exists; what a run does once (taking its folder's lock) is done here only."""
     return all(os.environ.get(name, "0").strip() in ("", "0") for name in RANK_VARIABLES)
+
+
+class Accounting(str, Enum):
+    """Where the experts of a run were updated, which decides what each expert's t̄ₑ is (`meaning`)."""
+
+    device_per_expert = "device_per_expert"
+    batched = "batched"
+    every_device = "every_device"
+
+    @property
+    def meaning(self) -> str:
+        return {
+            "device_per_expert": "each expert on a device of its own, t̄ₑ its own update time (Fully Sharded "
+                                 "Optimization, H.1; a one-expert model on one device too)",
+            "batched": "the experts batched on one device that updates them in t seconds, each charged t/E (the "
+                       "CPU-scale mode)",
+            "every_device": "one model on R devices, each updating it on a share of the batch or the perturbations "
+                            "and charged the whole step, communication and waiting included (DDPP, data-parallel "
+                            "BPTT: App. I.1, K)",
+        }[self.value]

@@ -12,7 +12,6 @@ import csv
 import json
 from collections import Counter
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 from soma_pl.errors import SomaError
@@ -80,26 +79,6 @@ def equal_time_point(curve: list[dict], budget_seconds: float) -> TimePoint:
     last = within[-1]
     return TimePoint(budget_seconds=budget_seconds, val_interpolated=interpolate(points, budget_seconds),
                      updates=last["step"], seconds=last["device_seconds"])
-
-
-class Accounting(str, Enum):
-    """Where the experts of a run were updated, which decides what each expert's t̄ₑ is (`meaning`)."""
-
-    device_per_expert = "device_per_expert"
-    batched = "batched"
-    every_device = "every_device"
-
-    @property
-    def meaning(self) -> str:
-        return {
-            "device_per_expert": "each expert on a device of its own, t̄ₑ its own update time (Fully Sharded "
-                                 "Optimization, H.1; a one-expert model on one device too)",
-            "batched": "the experts batched on one device that updates them in t seconds, each charged t/E (the "
-                       "CPU-scale mode)",
-            "every_device": "one model on R devices, each updating it on a share of the batch or the perturbations "
-                            "and charged the whole step, communication and waiting included (DDPP, data-parallel "
-                            "BPTT: App. I.1, K)",
-        }[self.value]
 
 
 def accountings(folders: dict[int, dict[int, str]]) -> dict[str, int]:

@@ -39,8 +39,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from soma_pl.analysis.time_basis import Accounting
 from soma_pl.contracts import ReportsUpdates, UpdateRecord
+from soma_pl.distributed import Accounting
 from soma_pl.errors import ConfigError
 from soma_pl.io import write_json_atomic
 

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from soma_pl.analysis.time_basis import Accounting
+from soma_pl.distributed import Accounting
 from soma_pl.errors import ConfigError
 from soma_pl.io import check_apart
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from soma_pl.analysis.time_basis import Accounting
 from soma_pl.callbacks.compute import ComputeAccounting, ComputeBudget, NewRecord, Tally, compute_report
 from soma_pl.contracts import UpdateClock, UpdateRecord
+from soma_pl.distributed import Accounting
 from soma_pl.errors import ConfigError
 from tests.lit.conftest import fit_args, run_cli
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from soma_pl.analysis.time_basis import Accounting, accountings
+from soma_pl.analysis.time_basis import accountings
 from soma_pl.cli import main
+from soma_pl.distributed import Accounting
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.reproduce import command, experiments
 from soma_pl.reproduce.experiments import EXPERIMENTS, TABLE7_PAPER, table7_result
