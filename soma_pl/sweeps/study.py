@@ -399,25 +399,23 @@ def selections(spec: SweepSpec, study: optuna.Study | None) -> dict[tuple, dict 
     if not spec.first or study is None:
         return {}
     first = {point_key(p): p for p in spec.grid_points()}
-    trials: dict[str, list[FrozenTrial]] = {}
+    settled, live = settled_points(study), set()  # over: settled, and not queued or running again
+    complete: dict[str, list[float]] = {}
     for trial in study.get_trials(deepcopy=False):
-        if trial.user_attrs.get("point") in first:
-            trials.setdefault(trial.user_attrs["point"], []).append(trial)
-
-    def over(key: str) -> bool:
-        states = [(t.state, t.user_attrs.get("failure")) for t in trials.get(key, ())]
-        return not any(state in (TrialState.WAITING, TrialState.RUNNING) for state, _ in states) and any(
-            state in (TrialState.COMPLETE, TrialState.PRUNED) or (state == TrialState.FAIL and failure not in RETRYABLE)
-            for state, failure in states)
+        key = trial.user_attrs.get("point")
+        if trial.state in (TrialState.WAITING, TrialState.RUNNING):
+            live.add(key)
+        elif trial.state == TrialState.COMPLETE and key in first:
+            complete.setdefault(key, []).append(trial.value)
 
     groups: dict[tuple, list[str]] = {}
     for key, point in first.items():
         groups.setdefault(spec.stage_group(point), []).append(key)
     chosen: dict[tuple, dict | None] = {}
     for group, keys in groups.items():
-        if all(over(key) for key in keys):
-            complete = [(t.value, key) for key in keys for t in trials[key] if t.state == TrialState.COMPLETE]
-            chosen[group] = first[min(complete)[1]] if complete else None
+        if all(key in settled and key not in live for key in keys):
+            values = [(value, key) for key in keys for value in complete.get(key, ())]
+            chosen[group] = first[min(values)[1]] if values else None
     return chosen
 
 
