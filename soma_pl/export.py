@@ -20,9 +20,11 @@ import math
 import sys
 from pathlib import Path
 
+from soma_pl.errors import ConfigError
 from soma_pl.io import atomic_folder, check_output, folder_lock, write_atomic
 from soma_pl.models.checkpoints import load_checkpoint, trained_on
 from soma_pl.models.export import CARD_FILE, WEIGHTS_FILE, save_exported
+from soma_pl.models.stacked import StackedExperts
 from soma_pl.trainer_checks import RUN_SETTINGS_KEY
 
 EXPORT_KIND = "exported model"
@@ -107,6 +109,9 @@ def export(checkpoint: str, out: str | Path, config: str | None = None, router: 
     from soma_pl.lit.loading import ensemble_router, ensemble_size, load_module  # Lightning: only when run
 
     module = load_module(checkpoint, config, router)
+    if not isinstance(module.model, StackedExperts):
+        raise ConfigError(f"{checkpoint}: export writes the paper's LSTM experts; this {type(module).__name__} "
+                          f"checkpoint is read as it is by validate, test, evaluate_text and generate")
     payload = load_checkpoint(checkpoint)
     scores, scores_from = known_scores(Path(checkpoint).expanduser(), payload.get("global_step"))
     extra = {"method": module.method, "module": f"soma_pl.lit.{type(module).__name__}",

@@ -15,10 +15,10 @@ from soma_pl.lit.base import ByteLMModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
-EXPECTED = 28
-# configs/{quickstart,spsa,bptt,seed,soma_quickstart,soma_n2,soma_n8,soma_n256,eggroll,ddpp} (10),
+EXPECTED = 30
+# configs/{quickstart,spsa,bptt,seed,soma_quickstart,soma_n2,soma_n8,soma_n256,eggroll,eggroll_gru,ddpp} (11),
 # data/{demo,fineweb_edu} (2), shard/{demo_n1,demo_n2,demo_n2_random,demo_n2_iid,demo_n3,fineweb_n8} (6),
-# demo/{spsa,soma_n2,bptt_n2,eggroll,ddpp,seed} (6),
+# demo/{spsa,soma_n2,bptt_n2,eggroll,eggroll_gru,ddpp,seed} (7),
 # the layers under them: trainer/{cpu,gpu} (2), datamodule/{demo,fineweb_edu} (2)
 CPU = ("configs/trainer/cpu.yaml", "configs/datamodule/demo.yaml")
 GPU = ("configs/trainer/gpu.yaml", "configs/datamodule/fineweb_edu.yaml")
@@ -52,7 +52,7 @@ METHODS = [path for path in CONFIGS if "model" in (yaml.safe_load(path.read_text
 
 def test_found_every_config():
     assert len(CONFIGS) == EXPECTED, [_name(c) for c in CONFIGS]
-    assert len(METHODS) == 16 and LAYERS < set(CONFIGS)
+    assert len(METHODS) == 18 and LAYERS < set(CONFIGS)
 
 
 @pytest.mark.parametrize("path", [c for c in CONFIGS if c not in METHODS and c not in LAYERS], ids=_name)

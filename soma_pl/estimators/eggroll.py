@@ -27,6 +27,10 @@ EGGROLL paper) ``c = σ₀/√N``, so SGD steps ``Δθ = +lr·σ₀/√N·Σ_m f
 (``FitnessShaping.none``) is unbiased for the gradient of a linear loss and on a quadratic has the
 closed-form error :func:`lowrank_relative_error`. The two give the same step when
 ``lr_mean_over_sigma = lr_reference · σ₀²·√N``.
+
+The EGGROLL authors' GRU language-model recipe (App. I.1, :mod:`soma_pl.models.gru`) replaces shape
+and assemble by a vote: :func:`sign_test_step` moves a coordinate by a fixed step where the pairs'
+signed votes pass a level-α z-test.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import math
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
+from statistics import NormalDist
 from typing import ClassVar
 
 import torch
@@ -213,9 +218,23 @@ def member_noise(noise: Mapping[str, Tensor | tuple[Tensor, Tensor]], sigma: flo
     return MemberNoise(factors, offsets)
 
 
-def _chunks(total: int, size: int) -> Iterator[Tensor]:
-    for first in range(0, total, size):
-        yield torch.arange(first, min(first + size, total))
+def _chunks(total: int, size: int, first: int = 0) -> Iterator[Tensor]:
+    for start in range(first, total, size):
+        yield torch.arange(start, min(start + size, total))
+
+
+def member_chunks(config: EGGROLLConfig, members: range | None = None) -> Iterator[Tensor]:
+    """Indices of the members one loss call evaluates, ``config.chunk`` at a time (whole pairs), over
+    ``members`` (whole pairs; default all N)."""
+    members = range(config.population) if members is None else members
+    return _chunks(members.stop, config.chunk, members.start)
+
+
+def chunk_noise(params: Mapping[str, Tensor], matrices: Collection[str], config: EGGROLLConfig, step: int,
+                seed: int, ids: Tensor, members: Tensor) -> MemberNoise:
+    """The perturbations of ``members`` (consecutive whole pairs), regenerated from their pairs' keys."""
+    noise = pair_noise(params, matrices, config.rank, seed, step, ids, members[::2] // 2)
+    return member_noise(noise, config.sigma, config.rank)
 
 
 def evaluate_population(loss_fn: MemberLossFn, params: Mapping[str, Tensor], matrices: Collection[str],
@@ -229,10 +248,9 @@ def evaluate_population(loss_fn: MemberLossFn, params: Mapping[str, Tensor], mat
         losses: ``[E, N]``.
     """
     losses = []
-    for members in _chunks(config.population, config.chunk):
-        noise = pair_noise(params, matrices, config.rank, seed, step, ids, members[::2] // 2)
+    for members in member_chunks(config):
         tokens = batch[:, (members // config.group_size).to(batch.device)].unsqueeze(2)
-        losses.append(loss_fn(member_noise(noise, config.sigma, config.rank), tokens))
+        losses.append(loss_fn(chunk_noise(params, matrices, config, step, seed, ids, members), tokens))
     return torch.cat(losses, dim=1)
 
 
@@ -274,8 +292,7 @@ def assemble_update(params: Mapping[str, Tensor], matrices: Collection[str], fit
                     config: EGGROLLConfig, step: int, seed: int, ids: Tensor) -> dict[str, Tensor]:
     """Step 3: ``ĝ = c Σ_m φ_m ε_m`` with c from :func:`step_scale`, regenerating each pair's noise.
 
-    A pair contributes ``c_k = c (φ_{2k} − φ_{2k+1})`` times its noise; for a matrix the chunk's
-    ``Σ_k c_k A_k B_kᵀ / √r`` is one GEMM over the chunk's ``K·r`` columns.
+    A pair contributes ``c_k = c (φ_{2k} − φ_{2k+1})`` times its noise (:func:`pair_sum`).
 
     Args:
         fitness: ``[E, N]`` shaped losses φ.
@@ -284,10 +301,26 @@ def assemble_update(params: Mapping[str, Tensor], matrices: Collection[str], fit
         name → ``[E, ...]`` shaped like each parameter.
     """
     coefficients = (fitness[:, 0::2] - fitness[:, 1::2]) * step_scale(config)
+    return pair_sum(params, matrices, coefficients, config, step, seed, ids)
+
+
+@torch.no_grad()
+def pair_sum(params: Mapping[str, Tensor], matrices: Collection[str], coefficients: Tensor,
+             config: EGGROLLConfig, step: int, seed: int, ids: Tensor) -> dict[str, Tensor]:
+    """``Σ_k c_k ε_k`` over the antithetic pairs, ε_k pair k's unscaled noise (``A_k B_kᵀ/√r`` for a
+    matrix, the Gaussian ε_k for a vector), regenerated ``config.chunk // 2`` pairs at a time; for a
+    matrix a chunk's sum is one GEMM over its ``K·r`` columns.
+
+    Args:
+        coefficients: ``[E, N/2]`` c_k.
+
+    Returns:
+        name → ``[E, ...]`` shaped like each parameter.
+    """
     gradient = {name: torch.zeros_like(param) for name, param in params.items()}
     for pairs in _chunks(config.population // 2, config.chunk // 2):
         noise = pair_noise(params, matrices, config.rank, seed, step, ids, pairs)
-        weights = coefficients[:, pairs.to(fitness.device)]
+        weights = coefficients[:, pairs.to(coefficients.device)]
         for name, grad in gradient.items():
             value = noise[name]
             if isinstance(value, tuple):
@@ -296,6 +329,37 @@ def assemble_update(params: Mapping[str, Tensor], matrices: Collection[str], fit
                 flat = value.flatten(2)
                 grad += torch.bmm(weights.to(grad.dtype)[:, None, :], flat).view(grad.shape)
     return gradient
+
+
+def vote_threshold(alpha: float, pairs: int) -> float:
+    """``Φ⁻¹(1 − α/2)·√K``: the two-sided level-α bound of a sum of K independent ±1-weighted
+    unit-variance noise coordinates (:func:`sign_test_step`)."""
+    return NormalDist().inv_cdf(1 - alpha / 2) * math.sqrt(pairs)
+
+
+@torch.no_grad()
+def sign_test_step(params: Mapping[str, Tensor], matrices: Collection[str], losses: Tensor, alpha: float,
+                   config: EGGROLLConfig, step: int, seed: int, ids: Tensor) -> dict[str, Tensor]:
+    """The EGGROLL reference's GRU update (nano-egg's ``fast_fitness`` with ``use_clt``), in FP32.
+
+    Each antithetic pair votes ``f_k = sign(L_{2k+1} − L_{2k})``: +1 when its + member's loss is the
+    lower. ``Z = Σ_k f_k ε_k`` (:func:`pair_sum`); with no signal each coordinate of Z has mean 0
+    and variance K, so a coordinate moves only where ``|Z| ≥ Φ⁻¹(1 − α/2)·√K`` (a level-α z-test of
+    the votes, :func:`vote_threshold`), by one fixed step in Z's sign.
+
+    Args:
+        losses: ``[E, N]`` member losses.
+        alpha: the test's level α (the paper's reproduction: 0.01).
+
+    Returns:
+        name → ``−sign(Z)·[|Z| ≥ threshold]`` shaped like each parameter: a descent direction, so
+        ``θ ← θ − lr·g`` (SGD at lr = the step size, the reference's ``float_at_step``) moves each
+        passing coordinate by the step towards the winning members.
+    """
+    votes = torch.sign(losses[:, 1::2] - losses[:, 0::2]).to(torch.float64)
+    threshold = vote_threshold(alpha, config.population // 2)
+    return {name: -torch.sign(z) * (z.abs() >= threshold)
+            for name, z in pair_sum(params, matrices, votes, config, step, seed, ids).items()}
 
 
 def _weighted_outer_sum(weights: Tensor, a: Tensor, b: Tensor) -> Tensor:

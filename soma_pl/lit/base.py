@@ -22,8 +22,10 @@ loss, or checkpoint weight (written or read) stops the run with one line; no che
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import lightning as L
 import torch
@@ -45,7 +47,7 @@ from soma_pl.lit.plateau import ExpertPlateau, PlateauConfig, scale_gradients, s
 from soma_pl.lit.routing import Routing
 from soma_pl.lit.starts import HeadTraining, Init, head_mode, start_checkpoint, warm_start
 from soma_pl.models.checkpoints import first_nonfinite
-from soma_pl.models.stacked import HeadMode, StackedExperts
+from soma_pl.models.stacked import ExpertStack, HeadMode, StackedExperts
 
 
 class NonFiniteError(SomaError):
@@ -57,7 +59,8 @@ def finite_experts(model: StackedExperts) -> Tensor:
     return torch.isfinite(largest_weights(model))
 
 
-class ByteLMModule(L.LightningModule):
+class ByteLMModule(L.LightningModule, ABC):
+    # Abstract, so that the CLI gives a module named by `--model` its own defaults, not this class's.
     """Base of both modules (`ZOModule`, `BPTTModule`): the model, its optimizer and learning-rate
     decay, update logging, routed evaluation, checkpoints.
 
@@ -96,11 +99,10 @@ class ByteLMModule(L.LightningModule):
         for key, value in list(self.hparams.items()):
             self.hparams[key] = plain(value)
         self.keep_optimizer(optimizer)
-        self.shape = self.arg_group(ModelShape, shape, "shape")
+        self.shape = self.arg_group(self.shape_type, shape, "shape")
         self.plateau_config = self.arg_group(PlateauConfig, plateau, "plateau")
         self.head_training = HeadTraining(head_training)
-        self.model = StackedExperts(num_experts, self.shape.width, self.shape.embed_dim, self.shape.num_layers,
-                                    head_mode(self.head_training), self.shape.time_chunk)
+        self.model = self.build_model(num_experts)
         if head_mode(self.head_training) is HeadMode.shared:
             self.model.head.requires_grad_(False)  # a frozen head, the seed's or a random one
         self.seed_checkpoint = start_checkpoint(init, seed_checkpoint)
@@ -119,6 +121,14 @@ class ByteLMModule(L.LightningModule):
         self._records: dict[str, list] = {}
         self.last_update: UpdateRecord | None = None
         """The most recent update's cost, set by `log_update`."""
+
+    shape_type: ClassVar[type] = ModelShape
+    """The dataclass of `shape`, which `build_model` reads."""
+
+    def build_model(self, num_experts: int) -> ExpertStack:
+        """The stacked model: the paper's LSTM experts (App. C)."""
+        return StackedExperts(num_experts, self.shape.width, self.shape.embed_dim, self.shape.num_layers,
+                              head_mode(self.head_training), self.shape.time_chunk)
 
     @property
     def hparams_initial(self) -> AttributeDict:
@@ -377,9 +387,9 @@ class ByteLMModule(L.LightningModule):
             self.log_dict(self.plateau.learning_rates(self.optimizers().param_groups[0]["lr"]))
 
     @property
+    @abstractmethod
     def method(self) -> str:
         """The method this module trains: `spsa`, `soma`, `ddpp`, `eggroll` or `bptt`."""
-        raise NotImplementedError
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Record the module class and the router; refuse to write weights that are not finite."""

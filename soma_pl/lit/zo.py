@@ -62,6 +62,14 @@ def small_eps_warning(eps: float | Tensor, dtype: torch.dtype) -> str | None:
             f"precision there; set plateau.min_lr (or eps_schedule: constant)")
 
 
+def check_full_precision(module: ByteLMModule) -> None:
+    """Refuse a mixed-precision trainer: loss differences need the full-precision forward."""
+    precision = str(module.trainer.precision)
+    if precision not in FULL_PRECISION:
+        raise ConfigError(f"trainer.precision={precision}: {type(module).__name__} estimates gradients from loss "
+                          f"differences, which mixed precision ruins; use one of {', '.join(FULL_PRECISION)}")
+
+
 class ZOModule(ByteLMModule):
     """Zero-order training of a byte LM: monolithic (N = 1) or N experts trained independently (SOMA).
 
@@ -142,10 +150,7 @@ class ZOModule(ByteLMModule):
         return self.parallel.trained_model
 
     def setup(self, stage: str) -> None:
-        precision = str(self.trainer.precision)
-        if precision not in FULL_PRECISION:
-            raise ConfigError(f"trainer.precision={precision}: {type(self).__name__} estimates gradients from loss "
-                              f"differences, which mixed precision ruins; use one of {', '.join(FULL_PRECISION)}")
+        check_full_precision(self)
         if stage == "fit" and self.trainer.world_size > 1:
             self.check_world_size(self.trainer.world_size)
         data = self.trainer.datamodule

@@ -21,7 +21,7 @@ order) and under autograd (BPTT).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -72,8 +72,9 @@ class LowRank:
     offsets: Mapping[str, Tensor] = field(default_factory=dict)
     """``{"norm_gains": [G, M, 2D + 1, d_t]}`` added to the gains, or empty."""
 
-    def __post_init__(self) -> None:
-        unknown = (set(self.factors) - set(LOW_RANK_MATRICES)) | (set(self.offsets) - {NORM_GAINS})
+    def check(self, matrices: Collection[str], vectors: Collection[str]) -> None:
+        """Refuse a perturbation the model has no path for (``KeyError`` naming it)."""
+        unknown = (set(self.factors) - set(matrices)) | (set(self.offsets) - set(vectors))
         if unknown:
             raise KeyError(f"no low-rank path for {sorted(unknown)}")
 
@@ -180,6 +181,8 @@ class Pass:
     def __init__(self, model: StackedExperts, params: Mapping[str, Tensor], noise: LowRank | None = None,
                  kernel: Kernel | None = None) -> None:
         kernel = model.kernel if kernel is None else kernel
+        if noise is not None:
+            noise.check(LOW_RANK_MATRICES, (NORM_GAINS,))
         self.members = 1 if noise is None else noise.members
         self.factors = {} if noise is None else dict(noise.factors)
         self.kernel = recurrence.resolve_kernel(kernel, params, noise is not None)
@@ -334,7 +337,83 @@ class Pass:
         return recurrence.native_head_nll(head_t, flat, targets.reshape(groups, 1, -1)).view(targets.shape)
 
 
-class StackedExperts(nn.Module):
+class ExpertStack(nn.Module):
+    """What every stacked model shares: parameters ``[E, ...]`` with a leading expert dimension (a
+    shared one without it), their flat per-expert vectors, weight groups for batched perturbations,
+    and the losses and logits built on a model's own :meth:`window_losses` and :meth:`forward_with`.
+    ``num_experts`` is set by the model."""
+
+    num_experts: int
+
+    def head_parameter_names(self) -> tuple[str, ...]:
+        """Names of the tied embedding / output head parameters."""
+        return ("head",)
+
+    def body_parameter_names(self) -> tuple[str, ...]:
+        """Names of the body parameters (blocks, norm gains, projections)."""
+        heads = self.head_parameter_names()
+        return tuple(name for name, _ in self.named_parameters() if name not in heads)
+
+    def is_shared(self, name: str) -> bool:
+        """Whether parameter ``name`` has no expert dimension (one tensor shared by the experts)."""
+        return False
+
+    def expert_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters with a leading expert dimension, ``[E, ...]``, in flat-vector order."""
+        return {n: p for n, p in self.named_parameters() if not self.is_shared(n)}
+
+    def expert_param_shapes(self) -> dict[str, torch.Size]:
+        """Per-expert shape (without ``E``) of each expert parameter, in flat-vector order."""
+        return {name: p.shape[1:] for name, p in self.expert_parameters().items()}
+
+    def flatten_experts(self) -> Tensor:
+        """Each expert's flat parameter vector. Returns ``[E, D]`` (a copy)."""
+        params = self.expert_parameters().values()
+        return torch.cat([p.detach().reshape(self.num_experts, -1) for p in params], dim=1)
+
+    @torch.no_grad()
+    def load_flat_experts(self, flat: Tensor) -> None:
+        """Inverse of :meth:`flatten_experts`. flat: ``[E, D]``."""
+        params = self.expert_parameters().values()
+        expected = sum(param[0].numel() for param in params)
+        if tuple(flat.shape) != (self.num_experts, expected):
+            raise ValueError(f"flat shape {tuple(flat.shape)} != ({self.num_experts}, {expected})")
+        start = 0
+        for param in params:
+            size = param[0].numel()
+            param.copy_(flat[:, start : start + size].reshape(param.shape))
+            start += size
+
+    def group_parameters(self, params: Mapping[str, Tensor], groups: int) -> dict[str, Tensor]:
+        """Complete ``params`` (``[G, ...]`` each) with this module's own weights: a missing expert
+        parameter is repeated expert-major over the ``G = E·C`` groups (group ``g`` belongs to expert
+        ``g // C``; with every expert parameter given, G is free); the shared head is used as it is."""
+        own = dict(self.named_parameters())
+        unknown = set(params) - set(own)
+        if unknown:
+            raise KeyError(f"unknown parameter names {sorted(unknown)}; expected {sorted(own)}")
+        missing = [name for name in own if name not in params and not self.is_shared(name)]
+        if missing and groups % self.num_experts:
+            raise ValueError(f"{groups} groups is not a multiple of {self.num_experts} experts")
+        copies = groups // self.num_experts
+        return {name: params[name] if name in params else param if self.is_shared(name) or copies == 1
+                else param.repeat_interleave(copies, dim=0) for name, param in own.items()}
+
+    def loss_per_group(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0) -> Tensor:
+        """Mean next-byte cross entropy (nats) per group. tokens: ``[G, b, T]`` → ``[G]``."""
+        return self.window_losses(tokens, score_from, params).mean(1)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits of each expert on its own bytes. tokens: ``[E, b, T]`` → ``[E, b, T, 256]``."""
+        return self.forward_with({}, tokens)
+
+    def decoder(self, experts: Tensor, batch: int = 1):
+        """Incremental decoding of ``experts`` (``[k]``): a callable from the bytes after the previous
+        call's, ``[k, b, T]``, to the next byte's logits ``[k, b, 256]``, the state carried."""
+        raise NotImplementedError
+
+
+class StackedExperts(ExpertStack):
     """E byte-level language models (the paper's expert, App. C) whose weights carry a leading expert dimension.
 
     Parameters (per expert shapes after the leading ``E``):
@@ -404,59 +483,9 @@ class StackedExperts(nn.Module):
             nn.init.normal_(self.in_proj, std=1.0 / math.sqrt(self.embed_dim))
             nn.init.normal_(self.out_proj, std=1.0 / math.sqrt(self.width))
 
-    def head_parameter_names(self) -> tuple[str, ...]:
-        """Names of the tied embedding / output head parameters."""
-        return ("head",)
-
-    def body_parameter_names(self) -> tuple[str, ...]:
-        """Names of the body parameters (blocks, norm gains, projections)."""
-        heads = self.head_parameter_names()
-        return tuple(name for name, _ in self.named_parameters() if name not in heads)
-
     def is_shared(self, name: str) -> bool:
         """Whether parameter ``name`` has no expert dimension (the shared head)."""
         return name == "head" and self.head_mode == HeadMode.shared
-
-    def expert_parameters(self) -> dict[str, nn.Parameter]:
-        """The parameters with a leading expert dimension, ``[E, ...]``, in flat-vector order."""
-        return {n: p for n, p in self.named_parameters() if not self.is_shared(n)}
-
-    def expert_param_shapes(self) -> dict[str, torch.Size]:
-        """Per-expert shape (without ``E``) of each expert parameter, in flat-vector order."""
-        return {name: p.shape[1:] for name, p in self.expert_parameters().items()}
-
-    def flatten_experts(self) -> Tensor:
-        """Each expert's flat parameter vector. Returns ``[E, D]`` (a copy)."""
-        params = self.expert_parameters().values()
-        return torch.cat([p.detach().reshape(self.num_experts, -1) for p in params], dim=1)
-
-    @torch.no_grad()
-    def load_flat_experts(self, flat: Tensor) -> None:
-        """Inverse of :meth:`flatten_experts`. flat: ``[E, D]``."""
-        params = self.expert_parameters().values()
-        expected = sum(param[0].numel() for param in params)
-        if tuple(flat.shape) != (self.num_experts, expected):
-            raise ValueError(f"flat shape {tuple(flat.shape)} != ({self.num_experts}, {expected})")
-        start = 0
-        for param in params:
-            size = param[0].numel()
-            param.copy_(flat[:, start : start + size].reshape(param.shape))
-            start += size
-
-    def group_parameters(self, params: Mapping[str, Tensor], groups: int) -> dict[str, Tensor]:
-        """Complete ``params`` (``[G, ...]`` each) with this module's own weights: a missing expert
-        parameter is repeated expert-major over the ``G = E·C`` groups (group ``g`` belongs to expert
-        ``g // C``; with every expert parameter given, G is free); the shared head is used as it is."""
-        own = dict(self.named_parameters())
-        unknown = set(params) - set(own)
-        if unknown:
-            raise KeyError(f"unknown parameter names {sorted(unknown)}; expected {sorted(own)}")
-        missing = [name for name in own if name not in params and not self.is_shared(name)]
-        if missing and groups % self.num_experts:
-            raise ValueError(f"{groups} groups is not a multiple of {self.num_experts} experts")
-        copies = groups // self.num_experts
-        return {name: params[name] if name in params else param if self.is_shared(name) or copies == 1
-                else param.repeat_interleave(copies, dim=0) for name, param in own.items()}
 
     def zero_state(self, params: Mapping[str, Tensor], rows: int) -> list[tuple[Tensor, Tensor]]:
         """Each block's LSTM ``(h, c)`` before the first byte: zeros, ``[G, R, d_t]`` each."""
@@ -490,6 +519,9 @@ class StackedExperts(nn.Module):
                 x = x + plan.mlp(layer, normed)
                 normed = layer_norm(x, plan.gain(NORMS_PER_BLOCK * (layer + 1)))
             yield plan.project("out_proj", normed)
+
+    def decoder(self, experts: Tensor, batch: int = 1) -> Decoder:
+        return Decoder(self, experts, batch)
 
     def forward_with(self, params: Mapping[str, Tensor], tokens: Tensor) -> Tensor:
         """Logits under the given weights. params: name → ``[G, ...]`` (missing ones filled by
@@ -545,15 +577,6 @@ class StackedExperts(nn.Module):
         chunks = self.target_log_probs(params or {}, tokens, score_from, noise)
         total = sum(-chunk.sum(2, dtype=reduce_dtype) for chunk in chunks)
         return total / (tokens.shape[2] - 1 - score_from)
-
-    def loss_per_group(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0) -> Tensor:
-        """Mean next-byte cross entropy (nats) per group. tokens: ``[G, b, T]`` → ``[G]``."""
-        return self.window_losses(tokens, score_from, params).mean(1)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits of each expert on its own bytes. tokens: ``[E, b, T]`` → ``[E, b, T, 256]``."""
-        return self.forward_with({}, tokens)
-
 
 def population_losses(model: StackedExperts, tokens: Tensor, factors: Mapping[str, Factors],
                       offsets: Mapping[str, Tensor], score_from: int = 0) -> Tensor:

@@ -4,6 +4,7 @@ the reference's (HyperscaleES) shaping and step on identical noise."""
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import replace
 
 import numpy as np
@@ -17,11 +18,13 @@ from soma_pl.estimators.eggroll import (
     MemberNoise,
     StepConvention,
     assemble_update,
+    chunk_noise,
     eggroll_estimate,
     lowrank_relative_error,
     member_noise,
     pair_noise,
     shape_fitness,
+    sign_test_step,
 )
 from soma_pl.models import HeadMode, StackedExperts, recurrence
 from soma_pl.models.stacked import LOW_RANK_MATRICES, population_losses
@@ -442,3 +445,55 @@ def test_bad_settings_and_batches_are_refused():
     with pytest.raises(ValueError, match="needs 2"):
         eggroll_estimate(problem.member_losses(theta), {"w": theta}, ["w"], torch.zeros(1, 3, 3, dtype=torch.uint8),
                          EGGROLLConfig(population=16, group_size=8), 0, seed=0)
+
+
+# The GRU recipe's vote (nano-egg's `fast_fitness` update in FP32): each pair votes for its better
+# member, and a coordinate moves where the votes' sum Z = Σ f_k ε_k passes |Z| ≥ Φ⁻¹(1 − α/2)·√K.
+
+
+def _vote_params() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(4)
+    return {"w": torch.randn(1, 2, 5, 7, generator=generator), "v": torch.randn(1, 9, generator=generator)}
+
+
+def test_vote_step_equals_a_loop_over_the_pairs_with_materialised_noise():
+    params, rank, alpha = _vote_params(), 2, 0.2
+    config = EGGROLLConfig(sigma=1 / 16, rank=rank, population=24, group_size=6, max_members=10)
+    losses = torch.randn(1, 24, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    step = sign_test_step(params, ["w"], losses, alpha, config, step=3, seed=1, ids=IDS)
+    z = {name: torch.zeros_like(param[0]) for name, param in params.items()}
+    for k in range(12):
+        vote = 1.0 if losses[0, 2 * k] < losses[0, 2 * k + 1] else -1.0
+        noise = pair_noise(params, ["w"], rank, 1, 3, IDS, torch.tensor([k]))
+        a, b = noise["w"]
+        z["w"] += vote * a[0, 0] @ b[0, 0].transpose(-1, -2) / math.sqrt(rank)
+        z["v"] += vote * noise["v"][0, 0]
+    threshold = statistics.NormalDist().inv_cdf(1 - alpha / 2) * math.sqrt(12)
+    for name, value in z.items():
+        expected = torch.where(value.abs() >= threshold, -torch.sign(value), torch.zeros_like(value))
+        assert torch.equal(step[name][0], expected), name
+    assert step["w"].count_nonzero() > 0 and step["w"].abs().max() == 1
+
+
+def test_with_no_signal_a_coordinate_moves_with_probability_alpha():
+    # Gaussian vector noise and votes independent of it: each coordinate of Z is exactly N(0, K).
+    params = {"v": torch.zeros(1, 200_000)}
+    config = EGGROLLConfig(sigma=1 / 16, population=64, group_size=64)
+    losses = torch.randn(1, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for alpha in (0.01, 0.1):
+        moved = sign_test_step(params, [], losses, alpha, config, step=0, seed=5, ids=IDS)["v"].count_nonzero()
+        spread = 4 * math.sqrt(alpha * (1 - alpha) / 200_000)  # four binomial standard deviations
+        assert abs(moved.item() / 200_000 - alpha) < spread
+
+
+def test_votes_on_a_linear_loss_step_against_its_gradient():
+    generator = torch.Generator().manual_seed(6)
+    gradient = torch.randn(1, 25, generator=generator)
+    params, config = {"v": torch.zeros(1, 25)}, EGGROLLConfig(sigma=1 / 16, population=2048, group_size=2048)
+    offsets = chunk_noise(params, [], config, 0, 7, IDS, torch.arange(2048)).offsets["v"]  # [1, N, 25]
+    losses = (offsets * gradient[:, None]).sum(-1).double()  # L_m = ⟨g, θ + σ ε_m⟩ − ⟨g, θ⟩
+    step = sign_test_step(params, [], losses, 0.01, config, step=0, seed=7, ids=IDS)["v"]
+    moved = step != 0
+    # E[Z_i] = −K·√(2/π)·g_i/‖g‖ (about 160·g_i here) against a threshold of 2.58·√K = 82: most
+    # coordinates move, and θ ← θ − lr·step moves each against its gradient's sign
+    assert moved.sum() >= 15 and torch.equal(step[moved], torch.sign(gradient[moved]))

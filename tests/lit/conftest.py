@@ -11,6 +11,7 @@ from soma_pl.cli import main
 from tests.data.corpora import write_jsonl_corpus
 
 TINY = Path(__file__).with_name("tiny_spsa.yaml")
+TINY_GRU = Path(__file__).with_name("tiny_gru.yaml")
 
 
 @pytest.fixture(scope="session")
@@ -20,8 +21,8 @@ def corpus_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def fit_args(corpus: Path, data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["fit", "--config", str(TINY), f"--data.init_args.dataset.corpus.paths=[{corpus}]",
+def fit_args(corpus: Path, data_dir: Path, run_dir: Path, *extra: str, config: Path = TINY) -> list[str]:
+    return ["fit", "--config", str(config), f"--data.init_args.dataset.corpus.paths=[{corpus}]",
             f"--data.init_args.dataset.output_dir={data_dir}", f"--trainer.default_root_dir={run_dir}",
             "--trainer.logger=false", *extra]  # checkpoints go to <default_root_dir>/checkpoints
 
