@@ -39,7 +39,7 @@ KEPT_ON_RESUME = ("model", "data")
 FREE_ON_RESUME = (
     # memory and speed: the same updates in other pieces
     "model.init_args.shape.time_chunk", "model.init_args.spsa.max_rows", "model.init_args.eggroll.max_members",
-    "data.init_args.eval_batch_size", "data.init_args.num_workers",
+    "model.init_args.recipe.max_members", "data.init_args.eval_batch_size", "data.init_args.num_workers",
     # where a fresh fit starts: not read when resuming
     "model.init_args.init", "model.init_args.seed_checkpoint",
     # where the data are and how they are built or checked (what they are: the checkpoint's fingerprints)

@@ -133,7 +133,7 @@ class GRUModule(ByteLMModule):
                          optimizer=optimizer, plateau=plateau, top_k=1)
         self.recipe = self.arg_group(GRURecipe, recipe, "recipe")
         self.seed = seed
-        self.members = range(recipe.population)
+        self.members = range(self.recipe.population)
         """The members this process evaluates (a rank's share of the pairs on several processes)."""
         self.windows: Tensor | None = None
         """`[1, B, 1025]` the windows the streams are reading; None before the first update."""
@@ -168,7 +168,8 @@ class GRUModule(ByteLMModule):
         optimizer = super().configure_optimizers()
         if not steps_with_gradient(optimizer):
             raise ConfigError(f"{KEY}.optimizer={type(optimizer).__name__}: the recipe moves each voted coordinate "
-                              f"by the learning rate, which only plain SGD (no momentum or weight decay) steps")
+                              f"by the learning rate, which only plain SGD (no momentum, weight decay or "
+                              f"maximize) steps")
         return optimizer
 
     def next_segment(self, batch: Tensor) -> Tensor:
@@ -180,13 +181,20 @@ class GRUModule(ByteLMModule):
                               f"{self.recipe.population} in groups of {self.recipe.group_size} needs "
                               f"data.init_args.batch_size={streams}")
         length = self.recipe.stream_bytes
-        if self.windows is None or self.cursor + length + 1 > self.windows.shape[2]:
+        if self.windows_used_up():
             self.windows, self.cursor = batch.clone(), 0
             params = dict(self.model.named_parameters())
             self.states = [h.detach() for h in self.model.zero_state(params, len(self.members))]
+        # where a checkpoint restored them before the model reached its device
+        self.windows = self.windows.to(batch.device)
+        self.states = [h.to(batch.device) for h in self.states]
         segment = self.windows[:, :, self.cursor : self.cursor + length + 1]
         self.cursor += length
         return segment
+
+    def windows_used_up(self) -> bool:
+        """Whether the next update takes new windows (its states back at zero)."""
+        return self.windows is None or self.cursor + self.recipe.stream_bytes + 1 > self.windows.shape[2]
 
     @torch.no_grad()
     def member_losses(self, segment: Tensor) -> Tensor:
@@ -206,7 +214,7 @@ class GRUModule(ByteLMModule):
             for h, carried in zip(self.states, state, strict=True):
                 h[:, local] = carried
         local_losses = torch.cat(losses, dim=1)
-        if self.trainer.world_size == 1:
+        if len(self.members) == self.recipe.population:
             return local_losses
         return self.all_gather(local_losses).permute(1, 0, 2).reshape(1, -1)
 
@@ -238,16 +246,20 @@ class GRUModule(ByteLMModule):
                             f"{self.recipe.key}.max_members={self.recipe.max_members}")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """The streams' windows, cursor and every member's carried state (gathered from the ranks)."""
-        states = [h if self.trainer.world_size == 1 else self.all_gather(h).permute(1, 0, 2, 3).flatten(1, 2)
-                  for h in self.states]
-        checkpoint["streams"] = {"windows": self.windows, "cursor": self.cursor, "states": states}
+        """Mid-window, the streams' windows, cursor and every member's carried state (gathered from the
+        ranks: at paper scale 6 × 2^20 × 339 floats, 8.5 GB); nothing where the next update takes new
+        windows, as at every validation of a run whose `val_check_interval` is a multiple of the
+        updates per window (10: the configs' are)."""
+        if self.windows_used_up():
+            checkpoint["streams"] = {"windows": None, "cursor": 0, "states": []}
+        else:
+            states = [h if self.trainer.world_size == 1 else self.all_gather(h).permute(1, 0, 2, 3).flatten(1, 2)
+                      for h in self.states]
+            checkpoint["streams"] = {"windows": self.windows, "cursor": self.cursor, "states": states}
         super().on_save_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
         streams = checkpoint.get("streams") or {}
-        windows = streams.get("windows")
-        self.windows, self.cursor = None if windows is None else windows.to(self.device), streams.get("cursor", 0)
-        self.states = [h[:, self.members.start : self.members.stop].to(self.device, copy=True)
-                       for h in streams.get("states", [])]
+        self.windows, self.cursor = streams.get("windows"), streams.get("cursor", 0)
+        self.states = [h[:, self.members.start : self.members.stop].clone() for h in streams.get("states", [])]

@@ -112,10 +112,11 @@ def per_expert(scale: Tensor, param: Tensor) -> Tensor:
 
 
 def steps_with_gradient(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer's step is `-lr · grad` (SGD without momentum or weight decay), so that
-    scaling an expert's gradient scales its update exactly."""
+    """Whether the optimizer's step is `-lr · grad` (SGD without momentum, weight decay or `maximize`),
+    so that scaling an expert's gradient scales its update exactly."""
     return type(optimizer) is torch.optim.SGD and all(
-        group["momentum"] == 0 and group["weight_decay"] == 0 for group in optimizer.param_groups)
+        group["momentum"] == 0 and group["weight_decay"] == 0 and not group["maximize"]
+        for group in optimizer.param_groups)
 
 
 @torch.no_grad()

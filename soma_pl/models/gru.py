@@ -199,8 +199,9 @@ class GRUStack(ExpertStack):
         return ("embed", "head")
 
     def zero_state(self, params: Mapping[str, Tensor], rows: int) -> list[Tensor]:
-        """Each layer's h before the first byte: zeros ``[G, R, d]``."""
-        return [params["w_hh"].new_zeros(params["w_hh"].shape[0], rows, self.width)] * self.num_layers
+        """Each layer's h before the first byte: zeros ``[G, R, d]``, a tensor of its own per layer (a
+        stream writes each layer's back in place)."""
+        return [params["w_hh"].new_zeros(params["w_hh"].shape[0], rows, self.width) for _ in range(self.num_layers)]
 
     def features(self, params: Mapping[str, Tensor], tokens: Tensor, noise: LowRank | None = None,
                  state: list[Tensor] | None = None, plan: GRUPass | None = None) -> Iterator[Tensor]:

@@ -80,6 +80,30 @@ def test_resume_after_a_crash_mid_window_reaches_the_same_weights_bitwise(corpus
     straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "crashed")
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+    streams = [torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=False)["streams"]
+               for run in ("straight", "crashed")]
+    assert all(torch.equal(a, b) for a, b in zip(streams[0]["states"], streams[1]["states"], strict=True))
+
+
+def test_a_checkpoint_where_new_windows_begin_holds_no_states(corpus_dir, tmp_path):
+    run_cli(_fit_args(corpus_dir, tmp_path, "run", "--trainer.max_steps=6", "--trainer.val_check_interval=3"))
+    streams = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["streams"]
+    assert streams == {"windows": None, "cursor": 0, "states": []}  # cursor 900: the next update takes new ones
+
+
+def test_chunks_of_members_carry_each_layers_own_state(corpus_dir, tmp_path):
+    windows = torch.randint(0, 256, (1, 4, 1025), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for chunk in ("6", "16"):  # three loss calls of at most 6 members, or one of all 16
+        module = make_cli(_fit_args(corpus_dir, tmp_path, "run", f"--model.init_args.recipe.max_members={chunk}")[1:],
+                          run=False).model
+        module.members = range(16)
+        losses = [module.member_losses(module.next_segment(windows)) for _ in range(2)]
+        runs[chunk] = losses, [h.clone() for h in module.states]
+    (losses, states), (whole_losses, whole_states) = runs["6"], runs["16"]
+    for first, second in zip(losses + states, whole_losses + whole_states, strict=True):
+        torch.testing.assert_close(first, second, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(states[0], states[1])  # each layer its own h
 
 
 @pytest.mark.parametrize(("setting", "value"), [("recipe.alpha", "1.5"), ("recipe.population", "18"),
