@@ -125,6 +125,7 @@ def test_a_step_or_batch_the_recipe_cannot_take_is_refused_naming_it(corpus_dir,
     assert setting in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # two fresh interpreters
 def test_two_processes_share_the_members_and_train_the_weights_of_one(corpus_dir, tmp_path):
     settings = ["--trainer.max_steps=4", "--trainer.val_check_interval=4"]
     reference = make_cli(_fit_args(corpus_dir, tmp_path, "one", *settings))
