@@ -117,7 +117,8 @@ def linear(x: Tensor, weight_t: Tensor, factors: tuple[Tensor, Tensor] | None = 
     a, b = factors
     members = a.shape[0]
     thin = torch.bmm(x.reshape(members, -1, width), b)
-    return torch.baddbmm(out.reshape(members, -1, out.shape[-1]), thin, a.transpose(1, 2)).view(out.shape)
+    out.view(members, -1, out.shape[-1]).baddbmm_(thin, a.transpose(1, 2))  # into the fresh product
+    return out
 
 
 def layer_norm(x: Tensor, gain: Tensor) -> Tensor:
