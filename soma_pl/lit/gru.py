@@ -25,6 +25,7 @@ update time) × devices: the update clock here spans both.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -84,28 +85,31 @@ class GRURecipe:
 
     def __post_init__(self) -> None:
         key = self.key
-        require(self.group_size >= 2 and self.group_size % 2 == 0, f"{key}.group_size", self.group_size,
-                "even and >= 2 (antithetic pairs)")
-        require(self.population >= self.group_size and self.population % self.group_size == 0,
-                f"{key}.population", self.population, f"a multiple of {key}.group_size={self.group_size}")
-        require(self.rank >= 1, f"{key}.rank", self.rank, ">= 1")
+        require(self.population >= self.group_size, f"{key}.population", self.population,
+                f"a multiple of {key}.group_size={self.group_size}")
         require(self.sigma_shift >= 0, f"{key}.sigma_shift", self.sigma_shift, ">= 0")
         require(0 < self.alpha < 1, f"{key}.alpha", self.alpha, "in (0, 1)")
         require(1 <= self.stream_bytes < WINDOW_BYTES - 1, f"{key}.stream_bytes", self.stream_bytes,
                 f"in [1, {WINDOW_BYTES - 2}]")
-        require(self.max_members is None or self.max_members >= 2, f"{key}.max_members", self.max_members,
-                ">= 2 (one antithetic pair; or null)")
+        self.noise  # noqa: B018  (its own checks: group_size, population, rank, max_members under this key)
 
     @property
     def streams(self) -> int:
         """B: windows (streams) per batch."""
         return self.population // self.group_size
 
-    @property
+    @cached_property
     def noise(self) -> EGGROLLConfig:
         """The perturbations' settings: σ = 2^-sigma_shift, rank r, chunks of `max_members`."""
-        return EGGROLLConfig(sigma=2.0**-self.sigma_shift, rank=self.rank, population=self.population,
-                             group_size=self.group_size, max_members=self.max_members)
+        return _RecipeNoise(sigma=2.0**-self.sigma_shift, rank=self.rank, population=self.population,
+                            group_size=self.group_size, max_members=self.max_members)
+
+
+@dataclass(frozen=True)
+class _RecipeNoise(EGGROLLConfig):
+    """EGGROLL's noise settings, checked under the recipe's key."""
+
+    key: ClassVar[str] = GRURecipe.key
 
 
 class GRUModule(ByteLMModule):
@@ -196,13 +200,18 @@ class GRUModule(ByteLMModule):
         """Whether the next update takes new windows (its states back at zero)."""
         return self.windows is None or self.cursor + self.recipe.stream_bytes + 1 > self.windows.shape[2]
 
+    def perturbed(self, device: torch.device) -> tuple[dict[str, torch.nn.Parameter], list[str], Tensor]:
+        """What the noise is regenerated for: every weight, the names of the matrices among them (rank-r
+        noise), and the one model's expert index."""
+        params = self.trainable_parameters()
+        return params, [name for name in params if name in MATRICES], torch.zeros(1, dtype=torch.long, device=device)
+
     @torch.no_grad()
     def member_losses(self, segment: Tensor) -> Tensor:
         """Every member's mean cross entropy on its stream's segment, `[1, N]` (this rank's share
         evaluated, the others' gathered), each chunk of members carrying its states on."""
-        config, params = self.recipe.noise, dict(self.model.named_parameters())
-        matrices = [name for name in params if name in MATRICES]
-        ids = torch.zeros(1, dtype=torch.long, device=segment.device)
+        config = self.recipe.noise
+        params, matrices, ids = self.perturbed(segment.device)
         losses = []
         for members in member_chunks(config, self.members):
             noise = chunk_noise(params, matrices, config, self.global_step, self.seed, ids, members)
@@ -224,9 +233,7 @@ class GRUModule(ByteLMModule):
         clock = UpdateClock(segment.device)
         clock.start()
         losses = self.member_losses(segment)
-        params = self.trainable_parameters()
-        matrices = [name for name in params if name in MATRICES]
-        ids = torch.zeros(1, dtype=torch.long, device=segment.device)
+        params, matrices, ids = self.perturbed(segment.device)
         step_direction = sign_test_step(params, matrices, losses, self.recipe.alpha, self.recipe.noise, step,
                                         self.seed, ids)
         for name, param in params.items():
@@ -236,7 +243,7 @@ class GRUModule(ByteLMModule):
         self.check_finite(step, losses.mean(1))
         moved = sum(grad.count_nonzero() for grad in step_direction.values())
         evaluated = len(self.members) * (segment.shape[2] - 1)
-        self.log_update(losses.mean(1), clock.seconds(), evaluated, sigma=2.0**-self.recipe.sigma_shift,
+        self.log_update(losses.mean(1), clock.seconds(), evaluated, sigma=self.recipe.noise.sigma,
                         moved=moved / sum(param.numel() for param in params.values()))
 
     def update_memory(self) -> UpdateMemory:

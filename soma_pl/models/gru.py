@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from soma_pl import VOCAB_SIZE
-from soma_pl.models.stacked import MLP_RATIO, ExpertStack, LowRank
+from soma_pl.models.stacked import MLP_RATIO, ExpertStack, Factors, LowRank, linear
 
 LAYERS = 6
 """The reference's depth."""
@@ -49,8 +49,6 @@ VECTORS = ("bias", "norm_gains")
 """Parameters EGGROLL perturbs with full noise."""
 NORM_EPS = 1e-5
 """Floor of the mean absolute value a norm divides by."""
-
-Factors = tuple[Tensor, Tensor]
 
 
 def gru_parameter_count(width: int, layers: int = LAYERS) -> int:
@@ -69,17 +67,6 @@ def _by_member(vector: Tensor, x: Tensor) -> Tensor:
     """Add a member vector ``[G, M, d]`` to the rows of ``x [G, R, n, d]`` each member owns."""
     groups, members, width = vector.shape
     return (x.view(groups, members, -1, width) + vector[:, :, None]).view(x.shape)
-
-
-def _product(x: Tensor, weight_t: Tensor, factors: Factors | None) -> Tensor:
-    """``x·Wᵀ`` per group plus each member's ``(x·B)·Aᵀ``: x ``[G, R, n, in]``, weight_t ``[G, in, out]``,
-    factors ``(A [G·M, out, r], B [G·M, in, r])``."""
-    out = torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), weight_t).view(*x.shape[:-1], -1)
-    if factors is None:
-        return out
-    a, b = factors
-    thin = torch.bmm(x.reshape(a.shape[0], -1, x.shape[-1]), b)
-    return torch.baddbmm(out.reshape(a.shape[0], -1, out.shape[-1]), thin, a.transpose(1, 2)).view(out.shape)
 
 
 class GRUPass:
@@ -130,27 +117,33 @@ class GRUPass:
     def gru(self, layer: int, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         """Layer ``layer``'s cell over a chunk: x ``[G, R, Tc, d]`` normalised input, h ``[G, R, d]``
         → outputs ``[G, R, Tc, d]`` and the last h."""
-        gate_in = _by_member(self.vector("bias", layer, GATE), _product(x, *self.matrix("w_ih", layer, GATE)))
+        gate_in = _by_member(self.vector("bias", layer, GATE), linear(x, *self.matrix("w_ih", layer, GATE)))
         cand_in = _by_member(self.vector("bias", layer, CANDIDATE),
-                             _product(x, *self.matrix("w_ih", layer, CANDIDATE)))
+                             linear(x, *self.matrix("w_ih", layer, CANDIDATE)))
         u_gate, u_cand = self.matrix("w_hh", layer, GATE), self.matrix("w_hh", layer, CANDIDATE)
         outputs = []
         for t in range(x.shape[2]):
-            f = torch.sigmoid(gate_in[:, :, t] + _product(h[:, :, None], *u_gate)[:, :, 0])
-            candidate = torch.tanh(cand_in[:, :, t] + _product((f * h)[:, :, None], *u_cand)[:, :, 0])
+            f = torch.sigmoid(gate_in[:, :, t] + linear(h[:, :, None], *u_gate)[:, :, 0])
+            candidate = torch.tanh(cand_in[:, :, t] + linear((f * h)[:, :, None], *u_cand)[:, :, 0])
             h = torch.addcmul(h, f, candidate - h)
             outputs.append(h)
         return torch.stack(outputs, dim=2), h
 
     def mlp(self, layer: int, x: Tensor) -> Tensor:
         """``W_out·ReLU(W_in·x)`` over a chunk."""
-        return _product(torch.relu(_product(x, *self.matrix("mlp_in", layer))), *self.matrix("mlp_out", layer))
+        return linear(torch.relu(linear(x, *self.matrix("mlp_in", layer))), *self.matrix("mlp_out", layer))
 
     def norm(self, index: int, x: Tensor) -> Tensor:
         return abs_mean_norm(x, self.vector("norm_gains", index))
 
     def logits(self, features: Tensor) -> Tensor:
-        return _product(features, *self.matrix("head"))
+        return linear(features, *self.matrix("head"))
+
+    def cross_entropy(self, features: Tensor, targets: Tensor) -> Tensor:
+        """Next-byte cross entropy ``[G, R, Tc]`` of features ``[G, R, Tc, d]``."""
+        logits = self.logits(features)
+        return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.long().reshape(-1),
+                               reduction="none").view(targets.shape)
 
 
 class GRUStack(ExpertStack):
@@ -228,39 +221,8 @@ class GRUStack(ExpertStack):
                 x = x + plan.mlp(layer, plan.norm(NORMS_PER_LAYER * layer + 1, x))
             yield plan.norm(NORMS_PER_LAYER * self.num_layers, x)
 
-    def forward_with(self, params: Mapping[str, Tensor], tokens: Tensor) -> Tensor:
-        """Logits ``[G, b, T, 256]`` of tokens ``[G, b, T]`` under ``params`` (missing ones this model's)."""
-        full = self.group_parameters(params, tokens.shape[0])
-        plan = GRUPass(full)
-        return torch.cat([plan.logits(y) for y in self.features(full, tokens, plan=plan)], dim=2)
-
-    def target_log_probs(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0,
-                         noise: LowRank | None = None, state: list[Tensor] | None = None) -> Iterator[Tensor]:
-        """Log-probability ``[G, R, Tc]`` of each scored next byte, chunk by chunk (``tokens [G, R, T]``:
-        inputs ``[..., :-1]``, targets ``[..., 1:]``; ``state`` as :meth:`features`)."""
-        if not 0 <= score_from < tokens.shape[2] - 1:
-            raise ValueError(f"score_from={score_from} leaves no targets in {tokens.shape[2]} bytes")
-        full = self.group_parameters(params, tokens.shape[0])
-        plan = GRUPass(full, noise)
-        start = 0
-        for features in self.features(full, tokens[..., :-1], noise, state, plan):
-            stop = start + features.shape[2]
-            first = max(score_from, start)
-            if first < stop:
-                logits = plan.logits(features[:, :, first - start :])
-                targets = tokens[:, :, first + 1 : stop + 1].long()
-                yield -F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1),
-                                       reduction="none").view(targets.shape)
-            start = stop
-
-    def window_losses(self, tokens: Tensor, score_from: int = 0, params: Mapping[str, Tensor] | None = None,
-                      noise: LowRank | None = None, reduce_dtype: torch.dtype | None = None,
-                      state: list[Tensor] | None = None) -> Tensor:
-        """Mean scored next-byte cross entropy (nats/byte) of every window, ``[G, R]``; as
-        :meth:`StackedExperts.window_losses`, with ``state`` carried as :meth:`features`."""
-        chunks = self.target_log_probs(params or {}, tokens, score_from, noise, state)
-        total = sum(-chunk.sum(2, dtype=reduce_dtype) for chunk in chunks)
-        return total / (tokens.shape[2] - 1 - score_from)
+    def make_pass(self, params: Mapping[str, Tensor], noise: LowRank | None = None) -> GRUPass:
+        return GRUPass(params, noise)
 
     def decoder(self, experts: Tensor, batch: int = 1) -> GRUDecoder:
         return GRUDecoder(self, experts, batch)

@@ -318,6 +318,10 @@ class Pass:
         flat = index.reshape(a.shape[0], -1, 1).expand(-1, -1, a.shape[-1])
         return rows + torch.bmm(torch.gather(a, 1, flat), b.transpose(1, 2)).view(rows.shape)
 
+    def logits(self, features: Tensor) -> Tensor:
+        """The tied head's logits of features ``[G, R, Tc, d_E]``."""
+        return linear(features, self.head_t)
+
     def cross_entropy(self, features: Tensor, targets: Tensor) -> Tensor:
         """Next-byte cross entropy ``[G, R, Tc]`` of features ``[G, R, Tc, d_E]``: the native fused
         head where it applies (no logits written out; a member's head ``[W, A]`` against its features
@@ -341,7 +345,7 @@ class Pass:
 class ExpertStack(nn.Module):
     """What every stacked model shares: parameters ``[E, ...]`` with a leading expert dimension (a
     shared one without it), their flat per-expert vectors, weight groups for batched perturbations,
-    and the losses and logits built on a model's own :meth:`window_losses` and :meth:`forward_with`.
+    and the logits and losses read off a model's own ``features`` and pass (:meth:`make_pass`).
     ``num_experts`` is set by the model."""
 
     num_experts: int
@@ -399,6 +403,69 @@ class ExpertStack(nn.Module):
         copies = groups // self.num_experts
         return {name: params[name] if name in params else param if self.is_shared(name) or copies == 1
                 else param.repeat_interleave(copies, dim=0) for name, param in own.items()}
+
+    def make_pass(self, params: Mapping[str, Tensor], noise: LowRank | None = None):
+        """One forward pass's prepared weights (``features``' ``plan``): its ``logits`` and
+        ``cross_entropy`` of the final features."""
+        raise NotImplementedError
+
+    def forward_with(self, params: Mapping[str, Tensor], tokens: Tensor) -> Tensor:
+        """Logits under the given weights. params: name → ``[G, ...]`` (missing ones filled by
+        :meth:`group_parameters`); tokens: ``[G, b, T]`` bytes → logits ``[G, b, T, 256]``."""
+        full = self.group_parameters(params, tokens.shape[0])
+        plan = self.make_pass(full)
+        chunks = [plan.logits(y) for y in self.features(full, tokens, plan=plan)]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+
+    def target_log_probs(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0,
+                         noise: LowRank | None = None, state: list | None = None) -> Iterator[Tensor]:
+        """Log-probability of each scored next byte, one time chunk at a time (no full logits kept).
+
+        Args:
+            params: name → ``[G, ...]`` weights (missing ones filled by :meth:`group_parameters`).
+            tokens: ``[G, R, T]`` bytes; inputs ``[..., :-1]``, targets ``[..., 1:]``.
+            score_from: first target position scored (evaluation: 256 of a 1,025-byte window).
+            noise: EGGROLL's members, or None.
+            state: where the recurrence starts, carried on in place (the model's ``features``).
+
+        Yields:
+            ``[G, R, Tc]`` log p(target) for consecutive chunks of the scored positions.
+        """
+        groups, rows, steps = tokens.shape
+        if not 0 <= score_from < steps - 1:
+            raise ValueError(f"score_from={score_from} leaves no targets in {steps} bytes")
+        full = self.group_parameters(params, groups)
+        plan = self.make_pass(full, noise)
+        start = 0
+        for features in self.features(full, tokens[..., :-1], noise, state, plan):
+            stop = start + features.shape[2]
+            first = max(score_from, start)
+            if first < stop:
+                yield -plan.cross_entropy(features[:, :, first - start :].contiguous(),
+                                          tokens[:, :, first + 1 : stop + 1])
+            start = stop
+
+    def window_losses(self, tokens: Tensor, score_from: int = 0, params: Mapping[str, Tensor] | None = None,
+                      noise: LowRank | None = None, reduce_dtype: torch.dtype | None = None,
+                      state: list | None = None) -> Tensor:
+        """Mean scored next-byte cross entropy (nats/byte) of every window, per group.
+
+        Args:
+            tokens: ``[G, R, T]`` bytes.
+            score_from: first target position scored.
+            params: name → ``[G, ...]`` weights; None: this module's own (G = E).
+            noise: EGGROLL's members, or None.
+            reduce_dtype: the sum over positions in this dtype (evaluation: float64, App. L, so that
+                a window's loss does not depend on how many other rows share the reduction); None:
+                the features' own.
+            state: as :meth:`target_log_probs`.
+
+        Returns:
+            loss: ``[G, R]``.
+        """
+        chunks = self.target_log_probs(params or {}, tokens, score_from, noise, state)
+        total = sum(-chunk.sum(2, dtype=reduce_dtype) for chunk in chunks)
+        return total / (tokens.shape[2] - 1 - score_from)
 
     def loss_per_group(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0) -> Tensor:
         """Mean next-byte cross entropy (nats) per group. tokens: ``[G, b, T]`` → ``[G]``."""
@@ -524,60 +591,9 @@ class StackedExperts(ExpertStack):
     def decoder(self, experts: Tensor, batch: int = 1) -> Decoder:
         return Decoder(self, experts, batch)
 
-    def forward_with(self, params: Mapping[str, Tensor], tokens: Tensor) -> Tensor:
-        """Logits under the given weights. params: name → ``[G, ...]`` (missing ones filled by
-        :meth:`group_parameters`); tokens: ``[G, b, T]`` bytes → logits ``[G, b, T, 256]``."""
-        full = self.group_parameters(params, tokens.shape[0])
-        plan = Pass(self, full)
-        chunks = [linear(y, plan.head_t) for y in self.features(full, tokens, plan=plan)]
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+    def make_pass(self, params: Mapping[str, Tensor], noise: LowRank | None = None) -> Pass:
+        return Pass(self, params, noise)
 
-    def target_log_probs(self, params: Mapping[str, Tensor], tokens: Tensor, score_from: int = 0,
-                         noise: LowRank | None = None) -> Iterator[Tensor]:
-        """Log-probability of each scored next byte, one time chunk at a time (no full logits kept).
-
-        Args:
-            params: name → ``[G, ...]`` weights (missing ones filled by :meth:`group_parameters`).
-            tokens: ``[G, R, T]`` bytes; inputs ``[..., :-1]``, targets ``[..., 1:]``.
-            score_from: first target position scored (evaluation: 256 of a 1,025-byte window).
-            noise: EGGROLL's members, or None.
-
-        Yields:
-            ``[G, R, Tc]`` log p(target) for consecutive chunks of the scored positions.
-        """
-        groups, rows, steps = tokens.shape
-        if not 0 <= score_from < steps - 1:
-            raise ValueError(f"score_from={score_from} leaves no targets in {steps} bytes")
-        full = self.group_parameters(params, groups)
-        plan = Pass(self, full, noise)
-        start = 0
-        for features in self.features(full, tokens[..., :-1], noise, plan=plan):
-            stop = start + features.shape[2]
-            first = max(score_from, start)
-            if first < stop:
-                yield -plan.cross_entropy(features[:, :, first - start :].contiguous(),
-                                          tokens[:, :, first + 1 : stop + 1])
-            start = stop
-
-    def window_losses(self, tokens: Tensor, score_from: int = 0, params: Mapping[str, Tensor] | None = None,
-                      noise: LowRank | None = None, reduce_dtype: torch.dtype | None = None) -> Tensor:
-        """Mean scored next-byte cross entropy (nats/byte) of every window, per group.
-
-        Args:
-            tokens: ``[G, R, T]`` bytes.
-            score_from: first target position scored.
-            params: name → ``[G, ...]`` weights; None: this module's own (G = E).
-            noise: EGGROLL's members, or None.
-            reduce_dtype: the sum over positions in this dtype (evaluation: float64, App. L, so that
-                a window's loss does not depend on how many other rows share the reduction); None:
-                the features' own.
-
-        Returns:
-            loss: ``[G, R]``.
-        """
-        chunks = self.target_log_probs(params or {}, tokens, score_from, noise)
-        total = sum(-chunk.sum(2, dtype=reduce_dtype) for chunk in chunks)
-        return total / (tokens.shape[2] - 1 - score_from)
 
 def population_losses(model: StackedExperts, tokens: Tensor, factors: Mapping[str, Factors],
                       offsets: Mapping[str, Tensor], score_from: int = 0) -> Tensor:
