@@ -424,11 +424,21 @@ void residual_norm(float* x, int64_t x_row, const float* h, float* normed, const
 constexpr int64_t kVocab = 256;
 constexpr int64_t kVocabPart = kGates * kVec;  // 4 vectors of logits per row and pass
 
-// Logits of `Rows` rows for one quarter of the vocabulary: logits[r][part * 64 + j].
+// A head's second product (EGGROLL's rank-r part of a member's head): rank-r inputs per row at
+// thin (stride rank) against head_low [rank, 256]; none where rank is 0.
+struct HeadLow {
+  const float* head_low;
+  const float* thin;
+  int64_t rank;
+};
+
+// Logits of `Rows` rows for one part of the vocabulary: logits[r][part * kVocabPart + j].
 template <int Rows>
-void logit_part(const float* head_t, const float* features, int64_t dim, int64_t part, float (*logits)[kVocab]) {
+void logit_part(const float* head_t, const float* features, int64_t dim, const HeadLow& low, int64_t part,
+                float (*logits)[kVocab]) {
   vec acc[Rows][kGates] = {};
   accumulate<Rows>(acc, head_t + part * kVocabPart, features, dim, 0, dim, kVocab, kVec);
+  if (low.rank) accumulate<Rows>(acc, low.head_low + part * kVocabPart, low.thin, low.rank, 0, low.rank, kVocab, kVec);
   for (int r = 0; r < Rows; ++r) std::memcpy(logits[r] + part * kVocabPart, acc[r], sizeof(acc[r]));
 }
 
@@ -445,9 +455,10 @@ float row_nll(const float* logits, int64_t target) {
 }
 
 template <int Rows>
-void nll_rows(const float* head_t, const float* features, const int64_t* targets, float* nll, int64_t dim) {
+void nll_rows(const float* head_t, const float* features, const HeadLow& low, const int64_t* targets, float* nll,
+              int64_t dim) {
   alignas(64) float logits[Rows][kVocab];
-  for (int64_t part = 0; part < kVocab / kVocabPart; ++part) logit_part<Rows>(head_t, features, dim, part, logits);
+  for (int64_t part = 0; part < kVocab / kVocabPart; ++part) logit_part<Rows>(head_t, features, dim, low, part, logits);
   for (int r = 0; r < Rows; ++r) nll[r] = row_nll(logits[r], targets[r]);
 }
 
@@ -575,10 +586,13 @@ std::vector<at::Tensor> grouped_lstm_chunk(const at::Tensor& gates_in, const at:
 }
 
 // features: [G, n, dE] (contiguous); head_t: [P, dE, 256] transposed tied heads (contiguous), P
-// dividing G, group g reading head_t[g / (G / P)] (P = 1: one shared head); targets: [G, n] int64 bytes. Returns the
-// next-byte cross entropy of every row, [G, n]: the logits are formed 4 rows x 64 at a time in
+// dividing G, group g reading head_t[g / (G / P)] (P = 1: one shared head); targets: [G, n] int64 bytes.
+// With thin [G, n, r] and head_low [G, r, 256] (EGGROLL's members: each group its own rank-r part),
+// row i of group g scores features[g, i]·head_t + thin[g, i]·head_low[g]. Returns the next-byte
+// cross entropy of every row, [G, n]: the logits are formed `kRegRows` rows x 32 or 64 at a time in
 // registers and reduced at once, never written out.
-at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t, const at::Tensor& targets) {
+at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t, const at::Tensor& targets,
+                            const std::optional<at::Tensor>& thin, const std::optional<at::Tensor>& head_low) {
   TORCH_CHECK(features.dim() == 3 && head_t.dim() == 3 && targets.dim() == 2, "bad ranks");
   TORCH_CHECK(features.scalar_type() == at::kFloat && head_t.scalar_type() == at::kFloat &&
                   targets.scalar_type() == at::kLong, "float32 features and head, int64 targets");
@@ -586,9 +600,20 @@ at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t
   const int64_t groups = features.size(0), rows = features.size(1), dim = features.size(2);
   TORCH_CHECK(head_t.size(1) == dim && head_t.size(2) == kVocab && head_t.size(0) > 0 && groups % head_t.size(0) == 0 &&
                   targets.size(0) == groups && targets.size(1) == rows, "shape mismatch");
+  TORCH_CHECK(thin.has_value() == head_low.has_value(), "thin and head_low go together");
+  const int64_t rank = thin ? thin->size(2) : 0;
+  if (thin) {
+    TORCH_CHECK(thin->scalar_type() == at::kFloat && head_low->scalar_type() == at::kFloat && thin->is_contiguous() &&
+                    head_low->is_contiguous(), "contiguous float32 thin and head_low");
+    TORCH_CHECK(thin->dim() == 3 && thin->size(0) == groups && thin->size(1) == rows && head_low->dim() == 3 &&
+                    head_low->size(0) == groups && head_low->size(1) == rank && head_low->size(2) == kVocab,
+                "low-rank head shape mismatch");
+  }
   auto nll = at::empty({groups, rows}, features.options());
   const float* f = features.data_ptr<float>();
   const float* head = head_t.data_ptr<float>();
+  const float* low_w = thin ? head_low->data_ptr<float>() : nullptr;
+  const float* low_x = thin ? thin->data_ptr<float>() : nullptr;
   const int64_t* t = targets.data_ptr<int64_t>();
   float* out = nll.data_ptr<float>();
   const int64_t per_group = (rows + kRegRows - 1) / kRegRows, sharing = groups / head_t.size(0);
@@ -597,15 +622,17 @@ at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t
       const int64_t g = item / per_group, r0 = (item % per_group) * kRegRows, n = std::min(kRegRows, rows - r0);
       const float* h = head + (g / sharing) * dim * kVocab;
       const float* fr = f + (g * rows + r0) * dim;
+      const HeadLow low{rank ? low_w + g * rank * kVocab : nullptr, rank ? low_x + (g * rows + r0) * rank : nullptr,
+                        rank};
       const int64_t* tr = t + g * rows + r0;
       float* o = out + g * rows + r0;
       switch (n) {
 #if defined(__AVX512F__)
-        case 4: nll_rows<4>(h, fr, tr, o, dim); break;
-        case 3: nll_rows<3>(h, fr, tr, o, dim); break;
+        case 4: nll_rows<4>(h, fr, low, tr, o, dim); break;
+        case 3: nll_rows<3>(h, fr, low, tr, o, dim); break;
 #endif
-        case 2: nll_rows<2>(h, fr, tr, o, dim); break;
-        default: nll_rows<1>(h, fr, tr, o, dim); break;
+        case 2: nll_rows<2>(h, fr, low, tr, o, dim); break;
+        default: nll_rows<1>(h, fr, low, tr, o, dim); break;
       }
     }
   });
@@ -641,5 +668,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("residual") = pybind11::none(), pybind11::arg("next_gain") = pybind11::none(),
         pybind11::arg("eps") = 1e-5);
   m.def("fma_gflops", &fma_gflops, "One thread's multiply-add throughput, GFLOP/s");
-  m.def("grouped_head_nll", &grouped_head_nll, "Tied-head next-byte cross entropy per row (CPU, no autograd)");
+  m.def("grouped_head_nll", &grouped_head_nll, "Tied-head next-byte cross entropy per row (CPU, no autograd)",
+        pybind11::arg("features"), pybind11::arg("head_t"), pybind11::arg("targets"),
+        pybind11::arg("thin") = pybind11::none(), pybind11::arg("head_low") = pybind11::none());
 }

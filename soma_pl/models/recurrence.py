@@ -201,7 +201,8 @@ def native_applies(kernel: Kernel | str, *tensors: Tensor) -> bool:
             and grouped_extension() is not None)
 
 
-def native_head_nll(head_t: Tensor, features: Tensor, targets: Tensor) -> Tensor:
+def native_head_nll(head_t: Tensor, features: Tensor, targets: Tensor,
+                    low_rank: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Next-byte cross entropy of every position under the tied head, the logits never written out.
 
     Args:
@@ -209,14 +210,18 @@ def native_head_nll(head_t: Tensor, features: Tensor, targets: Tensor) -> Tensor
             ``[d_E, 256]``.
         features: ``[G, b, T, d_E]``.
         targets: ``[G, b, T]`` bytes.
+        low_rank: each group's own rank-r part of its head (EGGROLL's members), ``(thin [G, b, T, r],
+            head_low [G, r, 256])``: a position scores ``features·head_t + thin·head_low``; or None.
 
     Returns:
         ``[G, b, T]`` nats.
     """
     groups, batch, steps, dim = features.shape
     head = head_t.reshape(-1, *head_t.shape[-2:]).contiguous()
+    low = {} if low_rank is None else {"thin": low_rank[0].reshape(groups, batch * steps, -1).contiguous(),
+                                       "head_low": low_rank[1].contiguous()}
     nll = grouped_extension().grouped_head_nll(features.reshape(groups, -1, dim).contiguous(), head,
-                                               targets.reshape(groups, -1).long().contiguous())
+                                               targets.reshape(groups, -1).long().contiguous(), **low)
     return nll.view(groups, batch, steps)
 
 

@@ -116,8 +116,11 @@ def linear(x: Tensor, weight_t: Tensor, factors: tuple[Tensor, Tensor] | None = 
         return out
     a, b = factors
     members = a.shape[0]
-    thin = torch.bmm(x.reshape(members, -1, width), b)
-    out.view(members, -1, out.shape[-1]).baddbmm_(thin, a.transpose(1, 2))  # into the fresh product
+    thin, by_member = torch.bmm(x.reshape(members, -1, width), b), out.view(members, -1, out.shape[-1])
+    if a.shape[-1] == 1:  # rank 1: an outer product, added elementwise (3-7x baddbmm_'s speed on the CPU)
+        by_member.addcmul_(thin, a.transpose(1, 2))
+    else:
+        by_member.baddbmm_(thin, a.transpose(1, 2))  # into the fresh product
     return out
 
 
@@ -324,22 +327,21 @@ class Pass:
 
     def cross_entropy(self, features: Tensor, targets: Tensor) -> Tensor:
         """Next-byte cross entropy ``[G, R, Tc]`` of features ``[G, R, Tc, d_E]``: the native fused
-        head where it applies (no logits written out; a member's head ``[W, A]`` against its features
-        ``[x, x·B]``, the same product), else the logits and ``F.cross_entropy``."""
+        head where it applies (no logits written out; a member's rank-r part ``(x·B)·Aᵀ`` inside the
+        same register sums, its group's head shared), else the logits and ``F.cross_entropy``."""
         factors = _member(self.factors.get("head"))
         if not self.native_head:
             logits = linear(features, self.head_t, factors)
             nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.long().reshape(-1), reduction="none")
             return nll.view(targets.shape)
-        head_t, groups = self.head_t, features.shape[0]
+        groups = features.shape[0] * self.members
+        flat = features.reshape(groups, 1, -1, features.shape[-1])
+        low_rank = None
         if factors is not None:
             a, b = factors
-            groups = a.shape[0]
-            features = features.reshape(groups, -1, features.shape[-1])
-            features = torch.cat((features, torch.bmm(features, b)), dim=-1)
-            head_t = torch.cat((head_t.repeat_interleave(self.members, 0), a.transpose(1, 2)), dim=1)
-        flat = features.reshape(groups, 1, -1, features.shape[-1])
-        return recurrence.native_head_nll(head_t, flat, targets.reshape(groups, 1, -1)).view(targets.shape)
+            low_rank = (torch.bmm(flat[:, 0], b), a.transpose(1, 2))
+        nll = recurrence.native_head_nll(self.head_t, flat, targets.reshape(groups, 1, -1), low_rank)
+        return nll.view(targets.shape)
 
 
 class ExpertStack(nn.Module):

@@ -153,6 +153,21 @@ def test_native_head_cross_entropy_matches_the_logits_path(shared):
     assert (got.reshape(-1) - expected).abs().max().item() <= TOLERANCE * expected.abs().max().item()
 
 
+def test_native_head_adds_each_groups_rank_r_part():
+    """EGGROLL's members: 6 groups share 2 heads (3 members each) and each adds its own rank-2 part
+    ``thin·head_low``; against the logits of the materialised heads ``W + (B·Aᵀ)ᵀ``."""
+    generator = torch.Generator().manual_seed(8)
+    head_t = torch.randn(2, 12, 256, generator=generator)
+    a, b = torch.randn(6, 256, 2, generator=generator), torch.randn(6, 12, 2, generator=generator)
+    features = 3 * torch.randn(6, 1, 7, 12, generator=generator)
+    targets = torch.randint(0, 256, (6, 1, 7), dtype=torch.uint8, generator=generator)
+    member_heads = head_t.repeat_interleave(3, 0) + b @ a.transpose(1, 2)
+    logits = torch.einsum("gbtk,gkv->gbtv", features, member_heads)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.long().reshape(-1), reduction="none")
+    got = recurrence.native_head_nll(head_t, features, targets, (features @ b[:, None], a.transpose(1, 2)))
+    assert (got.reshape(-1) - expected).abs().max().item() <= TOLERANCE * expected.abs().max().item()
+
+
 def test_library_kernel_backpropagates_the_same_gradients():
     tokens = torch.randint(0, 256, (1, 4, 30), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     gradients = {}
