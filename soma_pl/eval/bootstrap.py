@@ -24,6 +24,10 @@ class Interval:
     high: float
     documents: int
     windows: int
+    p_zero: float
+    """Two-sided bootstrap p-value of a zero mean: twice the smaller share of resampled means on
+    either side of zero (at most 1); below 1 − level exactly when zero lies outside the interval,
+    up to the quantiles' interpolation."""
 
 
 def document_bootstrap(losses: np.ndarray, doc_ids: np.ndarray, resamples: int = RESAMPLES, level: float = 0.95,
@@ -40,4 +44,5 @@ def document_bootstrap(losses: np.ndarray, doc_ids: np.ndarray, resamples: int =
         means[start : start + len(picks)] = sums[picks].sum(1) / counts[picks].sum(1)
     tail = (1.0 - level) / 2
     low, high = np.quantile(means, [tail, 1.0 - tail])
-    return Interval(float(losses.mean()), float(low), float(high), len(sums), len(losses))
+    p_zero = min(1.0, 2.0 * min(np.mean(means <= 0.0), np.mean(means >= 0.0)))
+    return Interval(float(losses.mean()), float(low), float(high), len(sums), len(losses), float(p_zero))

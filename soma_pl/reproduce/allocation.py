@@ -28,6 +28,7 @@ import statistics
 from pathlib import Path
 
 from soma_pl.errors import SomaError
+from soma_pl.eval.bootstrap import Interval
 from soma_pl.reproduce.scaling import claim_check, curve_value, run_curve
 from soma_pl.reproduce.tables import (
     checks_table,
@@ -39,7 +40,7 @@ from soma_pl.reproduce.tables import (
     table_head,
     table_row,
 )
-from soma_pl.reproduce.verdicts import Verdict, mean_sd, paired_document_interval, seed_interval
+from soma_pl.reproduce.verdicts import MIN_SEEDS, Verdict, mean_sd, paired_document_interval, seed_interval
 from soma_pl.sweeps.final_test import score_checkpoint, score_run
 
 ALLOCATION = re.compile(r"p(?P<n_pert>\d+)_b(?P<batch>\d+)$")
@@ -204,16 +205,18 @@ def fig13_figure(result: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def equivalence(claim: str, differences: list[float], document: tuple[float, float] | None,
-                margin: float) -> dict:
-    """Two sides equal within ±`margin`: holds when the seeds' 95% interval (and the documents', when
-    there is one) lie inside it, does not hold when one lies wholly outside it, inconclusive otherwise."""
+def equivalence(claim: str, differences: list[float], bootstrap: Interval | None, margin: float) -> dict:
+    """Two sides equal within ±`margin`: holds when the seeds' and the documents' 95% intervals both
+    lie inside it, does not hold when one lies wholly outside it, inconclusive otherwise (fewer than
+    `MIN_SEEDS` seeds or no document interval among them, as for `decide`)."""
     seeds = seed_interval(differences)
+    document = None if bootstrap is None else (bootstrap.low, bootstrap.high)
     mean = statistics.fmean(differences) if differences else None
-    intervals = [i for i in (seeds, document) if i is not None]
+    intervals = [seeds, document]
     shown = (f"seeds {interval_text(seeds)}, documents {interval_text(document)}, margin ±{margin:g}")
-    if seeds is None:
-        verdict, why = Verdict.inconclusive, f"{len(differences)} seed(s): no interval over seeds"
+    if len(differences) < MIN_SEEDS or document is None:
+        verdict, why = Verdict.inconclusive, f"{len(differences)} seed(s), at least {MIN_SEEDS} and a document " \
+                                             f"interval needed ({shown})"
     elif all(-margin < low and high < margin for low, high in intervals):
         verdict, why = Verdict.holds, f"every 95% interval inside the margin ({shown})"
     elif any(low >= margin or high <= -margin for low, high in intervals):

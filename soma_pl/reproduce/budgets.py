@@ -3,8 +3,8 @@
 Each run's ensemble-validation curve against its measured update time (Table 3's U·Σₑ t̄ₑ,
 `soma_pl.analysis.time_basis.measured_curve`) is interpolated at each budget, as the paper's table
 interpolates measured losses. A run label is `<method>_n<N>` (`soma_n2`, `bptt_n4`); SOMA N = 1 is
-monolithic SPSA. Checks compare seed by seed; validation curves keep no per-window losses, so the
-seeds alone decide (`soma_pl.reproduce.verdicts`).
+monolithic SPSA. Checks compare seed by seed; validation curves keep no per-window losses, so no
+document interval backs them and every check stays inconclusive (`soma_pl.reproduce.verdicts`).
 """
 
 from __future__ import annotations

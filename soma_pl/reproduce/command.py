@@ -30,6 +30,7 @@ from soma_pl.analysis.time_basis import accountings
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.experiments import EXPERIMENTS, Experiment
+from soma_pl.reproduce.verdicts import family
 from soma_pl.sweeps.report import build_report, run_folders
 from soma_pl.sweeps.runner import SweepProgress
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, point_experts, point_key
@@ -231,6 +232,7 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
         raise SomaError(f"{experiment.name}: no trial of {spec.name} completed; see {folder / 'logs'}")
     report = build_report(study, storage, final_test=experiment.final_test)
     measured = experiment.result(report, run_folders(study))  # scores the selected runs: part of the wall time
+    measured["checks"] = family(measured.get("checks", []))
     finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     trial_minutes = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in finished) / 60
     result = {"experiment": experiment.name, "scale": scale, "title": experiment.title, "basis": experiment.basis,

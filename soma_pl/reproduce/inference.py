@@ -352,7 +352,8 @@ def fig14_figure(result: dict, path: Path) -> Path:
         for row in shown:
             mean = row["test"]["mean"]
             low, high = row["test_95"] or (mean, mean)
-            axis.errorbar([row["arithmetic_per_token"]], [mean], yerr=[[mean - low], [high - mean]], fmt="o",
+            below, above = max(mean - low, 0.0), max(high - mean, 0.0)  # a one-point interval rounds past its mean
+            axis.errorbar([row["arithmetic_per_token"]], [mean], yerr=[[below], [above]], fmt="o",
                           capsize=3, label=f"{row['run']} ({row['aggregate_seconds']['mean']:.0f} s aggregate)")
         axis.set_xlabel("multiply-adds per token (selected experts)", fontsize=8)
         axis.set_ylabel("test loss (nats/byte)")

@@ -12,8 +12,8 @@ same at every N. Each run's ensemble-validation curve is read against its measur
 Multiply-adds per update (token-forwards × parameters per expert) are recorded beside them. The
 largest N's last checkpoint of each seed is analysed by `analyze topk` (Fig. 16) and `analyze
 error-correlation` (Fig. 17), their JSON kept in `<run>/analysis/`. Validation curves keep no
-per-window losses, so Figs. 7 and 8 are decided by the seeds alone; Fig. 16 adds a document
-bootstrap of its per-window difference.
+per-window losses, so no document interval backs Figs. 7 and 8 and their checks stay inconclusive
+(`soma_pl.reproduce.verdicts`); Fig. 16 has a document bootstrap of its per-window difference.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 
 from soma_pl.analysis.time_basis import interpolate, measured_curve
 from soma_pl.errors import SomaError
-from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.eval.bootstrap import Interval, document_bootstrap
 from soma_pl.reproduce.tables import checks_table, heading, number, run_footer, save_figure, table_head, table_row
 from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide, mean_sd
 
@@ -88,7 +88,8 @@ def run_curve(run_dir: Path) -> dict:
             "last_checkpoint": summary.get("last_checkpoint")}
 
 
-def claim_check(claim: str, differences: list[float], basis: str, document=None, level: float = LEVEL) -> dict:
+def claim_check(claim: str, differences: list[float], basis: str, document: Interval | None = None,
+                level: float = LEVEL) -> dict:
     """`decide`'s verdict as a result's check: with its compute basis, on ensemble validation."""
     return {**decide(claim, differences, document, level).as_dict(), "basis": basis, "split": "val"}
 
@@ -199,7 +200,7 @@ def topk_check(curves: list[dict], k: int) -> dict:
     claim = (f"k = {k} captures most (over {MOST:.0%}) of the best k's gain over k = 1 (Fig. 16; mean difference and "
              f"seed interval: share − {MOST:.0%}; document interval, in nats/byte: (L₁ − L_k) − "
              f"{MOST:g}·(L₁ − L_best) per window)")
-    return claim_check(claim, shares, "one checkpoint per seed", (interval.low, interval.high))
+    return claim_check(claim, shares, "one checkpoint per seed", interval)
 
 
 def correlation_check(analyses: list[dict]) -> dict:

@@ -4,15 +4,19 @@ A claim says that one quantity is lower than another (SOMA's test loss below SPS
 checked on their difference, `worse − better`, which the claim says is positive. Two kinds of
 uncertainty decide it, and the verdict needs both:
 
-- **Seeds** (optimization noise): the per-seed differences' mean and its two-sided 95% Student-t
-  interval (n − 1 degrees of freedom). One seed gives no interval.
+- **Seeds** (optimization noise): the per-seed differences' mean, its two-sided 95% Student-t
+  interval (n − 1 degrees of freedom) and the t-test's p-value. At least :data:`MIN_SEEDS` seeds.
 - **Documents** (test-set sampling): the 95% document-bootstrap interval of the seed-mean
   difference, resampling whole documents of the scored split, the same windows for both sides
-  (`soma_pl.eval.bootstrap.document_bootstrap` on the per-window paired differences).
+  (`soma_pl.eval.bootstrap.document_bootstrap` on the per-window paired differences), and its
+  bootstrap p-value.
 
-The claim **holds** when both intervals lie above zero, **does not hold** when both lie below zero,
-and is **inconclusive** otherwise (an interval that reaches zero, the two disagreeing, or too few
-seeds); a missing document interval leaves the seed interval to decide alone, and says so.
+A claim **holds** when both intervals lie above zero, **does not hold** when both lie below zero,
+and is **inconclusive** otherwise: an interval that reaches zero, the two disagreeing, fewer than
+three seeds, or no document interval (scores without per-window losses). Its p-value is the larger
+of the two tests' (both must reject). The claims of one experiment are one family
+(:func:`family`): Holm's step-down adjustment of their p-values keeps the chance of any false
+verdict among them at 5%, and a claim whose adjusted p-value reaches 0.05 is inconclusive.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from enum import Enum
 import numpy as np
 from scipy import stats as scipy_stats
 
-from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.eval.bootstrap import Interval, document_bootstrap
 
 LEVEL = 0.95
+MIN_SEEDS = 3
+"""Seeds a claim needs before a verdict other than inconclusive."""
 
 
 class Verdict(str, Enum):
@@ -46,6 +52,12 @@ class Check:
     seeds: int
     seed_interval: tuple[float, float] | None
     document_interval: tuple[float, float] | None
+    p: float | None = None
+    """Two-sided p-value of no difference on the family's 5% scale: the larger of the seeds' t-test
+    and the document bootstrap, times the Bonferroni factor of a ``level`` above 95%; None where
+    undecided for want of seeds or documents."""
+    holm_p: float | None = None
+    """``p`` after Holm's adjustment over the experiment's claims (:func:`family`)."""
 
     def as_dict(self) -> dict:
         return {**asdict(self), "verdict": self.verdict.value}
@@ -66,10 +78,20 @@ def seed_interval(differences: list[float], level: float = LEVEL) -> tuple[float
     return mean - half, mean + half
 
 
-def paired_document_interval(worse: list[dict], better: list[dict]) -> tuple[float, float] | None:
-    """The document-bootstrap interval of the seed-mean paired difference `worse − better`, from each
-    seed's `*_scores.json` records (`window_index`, `window_losses`, `doc_ids`) of the two sides on
-    one split; None when a record lacks per-window losses or the sides scored different windows."""
+def seed_p(differences: list[float]) -> float:
+    """The two-sided one-sample t-test's p-value of a zero mean (where every difference is the same:
+    0 if it is not zero, else 1)."""
+    sd = statistics.stdev(differences)
+    if sd == 0:
+        return 0.0 if statistics.fmean(differences) != 0 else 1.0
+    t = statistics.fmean(differences) / (sd / len(differences) ** 0.5)
+    return float(2 * scipy_stats.t.sf(abs(t), len(differences) - 1))
+
+
+def paired_document_interval(worse: list[dict], better: list[dict]) -> Interval | None:
+    """The document bootstrap of the seed-mean paired difference `worse − better`, from each seed's
+    `*_scores.json` records (`window_index`, `window_losses`, `doc_ids`) of the two sides on one
+    split; None when a record lacks per-window losses or the sides scored different windows."""
     if not worse or len(worse) != len(better):
         return None
     differences, documents = [], None
@@ -80,8 +102,7 @@ def paired_document_interval(worse: list[dict], better: list[dict]) -> tuple[flo
             return None
         documents = list(first["doc_ids"])
         differences.append(np.asarray(first["window_losses"]) - np.asarray(second["window_losses"]))
-    interval = document_bootstrap(np.mean(differences, axis=0), np.asarray(documents), level=LEVEL)
-    return interval.low, interval.high
+    return document_bootstrap(np.mean(differences, axis=0), np.asarray(documents), level=LEVEL)
 
 
 def _side(interval: tuple[float, float]) -> int:
@@ -89,26 +110,50 @@ def _side(interval: tuple[float, float]) -> int:
     return 1 if interval[0] > 0 else -1 if interval[1] < 0 else 0
 
 
-def decide(claim: str, differences: list[float], document: tuple[float, float] | None = None,
-           level: float = LEVEL) -> Check:
+def decide(claim: str, differences: list[float], document: Interval | None = None, level: float = LEVEL) -> Check:
     """The verdict on `claim` from per-seed differences `worse − better` (positive: the claim's way)
-    and the paired document-bootstrap interval of their mean; `level` for the seeds' interval (above
-    0.95 where one claim is decided by several comparisons)."""
-    seeds = seed_interval(differences, level)
+    and the paired document bootstrap of their mean; `level` for the seeds' interval (above 0.95
+    where one claim is decided by several comparisons, Bonferroni)."""
     mean = statistics.fmean(differences) if differences else None
-    if seeds is None:
-        return Check(claim, Verdict.inconclusive, f"{len(differences)} seed(s): no interval over seeds", mean,
-                     len(differences), None, document)
-    sides = [_side(seeds)] + ([_side(document)] if document is not None else [])
-    shown = f"seeds {seeds[0]:+.4f} … {seeds[1]:+.4f}" + (
-        f", documents {document[0]:+.4f} … {document[1]:+.4f}" if document is not None else
-        ", no per-window losses for a document interval")
-    if all(side == 1 for side in sides):
-        verdict, why = Verdict.holds, f"both 95% intervals above zero ({shown})"
-    elif all(side == -1 for side in sides):
-        verdict, why = Verdict.does_not_hold, f"the opposite holds: 95% intervals below zero ({shown})"
+    interval = seed_interval(differences, level)
+    bounds = None if document is None else (document.low, document.high)
+    if len(differences) < MIN_SEEDS:
+        return Check(claim, Verdict.inconclusive, f"{len(differences)} seed(s): at least {MIN_SEEDS} needed", mean,
+                     len(differences), interval, bounds)
+    shown = f"seeds {interval[0]:+.4f} … {interval[1]:+.4f}"
+    if document is None:
+        return Check(claim, Verdict.inconclusive, f"no per-window losses for a document interval ({shown})", mean,
+                     len(differences), interval, None)
+    shown += f", documents {document.low:+.4f} … {document.high:+.4f}"
+    p = min(1.0, max(seed_p(differences), document.p_zero) * (1 - LEVEL) / (1 - level))
+    sides = {_side(interval), _side(bounds)}
+    if sides == {1}:
+        verdict, why = Verdict.holds, f"both intervals above zero ({shown})"
+    elif sides == {-1}:
+        verdict, why = Verdict.does_not_hold, f"the opposite holds: both intervals below zero ({shown})"
     else:
-        verdict, why = Verdict.inconclusive, f"a 95% interval reaches zero or they disagree ({shown})"
-    if document is None and verdict is not Verdict.inconclusive:
-        why += "; decided by the seeds alone"
-    return Check(claim, verdict, why, mean, len(differences), seeds, document)
+        verdict, why = Verdict.inconclusive, f"an interval reaches zero or they disagree ({shown})"
+    return Check(claim, verdict, why, mean, len(differences), interval, bounds, p)
+
+
+def family(checks: list[dict], alpha: float = 1 - LEVEL) -> list[dict]:
+    """One experiment's checks with Holm's step-down adjustment of their p-values (`holm_p`): the
+    i-th smallest of m is multiplied by m − i + 1, made non-decreasing and capped at 1. A decided
+    claim whose adjusted p-value is not below `alpha` becomes inconclusive. Checks without a p-value
+    (undecided, or judged by their own rule) are not in the family and are returned unchanged."""
+    tested = sorted((check["p"], index) for index, check in enumerate(checks) if check.get("p") is not None)
+    adjusted, running = {}, 0.0
+    for rank, (p, index) in enumerate(tested):
+        running = max(running, min(1.0, (len(tested) - rank) * p))
+        adjusted[index] = running
+    out = []
+    for index, check in enumerate(checks):
+        if index not in adjusted:
+            out.append(check)
+            continue
+        check = {**check, "holm_p": adjusted[index]}
+        if check["verdict"] != Verdict.inconclusive.value and adjusted[index] >= alpha:
+            check["why"] += f"; not after Holm's adjustment over {len(tested)} claims (p {adjusted[index]:.3g})"
+            check["verdict"] = Verdict.inconclusive.value
+        out.append(check)
+    return out

@@ -1,11 +1,13 @@
-"""Verdicts on hand-made results: the claim holds only when the seeds and the documents agree."""
+"""Verdicts on hand-made results: the claim holds only when the seeds and the documents agree, on
+three seeds or more, and after Holm's adjustment over the experiment's claims."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from soma_pl.reproduce.verdicts import Verdict, decide, paired_document_interval, seed_interval
+from soma_pl.eval.bootstrap import Interval, document_bootstrap
+from soma_pl.reproduce.verdicts import Verdict, decide, family, paired_document_interval, seed_interval, seed_p
 
 
 def test_the_seed_interval_is_students_t_with_n_minus_one_degrees_of_freedom():
@@ -16,24 +18,69 @@ def test_the_seed_interval_is_students_t_with_n_minus_one_degrees_of_freedom():
     assert seed_interval([0.04]) is None
 
 
+def _documents(low: float, high: float, p: float = 0.001) -> Interval:
+    return Interval((low + high) / 2, low, high, 10, 40, p)
+
+
 def test_a_clear_gain_on_every_seed_and_document_holds():
-    check = decide("SOMA below SPSA", [0.0368, 0.0462, 0.0358], (0.02, 0.06))  # the paper's Table 7 differences
+    check = decide("SOMA below SPSA", [0.0368, 0.0462, 0.0358], _documents(0.02, 0.06))  # the paper's Table 7
     assert check.verdict is Verdict.holds and check.seeds == 3
     assert check.mean == pytest.approx(0.0396, abs=1e-4)
+    assert check.document_interval == (0.02, 0.06)
 
 
 def test_the_opposite_is_does_not_hold_and_a_straddle_is_inconclusive():
-    assert decide("c", [-0.03, -0.04, -0.035], (-0.06, -0.01)).verdict is Verdict.does_not_hold
-    assert decide("c", [0.01, -0.01, 0.02], (-0.01, 0.03)).verdict is Verdict.inconclusive
+    assert decide("c", [-0.03, -0.04, -0.035], _documents(-0.06, -0.01)).verdict is Verdict.does_not_hold
+    assert decide("c", [0.01, -0.01, 0.02], _documents(-0.01, 0.03, 0.4)).verdict is Verdict.inconclusive
     # seeds agree but the test documents cannot tell: inconclusive, not holds
-    assert decide("c", [0.040, 0.041, 0.042], (-0.002, 0.08)).verdict is Verdict.inconclusive
-    # one seed decides nothing
-    assert decide("c", [0.5], (0.1, 0.9)).verdict is Verdict.inconclusive
+    assert decide("c", [0.040, 0.041, 0.042], _documents(-0.002, 0.08, 0.1)).verdict is Verdict.inconclusive
 
 
-def test_without_per_window_losses_the_seeds_decide_and_the_reason_says_so():
-    check = decide("c", [0.040, 0.041, 0.042])
-    assert check.verdict is Verdict.holds and "seeds alone" in check.why and check.document_interval is None
+def test_fewer_than_three_seeds_or_no_document_interval_decide_nothing():
+    for check in (decide("c", [0.5], _documents(0.1, 0.9)), decide("c", [0.5, 0.52], _documents(0.1, 0.9)),
+                  decide("c", [0.040, 0.041, 0.042])):
+        assert check.verdict is Verdict.inconclusive and check.p is None
+    assert decide("c", [0.5, 0.52], _documents(0.1, 0.9)).seeds == 2
+    assert decide("c", [0.040, 0.041, 0.042]).document_interval is None
+
+
+def test_the_seed_p_value_is_the_two_sided_t_test():
+    # n = 3 (2 degrees of freedom): the t distribution's two-sided tail is 1 − |t| / √(2 + t²)
+    differences = [0.01, 0.03, 0.08]
+    mean, sd = np.mean(differences), np.std(differences, ddof=1)
+    t = mean / (sd / 3 ** 0.5)
+    assert seed_p(differences) == pytest.approx(1 - abs(t) / (2 + t * t) ** 0.5, rel=1e-9)
+    # the claim's p is the larger of the two tests' (both must reject)
+    assert decide("c", differences, _documents(0.001, 0.09, 0.001)).p == pytest.approx(seed_p(differences))
+    assert decide("c", [0.040, 0.041, 0.042], _documents(0.001, 0.09, 0.02)).p == 0.02
+
+
+def test_the_bootstrap_p_value_counts_resampled_means_past_zero():
+    # two documents of one window each, -1 and +3: a resample of both is the mean -1 with chance 1/4,
+    # so P(mean <= 0) = 1/4 and the two-sided p-value is 1/2
+    interval = document_bootstrap(np.array([-1.0, 3.0]), np.array(["a", "b"]))
+    assert interval.p_zero == pytest.approx(0.5, abs=0.03)
+    assert document_bootstrap(np.array([0.1, 0.2, 0.3]), np.array(["a", "b", "c"])).p_zero == 0.0
+
+
+def test_holm_adjusts_the_experiments_claims_together():
+    # p = 0.01, 0.04, 0.03 over m = 3: sorted 0.01, 0.03, 0.04 -> 3·0.01, max(0.03, 2·0.03), max(0.06, 0.04)
+    checks = [{"claim": name, "verdict": Verdict.holds.value, "why": "both", "p": p}
+              for name, p in (("a", 0.01), ("b", 0.04), ("c", 0.03))]
+    undecided = {"claim": "d", "verdict": Verdict.inconclusive.value, "why": "one seed", "p": None}
+    adjusted = family([*checks, undecided])
+    assert [c.get("holm_p") for c in adjusted] == pytest.approx([0.03, 0.06, 0.06, None])
+    assert [c["verdict"] for c in adjusted] == ["holds", "inconclusive", "inconclusive", "inconclusive"]
+    assert adjusted[3] == undecided
+    # one claim alone keeps its p-value and its verdict
+    assert family(checks[1:2])[0]["verdict"] == "holds" and family(checks[1:2])[0]["holm_p"] == 0.04
+
+
+def test_a_bonferroni_level_puts_the_p_value_on_the_familys_scale():
+    differences = [0.01, 0.03, 0.08]
+    plain = decide("c", differences, _documents(0.001, 0.09, 0.001))
+    wide = decide("c", differences, _documents(0.001, 0.09, 0.001), level=1 - 0.05 / 4)
+    assert wide.p == pytest.approx(min(1.0, 4 * plain.p))
 
 
 def _scores(losses: list[float], documents: list[str]) -> dict:
@@ -44,14 +91,15 @@ def test_the_paired_document_interval_resamples_documents_of_the_seed_mean_diffe
     documents = ["a", "a", "b", "c"]
     worse = [_scores([3.0, 3.2, 2.9, 3.1], documents), _scores([3.1, 3.1, 3.0, 3.0], documents)]
     better = [_scores([2.9, 3.1, 2.8, 3.0], documents), _scores([3.0, 3.0, 2.9, 2.9], documents)]
-    low, high = paired_document_interval(worse, better)
-    assert low == pytest.approx(0.1) and high == pytest.approx(0.1)  # every window improves by exactly 0.1
+    interval = paired_document_interval(worse, better)
+    assert interval.low == pytest.approx(0.1) and interval.high == pytest.approx(0.1)  # every window gains 0.1
+    assert interval.p_zero == 0.0
     # unequal gains: the interval spans the per-document mean gains, in resampled proportions
     better[1] = _scores([2.8, 3.1, 3.0, 2.5], documents)
     gain = np.mean([np.subtract(w["window_losses"], b["window_losses"]) for w, b in zip(worse, better, strict=True)],
                    axis=0)
-    low, high = paired_document_interval(worse, better)
-    assert min(gain) <= low < high <= max(gain)
+    interval = paired_document_interval(worse, better)
+    assert min(gain) <= interval.low < interval.high <= max(gain)
 
 
 def test_no_document_interval_from_scores_without_windows_or_on_other_windows():
