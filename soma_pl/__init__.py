@@ -10,3 +10,8 @@ ROUTE_BYTES = 256
 
 VOCAB_SIZE = 256
 """Byte vocabulary."""
+
+VAL_WINDOWS = "val_windows"
+"""The folder in a fit's log folder (``version_N``) holding each validation window by window:
+``<updates>.json`` with ``updates``, ``k``, ``window_index``, ``window_losses`` (the k-expert
+ensemble's, nats/byte) and ``doc_ids``: written by the LightningModule, read by the analyses."""

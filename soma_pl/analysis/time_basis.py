@@ -14,12 +14,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from soma_pl import VAL_WINDOWS
 from soma_pl.errors import SomaError
 
 
 def versions(folder: Path, name: str) -> list[Path]:
-    """`folder/version_N/name` files, oldest first (`folder/name` itself when `folder` is a version)."""
-    if (folder / name).is_file():
+    """`folder/version_N/name` files or folders, oldest first (`folder/name` itself when `folder` is a version)."""
+    if (folder / name).exists():
         return [folder / name]
     return sorted(folder.glob(f"version_*/{name}"), key=lambda p: int(p.parent.name.split("_")[1]))
 
@@ -43,6 +44,17 @@ def measured_curve(fit_root: Path) -> list[tuple[int, float, float]]:
         raise SomaError(f"{fit_root}: no update time logged at validation update(s) {missing[:5]}: "
                         "log_every_n_steps must divide the validation interval")
     return [(step, losses[step], seconds[step]) for step in sorted(losses)]
+
+
+def validation_windows(fit_root: Path) -> dict[int, dict]:
+    """Each validation of a fit window by window (`soma_pl.contracts.VAL_WINDOWS`), by update count
+    (a resumed session's record of an update replaces the earlier one); empty where the fit kept none."""
+    records = {}
+    for folder in versions(fit_root, VAL_WINDOWS):
+        for path in folder.glob("*.json"):
+            record = json.loads(path.read_text())
+            records[int(record["updates"])] = record
+    return records
 
 
 def interpolate(points: list[tuple[float, float]], at: float) -> float:

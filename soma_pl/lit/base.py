@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import ClassVar
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
-from soma_pl import ROUTE_BYTES, WINDOW_BYTES
+from soma_pl import ROUTE_BYTES, VAL_WINDOWS, WINDOW_BYTES
 from soma_pl.contracts import HoldsEvalSets, RecordsData, UpdateRecord
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.eval.bootstrap import document_bootstrap
@@ -351,9 +352,15 @@ class ByteLMModule(L.LightningModule, ABC):
         records = self._records.pop(stage, [])
         if records and self.trainer.state.fn != TrainerFn.FITTING:
             self._report(stage, records)
+        elif records and not self.trainer.sanity_checking:
+            self._record_validation(records)
         return value
 
-    def _report(self, stage: str, records: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+    def _gathered(self, stage: str, records: list[tuple[Tensor, Tensor, Tensor]]
+                  ) -> tuple[np.ndarray, np.ndarray, Tensor, Tensor, np.ndarray] | None:
+        """Every rank's scored windows in the split's order: their indices, the `eval_k` ensemble's
+        loss of each, the losses by k, the experts' losses and the windows' documents; None without
+        the split's documents. Every rank must call it (all_gather)."""
         # all_gather adds a leading rank dimension under DDP; flatten it away.
         index, by_k, experts = (self.all_gather(torch.cat(parts)) for parts in zip(*records, strict=False))
         index, by_k = index.reshape(-1), by_k.reshape(-1, by_k.shape[-1])
@@ -361,10 +368,31 @@ class ByteLMModule(L.LightningModule, ABC):
         data = self.trainer.datamodule
         evalset = (data.val_set if stage == "val" else data.test_set) if isinstance(data, HoldsEvalSets) else None
         if evalset is None:
-            return
+            return None
         order = index.argsort()  # the windows in the split's order, whichever rank scored them
         index, losses = index[order].cpu().numpy(), by_k[order, self.eval_k - 1].double().cpu().numpy()
-        interval = document_bootstrap(losses, evalset.doc_ids[index])
+        return index, losses, by_k, experts, evalset.doc_ids[index]
+
+    def _record_validation(self, records: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        """A fit's validation, window by window: `val_windows/<updates>.json` in the log folder (one per
+        validation; a resumed fit's repeat of one writes the same), so that two runs' validation
+        curves can be compared by a paired document bootstrap at any budget."""
+        gathered = self._gathered("val", records)
+        log_dir = self.trainer.log_dir  # a broadcast under DDP: every rank must ask
+        if gathered is None or not self.trainer.is_global_zero or not log_dir:
+            return
+        index, losses, _, _, documents = gathered
+        updates = self.trainer.global_step
+        write_json_atomic(Path(log_dir) / VAL_WINDOWS / f"{updates}.json", {
+            "updates": updates, "k": self.eval_k, "window_index": index.tolist(), "window_losses": losses.tolist(),
+            "doc_ids": documents.tolist()})
+
+    def _report(self, stage: str, records: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        gathered = self._gathered(stage, records)
+        if gathered is None:
+            return
+        index, losses, by_k, experts, documents = gathered
+        interval = document_bootstrap(losses, documents)
         self.log_dict({f"{stage}/loss_ci_low": interval.low, f"{stage}/loss_ci_high": interval.high})
         log_dir = self.trainer.log_dir  # a broadcast under DDP: every rank must ask
         if self.trainer.is_global_zero and log_dir:
@@ -374,8 +402,7 @@ class ByteLMModule(L.LightningModule, ABC):
                 "windows": interval.windows, "loss_by_k": by_k.double().mean(0).tolist(),
                 "expert_losses": experts.double().mean(0).tolist(),
                 # per window, so that two runs on one split can be compared by a paired document bootstrap
-                "window_index": index.tolist(), "window_losses": losses.tolist(),
-                "doc_ids": evalset.doc_ids[index].tolist(),
+                "window_index": index.tolist(), "window_losses": losses.tolist(), "doc_ids": documents.tolist(),
             })
 
     def after_validation(self, held_out: Tensor) -> None:

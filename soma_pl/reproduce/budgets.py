@@ -3,8 +3,9 @@
 Each run's ensemble-validation curve against its measured update time (Table 3's U·Σₑ t̄ₑ,
 `soma_pl.analysis.time_basis.measured_curve`) is interpolated at each budget, as the paper's table
 interpolates measured losses. A run label is `<method>_n<N>` (`soma_n2`, `bptt_n4`); SOMA N = 1 is
-monolithic SPSA. Checks compare seed by seed; validation curves keep no per-window losses, so no
-document interval backs them and every check stays inconclusive (`soma_pl.reproduce.verdicts`).
+monolithic SPSA. Checks compare seed by seed, with a document interval from each run's validations
+window by window (`val_windows/`, interpolated at the budget as the mean is); a run without them
+leaves its checks inconclusive (`soma_pl.reproduce.verdicts`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import re
 import statistics
 from pathlib import Path
 
-from soma_pl.analysis.time_basis import interpolate, measured_curve
+import numpy as np
+
+from soma_pl.analysis.time_basis import interpolate, measured_curve, validation_windows
 from soma_pl.errors import SomaError
 from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import decide
+from soma_pl.reproduce.verdicts import decide, paired_document_interval
 
 TABLE5_FRACTIONS = (0.5, 0.75, 1.0)
 """The budgets, as fractions of the one the runs were stopped at: the paper's 50, 75 and 100 GPU-hours
@@ -44,8 +47,24 @@ def _runs(labels: list[str]) -> dict[str, dict[int, str]]:
 def _at_budgets(run_dir: Path, budgets: tuple[float, ...]) -> list[float | None]:
     """The run's ensemble-validation loss interpolated at each budget (None outside its curve)."""
     curve = [(seconds, loss) for _, loss, seconds in measured_curve(run_dir)]
-    return [interpolate(curve, budget) if curve and curve[0][0] <= budget <= curve[-1][0] * (1 + 1e-9) else None
-            for budget in budgets]
+    return [interpolate(curve, budget) if _within(curve, budget) else None for budget in budgets]
+
+
+def _within(curve: list[tuple[float, object]], budget: float) -> bool:
+    return bool(curve) and curve[0][0] <= budget <= curve[-1][0] * (1 + 1e-9)
+
+
+def _windows_at_budgets(run_dir: Path, budgets: tuple[float, ...]) -> list[dict | None]:
+    """The run's validation windows interpolated at each budget as `_at_budgets`' loss is (their
+    mean), as scores records for `paired_document_interval`; None outside its curve or where the run
+    kept no per-window validations."""
+    points, records = measured_curve(run_dir), validation_windows(run_dir)
+    if not points or any(step not in records for step, _, _ in points):
+        return [None] * len(budgets)
+    first = records[points[0][0]]
+    curve = [(seconds, np.asarray(records[step]["window_losses"])) for step, _, seconds in points]
+    return [{"window_index": first["window_index"], "doc_ids": first["doc_ids"],
+             "window_losses": interpolate(curve, budget)} if _within(curve, budget) else None for budget in budgets]
 
 
 def _mean_sd(values: list[float | None]) -> dict:
@@ -54,9 +73,16 @@ def _mean_sd(values: list[float | None]) -> dict:
             "sd": statistics.stdev(found) if len(found) > 1 and len(found) == len(values) else None}
 
 
-def _check(claim: str, worse: list[float | None], better: list[float | None]) -> dict:
-    differences = [w - b for w, b in zip(worse, better, strict=True) if w is not None and b is not None]
-    return {**decide(claim, differences).as_dict(), "basis": "equal measured update time", "split": "val"}
+def _check(claim: str, worse: list[float | None], better: list[float | None], worse_windows: list[dict | None],
+           better_windows: list[dict | None]) -> dict:
+    """Seed by seed `worse − better` where both reach the budget; the document interval where every
+    such seed kept its validations window by window."""
+    kept = [i for i, (w, b) in enumerate(zip(worse, better, strict=True)) if w is not None and b is not None]
+    windows = [[side[i] for i in kept] for side in (worse_windows, better_windows)]
+    whole = kept and all(record is not None for side in windows for record in side)
+    document = paired_document_interval(*windows) if whole else None
+    return {**decide(claim, [worse[i] - better[i] for i in kept], document).as_dict(),
+            "basis": "equal measured update time", "split": "val"}
 
 
 def run_budget_seconds(folders: dict[int, dict[int, str]]) -> float:
@@ -82,8 +108,16 @@ def table5_result(report: dict, folders: dict[int, dict[int, str]], budgets: tup
     t7 = report["table7"]
     runs = _runs([str(label) for label in t7["column_labels"]])
     per_seed = t7["per_seed"]
-    losses = {label: [_at_budgets(Path(folders[entry["trial"][label]][entry["seed"]]), budgets) for entry in per_seed]
-              for by_n in runs.values() for label in by_n.values()}
+    labels = [label for by_n in runs.values() for label in by_n.values()]
+    run_dirs = {label: [Path(folders[entry["trial"][label]][entry["seed"]]) for entry in per_seed] for label in labels}
+    losses = {label: [_at_budgets(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
+    windows = {label: [_windows_at_budgets(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
+
+    def check(claim: str, worse: str, better: str, i: int) -> dict:
+        def at(values: dict, label: str) -> list:
+            return [seed[i] for seed in values[label]]
+        return _check(claim, at(losses, worse), at(losses, better), at(windows, worse), at(windows, better))
+
     totals = {label: [measured_curve(Path(folders[entry["trial"][label]][entry["seed"]]))[-1][2]
                       for entry in per_seed] for label in losses}
     rows = []
@@ -98,12 +132,12 @@ def table5_result(report: dict, folders: dict[int, dict[int, str]], budgets: tup
     for experts, soma in sorted(runs.get("soma", {}).items()):
         bptt = runs.get("bptt", {}).get(experts)
         for i, budget in enumerate(budgets if bptt else ()):
-            checks.append(_check(f"BPTT reaches a lower ensemble-validation loss than SOMA at N = {experts}, "
-                                 f"{budget:g} s", [s[i] for s in losses[soma]], [b[i] for b in losses[bptt]]))
+            checks.append(check(f"BPTT reaches a lower ensemble-validation loss than SOMA at N = {experts}, "
+                                f"{budget:g} s", soma, bptt, i))
     one, two = runs.get("soma", {}).get(1), runs.get("soma", {}).get(2)
     for i, budget in enumerate(budgets if one and two else ()):
-        checks.append(_check(f"SOMA N = 2 reaches a lower ensemble-validation loss than SOMA N = 1 (monolithic SPSA), "
-                             f"{budget:g} s", [s[i] for s in losses[one]], [s[i] for s in losses[two]]))
+        checks.append(check(f"SOMA N = 2 reaches a lower ensemble-validation loss than SOMA N = 1 (monolithic SPSA), "
+                            f"{budget:g} s", one, two, i))
     return {"budgets_seconds": list(budgets), "rows": rows,
             "per_seed": {label: {"seeds": [e["seed"] for e in per_seed], "losses": values,
                                  "total_seconds": totals[label]} for label, values in losses.items()},

@@ -11,14 +11,16 @@ same at every N. Each run's ensemble-validation curve is read against its measur
 
 Multiply-adds per update (token-forwards × parameters per expert) are recorded beside them. The
 largest N's last checkpoint of each seed is analysed by `analyze topk` (Fig. 16) and `analyze
-error-correlation` (Fig. 17), their JSON kept in `<run>/analysis/`. Validation curves keep no
-per-window losses, so no document interval backs Figs. 7 and 8 and their checks stay inconclusive
-(`soma_pl.reproduce.verdicts`); Fig. 16 has a document bootstrap of its per-window difference.
+error-correlation` (Fig. 17), their JSON kept in `<run>/analysis/`. A comparison of two curves at
+a budget has a document interval from the runs' validations window by window (`val_windows/`,
+each window interpolated as the mean is); runs without them leave it inconclusive
+(`soma_pl.reproduce.verdicts`). Fig. 16 bootstraps its per-window difference; Fig. 17's r has none.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import math
@@ -28,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from soma_pl.analysis.time_basis import interpolate, measured_curve
+from soma_pl.analysis.time_basis import interpolate, measured_curve, validation_windows
 from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import Interval, document_bootstrap
 from soma_pl.reproduce.tables import checks_table, heading, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide, mean_sd
+from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide, mean_sd, paired_document_interval
 
 FIG7_PAPER = {
     "experts": [1, 2, 8, 32, 256],
@@ -60,16 +62,55 @@ def curve_value(xs: list[float], ys: list[float], at: float, log: bool = True) -
     return interpolate(points, min(max(scale(at), points[0][0]), points[-1][0]))
 
 
-def _loss_at(curve: dict, basis: str, seconds: float) -> float | None:
-    """A run's loss at `seconds` of update time on `basis` (`per_expert` or `aggregate`)."""
-    return curve_value(curve[f"{basis}_seconds"], curve["loss"], seconds)
+def _axis(curve: dict, basis: str) -> list[float]:
+    """A curve's x values on `basis`: seconds of update time (`per_expert` or `aggregate`) or `updates`."""
+    return curve["updates"] if basis == "updates" else curve[f"{basis}_seconds"]
 
 
-def _differences_at(smaller: list[dict], larger: list[dict], basis: str, seconds: float) -> list[float]:
-    """Seed by seed, `smaller`'s loss − `larger`'s at `seconds` on `basis`, where both curves reach it."""
-    pairs = zip((_loss_at(c, basis, seconds) for c in smaller), (_loss_at(c, basis, seconds) for c in larger),
-                strict=True)
-    return [a - b for a, b in pairs if a is not None and b is not None]
+def _loss_at(curve: dict, basis: str, at: float) -> float | None:
+    """A run's loss at `at` on `basis` (seconds of update time `per_expert` or `aggregate`, or `updates`)."""
+    return curve_value(_axis(curve, basis), curve["loss"], at)
+
+
+@functools.cache
+def _saved_windows(run_dir: str, updates: tuple[int, ...]) -> tuple[list, list, list[np.ndarray]] | None:
+    """A run's validations window by window at `updates` (its curve's): the window indices and
+    documents, and each validation's per-window losses; None where one of them was not kept."""
+    records = validation_windows(Path(run_dir))
+    if not updates or any(step not in records for step in updates):
+        return None
+    first = records[updates[0]]
+    return first["window_index"], first["doc_ids"], [np.asarray(records[step]["window_losses"]) for step in updates]
+
+
+def windows_at(curve: dict, basis: str, at: float) -> dict | None:
+    """A run's validation windows at `at` on `basis`, each interpolated on its own curve as the mean
+    is (their mean is `_loss_at`'s loss), as a scores record for `paired_document_interval`; None
+    outside the curve or where the run kept no per-window validations."""
+    saved = _saved_windows(curve["run_dir"], tuple(curve["updates"]))
+    if saved is None:
+        return None
+    index, documents, losses = saved
+    value = curve_value(_axis(curve, basis), losses, at)
+    return None if value is None else {"window_index": index, "window_losses": value, "doc_ids": documents}
+
+
+def compare_at(worse: list[dict], better: list[dict], basis: str, at: float | None = None
+               ) -> tuple[list[float], Interval | None]:
+    """Seed by seed, `worse`'s loss − `better`'s at `at` on `basis`, where both curves reach it (None:
+    each at its own last validation), and the document bootstrap of their mean difference window by
+    window (None unless every such seed kept its validations window by window)."""
+    differences, sides = [], ([], [])
+    for first, second in zip(worse, better, strict=True):
+        points = [(curve, _axis(curve, basis)[-1] if at is None else at) for curve in (first, second)]
+        a, b = (_loss_at(curve, basis, x) for curve, x in points)
+        if a is None or b is None:
+            continue
+        differences.append(a - b)
+        for side, (curve, x) in zip(sides, points, strict=True):
+            side.append(windows_at(curve, basis, x))
+    whole = all(record is not None for side in sides for record in side)
+    return differences, paired_document_interval(*sides) if differences and whole else None
 
 
 def run_curve(run_dir: Path) -> dict:
@@ -85,7 +126,7 @@ def run_curve(run_dir: Path) -> dict:
             "updates": [step for step, _, _ in points], "loss": [loss for _, loss, _ in points],
             "aggregate_seconds": [seconds for _, _, seconds in points],
             "per_expert_seconds": [seconds / experts for _, _, seconds in points],
-            "last_checkpoint": summary.get("last_checkpoint")}
+            "last_checkpoint": summary.get("last_checkpoint"), "run_dir": str(run_dir)}
 
 
 def claim_check(claim: str, differences: list[float], basis: str, document: Interval | None = None,
@@ -100,10 +141,10 @@ def elapsed_checks(curves: dict[int, list[dict]]) -> tuple[float, list[dict]]:
     cutoff = min(c["per_expert_seconds"][-1] for runs in curves.values() for c in runs)
     counts, checks = sorted(curves), []
     for smaller, larger in zip(counts, counts[1:], strict=False):
-        differences = _differences_at(curves[smaller], curves[larger], "per_expert", cutoff)
+        differences, document = compare_at(curves[smaller], curves[larger], "per_expert", cutoff)
         claim = (f"More experts train better against elapsed time (Fig. 7 left): N = {larger} reaches a lower "
                  f"ensemble-validation loss than N = {smaller} at {cutoff:.0f} s per expert")
-        checks.append(claim_check(claim, differences, "equal elapsed update time per expert"))
+        checks.append(claim_check(claim, differences, "equal elapsed update time per expert", document))
     return cutoff, checks
 
 
@@ -127,9 +168,9 @@ def aggregate_comparisons(curves: dict[int, list[dict]], points: int = FIG8_POIN
         for budget in budgets:
             low = [_loss_at(c, "aggregate", budget) for c in curves[smaller]]
             high = [_loss_at(c, "aggregate", budget) for c in curves[larger]]
-            differences = [b - a for a, b in zip(low, high, strict=True) if a is not None and b is not None]
+            differences, document = compare_at(curves[larger], curves[smaller], "aggregate", budget)
             check = claim_check(f"N = {larger} is above N = {smaller} at {budget:.0f} s aggregate", differences,
-                                "equal aggregate update time", level=level)
+                                "equal aggregate update time", document, level)
             rows.append({"smaller": smaller, "larger": larger, "budget_seconds": budget, "smaller_loss": low,
                          "larger_loss": high, "check": check})
     return rows
@@ -380,14 +421,14 @@ def settings_checks(name: str, order: list[str], curves: dict[str, list[dict]]) 
     shorter final time, with the costlier run interpolated on its curve there)."""
     checks = []
     for smaller, larger in zip(order, order[1:], strict=False):
-        final = [a["loss"][-1] - b["loss"][-1] for a, b in zip(curves[smaller], curves[larger], strict=True)]
+        final, document = compare_at(curves[smaller], curves[larger], "updates")
         checks.append(claim_check(f"SOMA improves with larger {name} (Fig. 7): {larger} below {smaller} after "
-                                  f"{curves[larger][0]['updates'][-1]} updates", final, "equal updates"))
+                                  f"{curves[larger][0]['updates'][-1]} updates", final, "equal updates", document))
         cutoff = min(c["per_expert_seconds"][-1] for label in (smaller, larger) for c in curves[label])
-        timed = _differences_at(curves[smaller], curves[larger], "per_expert", cutoff)
+        timed, document = compare_at(curves[smaller], curves[larger], "per_expert", cutoff)
         checks.append(claim_check(f"SOMA improves with larger {name} (Fig. 7): {larger} below {smaller} at "
                                   f"{cutoff:.1f} s per expert (where the cheaper run ends)", timed,
-                                  "equal elapsed update time per expert"))
+                                  "equal elapsed update time per expert", document))
     return checks
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from soma_pl.analysis.time_basis import measured_curve, validation_windows
 from soma_pl.lightning_cli import make_cli
 
 from .conftest import final_weights, fit_args, run_cli
@@ -141,3 +142,20 @@ def test_validate_test_and_predict_from_a_checkpoint(corpus_dir, tmp_path):
     # Per window, in the split's order: the predictions' losses, and the documents they came from.
     assert report["window_index"] == list(range(4)) and len(set(report["doc_ids"])) == 4
     assert report["window_losses"] == pytest.approx(losses[0].tolist(), rel=1e-5)
+
+
+def test_a_fit_keeps_each_validation_window_by_window(corpus_dir, tmp_path):
+    """`val_windows/<updates>.json` at every validation of a fit: its windows' mean is the logged
+    `val/loss` at that update, its update counts the validation curve's, every window and document of
+    the validation split; what reproduce's document intervals on validation curves are made of."""
+    args = [a for a in fit_args(corpus_dir, tmp_path / "data", tmp_path / "run") if a != "--trainer.logger=false"]
+    run_cli(args + ["--trainer.max_steps=8", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+                    f"--trainer.logger.init_args.save_dir={tmp_path / 'run'}", "--trainer.logger.init_args.name=fit"])
+    fit_root = tmp_path / "run" / "fit"
+    records, curve = validation_windows(fit_root), measured_curve(fit_root)
+    assert sorted(records) == [updates for updates, _, _ in curve] == [4, 8]
+    for updates, loss, _ in curve:
+        record = records[updates]
+        assert record["window_index"] == list(range(len(record["window_losses"])))
+        assert len(record["doc_ids"]) == len(record["window_losses"]) > 1
+        assert sum(record["window_losses"]) / len(record["window_losses"]) == pytest.approx(loss, rel=1e-6)

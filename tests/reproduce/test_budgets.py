@@ -17,18 +17,30 @@ START = {"soma_n1": 3.0, "soma_n2": 2.9, "soma_n4": 3.1, "bptt_n1": 2.0, "bptt_n
 """Each run's loss at 0 s; every curve falls by 0.001 per second (plus 0.01 per seed)."""
 
 
-def _metrics(folder: Path, label: str, seed: int, every: float) -> None:
+SPREAD = [-1.0, 1.0, -0.5, 0.5]
+"""Four validation windows (documents a, a, b, b) around the mean: SOMA's 0.02 times these, BPTT's 0.01."""
+
+
+def _metrics(folder: Path, label: str, seed: int, every: float, windows: bool = False) -> None:
     """Validations every `every` seconds up to 250 s: loss START − 0.001·t + 0.01·seed, logged as a
-    fit logs them (val/loss at update − 1, the update time at the update)."""
+    fit logs them (val/loss at update − 1, the update time at the update); with `windows`, each
+    validation window by window too (`val_windows/<update>.json`, their mean the loss)."""
     folder.mkdir(parents=True)
     rows, update, seconds = ["step,val/loss,compute/aggregate_device_hours"], 0, 0.0
+    scale = 0.02 if label.startswith("soma") else 0.01
     while seconds < 250:
         update, seconds = update + 10, seconds + every
-        rows += [f"{update - 1},{START[label] - 0.001 * seconds + 0.01 * seed},", f"{update},,{seconds / 3600}"]
+        loss = START[label] - 0.001 * seconds + 0.01 * seed
+        rows += [f"{update - 1},{loss},", f"{update},,{seconds / 3600}"]
+        if windows:
+            (folder / "val_windows").mkdir(exist_ok=True)
+            (folder / "val_windows" / f"{update}.json").write_text(json.dumps({
+                "updates": update, "k": 1, "window_index": [0, 1, 2, 3], "doc_ids": ["a", "a", "b", "b"],
+                "window_losses": [loss + scale * offset for offset in SPREAD]}))
     (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
 
 
-def _report(tmp_path: Path) -> tuple[dict, dict]:
+def _report(tmp_path: Path, windows: bool = False) -> tuple[dict, dict]:
     per_seed, folders = [], {}
     for seed in range(3):
         trials = {}
@@ -36,7 +48,7 @@ def _report(tmp_path: Path) -> tuple[dict, dict]:
             trial = 10 * seed + index
             trials[label] = trial
             folders[trial] = {seed: str(tmp_path / f"trial-{trial}")}
-            _metrics(tmp_path / f"trial-{trial}", label, seed, every=50.0 if label.startswith("soma") else 30.0)
+            _metrics(tmp_path / f"trial-{trial}", label, seed, 50.0 if label.startswith("soma") else 30.0, windows)
         per_seed.append({"seed": seed, "trial": trials})
     report = {"table7": {"column_labels": LABELS, "per_seed": per_seed}, "trials": {"COMPLETE": 18}, "failed": []}
     return report, folders
@@ -73,6 +85,29 @@ def test_table5_interpolates_each_run_at_the_budgets_and_checks_both_claims(tmp_
     assert "| 2 | 2.7900 ± 0.0100 | 1.9900 ± 0.0100 | 2.7300 ± 0.0100 |" in text
     assert f"| paper, N = 8 | {TABLE5_PAPER['soma']['8'][0]:.4f} | {TABLE5_PAPER['bptt']['8'][0]:.4f} |" in text
     assert table5_figure({**result, "experiment": "table5", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
+
+
+def test_validations_kept_window_by_window_give_each_budget_a_document_interval(tmp_path):
+    """Each window is interpolated at the budget as the mean is: SOMA's windows spread 0.02·(−1, 1,
+    −0.5, 0.5) around its loss and BPTT's 0.01·(...), so SOMA − BPTT per window is the gap plus
+    0.01·(−1, 1, −0.5, 0.5), the documents' means gap ± 0 (each document's two windows cancel)."""
+    report, folders = _report(tmp_path, windows=True)
+    checks = {check["claim"]: check for check in table5_result(report, folders, budgets=(120.0, 240.0))["checks"]}
+    bptt = "BPTT reaches a lower ensemble-validation loss than SOMA at N = {}, {} s"
+    soma = "SOMA N = 2 reaches a lower ensemble-validation loss than SOMA N = 1 (monolithic SPSA), {} s"
+    for budget in ("120", "240"):
+        for experts, gap, verdict in ((1, 1.0, "holds"), (2, 0.8, "holds"), (4, -0.05, "does not hold")):
+            check = checks[bptt.format(experts, budget)]
+            assert check["verdict"] == verdict and check["seeds"] == 3
+            assert check["document_interval"] == pytest.approx((gap, gap))
+        two = checks[soma.format(budget)]
+        assert two["verdict"] == Verdict.holds.value and two["document_interval"] == pytest.approx((0.1, 0.1))
+    # one run without its windows: no document interval for the comparisons it is in
+    for path in (Path(folders[0][0]) / "val_windows").iterdir():
+        path.unlink()
+    checks = {check["claim"]: check for check in table5_result(report, folders, budgets=(120.0,))["checks"]}
+    assert checks[bptt.format(1, 120)]["document_interval"] is None
+    assert checks[bptt.format(2, 120)]["verdict"] == "holds"
 
 
 def test_a_budget_before_a_runs_first_validation_is_left_out(tmp_path):

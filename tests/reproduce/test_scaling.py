@@ -27,14 +27,21 @@ RATE = 0.005
 UPDATES, EVERY, PARAMETERS_PER_EXPERT = 100, 10, 1000
 
 
-def _run(folder: Path, experts: int, seed: int, rate: float = RATE) -> None:
+def _run(folder: Path, experts: int, seed: int, rate: float = RATE, windows: bool = False) -> None:
     """A fit of `UPDATES` updates of 1 s per expert, validated every `EVERY`: loss START − rate·s + 0.01·seed
-    at s seconds per expert; its summary as a fit writes it, and saved analyses of its last checkpoint."""
+    at s seconds per expert (with `windows`, each validation window by window too: four windows of
+    two documents, N·0.01·(−1, 1, −0.5, 0.5) around the loss); its summary as a fit writes it, and
+    saved analyses of its last checkpoint."""
     folder.mkdir(parents=True)
     rows = ["step,val/loss,compute/aggregate_device_hours"]
     for update in range(EVERY, UPDATES + 1, EVERY):
         loss = START[experts] - rate * update + 0.01 * seed
         rows += [f"{update - 1},{loss},", f"{update},,{update * experts / 3600}"]
+        if windows:
+            (folder / "val_windows").mkdir(exist_ok=True)
+            (folder / "val_windows" / f"{update}.json").write_text(json.dumps({
+                "updates": update, "k": 1, "window_index": [0, 1, 2, 3], "doc_ids": ["a", "a", "b", "b"],
+                "window_losses": [loss + 0.01 * experts * offset for offset in (-1.0, 1.0, -0.5, 0.5)]}))
     (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
     summary = {"parameters": PARAMETERS_PER_EXPERT * experts, "last_checkpoint": str(folder / "last.ckpt"),
                "compute": {"experts": experts, "updates": UPDATES, "token_forwards": 64 * experts * UPDATES}}
@@ -55,7 +62,7 @@ def _run(folder: Path, experts: int, seed: int, rate: float = RATE) -> None:
         "pairs": [{"experts": [0, 1], "correlation": 0.1, "gain": 0.2, "losses": [3.0, 3.0], "pair_loss": 2.8}]}))
 
 
-def _report(tmp_path: Path, rate: float = RATE) -> tuple[dict, dict]:
+def _report(tmp_path: Path, rate: float = RATE, windows: bool = False) -> tuple[dict, dict]:
     per_seed, folders = [], {}
     for seed in range(3):
         trials = {}
@@ -63,7 +70,7 @@ def _report(tmp_path: Path, rate: float = RATE) -> tuple[dict, dict]:
             trial = 10 * seed + experts
             trials[str(experts)] = trial
             folders[trial] = {seed: str(tmp_path / f"trial-{trial}")}
-            _run(tmp_path / f"trial-{trial}", experts, seed, rate)
+            _run(tmp_path / f"trial-{trial}", experts, seed, rate, windows)
         per_seed.append({"seed": seed, "trial": trials})
     return {"table7": {"column_labels": [1, 2, 4], "per_seed": per_seed}, "trials": {"COMPLETE": 9}, "failed": []}, \
         folders
@@ -117,6 +124,22 @@ def test_fig7_reads_both_time_bases_and_checks_each_claim(tmp_path):
     assert "| N = 1 → 2 | 100 | 2.5100 | 2.6600 | +0.1500 | inconclusive |" in text
     assert "Seed 1: 1 pairs, r = -0.700." in text
     assert fig7_figure({**result, "experiment": "fig7", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
+
+
+def test_validations_window_by_window_give_the_curves_comparisons_a_document_interval(tmp_path):
+    """With every run's validations window by window, each comparison of two curves has a document
+    interval of its windows interpolated as the mean is: each document's two windows cancel, so it
+    is the exact difference and the seeds' sign decides, at the elapsed cutoff and at every budget."""
+    report, folders = _report(tmp_path, windows=True)
+    result = fig7_result(report, folders)
+    elapsed = [c for c in result["checks"] if "Fig. 7 left" in c["claim"]]
+    assert len(elapsed) == 2
+    for check in elapsed:  # N = 2 below N = 1, N = 4 below N = 2, by 0.1 at 100 s per expert
+        assert check["verdict"] == "holds" and check["document_interval"] == pytest.approx((0.1, 0.1))
+    for row in result["aggregate"]:
+        check = row["check"]
+        assert check["document_interval"] == pytest.approx((check["mean"], check["mean"]))
+        assert check["verdict"] == ("holds" if check["mean"] > 0 else "does not hold")
 
 
 def test_more_experts_lower_at_every_aggregate_budget_is_the_opposite_of_fig8(tmp_path):
