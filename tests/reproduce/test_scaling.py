@@ -140,6 +140,12 @@ def test_validations_window_by_window_give_the_curves_comparisons_a_document_int
         check = row["check"]
         assert check["document_interval"] == pytest.approx((check["mean"], check["mean"]))
         assert check["verdict"] == ("holds" if check["mean"] > 0 else "does not hold")
+    fig8 = next(c for c in result["checks"] if "every aggregate budget" in c["claim"])
+    assert fig8["verdict"] == "holds" and fig8["mean"] == pytest.approx(0.15)
+    # Fig. 8's claim can fail: where more experts are lower at every later budget, it does not hold
+    report, folders = _report(tmp_path / "slow", rate=0.0005, windows=True)
+    fig8 = next(c for c in fig7_result(report, folders)["checks"] if "every aggregate budget" in c["claim"])
+    assert fig8["verdict"] == "does not hold"
 
 
 def test_more_experts_lower_at_every_aggregate_budget_is_the_opposite_of_fig8(tmp_path):
@@ -163,7 +169,10 @@ def test_mixed_aggregate_comparisons_are_inconclusive():
              "check": {"verdict": "inconclusive", "mean": 0.01, "why": "w", "claim": "c"}}]
     check = aggregate_check(rows)
     assert check["verdict"] == "inconclusive" and check["mean"] == 0.01
-    assert "0 of 2 (pair, budget) comparisons hold, 1 show the opposite" in check["why"]
+    # only the later half of the pair's range in log time (from √(10·20) s) counts: the 20 s comparison
+    assert "0 of 1 (pair, budget) comparisons hold, 0 show the opposite" in check["why"]
+    rows[1]["check"] = {**rows[1]["check"], "verdict": "does not hold", "mean": -0.02}
+    assert aggregate_check(rows)["verdict"] == "does not hold"
     assert aggregate_check([])["verdict"] == "inconclusive"
     assert aggregate_comparisons({1: []}) == []
 
