@@ -341,7 +341,8 @@ class ByteLMModule(L.LightningModule, ABC):
         self._finish_evaluation("test")
 
     def _finish_evaluation(self, stage: str) -> Tensor:
-        """Log `<stage>/loss`; outside `fit`, also its document-bootstrap interval and a JSON report."""
+        """Log `<stage>/loss`; outside `fit`, also its document-bootstrap interval and a JSON report;
+        during `fit`, each validation window by window (`_record_validation`)."""
         metric = self._metrics[stage]
         value = metric.compute()
         metric.reset()
@@ -374,11 +375,13 @@ class ByteLMModule(L.LightningModule, ABC):
         return index, losses, by_k, experts, evalset.doc_ids[index]
 
     def _record_validation(self, records: list[tuple[Tensor, Tensor, Tensor]]) -> None:
-        """A fit's validation, window by window: `val_windows/<updates>.json` in the log folder (one per
-        validation; a resumed fit's repeat of one writes the same), so that two runs' validation
-        curves can be compared by a paired document bootstrap at any budget."""
+        """A fit's validation, window by window: `val_windows/<updates>.json` in the logger's folder
+        (`soma_pl.VAL_WINDOWS`; none without a logger), so that two runs' validation curves can be
+        compared by a paired document bootstrap at any budget."""
+        if not self.trainer.loggers:
+            return
         gathered = self._gathered("val", records)
-        log_dir = self.trainer.log_dir  # a broadcast under DDP: every rank must ask
+        log_dir = self.trainer.log_dir  # a broadcast under DDP: every rank must ask (None under fast_dev_run)
         if gathered is None or not self.trainer.is_global_zero or not log_dir:
             return
         index, losses, _, _, documents = gathered

@@ -62,6 +62,8 @@ def _windows_at_budgets(run_dir: Path, budgets: tuple[float, ...]) -> list[dict 
     if not points or any(step not in records for step, _, _ in points):
         return [None] * len(budgets)
     first = records[points[0][0]]
+    if any(records[step]["window_index"] != first["window_index"] for step, _, _ in points):
+        return [None] * len(budgets)  # a session resumed on another validation split
     curve = [(seconds, np.asarray(records[step]["window_losses"])) for step, _, seconds in points]
     return [{"window_index": first["window_index"], "doc_ids": first["doc_ids"],
              "window_losses": interpolate(curve, budget)} if _within(curve, budget) else None for budget in budgets]

@@ -161,7 +161,7 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                                              for row in timed["per_seed"]],
                                 "difference": mean_sd(differences)}
         check = decide("SOMA (N = 2) reaches a lower ensemble-validation loss than monolithic SPSA at equal measured "
-                       "update time (Table 3's basis; validation curves, no per-window scores)", differences)
+                       "update time (Table 3's basis; validation curves, read without their windows here)", differences)
         checks.append({**check.as_dict(), "basis": "equal measured update time", "split": "val"})
     elif timed:
         blocks["equal_time"] = {"label": "ensemble validation at equal measured update time",

@@ -46,7 +46,7 @@ from soma_pl.reproduce.tables import (
     table_head,
     table_row,
 )
-from soma_pl.reproduce.verdicts import Verdict, decide, mean_sd, paired_document_interval
+from soma_pl.reproduce.verdicts import MIN_SEEDS, Verdict, decide, mean_sd, paired_document_interval
 
 RUN = re.compile(r"n(?P<experts>\d+)(?P<long>_long)?$")
 """A run's label: `n<N>` at the common budget, `n<N>_long` at a longer one."""
@@ -138,11 +138,14 @@ def never_single(maps: list[list[list[int | None]]], per_experts: list[float], a
                  seeds: int) -> dict:
     """Fig. 14's "N = 1 is never selected", on the map's cells where the per-expert budget can bind
     (per-expert ≤ aggregate): holds when no seed's map selects N = 1 there, does not hold when every
-    seed's does; a count, not an interval."""
+    seed's does, on `MIN_SEEDS` seeds or more (fewer decide nothing); a count, not an interval, so it
+    is not in the experiment's Holm family."""
     counts = [sum(n == 1 for p, line in zip(per_experts, grid, strict=True)
                   for a, n in zip(aggregates, line, strict=True) if p <= a) for grid in maps]
     cells = sum(1 for p in per_experts for a in aggregates if p <= a)
     verdict = Verdict.holds if not any(counts) else Verdict.does_not_hold if all(counts) else Verdict.inconclusive
+    if len(counts) < MIN_SEEDS:
+        verdict = Verdict.inconclusive
     return {"claim": "N = 1 is never selected (Fig. 14): no cell of the budget map (per-expert budget ≤ aggregate) "
                      "chooses an N = 1 state (mean difference: N = 1's cells per seed)",
             "verdict": verdict.value, "why": f"N = 1 selected in {', '.join(map(str, counts))} of {cells} cells per "

@@ -195,9 +195,10 @@ def reproduction_page(results: Path, page: Path) -> str:
              "Each experiment is run by `python -m soma_pl.cli reproduce <experiment>` (`--help` lists them and "
              "their cost). A verdict holds when the 95% intervals over seeds (three or more) and over test documents "
              "both lie on the claim's side of zero and, after Holm's adjustment over the experiment's claims, its "
-             "p-value stays below 0.05 (`soma_pl/reproduce/verdicts.py`). A row without a Holm p-value was saved "
-             "before that rule: its verdict is its intervals' alone (the seeds' alone where it has no document "
-             "interval).", "",
+             "p-value stays below 0.05 (`soma_pl/reproduce/verdicts.py`); documents are the test split's, or the "
+             "validation split's for claims read off validation curves. A row without a Holm p-value is undecided, "
+             "judged by its own rule (an equivalence margin, a count), or was saved before the rule, when its "
+             "intervals alone decided (the seeds' alone where it had no document interval).", "",
              *table_head(["Experiment", "Paper claim", "Basis", "Ours", "Verdict", "p (Holm)"])]
     for result in saved:
         for check in result["checks"]:

@@ -107,3 +107,14 @@ def test_no_document_interval_from_scores_without_windows_or_on_other_windows():
     assert paired_document_interval([{"loss": 3.0}], [{"loss": 2.9}]) is None
     shifted = {**_scores([3.0, 3.0], documents), "window_index": [1, 2]}
     assert paired_document_interval([_scores([3.0, 3.0], documents)], [shifted]) is None
+
+
+def test_the_document_interval_is_at_the_level_asked_for():
+    """A Bonferroni level (Fig. 8's comparisons) widens the document interval as it widens the seeds'."""
+    documents = [f"d{i // 2}" for i in range(40)]
+    gains = np.random.default_rng(0).normal(0.05, 0.1, 40)
+    worse = [_scores(list(3.0 + gains), documents)]
+    better = [_scores([3.0] * 40, documents)]
+    plain, wide = paired_document_interval(worse, better), paired_document_interval(worse, better, level=0.99)
+    assert wide.low < plain.low < plain.high < wide.high
+    assert wide.p_zero == plain.p_zero  # the p-value does not depend on the interval's level
