@@ -14,6 +14,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from soma_pl import VAL_WINDOWS
 from soma_pl.errors import SomaError
 
@@ -55,6 +57,33 @@ def validation_windows(fit_root: Path) -> dict[int, dict]:
             record = json.loads(path.read_text())
             records[int(record["updates"])] = record
     return records
+
+
+def window_curve(fit_root: Path) -> tuple[list, list, list[np.ndarray]] | None:
+    """The windows of every validation on `measured_curve(fit_root)`, in its order: their indices,
+    their documents and each validation's per-window losses; None where a validation kept no record
+    or they scored different windows (a session resumed on another validation split)."""
+    records, steps = validation_windows(fit_root), [step for step, _, _ in measured_curve(fit_root)]
+    if not steps or any(step not in records for step in steps):
+        return None
+    first = records[steps[0]]
+    if any(records[step]["window_index"] != first["window_index"] or records[step]["doc_ids"] != first["doc_ids"]
+           for step in steps):
+        return None
+    return first["window_index"], first["doc_ids"], [np.asarray(records[step]["window_losses"]) for step in steps]
+
+
+def windows_at_seconds(fit_root: Path, seconds: float) -> dict | None:
+    """The fit's validation windows at `seconds` of measured update time, each interpolated linearly
+    as the curve's loss is (their mean is it), as a scores record (`window_index`, `window_losses`,
+    `doc_ids`) for `soma_pl.eval.bootstrap.paired_document_interval`; None outside the curve or
+    where `window_curve` is None."""
+    saved, points = window_curve(fit_root), measured_curve(fit_root)
+    if saved is None or not points[0][2] <= seconds <= points[-1][2] * (1 + 1e-9):
+        return None
+    index, documents, losses = saved
+    curve = [(point[2], window_losses) for point, window_losses in zip(points, losses, strict=True)]
+    return {"window_index": index, "window_losses": interpolate(curve, seconds), "doc_ids": documents}
 
 
 def interpolate(points: list[tuple[float, float]], at: float) -> float:

@@ -46,3 +46,22 @@ def document_bootstrap(losses: np.ndarray, doc_ids: np.ndarray, resamples: int =
     low, high = np.quantile(means, [tail, 1.0 - tail])
     p_zero = min(1.0, 2.0 * min(np.mean(means <= 0.0), np.mean(means >= 0.0)))
     return Interval(float(losses.mean()), float(low), float(high), len(sums), len(losses), float(p_zero))
+
+
+def paired_document_interval(worse: list[dict], better: list[dict], level: float = 0.95) -> Interval | None:
+    """The document bootstrap (interval at `level`) of the seed-mean paired difference `worse −
+    better`, from each seed's `*_scores.json` records (`window_index`, `window_losses`, `doc_ids`) of
+    the two sides on one split; None when a record lacks per-window losses or the sides scored
+    different windows."""
+    if not worse or len(worse) != len(better):
+        return None
+    differences, documents = [], None
+    for first, second in zip(worse, better, strict=True):
+        if not all("window_losses" in r for r in (first, second)) or first["window_index"] != second["window_index"]:
+            return None
+        if list(second["doc_ids"]) != list(first["doc_ids"]) or (documents is not None
+                                                                  and list(first["doc_ids"]) != documents):
+            return None
+        documents = list(first["doc_ids"])
+        differences.append(np.asarray(first["window_losses"]) - np.asarray(second["window_losses"]))
+    return document_bootstrap(np.mean(differences, axis=0), np.asarray(documents), level=level)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from soma_pl.analysis.time_basis import measured_curve
 from soma_pl.config_files import read_yaml
+from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import decide, paired_document_interval
+from soma_pl.reproduce.verdicts import decide
 from soma_pl.sweeps.final_test import score_run
 
 REFERENCE = "reference"

@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 
 from soma_pl.errors import SomaError
-from soma_pl.eval.bootstrap import Interval
+from soma_pl.eval.bootstrap import Interval, paired_document_interval
 from soma_pl.reproduce.scaling import claim_check, curve_value, run_curve
 from soma_pl.reproduce.tables import (
     checks_table,
@@ -40,7 +40,7 @@ from soma_pl.reproduce.tables import (
     table_head,
     table_row,
 )
-from soma_pl.reproduce.verdicts import MIN_SEEDS, Verdict, mean_sd, paired_document_interval, seed_interval
+from soma_pl.reproduce.verdicts import MIN_SEEDS, Verdict, mean_sd, seed_interval
 from soma_pl.sweeps.final_test import score_checkpoint, score_run
 
 ALLOCATION = re.compile(r"p(?P<n_pert>\d+)_b(?P<batch>\d+)$")

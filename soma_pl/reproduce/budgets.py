@@ -15,12 +15,11 @@ import re
 import statistics
 from pathlib import Path
 
-import numpy as np
-
-from soma_pl.analysis.time_basis import interpolate, measured_curve, validation_windows
+from soma_pl.analysis.time_basis import interpolate, measured_curve, windows_at_seconds
 from soma_pl.errors import SomaError
+from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import decide, paired_document_interval
+from soma_pl.reproduce.verdicts import decide
 
 TABLE5_FRACTIONS = (0.5, 0.75, 1.0)
 """The budgets, as fractions of the one the runs were stopped at: the paper's 50, 75 and 100 GPU-hours
@@ -47,26 +46,8 @@ def _runs(labels: list[str]) -> dict[str, dict[int, str]]:
 def _at_budgets(run_dir: Path, budgets: tuple[float, ...]) -> list[float | None]:
     """The run's ensemble-validation loss interpolated at each budget (None outside its curve)."""
     curve = [(seconds, loss) for _, loss, seconds in measured_curve(run_dir)]
-    return [interpolate(curve, budget) if _within(curve, budget) else None for budget in budgets]
-
-
-def _within(curve: list[tuple[float, object]], budget: float) -> bool:
-    return bool(curve) and curve[0][0] <= budget <= curve[-1][0] * (1 + 1e-9)
-
-
-def _windows_at_budgets(run_dir: Path, budgets: tuple[float, ...]) -> list[dict | None]:
-    """The run's validation windows interpolated at each budget as `_at_budgets`' loss is (their
-    mean), as scores records for `paired_document_interval`; None outside its curve or where the run
-    kept no per-window validations."""
-    points, records = measured_curve(run_dir), validation_windows(run_dir)
-    if not points or any(step not in records for step, _, _ in points):
-        return [None] * len(budgets)
-    first = records[points[0][0]]
-    if any(records[step]["window_index"] != first["window_index"] for step, _, _ in points):
-        return [None] * len(budgets)  # a session resumed on another validation split
-    curve = [(seconds, np.asarray(records[step]["window_losses"])) for step, _, seconds in points]
-    return [{"window_index": first["window_index"], "doc_ids": first["doc_ids"],
-             "window_losses": interpolate(curve, budget)} if _within(curve, budget) else None for budget in budgets]
+    return [interpolate(curve, budget) if curve and curve[0][0] <= budget <= curve[-1][0] * (1 + 1e-9) else None
+            for budget in budgets]
 
 
 def _mean_sd(values: list[float | None]) -> dict:
@@ -113,7 +94,8 @@ def table5_result(report: dict, folders: dict[int, dict[int, str]], budgets: tup
     labels = [label for by_n in runs.values() for label in by_n.values()]
     run_dirs = {label: [Path(folders[entry["trial"][label]][entry["seed"]]) for entry in per_seed] for label in labels}
     losses = {label: [_at_budgets(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
-    windows = {label: [_windows_at_budgets(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
+    windows = {label: [[windows_at_seconds(run_dir, budget) for budget in budgets] for run_dir in run_dirs[label]]
+               for label in labels}
 
     def check(claim: str, worse: str, better: str, i: int) -> dict:
         def at(values: dict, label: str) -> list:

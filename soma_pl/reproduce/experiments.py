@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from soma_pl.eval.bootstrap import Interval, paired_document_interval
 from soma_pl.reproduce.ablations import FIG9_PAPER, fig9_figure, fig9_markdown, fig9_result
 from soma_pl.reproduce.allocation import (
     FIG13_PAPER,
@@ -54,7 +55,7 @@ from soma_pl.reproduce.scaling import (
     fig7_settings_result,
 )
 from soma_pl.reproduce.tables import figure, table7_markdown
-from soma_pl.reproduce.verdicts import decide, mean_sd, paired_document_interval
+from soma_pl.reproduce.verdicts import decide, mean_sd
 from soma_pl.sweeps.final_test import score_run
 
 
@@ -160,8 +161,10 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                                               "soma": row["val"][other], "difference": row["difference"][other]}
                                              for row in timed["per_seed"]],
                                 "difference": mean_sd(differences)}
+        document = (timed.get("document") or {}).get(other)
         check = decide("SOMA (N = 2) reaches a lower ensemble-validation loss than monolithic SPSA at equal measured "
-                       "update time (Table 3's basis; validation curves, read without their windows here)", differences)
+                       "update time (Table 3's basis; validation curves)", differences,
+                       None if document is None else Interval(**document))
         checks.append({**check.as_dict(), "basis": "equal measured update time", "split": "val"})
     elif timed:
         blocks["equal_time"] = {"label": "ensemble validation at equal measured update time",

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from soma_pl.errors import SomaError
-from soma_pl.eval.bootstrap import document_bootstrap
+from soma_pl.eval.bootstrap import document_bootstrap, paired_document_interval
 from soma_pl.reproduce.ablations import run_test_scores
 from soma_pl.reproduce.scaling import claim_check, run_curve
 from soma_pl.reproduce.tables import (
@@ -46,7 +46,7 @@ from soma_pl.reproduce.tables import (
     table_head,
     table_row,
 )
-from soma_pl.reproduce.verdicts import MIN_SEEDS, Verdict, decide, mean_sd, paired_document_interval
+from soma_pl.reproduce.verdicts import MIN_SEEDS, Verdict, decide, mean_sd
 
 RUN = re.compile(r"n(?P<experts>\d+)(?P<long>_long)?$")
 """A run's label: `n<N>` at the common budget, `n<N>_long` at a longer one."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.ablations import run_test_scores
 from soma_pl.reproduce.tables import checks_table, interval_text, number, rows_figure, run_footer, table_head, table_row
-from soma_pl.reproduce.verdicts import decide, mean_sd, paired_document_interval
+from soma_pl.reproduce.verdicts import decide, mean_sd
 
 SOMA = "soma_n2"
 """The row the claim is about."""

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from soma_pl.analysis.time_basis import interpolate, measured_curve, validation_windows
+from soma_pl.analysis.time_basis import interpolate, measured_curve, window_curve
 from soma_pl.errors import SomaError
-from soma_pl.eval.bootstrap import Interval, document_bootstrap
+from soma_pl.eval.bootstrap import Interval, document_bootstrap, paired_document_interval
 from soma_pl.reproduce.tables import checks_table, heading, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide, mean_sd, paired_document_interval
+from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide, mean_sd
 
 FIG7_PAPER = {
     "experts": [1, 2, 8, 32, 256],
@@ -73,25 +73,16 @@ def _loss_at(curve: dict, basis: str, at: float) -> float | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _saved_windows(run_dir: str, updates: tuple[int, ...]) -> tuple[list, list, list[np.ndarray]] | None:
-    """A run's validations window by window at `updates` (its curve's): the window indices and
-    documents, and each validation's per-window losses; None where one of them was not kept or they
-    scored different windows (a session resumed on another validation split)."""
-    records = validation_windows(Path(run_dir))
-    if not updates or any(step not in records for step in updates):
-        return None
-    first = records[updates[0]]
-    if any(records[step]["window_index"] != first["window_index"] or records[step]["doc_ids"] != first["doc_ids"]
-           for step in updates):
-        return None
-    return first["window_index"], first["doc_ids"], [np.asarray(records[step]["window_losses"]) for step in updates]
+def _saved_windows(run_dir: str) -> tuple[list, list, list[np.ndarray]] | None:
+    """`window_curve` of a run, read once."""
+    return window_curve(Path(run_dir))
 
 
 def windows_at(curve: dict, basis: str, at: float) -> dict | None:
     """A run's validation windows at `at` on `basis`, each interpolated on its own curve as the mean
     is (their mean is `_loss_at`'s loss), as a scores record for `paired_document_interval`; None
     outside the curve or where the run kept no per-window validations."""
-    saved = _saved_windows(curve["run_dir"], tuple(curve["updates"]))
+    saved = _saved_windows(curve["run_dir"])
     if saved is None:
         return None
     index, documents, losses = saved

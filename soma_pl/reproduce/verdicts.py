@@ -25,10 +25,9 @@ import statistics
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-import numpy as np
 from scipy import stats as scipy_stats
 
-from soma_pl.eval.bootstrap import Interval, document_bootstrap
+from soma_pl.eval.bootstrap import Interval
 
 LEVEL = 0.95
 MIN_SEEDS = 3
@@ -86,25 +85,6 @@ def seed_p(differences: list[float]) -> float:
         return 0.0 if statistics.fmean(differences) != 0 else 1.0
     t = statistics.fmean(differences) / (sd / len(differences) ** 0.5)
     return float(2 * scipy_stats.t.sf(abs(t), len(differences) - 1))
-
-
-def paired_document_interval(worse: list[dict], better: list[dict], level: float = LEVEL) -> Interval | None:
-    """The document bootstrap (interval at `level`) of the seed-mean paired difference `worse −
-    better`, from each seed's `*_scores.json` records (`window_index`, `window_losses`, `doc_ids`) of
-    the two sides on one split; None when a record lacks per-window losses or the sides scored
-    different windows."""
-    if not worse or len(worse) != len(better):
-        return None
-    differences, documents = [], None
-    for first, second in zip(worse, better, strict=True):
-        if not all("window_losses" in r for r in (first, second)) or first["window_index"] != second["window_index"]:
-            return None
-        if list(second["doc_ids"]) != list(first["doc_ids"]) or (documents is not None
-                                                                  and list(first["doc_ids"]) != documents):
-            return None
-        documents = list(first["doc_ids"])
-        differences.append(np.asarray(first["window_losses"]) - np.asarray(second["window_losses"]))
-    return document_bootstrap(np.mean(differences, axis=0), np.asarray(documents), level=level)
 
 
 def _side(interval: tuple[float, float]) -> int:

@@ -1,12 +1,18 @@
 """Equal measured update time: interpolation of a (seconds, loss) curve against hand-computed values,
-and a side's standing at a budget."""
+a side's standing at a budget, and the validation windows interpolated with it."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from soma_pl.analysis.time_basis import equal_time_point, interpolate
+from soma_pl import VAL_WINDOWS
+from soma_pl.analysis.time_basis import equal_time_point, interpolate, window_curve, windows_at_seconds
 from soma_pl.errors import SomaError
+from soma_pl.sweeps.equal_time import equal_time_table
+from soma_pl.sweeps.report import stats
 
 CURVE = [{"step": 0, "device_seconds": 0.0, "val_loss": 5.5}, {"step": 50, "device_seconds": 40.0, "val_loss": 3.5},
          {"step": 100, "device_seconds": 100.0, "val_loss": 3.0}]
@@ -25,3 +31,44 @@ def test_a_side_is_scored_at_its_last_validation_within_the_budget():
     point = equal_time_point(CURVE, 70.0)
     assert (point.updates, point.seconds, point.val_interpolated) == (50, 40.0, pytest.approx(3.25))
     assert equal_time_point(CURVE, 100.0).updates == 100  # the faster side: all of its run
+
+
+def _fit(folder: Path, start: float, spread: float, seconds_per_update: float) -> None:
+    """Validations at updates 10, 20, 30: loss start − 0.01·u, update time u·seconds_per_update; its
+    windows (documents a, a, b, b) spread·(−1, 1, 2, −2) around the loss."""
+    (folder / VAL_WINDOWS).mkdir(parents=True)
+    rows = ["step,val/loss,compute/aggregate_device_hours"]
+    for update in (10, 20, 30):
+        loss = start - 0.01 * update
+        rows += [f"{update - 1},{loss},", f"{update},,{update * seconds_per_update / 3600}"]
+        (folder / VAL_WINDOWS / f"{update}.json").write_text(json.dumps({
+            "updates": update, "k": 1, "window_index": [0, 1, 2, 3], "doc_ids": ["a", "a", "b", "b"],
+            "window_losses": [loss + spread * offset for offset in (-1.0, 1.0, 2.0, -2.0)]}))
+    (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_windows_are_interpolated_at_a_time_as_the_loss_is(tmp_path):
+    _fit(tmp_path, 3.0, 0.1, 2.0)
+    record = windows_at_seconds(tmp_path, 50.0)  # halfway from update 20 (40 s) to 30 (60 s): loss 2.75
+    assert record["window_losses"] == pytest.approx([2.65, 2.85, 2.95, 2.55])
+    assert record["doc_ids"] == ["a", "a", "b", "b"] and windows_at_seconds(tmp_path, 61.0) is None
+    (tmp_path / VAL_WINDOWS / "20.json").unlink()
+    assert window_curve(tmp_path) is None and windows_at_seconds(tmp_path, 50.0) is None
+
+
+def test_the_equal_time_table_bootstraps_the_documents_of_its_difference(tmp_path):
+    """Two seeds of a baseline (2 s per update) against a faster side (1 s per update, 0.2 higher at
+    the start): at T = 30 s, the faster run's end (update 30; the baseline's update 15), baseline −
+    other = (3.0 − 0.15) − (3.2 − 0.30) = −0.05 per document, the spreads differing only within one."""
+    folders = {}
+    for seed in (0, 1):
+        _fit(tmp_path / f"base{seed}", 3.0, 0.1, 2.0)
+        _fit(tmp_path / f"fast{seed}", 3.2, 0.05, 1.0)
+        folders[2 * seed], folders[2 * seed + 1] = {seed: str(tmp_path / f"base{seed}")}, \
+            {seed: str(tmp_path / f"fast{seed}")}
+    per_seed = [{"seed": seed, "trial": {"base": 2 * seed, "fast": 2 * seed + 1}} for seed in (0, 1)]
+    table = equal_time_table(per_seed, folders, "base", stats)
+    assert table["difference"]["fast"]["mean"] == pytest.approx(-0.05)
+    document = table["document"]["fast"]
+    assert (document["low"], document["mean"], document["high"]) == pytest.approx((-0.05, -0.05, -0.05))
+    assert document["p_zero"] == 0.0 and document["documents"] == 2

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from soma_pl.eval.bootstrap import Interval, document_bootstrap
-from soma_pl.reproduce.verdicts import Verdict, decide, family, paired_document_interval, seed_interval, seed_p
+from soma_pl.eval.bootstrap import Interval, document_bootstrap, paired_document_interval
+from soma_pl.reproduce.verdicts import Verdict, decide, family, seed_interval, seed_p
 
 
 def test_the_seed_interval_is_students_t_with_n_minus_one_degrees_of_freedom():

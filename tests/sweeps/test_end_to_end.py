@@ -113,6 +113,11 @@ def test_final_test_scores_the_selected_runs_once_and_only_them(tmp_path, monkey
         assert row["budget_seconds"] == pytest.approx(min(totals.values()), rel=1e-6)
         fast = min(totals, key=totals.get)
         assert row["val"][fast] == pytest.approx(entry["val"][fast])  # its whole run: its final validation
+    if "unavailable" not in timed:
+        # each run's validations window by window at T: their paired mean is the seed-mean difference
+        document = timed["document"]["0.02"]
+        assert document["low"] <= document["mean"] <= document["high"]
+        assert document["mean"] == pytest.approx(timed["difference"]["0.02"]["mean"], abs=1e-5)
     # A second report reads the scores back: no run is scored again.
     stamps = [p.stat().st_mtime_ns for p in scored]
     main(["sweep", "report", "--sweep", str(path), "--storage", storage, "--out", str(out), "--final_test=true"])
