@@ -14,7 +14,7 @@ equal multiply-adds:
   and all of `BUDGET_SHARE` of the shortest run's, so that they fall between validations),
   interpolated there linearly and in log compute: the range of the two.
 - **Table 11**: one checkpoint continued for a fixed number of further updates under each
-  allocation, two paired seeds (the same two seeds and start for every allocation), test loss with
+  allocation, paired seeds (the same seeds and start for every allocation), test loss with
   per-window scores, beside the start checkpoint's own. The paper's claim, nearly equal, is an
   equivalence: it holds when every pairwise difference's 95% intervals lie inside ±margin, the
   margin `EQUIVALENT_SHARE` of what the continuation gained.

@@ -184,8 +184,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         basis="cpu: equal updates of equal multiply-adds (Table 11's basis; 400 updates each), with the same "
               "selections compared at equal measured update time (Table 3's U·Σₑ t̄ₑ, interpolated on the "
               "validation curves) beside it; paper: an equal aggregate GPU-hour budget per trial (Table 3's basis)",
-        cost={"cpu": "two seed runs of 1,000 updates (11 minutes on 2 cores), then 12 fits of 400 updates (one seed): "
-                     "38 minutes on 2 cores (measured)",
+        cost={"cpu": "two seed runs of 1,000 updates (11 minutes on 2 cores), then 36 fits of 400 updates (three "
+                     "seeds): about 80 minutes on 2 cores (estimated from 27 measured for one seed's 12)",
               "paper": "30 trials of 1.65 aggregate GPU-hours each (Table 6's five settings per architecture and "
                        "seed, from each architecture's step-1 checkpoint): 49.5 GPU-hours"},
         result=table7_result,
@@ -242,7 +242,8 @@ EXPERIMENTS: dict[str, Experiment] = {
               "interpolated on each run's validation curve: cpu: 120, 180 and 240 s of one thread, the paper's "
               "50, 75 and 100 GPU-hours in proportion; paper: 50, 75 and 100 GPU-hours, BPTT on 4, 2 and 1 GPUs per "
               "expert (N = 1, 2, 8) and every SOMA expert on a GPU of its own",
-        cost={"cpu": "12 fits stopped at 240 s of update time: 53 core-minutes, 27 minutes on 2 cores (measured)",
+        cost={"cpu": "18 fits stopped at 240 s of update time: about 80 core-minutes, 40 minutes on 2 cores "
+                     "(estimated from 53 core-minutes measured for two seeds' 12)",
               "paper": "6 runs of 100 aggregate GPU-hours: 600 GPU-hours"},
         result=table5_result,
         table=table5_markdown,
@@ -279,8 +280,9 @@ EXPERIMENTS: dict[str, Experiment] = {
               "from measured update time, multiply-adds per update recorded beside them; paper: "
               "sweeps/fig7_experts.yaml stops every N at the figure's common cutoff, 183.6 estimated elapsed hours "
               "(the slowest expert's update time, one GPU per expert)",
-        cost={"cpu": "8 fits of 200 updates (N = 1, 2, 4, 8 experts of width 32; two seeds), then two analyses of each "
-                     "N = 8 checkpoint: 51 core-minutes, 26 minutes on 2 cores (measured)",
+        cost={"cpu": "12 fits of 200 updates (N = 1, 2, 4, 8 experts of width 32; three seeds), then two analyses of "
+                     "each N = 8 checkpoint: about 77 core-minutes, 39 minutes on 2 cores (estimated from 51 "
+                     "core-minutes measured for two seeds)",
               "paper": "5 runs (N = 1, 2, 8, 32, 256) to the paper's common cutoff of 183.6 estimated elapsed hours; "
                        "their shards and width-32 seed model by hand first (sweeps/fig7_experts.yaml's header)"},
         result=fig7_result,
@@ -296,8 +298,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         sweeps={"cpu": "sweeps/demo/fig7_settings.yaml"},
         basis="equal updates (120 each; an update's token-forwards grow with n_pert × B), with the same runs "
               "compared at equal elapsed update time per expert (U·t̄ₑ, the figure's axis) beside it",
-        cost={"cpu": "14 fits of 120 updates (N = 4 experts of width 32; two seeds): 29 core-minutes, 15 minutes on 2 "
-                     "cores (measured)",
+        cost={"cpu": "21 fits of 120 updates (N = 4 experts of width 32; three seeds): about 44 core-minutes, 22 "
+                     "minutes on 2 cores (estimated from 29 core-minutes measured for two seeds)",
               "paper": "none here: the paper's N = 8 runs reach hundreds of elapsed GPU-hours"},
         result=fig7_settings_result,
         table=fig7_settings_markdown,
@@ -313,8 +315,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         sweeps={"cpu": "sweeps/demo/fig13.yaml"},
         basis="equal multiply-adds per update (n_pert × B = 32 direction-windows); Fig. 13 reads measured aggregate "
               "update time (U·Σₑ t̄ₑ) to the threshold, Table 10 the loss at budgets of multiply-adds",
-        cost={"cpu": "6 fits of 80 updates (N = 8 experts of width 32; two seeds): 30 core-minutes, 16 minutes on 2 "
-                     "cores (measured)",
+        cost={"cpu": "9 fits of 80 updates (N = 8 experts of width 32; three seeds): about 45 core-minutes, 24 "
+                     "minutes on 2 cores (estimated from 30 core-minutes measured for two seeds)",
               "paper": "none here: the paper's 0.272M curves run for tens of GPU-hours each"},
         result=fig13_result,
         table=fig13_markdown,
@@ -329,8 +331,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         sweeps={"cpu": "sweeps/demo/table11.yaml", "paper": "sweeps/table11_alloc.yaml"},
         basis="equal multiply-adds: cpu: 40 further updates of n_pert × B = 32 direction-windows each; paper: 512 "
               "further updates of n_pert × B = 65,536",
-        cost={"cpu": "a 100-update start fit (4 minutes), then 6 continuations of 40 updates (two paired seeds; 15 "
-                     "core-minutes): 13 minutes on 2 cores (measured)",
+        cost={"cpu": "a 100-update start fit (4 minutes), then 9 continuations of 40 updates (three paired seeds; "
+                     "about 23 core-minutes): about 16 minutes on 2 cores (estimated from 13 measured for two seeds)",
               "paper": "6 continuations of 512 updates of an N = 8, 0.272M checkpoint at 2,000 updates (two paired "
                        "seeds, lr = eps = 1e-3 held); its start fit by hand first (sweeps/table11_alloc.yaml's "
                        "header)"},
@@ -354,8 +356,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         basis="equal measured aggregate update time (Table 3's U·Σₑ t̄ₑ): every run stopped at 240 s (N = 8 also at "
               "480 s, about N = 4's elapsed time per expert); Fig. 14 places each checkpoint at its aggregate and "
               "per-expert (aggregate / N) time, Fig. 15 at its multiply-adds per token at inference",
-        cost={"cpu": "10 fits (N = 1, 2, 4, 8 to 240 s and N = 8 to 480 s of update time; two seeds): about 60 "
-                     "core-minutes, 30 minutes on 2 cores",
+        cost={"cpu": "15 fits (N = 1, 2, 4, 8 to 240 s and N = 8 to 480 s of update time; three seeds): about 90 "
+                     "core-minutes, 45 minutes on 2 cores",
               "paper": "none here: the paper's fixed-size N = 256 runs reach 41.9k GPU-hours"},
         result=fig14_result,
         table=fig14_markdown,

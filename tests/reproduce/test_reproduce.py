@@ -35,13 +35,13 @@ def test_help_lists_every_experiment_with_its_cost(capsys):
 
 def test_a_dry_run_lists_the_trials_and_the_paper_scale_budget(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    for scale, trials in (("cpu", 12), ("paper", 30)):  # cpu: 6 lr x 2 N x 1 seed
+    for scale, trials in (("cpu", 36), ("paper", 30)):  # cpu: 6 lr x 2 N x 3 seeds
         spec = dataclasses.replace(load_sweep(EXPERIMENTS["table7"].sweeps[scale]), output_dir=tmp_path / scale)
         listed = command.list_trials(EXPERIMENTS["table7"], scale, spec, f"sqlite:///{tmp_path / scale / 'x.db'}")
         assert (listed["trials"], listed["done"]) == (trials, 0)
     printed = capsys.readouterr().out
     # Table 6 (App. I.2): 3 lr at eps 0.0025, then 2 more eps at the selected lr, x 2 N x 3 seeds
-    assert printed.count(": to run") == 12 + 18 and printed.count(": after the first stage") == 12
+    assert printed.count(": to run") == 36 + 18 and printed.count(": after the first stage") == 12
     assert "30 trials of 1.65 aggregate device-hours: 49.5 device-hours" in printed
     assert not (tmp_path / "cpu").exists(), "a dry run writes nothing"
 
@@ -64,7 +64,7 @@ def test_a_dry_run_works_from_any_folder_and_goes_back_to_it(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     main(["reproduce", "table7", "--dry_run", "true"])
     printed = capsys.readouterr().out
-    assert len(re.findall(r"^  N=\d, lr=[\d.]+, seed \d: \w+", printed, re.MULTILINE)) == 12
+    assert len(re.findall(r"^  N=\d, lr=[\d.]+, seed \d: \w+", printed, re.MULTILINE)) == 36
     assert Path.cwd() == tmp_path and list(tmp_path.iterdir()) == []
 
 
