@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +50,8 @@ def measured_curve(fit_root: Path) -> list[tuple[int, float, float]]:
 
 
 def validation_windows(fit_root: Path) -> dict[int, dict]:
-    """Each validation of a fit window by window (`soma_pl.contracts.VAL_WINDOWS`), by update count
-    (a resumed session's record of an update replaces the earlier one); empty where the fit kept none."""
+    """Each validation of a fit window by window (`soma_pl.VAL_WINDOWS`), by update count (a resumed
+    session's record of an update replaces the earlier one); empty where the fit kept none."""
     records = {}
     for folder in versions(fit_root, VAL_WINDOWS):
         for path in folder.glob("*.json"):
@@ -59,11 +60,14 @@ def validation_windows(fit_root: Path) -> dict[int, dict]:
     return records
 
 
-def window_curve(fit_root: Path) -> tuple[list, list, list[np.ndarray]] | None:
-    """The windows of every validation on `measured_curve(fit_root)`, in its order: their indices,
-    their documents and each validation's per-window losses; None where a validation kept no record
-    or they scored different windows (a session resumed on another validation split)."""
-    records, steps = validation_windows(fit_root), [step for step, _, _ in measured_curve(fit_root)]
+def window_curve(fit_root: Path, points: list[tuple[int, float, float]] | None = None
+                 ) -> tuple[list, list, list[np.ndarray]] | None:
+    """The windows of every validation on the fit's curve (`points`: its `measured_curve`, read
+    when not given), in its order: their indices, their documents and each validation's per-window
+    losses; None where a validation kept no record or they scored different windows (a session
+    resumed on another validation split)."""
+    records = validation_windows(fit_root)
+    steps = [step for step, _, _ in (measured_curve(fit_root) if points is None else points)]
     if not steps or any(step not in records for step in steps):
         return None
     first = records[steps[0]]
@@ -73,17 +77,20 @@ def window_curve(fit_root: Path) -> tuple[list, list, list[np.ndarray]] | None:
     return first["window_index"], first["doc_ids"], [np.asarray(records[step]["window_losses"]) for step in steps]
 
 
-def windows_at_seconds(fit_root: Path, seconds: float) -> dict | None:
-    """The fit's validation windows at `seconds` of measured update time, each interpolated linearly
-    as the curve's loss is (their mean is it), as a scores record (`window_index`, `window_losses`,
-    `doc_ids`) for `soma_pl.eval.bootstrap.paired_document_interval`; None outside the curve or
-    where `window_curve` is None."""
-    saved, points = window_curve(fit_root), measured_curve(fit_root)
-    if saved is None or not points[0][2] <= seconds <= points[-1][2] * (1 + 1e-9):
-        return None
+def windows_at_seconds(fit_root: Path, budgets: Sequence[float]) -> list[dict | None]:
+    """The fit's validation windows at each of `budgets` seconds of measured update time, each
+    window interpolated linearly as the curve's loss is (their mean is it), as scores records
+    (`window_index`, `window_losses`, `doc_ids`) for `soma_pl.eval.bootstrap.paired_document_interval`;
+    None outside the curve, and for every budget where `window_curve` is None. The fit's files are
+    read once."""
+    points = measured_curve(fit_root)
+    saved = window_curve(fit_root, points)
+    if saved is None:
+        return [None] * len(budgets)
     index, documents, losses = saved
     curve = [(point[2], window_losses) for point, window_losses in zip(points, losses, strict=True)]
-    return {"window_index": index, "window_losses": interpolate(curve, seconds), "doc_ids": documents}
+    return [{"window_index": index, "window_losses": interpolate(curve, budget), "doc_ids": documents}
+            if curve[0][0] <= budget <= curve[-1][0] * (1 + 1e-9) else None for budget in budgets]
 
 
 def interpolate(points: list[tuple[float, float]], at: float) -> float:

@@ -94,8 +94,7 @@ def table5_result(report: dict, folders: dict[int, dict[int, str]], budgets: tup
     labels = [label for by_n in runs.values() for label in by_n.values()]
     run_dirs = {label: [Path(folders[entry["trial"][label]][entry["seed"]]) for entry in per_seed] for label in labels}
     losses = {label: [_at_budgets(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
-    windows = {label: [[windows_at_seconds(run_dir, budget) for budget in budgets] for run_dir in run_dirs[label]]
-               for label in labels}
+    windows = {label: [windows_at_seconds(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
 
     def check(claim: str, worse: str, better: str, i: int) -> dict:
         def at(values: dict, label: str) -> list:

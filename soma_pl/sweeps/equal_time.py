@@ -36,7 +36,7 @@ def equal_time_table(per_seed: list[dict], run_dirs: dict[int, dict[int, str]], 
                                    "validation; validate more often to compare at equal measured time"}
         val = {label: interpolate([(seconds, loss) for _, loss, seconds in curve], budget)
                for label, curve in curves.items()}
-        windows.append({label: windows_at_seconds(Path(run_dirs[trial][entry["seed"]]), budget)
+        windows.append({label: windows_at_seconds(Path(run_dirs[trial][entry["seed"]]), [budget])[0]
                         for label, trial in entry["trial"].items()})
         rows.append({"seed": entry["seed"], "budget_seconds": budget, "total_seconds": totals, "val": val,
                      "difference": {label: val[str(baseline)] - loss for label, loss in val.items()

@@ -49,11 +49,11 @@ def _fit(folder: Path, start: float, spread: float, seconds_per_update: float) -
 
 def test_windows_are_interpolated_at_a_time_as_the_loss_is(tmp_path):
     _fit(tmp_path, 3.0, 0.1, 2.0)
-    record = windows_at_seconds(tmp_path, 50.0)  # halfway from update 20 (40 s) to 30 (60 s): loss 2.75
-    assert record["window_losses"] == pytest.approx([2.65, 2.85, 2.95, 2.55])
-    assert record["doc_ids"] == ["a", "a", "b", "b"] and windows_at_seconds(tmp_path, 61.0) is None
+    record, outside = windows_at_seconds(tmp_path, [50.0, 61.0])  # 50 s: halfway from update 20 (40 s) to 30
+    assert record["window_losses"] == pytest.approx([2.65, 2.85, 2.95, 2.55])  # (60 s), loss 2.75
+    assert record["doc_ids"] == ["a", "a", "b", "b"] and outside is None
     (tmp_path / VAL_WINDOWS / "20.json").unlink()
-    assert window_curve(tmp_path) is None and windows_at_seconds(tmp_path, 50.0) is None
+    assert window_curve(tmp_path) is None and windows_at_seconds(tmp_path, [50.0]) == [None]
 
 
 def test_the_equal_time_table_bootstraps_the_documents_of_its_difference(tmp_path):
