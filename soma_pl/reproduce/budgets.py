@@ -17,9 +17,8 @@ from pathlib import Path
 
 from soma_pl.analysis.time_basis import interpolate, measured_curve, windows_at_seconds
 from soma_pl.errors import SomaError
-from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import decide
+from soma_pl.reproduce.verdicts import decide, paired_seeds
 
 TABLE5_FRACTIONS = (0.5, 0.75, 1.0)
 """The budgets, as fractions of the one the runs were stopped at: the paper's 50, 75 and 100 GPU-hours
@@ -58,14 +57,10 @@ def _mean_sd(values: list[float | None]) -> dict:
 
 def _check(claim: str, worse: list[float | None], better: list[float | None], worse_windows: list[dict | None],
            better_windows: list[dict | None]) -> dict:
-    """Seed by seed `worse − better` where both reach the budget; the document interval where every
-    such seed kept its validations window by window."""
-    kept = [i for i, (w, b) in enumerate(zip(worse, better, strict=True)) if w is not None and b is not None]
-    windows = [[side[i] for i in kept] for side in (worse_windows, better_windows)]
-    whole = kept and all(record is not None for side in windows for record in side)
-    document = paired_document_interval(*windows) if whole else None
-    return {**decide(claim, [worse[i] - better[i] for i in kept], document).as_dict(),
-            "basis": "equal measured update time", "split": "val"}
+    """Seed by seed `worse − better` where both reach the budget, with the document interval where
+    every such seed kept its validations window by window (`paired_seeds`)."""
+    differences, document = paired_seeds(worse, better, worse_windows, better_windows)
+    return {**decide(claim, differences, document).as_dict(), "basis": "equal measured update time", "split": "val"}
 
 
 def run_budget_seconds(folders: dict[int, dict[int, str]]) -> float:

@@ -32,9 +32,9 @@ import numpy as np
 
 from soma_pl.analysis.time_basis import interpolate, measured_curve, window_curve
 from soma_pl.errors import SomaError
-from soma_pl.eval.bootstrap import Interval, document_bootstrap, paired_document_interval
+from soma_pl.eval.bootstrap import Interval, document_bootstrap
 from soma_pl.reproduce.tables import checks_table, heading, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide, mean_sd
+from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide, mean_sd, paired_seeds
 
 FIG7_PAPER = {
     "experts": [1, 2, 8, 32, 256],
@@ -95,17 +95,12 @@ def compare_at(worse: list[dict], better: list[dict], basis: str, at: float | No
     """Seed by seed, `worse`'s loss − `better`'s at `at` on `basis`, where both curves reach it (None:
     each at its own last validation), and the document bootstrap of their mean difference window by
     window at `level` (None unless every such seed kept its validations window by window)."""
-    differences, sides = [], ([], [])
-    for first, second in zip(worse, better, strict=True):
-        points = [(curve, _axis(curve, basis)[-1] if at is None else at) for curve in (first, second)]
-        a, b = (_loss_at(curve, basis, x) for curve, x in points)
-        if a is None or b is None:
-            continue
-        differences.append(a - b)
-        for side, (curve, x) in zip(sides, points, strict=True):
-            side.append(windows_at(curve, basis, x))
-    whole = all(record is not None for side in sides for record in side)
-    return differences, paired_document_interval(*sides, level=level) if differences and whole else None
+    losses, windows = [], []
+    for side in (worse, better):
+        ends = [_axis(curve, basis)[-1] if at is None else at for curve in side]
+        losses.append([_loss_at(curve, basis, x) for curve, x in zip(side, ends, strict=True)])
+        windows.append([windows_at(curve, basis, x) for curve, x in zip(side, ends, strict=True)])
+    return paired_seeds(*losses, *windows, level=level)
 
 
 def run_curve(run_dir: Path) -> dict:

@@ -27,7 +27,7 @@ from enum import Enum
 
 from scipy import stats as scipy_stats
 
-from soma_pl.eval.bootstrap import Interval
+from soma_pl.eval.bootstrap import Interval, paired_document_interval
 
 LEVEL = 0.95
 MIN_SEEDS = 3
@@ -85,6 +85,17 @@ def seed_p(differences: list[float]) -> float:
         return 0.0 if statistics.fmean(differences) != 0 else 1.0
     t = statistics.fmean(differences) / (sd / len(differences) ** 0.5)
     return float(2 * scipy_stats.t.sf(abs(t), len(differences) - 1))
+
+
+def paired_seeds(worse: list[float | None], better: list[float | None], worse_windows: list[dict | None],
+                 better_windows: list[dict | None], level: float = LEVEL) -> tuple[list[float], Interval | None]:
+    """Seed by seed `worse − better` where both sides have a value, and the document bootstrap (at
+    `level`) of their mean difference from those seeds' per-window scores records (None unless
+    every one of them has its records)."""
+    kept = [i for i, (w, b) in enumerate(zip(worse, better, strict=True)) if w is not None and b is not None]
+    windows = [[side[i] for i in kept] for side in (worse_windows, better_windows)]
+    whole = kept and all(record is not None for side in windows for record in side)
+    return [worse[i] - better[i] for i in kept], paired_document_interval(*windows, level=level) if whole else None
 
 
 def _side(interval: tuple[float, float]) -> int:
