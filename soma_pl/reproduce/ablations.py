@@ -16,26 +16,12 @@ from pathlib import Path
 from soma_pl.analysis.time_basis import measured_curve
 from soma_pl.config_files import read_yaml
 from soma_pl.eval.bootstrap import paired_document_interval
+from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import decide
 from soma_pl.sweeps.final_test import score_run
 
 REFERENCE = "reference"
 """The condition every other one is compared with."""
-
-FIG9_CLAIMS = {
-    "random_shards": "Semantic shards lower loss: random shards end higher than semantic ones",
-    "global_iid": "Semantic shards lower loss: every expert reading the whole corpus ends higher than semantic shards",
-    "cold": "Warm initialisation lowers loss: a cold (random) start ends higher than the seed-model start",
-    "decoder_only_head": "Updating the tied head only through the decoder raises loss (paper: +0.029 nats/byte)",
-    "frozen_random_head": "Freezing a random head performs much worse than training each expert's head",
-}
-"""Condition → the paper's claim about it (Fig. 9's caption), checked as `condition − reference` > 0."""
-
-FIG9_PAPER = {"decoder_only_head": 0.029, "seeds": 3,
-              "caption": "Means and standard errors over three seeds for each condition at the shown training steps; "
-                         "the seed model's training cost is excluded. Only the decoder-only head's cost is given "
-                         "as a number (0.029 nats/byte); the other conditions are read from the figure's curves."}
 
 
 def _mean_se(values: list[float]) -> dict:
@@ -85,7 +71,7 @@ def _curves(per_seed: list[dict], folders: dict[int, dict[int, str]], labels: li
     return curves
 
 
-def fig9_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+def fig9_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Fig. 9 beside the paper: the curves, each condition's last-step losses and its difference from
     the reference, and one check per claim on the test split."""
     t7 = report["table7"]
@@ -104,17 +90,15 @@ def fig9_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
         if label != REFERENCE:
             differences = [t - s["loss"] for t, s in zip(test, scores[REFERENCE], strict=True)]
             row["difference"] = _mean_se(differences)
-            row["paper_difference"] = FIG9_PAPER.get(label)
-            if label in FIG9_CLAIMS:
-                check = decide(FIG9_CLAIMS[label], differences,
-                               paired_document_interval(scores[label], scores[REFERENCE]))
-                checks.append({**check.as_dict(), "basis": "equal updates (equal multiply-adds per update)",
-                               "split": "test"})
+            row["paper_difference"] = experiment.paper.get(label)
+            if label in experiment.claims:
+                checks.append(experiment.claims[label].check(
+                    differences, paired_document_interval(scores[label], scores[REFERENCE])))
         rows.append(row)
     reference_run = Path(folders[per_seed[0]["trial"][REFERENCE]][per_seed[0]["seed"]]) if per_seed else None
     return {"conditions": labels, "reference": REFERENCE, "rows": rows, "curves": curves, "checks": checks,
             "seed_model": seed_model(reference_run) if reference_run else None,
-            "seeds": [entry["seed"] for entry in per_seed], "paper_summary": FIG9_PAPER,
+            "seeds": [entry["seed"] for entry in per_seed],
             "trials": report["trials"], "failed": report["failed"]}
 
 

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import Interval, paired_document_interval
-from soma_pl.reproduce.scaling import claim_check, curve_value, run_curve
+from soma_pl.reproduce.experiments import Claim, Experiment
+from soma_pl.reproduce.scaling import curve_value, run_curve
 from soma_pl.reproduce.tables import (
     checks_table,
     heading,
@@ -44,17 +45,6 @@ from soma_pl.reproduce.verdicts import MIN_SEEDS, Verdict, mean_sd, seed_interva
 from soma_pl.sweeps.final_test import score_checkpoint, score_run
 
 ALLOCATION = re.compile(r"p(?P<n_pert>\d+)_b(?P<batch>\d+)$")
-FIG13_PAPER = {"threshold": 1.90, "gpu_hours": {"64x1024": 28.7, "1024x64": 44.5}, "ratio": 1.55,
-               "table10": {"operations": ["2e18", "4e18", "8e18"],
-                           "loss": [[1.8046, 1.8057], [1.7947, 1.8000], [1.7848, 1.7887]],
-                           "favoured": "(N, n_pert, B) = (8, 64, 1024)"},
-               "claims": {"fig13": "Larger batches reach 1.90 with fewer GPU-hours (1.55x fewer for B = 1024 than "
-                                   "B = 64)",
-                          "table10": "The saved curves favour (N, n_pert, B) = (8, 64, 1024) at these budgets"}}
-TABLE11_PAPER = {"rows": [{"n_pert": 64, "B": 1024, "test": 2.376587}, {"n_pert": 256, "B": 256, "test": 2.376575},
-                          {"n_pert": 1024, "B": 64, "test": 2.376625}],
-                 "spread": 5.0e-5, "updates": 512,
-                 "claim": "Nearly equal test loss after 512 further updates at equal arithmetic operations"}
 BUDGET_SHARE = 0.95
 """Table 10's largest budget as a share of the shortest run's multiply-adds."""
 EQUIVALENT_SHARE = 0.1
@@ -101,7 +91,7 @@ def loss_range(curve: dict, operations: float) -> tuple[float, float] | None:
     return None if None in values else (min(values), max(values))
 
 
-def fig13_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+def fig13_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Fig. 13 and Table 10 beside the paper."""
     t7 = report["table7"]
     per_seed = t7["per_seed"]
@@ -117,17 +107,14 @@ def fig13_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
     largest, smallest = allocations[-1][0], allocations[0][0]
     differences = [a - b for a, b in zip(reached[smallest], reached[largest], strict=True)
                    if a is not None and b is not None]
-    checks.append(claim_check(f"Larger batches reach the loss threshold {threshold:.2f} with less compute (Fig. 13): "
-                              f"{largest} needs less aggregate update time than {smallest} (difference in seconds)",
-                              differences, "measured aggregate update time"))
+    checks.append(experiment.claims["threshold"].check(differences, threshold=threshold, largest=largest,
+                                                       smallest=smallest))
     for index, budget in enumerate(budgets):
         mids = {label: [sum(r[index]) / 2 if r[index] else None for r in ranges] for label, ranges in table10.items()}
         for label, _, _ in allocations[:-1]:
             differences = [a - b for a, b in zip(mids[label], mids[largest], strict=True)
                            if a is not None and b is not None]
-            checks.append(claim_check(f"The curves favour the largest batch at {budget:.3g} multiply-adds (Table 10): "
-                                      f"{largest} below {label} (middle of the interpolation range)", differences,
-                                      "equal multiply-adds"))
+            checks.append(experiment.claims["budget"].check(differences, budget=budget, largest=largest, label=label))
     rows = []
     for label, n_pert, batch in allocations:
         runs = curves[label]
@@ -141,7 +128,7 @@ def fig13_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
     found = [statistics.fmean(v) for v in (reached[smallest], reached[largest]) if v and None not in v]
     return {"rows": rows, "curves": curves, "threshold": threshold, "budgets": budgets,
             "ratio": found[0] / found[1] if len(found) == 2 and found[1] else None, "checks": checks,
-            "seeds": [e["seed"] for e in per_seed], "paper_summary": FIG13_PAPER, "trials": report["trials"],
+            "seeds": [e["seed"] for e in per_seed], "trials": report["trials"],
             "failed": report["failed"]}
 
 
@@ -205,7 +192,8 @@ def fig13_figure(result: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def equivalence(claim: str, differences: list[float], bootstrap: Interval | None, margin: float) -> dict:
+def equivalence(claim: Claim, differences: list[float], bootstrap: Interval | None, margin: float,
+                **fields) -> dict:
     """Two sides equal within ±`margin`: holds when the seeds' and the documents' 95% intervals both
     lie inside it, does not hold when one lies wholly outside it, inconclusive otherwise (fewer than
     `MIN_SEEDS` seeds or no document interval among them, as for `decide`)."""
@@ -223,8 +211,9 @@ def equivalence(claim: str, differences: list[float], bootstrap: Interval | None
         verdict, why = Verdict.does_not_hold, f"a 95% interval wholly outside the margin ({shown})"
     else:
         verdict, why = Verdict.inconclusive, f"a 95% interval reaches past the margin ({shown})"
-    return {"claim": claim, "verdict": verdict.value, "why": why, "mean": mean, "seeds": len(differences),
-            "seed_interval": seeds, "document_interval": document, "basis": "equal multiply-adds", "split": "test"}
+    return {"claim": claim.text(margin=margin, **fields), "verdict": verdict.value, "why": why, "mean": mean,
+            "seeds": len(differences), "seed_interval": seeds, "document_interval": document, "basis": claim.basis,
+            "split": claim.split}
 
 
 def start_checkpoint(run_dir: Path) -> str:
@@ -238,7 +227,7 @@ def start_checkpoint(run_dir: Path) -> str:
     return checkpoint
 
 
-def table11_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+def table11_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Table 11 beside the paper: each allocation's test loss after the continuation, per seed and
     mean, and the start checkpoint's; each pair of allocations checked for equality within the
     margin (`EQUIVALENT_SHARE` of the continuation's gain)."""
@@ -266,13 +255,13 @@ def table11_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
     for index, (first, _, _) in enumerate(allocations):
         for second, _, _ in allocations[index + 1:]:
             differences = [a["loss"] - b["loss"] for a, b in zip(scores[first], scores[second], strict=True)]
-            checks.append(equivalence(f"{first} and {second} end nearly equal (Table 11: within ±{margin:.4f} "
-                                      f"nats/byte, {EQUIVALENT_SHARE:.0%} of the continuation's gain; the paper's "
-                                      f"three within {TABLE11_PAPER['spread']:g})",
-                                      differences, paired_document_interval(scores[first], scores[second]), margin))
+            checks.append(equivalence(experiment.claims["equal"], differences,
+                                      paired_document_interval(scores[first], scores[second]), margin, first=first,
+                                      second=second, share=EQUIVALENT_SHARE,
+                                      spread=experiment.paper["spread"]))
     return {"rows": rows, "spread": max(means) - min(means) if means else None, "checks": checks,
             "start": {"checkpoint": start_path, "test": start["loss"], "bootstrap_95": start["bootstrap_95"]},
-            "gain": gain, "margin": margin, "seeds": [e["seed"] for e in per_seed], "paper_summary": TABLE11_PAPER,
+            "gain": gain, "margin": margin, "seeds": [e["seed"] for e in per_seed],
             "trials": report["trials"], "failed": report["failed"]}
 
 

@@ -17,18 +17,13 @@ from pathlib import Path
 
 from soma_pl.analysis.time_basis import interpolate, measured_curve, windows_at_seconds
 from soma_pl.errors import SomaError
+from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import decide, paired_seeds
+from soma_pl.reproduce.verdicts import paired_seeds
 
 TABLE5_FRACTIONS = (0.5, 0.75, 1.0)
 """The budgets, as fractions of the one the runs were stopped at: the paper's 50, 75 and 100 GPU-hours
 (paper scale: 100 GPU-hours, sweeps/table5.yaml; cpu: 240 s of measured update time)."""
-TABLE5_PAPER = {"budgets": ["50 GPU-hours", "75 GPU-hours", "100 GPU-hours"],
-                "soma": {"1": [2.1237, 2.0590, 2.0343], "2": [1.9363, 1.8734, 1.8257], "8": [2.0880, 2.0456, 2.0179]},
-                "bptt": {"1": [1.0198, 1.0206, 1.0091], "2": [1.0711, 1.0653, 1.0535],
-                         "8": [1.1826, 1.1797, 1.1776]},
-                "note": "ensemble validation, about 8.44M parameters; the BPTT N = 1 entry at 100 GPU-hours is its "
-                        "last checkpoint at 97.3 GPU-hours"}
 RUN = re.compile(r"(?P<method>soma|bptt)_n(?P<experts>\d+)$")
 
 
@@ -55,14 +50,6 @@ def _mean_sd(values: list[float | None]) -> dict:
             "sd": statistics.stdev(found) if len(found) > 1 and len(found) == len(values) else None}
 
 
-def _check(claim: str, worse: list[float | None], better: list[float | None], worse_windows: list[dict | None],
-           better_windows: list[dict | None]) -> dict:
-    """Seed by seed `worse − better` where both reach the budget, with the document interval where
-    every such seed kept its validations window by window (`paired_seeds`)."""
-    differences, document = paired_seeds(worse, better, worse_windows, better_windows)
-    return {**decide(claim, differences, document).as_dict(), "basis": "equal measured update time", "split": "val"}
-
-
 def run_budget_seconds(folders: dict[int, dict[int, str]]) -> float:
     """The device-hour budget the runs were stopped at, in seconds (their `compute.json`): one for all."""
     limits = set()
@@ -77,7 +64,8 @@ def run_budget_seconds(folders: dict[int, dict[int, str]]) -> float:
     return float(f"{limits.pop() * 3600:.6g}")
 
 
-def table5_result(report: dict, folders: dict[int, dict[int, str]], budgets: tuple[float, ...] | None = None) -> dict:
+def table5_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment,
+                  budgets: tuple[float, ...] | None = None) -> dict:
     """Table 5 beside the paper: per N and method, each seed's loss at each budget (seconds of measured
     update time; default: `TABLE5_FRACTIONS` of the runs' budget), their mean and sd; checks that BPTT
     is lower at every budget and N, and that SOMA N = 2 is lower than N = 1."""
@@ -91,10 +79,13 @@ def table5_result(report: dict, folders: dict[int, dict[int, str]], budgets: tup
     losses = {label: [_at_budgets(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
     windows = {label: [windows_at_seconds(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
 
-    def check(claim: str, worse: str, better: str, i: int) -> dict:
+    def check(claim: str, worse: str, better: str, i: int, **fields) -> dict:
+        """Seed by seed `worse − better` at budget `i` where both reach it, with the document interval
+        where every such seed kept its validations window by window (`paired_seeds`)."""
         def at(values: dict, label: str) -> list:
             return [seed[i] for seed in values[label]]
-        return _check(claim, at(losses, worse), at(losses, better), at(windows, worse), at(windows, better))
+        return experiment.claims[claim].check(*paired_seeds(at(losses, worse), at(losses, better), at(windows, worse),
+                                                            at(windows, better)), **fields)
 
     totals = {label: [measured_curve(Path(folders[entry["trial"][label]][entry["seed"]]))[-1][2]
                       for entry in per_seed] for label in losses}
@@ -110,23 +101,21 @@ def table5_result(report: dict, folders: dict[int, dict[int, str]], budgets: tup
     for experts, soma in sorted(runs.get("soma", {}).items()):
         bptt = runs.get("bptt", {}).get(experts)
         for i, budget in enumerate(budgets if bptt else ()):
-            checks.append(check(f"BPTT reaches a lower ensemble-validation loss than SOMA at N = {experts}, "
-                                f"{budget:g} s", soma, bptt, i))
+            checks.append(check("bptt_lower", soma, bptt, i, experts=experts, budget=budget))
     one, two = runs.get("soma", {}).get(1), runs.get("soma", {}).get(2)
     for i, budget in enumerate(budgets if one and two else ()):
-        checks.append(check(f"SOMA N = 2 reaches a lower ensemble-validation loss than SOMA N = 1 (monolithic SPSA), "
-                            f"{budget:g} s", one, two, i))
+        checks.append(check("two_below_one", one, two, i, budget=budget))
     return {"budgets_seconds": list(budgets), "rows": rows,
             "per_seed": {label: {"seeds": [e["seed"] for e in per_seed], "losses": values,
                                  "total_seconds": totals[label]} for label, values in losses.items()},
-            "checks": checks, "paper_summary": TABLE5_PAPER, "seeds": [e["seed"] for e in per_seed],
+            "checks": checks, "seeds": [e["seed"] for e in per_seed],
             "trials": report["trials"], "failed": report["failed"]}
 
 
-def _paper_row(experts: int, largest: int) -> str | None:
+def _paper_row(paper: dict, experts: int, largest: int) -> str | None:
     """The paper's row beside ours: the same N, or its largest (8) beside our largest."""
     key = str(experts)
-    if key in TABLE5_PAPER["soma"]:
+    if key in paper["soma"]:
         return key
     return "8" if experts == largest else None
 
@@ -135,11 +124,12 @@ def table5_markdown(result: dict) -> str:
     """Table 5's layout: N rows, SOMA and BPTT at each budget; the paper's row below ours."""
     budgets = result["budgets_seconds"]
     largest = max(row["experts"] for row in result["rows"])
+    table5 = result["paper_summary"]
     lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
              f"Equal compute: {result['basis']}.", "",
              f"Ensemble-validation loss (nats/byte), mean ± sd over seeds {', '.join(map(str, result['seeds']))}, "
              "interpolated at each budget on the run's curve against measured update time. Below each of our rows, "
-             f"the paper's (Table 5: {', '.join(TABLE5_PAPER['budgets'])}; {TABLE5_PAPER['note']}).", "",
+             f"the paper's (Table 5: {', '.join(table5['budgets'])}; {table5['note']}).", "",
              *table_head(["N", *(f"{method} {budget:g} s" for budget in budgets for method in ("SOMA", "BPTT"))])]
     for row in result["rows"]:
         cells = []
@@ -149,9 +139,9 @@ def table5_markdown(result: dict) -> str:
                 cells.append("—" if not stat or stat["mean"] is None else
                              f"{number(stat['mean'])} ± {number(stat['sd'])}")
         lines.append(table_row([str(row["experts"]), *cells]))
-        paper = _paper_row(row["experts"], largest)
+        paper = _paper_row(table5, row["experts"], largest)
         if paper:
-            lines.append(table_row([f"paper, N = {paper}", *(number(TABLE5_PAPER[m][paper][i], 4)
+            lines.append(table_row([f"paper, N = {paper}", *(number(table5[m][paper][i], 4)
                                                            for i in range(len(budgets)) for m in ("soma", "bptt"))]))
     lines += ["", "Measured update time each run reached when its budget stopped it (s): " + "; ".join(
         f"{label} " + ", ".join(f"{t:.0f}" for t in entry["total_seconds"])

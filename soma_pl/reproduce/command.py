@@ -1,6 +1,6 @@
 """`python -m soma_pl.cli reproduce <experiment> [...] [--scale cpu|paper] [--dry_run true]`.
 
-For each experiment (`soma_pl.reproduce.experiments.EXPERIMENTS`): prepare and shard its data (a
+For each experiment (a file of `experiments/`, `soma_pl.reproduce.experiments`): prepare and shard its data (a
 no-op when up to date), run its sweep's trials with `workers` sweep workers of one thread each on
 the sweep's Optuna storage (a bar shows the trials done and the best ensemble-validation loss;
 finished trials are reused and an interrupted run resumes), then score the selected runs (the final
@@ -29,7 +29,7 @@ from optuna.trial import TrialState
 from soma_pl.analysis.time_basis import accountings
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_json_atomic
-from soma_pl.reproduce.experiments import EXPERIMENTS, Experiment
+from soma_pl.reproduce.experiments import REPOSITORY, Experiment, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import family
 from soma_pl.sweeps.report import build_report, run_folders
 from soma_pl.sweeps.runner import SweepProgress
@@ -42,11 +42,7 @@ POLL_SECONDS = 5.0
 def listing() -> str:
     """The experiments with what each compares and costs (`reproduce --help`)."""
     return "Experiments: " + " ".join(f"`{e.name}`: {e.title} (cpu: {e.cost['cpu']}; paper: {e.cost['paper']})."
-                                      for e in EXPERIMENTS.values())
-
-
-REPOSITORY = Path(__file__).resolve().parents[2]
-"""The checkout whose `sweeps/`, `configs/`, `data/` and `runs/` the experiments name."""
+                                      for e in all_experiments().values())
 
 
 @contextlib.contextmanager
@@ -69,12 +65,6 @@ def _absolute_storage(url: str) -> str:
         return str(Path(url).expanduser().absolute())
     database = url.removeprefix("sqlite:///")
     return f"sqlite:///{Path(database).expanduser().absolute()}" if database != url and database else url
-
-
-def _experiment(name: str) -> Experiment:
-    if name not in EXPERIMENTS:
-        raise ConfigError(f"reproduce: unknown experiment '{name}'; known: {', '.join(EXPERIMENTS)}")
-    return EXPERIMENTS[name]
 
 
 def _existing_study(spec: SweepSpec, storage: str) -> optuna.Study | None:
@@ -274,7 +264,7 @@ def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run
     """
     if workers is not None and workers < 1:
         raise ConfigError(f"reproduce --workers={workers}: give 1 or more")
-    chosen = [_experiment(name) for name in experiments]
+    chosen = [load_experiment(name) for name in experiments]
     results, storage = Path(results).absolute(), storage and _absolute_storage(storage)
     with in_repository():
         _reproduce(chosen, scale, dry_run, workers, storage, results, progress)

@@ -35,7 +35,8 @@ import numpy as np
 from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import document_bootstrap, paired_document_interval
 from soma_pl.reproduce.ablations import run_test_scores
-from soma_pl.reproduce.scaling import claim_check, run_curve
+from soma_pl.reproduce.experiments import Claim, Experiment
+from soma_pl.reproduce.scaling import run_curve
 from soma_pl.reproduce.tables import (
     checks_table,
     heading,
@@ -46,7 +47,7 @@ from soma_pl.reproduce.tables import (
     table_head,
     table_row,
 )
-from soma_pl.reproduce.verdicts import MIN_SEEDS, Verdict, decide, mean_sd
+from soma_pl.reproduce.verdicts import MIN_SEEDS, Verdict, mean_sd
 
 RUN = re.compile(r"n(?P<experts>\d+)(?P<long>_long)?$")
 """A run's label: `n<N>` at the common budget, `n<N>_long` at a longer one."""
@@ -54,25 +55,6 @@ TOP_K = 4
 """Experts averaged per window at inference where N ≥ 4 (the paper's Fig. 15 and Table 13)."""
 MAP_CELLS = 48
 """Budget-map cells per axis (log-spaced)."""
-FIG14_PAPER = {
-    "experts": [1, 2, 8, 256], "checkpoints": 44,
-    "claim": "N = 1 is never selected; more shards can lower loss under a tight per-expert budget (Fig. 14)",
-}
-FIG15_PAPER = {
-    "left": "N = 1, 2, 8, 256 at 100 estimated training GPU-hours, losses interpolated between checkpoints",
-    "claim": "More shards reduce inference cost, but training progress changes their ranking (Fig. 15)",
-}
-TABLE13_PAPER = {"rows": [
-    {"model": "SOMA N = 8", "parameters": "8.55M", "updates": "53.5k–70.0k", "elapsed_hours": 104,
-     "aggregate_gpu_hours": 700, "test": 1.71},
-    {"model": "SOMA N = 256", "parameters": "8.44M", "updates": "2.18M", "elapsed_hours": 100,
-     "aggregate_gpu_hours": 22000, "test": 1.75},
-    {"model": "SOMA N = 256", "parameters": "8.44M", "updates": "4.16M", "elapsed_hours": 191,
-     "aggregate_gpu_hours": 41900, "test": 1.68}],
-    "claim": "At about the smaller ensemble's elapsed time the larger one is not yet lower (1.75 against 1.71); "
-             "trained longer it is (1.68) (Table 13)"}
-
-
 def label_experts(label: str) -> tuple[int, bool]:
     """(N, whether it is the longer run) of a run label `n<N>` or `n<N>_long`."""
     match = RUN.match(label)
@@ -104,7 +86,8 @@ def budget_map(points: list[dict], aggregates: list[float], per_experts: list[fl
     return [[(chosen := select(points, a, p)) and chosen["experts"] for a in aggregates] for p in per_experts]
 
 
-def per_expert_checks(seeds: list[list[dict]], budgets: list[float]) -> tuple[list[dict], list[dict]]:
+def per_expert_checks(seeds: list[list[dict]], budgets: list[float],
+                      claim: Claim) -> tuple[list[dict], list[dict]]:
     """At each per-expert budget (aggregate unlimited): N = 1's best checkpoint within it against the
     best of the other runs, the run chosen by its seed-mean loss; difference = N = 1 − the other. A
     budget under N = 1's first checkpoint in some seed is listed without a check: nothing of N = 1
@@ -126,16 +109,14 @@ def per_expert_checks(seeds: list[list[dict]], budgets: list[float]) -> tuple[li
                "check": None}
         if None not in best[single]:
             differences = [a - b for a, b in zip(best[single], others[rival], strict=True)]
-            claim = (f"More shards lower loss under a tight per-expert budget (Fig. 14): at {budget:.1f} s per expert, "
-                     f"the aggregate unlimited, N = 1's best state within it is above {rival}'s")
-            row["check"] = claim_check(claim, differences, "equal per-expert update time, aggregate unlimited")
+            row["check"] = claim.check(differences, budget=budget, rival=rival)
             checks.append(row["check"])
         rows.append(row)
     return checks, rows
 
 
 def never_single(maps: list[list[list[int | None]]], per_experts: list[float], aggregates: list[float],
-                 seeds: int) -> dict:
+                 seeds: int, claim: Claim) -> dict:
     """Fig. 14's "N = 1 is never selected", on the map's cells where the per-expert budget can bind
     (per-expert ≤ aggregate): holds when no seed's map selects N = 1 there, does not hold when every
     seed's does, on `MIN_SEEDS` seeds or more (fewer decide nothing); a count, not an interval, so it
@@ -146,11 +127,10 @@ def never_single(maps: list[list[list[int | None]]], per_experts: list[float], a
     verdict = Verdict.holds if not any(counts) else Verdict.does_not_hold if all(counts) else Verdict.inconclusive
     if len(counts) < MIN_SEEDS:
         verdict = Verdict.inconclusive
-    return {"claim": "N = 1 is never selected (Fig. 14): no cell of the budget map (per-expert budget ≤ aggregate) "
-                     "chooses an N = 1 state (mean difference: N = 1's cells per seed)",
-            "verdict": verdict.value, "why": f"N = 1 selected in {', '.join(map(str, counts))} of {cells} cells per "
-                                             "seed", "mean": statistics.fmean(counts), "seeds": seeds,
-            "seed_interval": None, "document_interval": None, "basis": "the budget map's cells", "split": "val"}
+    return {"claim": claim.text(), "verdict": verdict.value,
+            "why": f"N = 1 selected in {', '.join(map(str, counts))} of {cells} cells per seed",
+            "mean": statistics.fmean(counts), "seeds": seeds,
+            "seed_interval": None, "document_interval": None, "basis": claim.basis, "split": claim.split}
 
 
 def arithmetic_per_token(curve: dict, top_k: int = TOP_K) -> float:
@@ -167,7 +147,7 @@ def seed_mean_interval(scores: list[dict]) -> tuple[float, float] | None:
     return interval.low, interval.high
 
 
-def fig14_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+def fig14_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Figs. 14 and 15 and Table 13 beside the paper's claims."""
     t7 = report["table7"]
     per_seed = t7["per_seed"]
@@ -184,7 +164,8 @@ def fig14_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
     maps = [budget_map(points, aggregates, per_experts) for points in seeds]
     ends = sorted({max(c["per_expert_seconds"][-1] for c in curves[label]) for label in labels
                    if label_experts(label)[0] > 1 and not label_experts(label)[1]})  # every seed's last state fits
-    checks, tight = per_expert_checks(seeds, ends)
+    claims = experiment.claims
+    checks, tight = per_expert_checks(seeds, ends, claims["tight"])
     rows = []
     for label in labels:
         runs, experts = curves[label], label_experts(label)[0]
@@ -198,24 +179,19 @@ def fig14_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                      "test": mean_sd([s["loss"] for s in scores[label]]),
                      "test_95": seed_mean_interval(scores[label]),
                      "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)}})
-    checks.insert(0, never_single(maps, per_experts, aggregates, len(per_seed)))
+    checks.insert(0, never_single(maps, per_experts, aggregates, len(per_seed), claims["never_single"]))
     table13 = table13_rows(rows)
     if len(table13) == 2:
         near, large = table13[0]["run"], next(r["run"] for r in rows if r["experts"] == table13[1]["experts"]
                                                and not label_experts(r["run"])[1])
         differences = [a["loss"] - b["loss"] for a, b in zip(scores[large], scores[near], strict=True)]
-        check = decide(f"Training progress changes the ranking (Fig. 15): at the common aggregate budget {large} "
-                       f"(the fewest multiply-adds per token) trails {near} (difference: {large} − {near}; Table 13's "
-                       "row below compares them at equal elapsed time per expert)", differences,
-                       paired_document_interval(scores[large], scores[near]))
-        checks.append({**check.as_dict(), "basis": "equal aggregate update time", "split": "test"})
+        checks.append(claims["ranking"].check(differences, paired_document_interval(scores[large], scores[near]),
+                                              large=large, near=near))
     if len(table13) == 2:
         near, longer = table13[0]["run"], table13[1]["run"]
         differences = [a["loss"] - b["loss"] for a, b in zip(scores[longer], scores[near], strict=True)]
-        check = decide(f"At about {near}'s elapsed time per expert, {longer} is not yet below it (Table 13: N = 256 "
-                       "at 100 h, 1.75, against N = 8 at 104 h, 1.71; difference: larger − smaller)", differences,
-                       paired_document_interval(scores[longer], scores[near]))
-        checks.append({**check.as_dict(), "basis": "about equal elapsed update time per expert", "split": "test"})
+        checks.append(claims["not_yet"].check(differences, paired_document_interval(scores[longer], scores[near]),
+                                              near=near, longer=longer))
     selected = {str(n): sum(cell == n for grid in maps for p, line in zip(per_experts, grid, strict=True)
                             for a, cell in zip(aggregates, line, strict=True) if p <= a)
                 for n in sorted({row["experts"] for row in rows})}
@@ -228,7 +204,6 @@ def fig14_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                     "cells": selected, "checkpoints": [len(points) for points in seeds], "single": where_single},
             "curves": curves,
             "seeds": [e["seed"] for e in per_seed],
-            "paper_summary": {"fig14": FIG14_PAPER, "fig15": FIG15_PAPER, "table13": TABLE13_PAPER},
             "trials": report["trials"], "failed": report["failed"]}
 
 

@@ -15,30 +15,17 @@ from pathlib import Path
 from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.ablations import run_test_scores
+from soma_pl.reproduce.experiments import Claim, Experiment
 from soma_pl.reproduce.tables import checks_table, interval_text, number, rows_figure, run_footer, table_head, table_row
-from soma_pl.reproduce.verdicts import decide, mean_sd
+from soma_pl.reproduce.verdicts import mean_sd
 
 SOMA = "soma_n2"
 """The row the claim is about."""
-TABLE4_PAPER = {
-    "soma_n2": {"configuration": "SOMA N = 2", "n_pert": 64, "updates": "65.0k", "gpu_hours": 150, "test": 1.76},
-    "spsa_32": {"configuration": "Monolithic SPSA", "n_pert": 64, "updates": "30.0k", "gpu_hours": 152, "test": 2.00},
-    "spsa_128": {"configuration": "Monolithic SPSA", "n_pert": 256, "updates": "1.32k", "gpu_hours": 150,
-                 "test": 2.11},
-    "spsa_512": {"configuration": "Monolithic SPSA", "n_pert": 1024, "updates": "839", "gpu_hours": 148,
-                 "test": 2.00},
-    "eggroll": {"configuration": "Monolithic EGGROLL", "n_pert": None, "updates": "7.40k", "gpu_hours": 141,
-                "test": 2.21},
-}
-"""The paper's Table 4 rows beside ours (its n_pert 64, 256, 1024 are the demo's 32, 128, 512)."""
 EXTERNAL_TEXT = "data/external/moby_dick"
 """The external text of Table 9 at CPU scale (`python -m soma_pl.cli external-text`)."""
-TABLE9_PAPER = {"soma_n2": {"validation": 2.047, "test": 2.066}, "spsa_32": {"validation": 2.240, "test": 2.254},
-                "spsa_128": {"validation": 2.348, "test": 2.363}, "spsa_512": {"validation": 2.271, "test": 2.290},
-                "text": "WikiText-103 validation and test, 8.44M parameters near 150 aggregate GPU-hours"}
-"""The paper's Table 9 (its n_pert 64, 256, 1024 are the demo's 32, 128, 512)."""
 NAMES = {"soma_n2": "SOMA N = 2", "spsa_32": "Monolithic SPSA", "spsa_128": "Monolithic SPSA",
-         "spsa_512": "Monolithic SPSA", "eggroll": "Monolithic EGGROLL", "ddpp": "DDPP (2 processes)",
+         "spsa_512": "Monolithic SPSA", "eggroll": "Monolithic EGGROLL",
+         "ddpp": "DDPP (2 processes; the project's row, not the paper's)",
          "spsa_64": "Monolithic SPSA", "spsa_256": "Monolithic SPSA", "spsa_1024": "Monolithic SPSA"}
 PAPER_ROW = {"spsa_64": "spsa_32", "spsa_256": "spsa_128", "spsa_1024": "spsa_512"}
 """A paper-scale row (sweeps/table4.yaml names the paper's n_pert) → the key of the paper's numbers."""
@@ -51,7 +38,16 @@ def _compute(run_dir: Path) -> dict:
             "physical_seconds": report["physical_device_hours"] * 3600}
 
 
-def table4_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+def lower_checks(labels: list[str], scores: dict[str, list[dict]], claim: Claim) -> list[dict]:
+    """`claim` for SOMA N = 2 against every other row: per seed the row's loss − SOMA's, the
+    documents paired."""
+    return [claim.check([a["loss"] - b["loss"] for a, b in zip(scores[label], scores[SOMA], strict=True)],
+                        paired_document_interval(scores[label], scores[SOMA]), name=NAMES.get(label, label),
+                        label=label)
+            for label in labels if label != SOMA and SOMA in scores]
+
+
+def table4_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Table 4 beside the paper: per row, each seed's test loss (with its 95% document interval),
     updates and measured compute; one check per other row that SOMA N = 2's test loss is lower."""
     t7 = report["table7"]
@@ -73,16 +69,9 @@ def table4_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                      "seconds": mean_sd([c["seconds"] for c in compute[label]]),
                      "physical_seconds": mean_sd([c["physical_seconds"] for c in compute[label]]),
                      "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
-                     "paper": TABLE4_PAPER.get(PAPER_ROW.get(label, label))})
-    checks = []
-    for label in labels:
-        if label == SOMA or SOMA not in scores:
-            continue
-        differences = [a["loss"] - b["loss"] for a, b in zip(scores[label], scores[SOMA], strict=True)]
-        check = decide(f"SOMA N = 2 reaches a lower test loss than {NAMES.get(label, label)} ({label})", differences,
-                       paired_document_interval(scores[label], scores[SOMA]))
-        checks.append({**check.as_dict(), "basis": "equal measured update time", "split": "test"})
-    return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed], "paper_summary": TABLE4_PAPER,
+                     "paper": experiment.paper.get(PAPER_ROW.get(label, label))})
+    checks = lower_checks(labels, scores, experiment.claims["lower"])
+    return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed],
             "trials": report["trials"], "failed": report["failed"]}
 
 
@@ -128,7 +117,8 @@ def external_scores(run_dir: Path, text: str = EXTERNAL_TEXT) -> dict:
     return scores
 
 
-def table9_result(report: dict, folders: dict[int, dict[int, str]], text: str = EXTERNAL_TEXT) -> dict:
+def table9_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment,
+                  text: str = EXTERNAL_TEXT) -> dict:
     """Table 9 beside the paper: Table 4's last checkpoints (chosen by its protocol, before any
     external score exists) evaluated frozen on the external text; SOMA N = 2 against every other row."""
     t7 = report["table7"]
@@ -141,16 +131,9 @@ def table9_result(report: dict, folders: dict[int, dict[int, str]], text: str = 
              "external": mean_sd([s["loss"] for s in scores[label]]),
              "external_95": [s["bootstrap_95"] for s in scores[label]],
              "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
-             "paper": TABLE9_PAPER.get(PAPER_ROW.get(label, label))} for label in labels]
-    checks = []
-    for label in labels:
-        if label == SOMA or SOMA not in scores:
-            continue
-        differences = [a["loss"] - b["loss"] for a, b in zip(scores[label], scores[SOMA], strict=True)]
-        check = decide(f"SOMA N = 2 reaches a lower frozen loss on the external text than {NAMES.get(label, label)} "
-                       f"({label})", differences, paired_document_interval(scores[label], scores[SOMA]))
-        checks.append({**check.as_dict(), "basis": "Table 4's equal measured update time", "split": "external"})
-    return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed], "paper_summary": TABLE9_PAPER,
+             "paper": experiment.paper.get(PAPER_ROW.get(label, label))} for label in labels]
+    checks = lower_checks(labels, scores, experiment.claims["lower"])
+    return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed],
             "text": {key: first.get(key) for key in ("text", "documents", "documents_scored", "windows", "bytes")},
             "trials": report["trials"], "failed": report["failed"]}
 

@@ -33,18 +33,10 @@ import numpy as np
 from soma_pl.analysis.time_basis import interpolate, measured_curve, window_curve
 from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import Interval, document_bootstrap
+from soma_pl.reproduce.experiments import Claim, Experiment
 from soma_pl.reproduce.tables import checks_table, heading, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import LEVEL, Verdict, decide, mean_sd, paired_seeds
+from soma_pl.reproduce.verdicts import LEVEL, Verdict, mean_sd, paired_seeds
 
-FIG7_PAPER = {
-    "experts": [1, 2, 8, 32, 256],
-    "cutoff": "183.6 estimated hours (elapsed, one GPU per expert)",
-    "fig7": "Increasing number of experts (and ensemble size) improves training monotonically",
-    "fig8": "More experts do not lower loss at every training budget (aggregate GPU-hours)",
-    "fig16": "Top-k routing with k = 4 captures most of the gain at the same training stage (N = 8 and 256)",
-    "fig17": "Averaging helps more when experts make different errors (about 1,300 pairs per point)",
-}
-"""The paper's claims for these figures; its curves give no table of numbers to set beside ours."""
 FIG8_POINTS = 3
 """Aggregate budgets per pair of expert counts: log-spaced over the range both curves cover."""
 MOST = 0.5
@@ -119,26 +111,18 @@ def run_curve(run_dir: Path) -> dict:
             "last_checkpoint": summary.get("last_checkpoint"), "run_dir": str(run_dir)}
 
 
-def claim_check(claim: str, differences: list[float], basis: str, document: Interval | None = None,
-                level: float = LEVEL) -> dict:
-    """`decide`'s verdict as a result's check: with its compute basis, on ensemble validation."""
-    return {**decide(claim, differences, document, level).as_dict(), "basis": basis, "split": "val"}
-
-
-def elapsed_checks(curves: dict[int, list[dict]]) -> tuple[float, list[dict]]:
+def elapsed_checks(curves: dict[int, list[dict]], claim: Claim) -> tuple[float, list[dict]]:
     """Fig. 7 (left): at the common per-expert cutoff (the shortest run's elapsed time, as the paper's
     common 183.6-hour cutoff), each larger N against the next smaller one, seed by seed."""
     cutoff = min(c["per_expert_seconds"][-1] for runs in curves.values() for c in runs)
     counts, checks = sorted(curves), []
     for smaller, larger in zip(counts, counts[1:], strict=False):
         differences, document = compare_at(curves[smaller], curves[larger], "per_expert", cutoff)
-        claim = (f"More experts train better against elapsed time (Fig. 7 left): N = {larger} reaches a lower "
-                 f"ensemble-validation loss than N = {smaller} at {cutoff:.0f} s per expert")
-        checks.append(claim_check(claim, differences, "equal elapsed update time per expert", document))
+        checks.append(claim.check(differences, document, larger=larger, smaller=smaller, cutoff=cutoff))
     return cutoff, checks
 
 
-def aggregate_comparisons(curves: dict[int, list[dict]], points: int = FIG8_POINTS) -> list[dict]:
+def aggregate_comparisons(curves: dict[int, list[dict]], claim: Claim, points: int = FIG8_POINTS) -> list[dict]:
     """Fig. 8: each larger N against the next smaller one at `points` log-spaced aggregate budgets
     over the range both cover; the difference is larger − smaller (positive: more experts worse).
     At equal aggregate time a larger N has made fewer updates per expert (smaller/larger as many),
@@ -161,14 +145,13 @@ def aggregate_comparisons(curves: dict[int, list[dict]], points: int = FIG8_POIN
             low = [_loss_at(c, "aggregate", budget) for c in curves[smaller]]
             high = [_loss_at(c, "aggregate", budget) for c in curves[larger]]
             differences, document = compare_at(curves[larger], curves[smaller], "aggregate", budget, level)
-            check = claim_check(f"N = {larger} is above N = {smaller} at {budget:.0f} s aggregate", differences,
-                                "equal aggregate update time", document, level)
+            check = claim.check(differences, document, level, larger=larger, smaller=smaller, budget=budget)
             rows.append({"smaller": smaller, "larger": larger, "budget_seconds": budget, "later_half": later_half,
                          "smaller_loss": low, "larger_loss": high, "check": check})
     return rows
 
 
-def aggregate_check(rows: list[dict]) -> dict:
+def aggregate_check(rows: list[dict], claim: Claim) -> dict:
     """Fig. 8's claim over the comparisons in the later half (in log time) of each pair's common
     range (`later_half`): it holds when more experts are decisively worse at one of those budgets,
     does not hold when they are decisively better at every one, and is inconclusive otherwise. The
@@ -178,11 +161,9 @@ def aggregate_check(rows: list[dict]) -> dict:
     the smallest p-value, the opposite comparison with the largest where every one goes the other
     way, else the comparison most in the claim's favour (a selection among several: read its
     interval with that in mind)."""
-    claim = ("More experts do not lower loss at every aggregate budget (Fig. 8): at some budget in the later half of "
-             "the common range a larger N is above a smaller one")
     rows = [row for row in rows if row["later_half"]]
     if not rows:
-        return claim_check(claim, [], "equal aggregate update time")
+        return claim.check([])
     verdicts = [Verdict(row["check"]["verdict"]) for row in rows]
     best = max(rows, key=lambda row: row["check"]["mean"] if row["check"]["mean"] is not None else -math.inf)
     if Verdict.holds in verdicts:
@@ -198,7 +179,7 @@ def aggregate_check(rows: list[dict]) -> dict:
     why = (f"{held} of {len(rows)} (pair, budget) comparisons hold, "
            f"{sum(v is Verdict.does_not_hold for v in verdicts)} show the opposite; shown: N = {best['larger']} "
            f"against N = {best['smaller']} at {best['budget_seconds']:.0f} s ({check['why']})")
-    return {**check, "claim": claim, "verdict": verdict.value, "why": why}
+    return {**check, "claim": claim.text(), "basis": claim.basis, "verdict": verdict.value, "why": why}
 
 
 def _analysis(run_dir: Path, name: str) -> dict:
@@ -221,7 +202,7 @@ def _analysis(run_dir: Path, name: str) -> dict:
     return json.loads(saved.read_text())
 
 
-def topk_check(curves: list[dict], k: int) -> dict:
+def topk_check(curves: list[dict], k: int, claim: Claim) -> dict:
     """Fig. 16: top-`k` captures most (> `MOST`) of the gain of each seed's best k over k = 1; the
     per-window difference (L₁ − L_k) − MOST·(L₁ − L_best), averaged over seeds, is bootstrapped
     over documents."""
@@ -237,22 +218,17 @@ def topk_check(curves: list[dict], k: int) -> dict:
             raise SomaError("Fig. 16: the seeds' top-k analyses scored different windows; run them on one dataset")
         documents = curve["doc_ids"] if documents is None else documents
     interval = document_bootstrap(np.mean(windows, axis=0), np.asarray(documents))
-    claim = (f"k = {k} captures most (over {MOST:.0%}) of the best k's gain over k = 1 (Fig. 16; mean difference and "
-             f"seed interval: share − {MOST:.0%}; document interval, in nats/byte: (L₁ − L_k) − "
-             f"{MOST:g}·(L₁ − L_best) per window)")
-    return claim_check(claim, shares, "one checkpoint per seed", interval)
+    return claim.check(shares, interval, k=k, most=MOST)
 
 
-def correlation_check(analyses: list[dict]) -> dict:
+def correlation_check(analyses: list[dict], claim: Claim) -> dict:
     """Fig. 17: across expert pairs, the gain of averaging a pair falls as their residual error
     correlation rises (a negative Pearson r): the seeds' −r, with no document interval (the analysis
     keeps no per-window r), so the check stays inconclusive."""
-    return claim_check("Averaging helps more when experts' errors are less correlated (Fig. 17; mean difference: −r, "
-                       "Pearson over expert pairs)", [-a["gain_correlation_pearson"] for a in analyses],
-                       "one checkpoint per seed")
+    return claim.check([-a["gain_correlation_pearson"] for a in analyses])
 
 
-def fig7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+def fig7_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Figs. 7 (left), 8, 16 and 17 beside the paper's claims."""
     t7 = report["table7"]
     per_seed = t7["per_seed"]
@@ -260,17 +236,18 @@ def fig7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
     run_dirs = {int(label): [Path(folders[entry["trial"][label]][entry["seed"]]) for entry in per_seed]
                 for label in labels}
     curves = {n: [run_curve(path) for path in paths] for n, paths in run_dirs.items()}
-    cutoff, checks = elapsed_checks(curves)
-    aggregate = aggregate_comparisons(curves)
-    checks.append(aggregate_check(aggregate))
+    claims = experiment.claims
+    cutoff, checks = elapsed_checks(curves, claims["elapsed"])
+    aggregate = aggregate_comparisons(curves, claims["aggregate_budget"])
+    checks.append(aggregate_check(aggregate, claims["aggregate"]))
     largest = max(curves)
     k = min(4, max(1, largest // 2))
     topks = [_analysis(path, "topk") for path in run_dirs[largest]]
     correlations = [_analysis(path, "error_correlation") for path in run_dirs[largest]] if largest >= 3 else []
     if largest >= 2:
-        checks.append(topk_check(topks, k))
+        checks.append(topk_check(topks, k, claims["topk"]))
     if correlations:
-        checks.append(correlation_check(correlations))
+        checks.append(correlation_check(correlations, claims["correlation"]))
     rows = []
     for n, runs in curves.items():
         at_cutoff = [_loss_at(c, "per_expert", cutoff) for c in runs]
@@ -287,7 +264,7 @@ def fig7_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
                                               "windows", "documents")} for t in topks],
             "error_correlation": [{key: c[key] for key in ("experts", "tokens", "bins", "gain_correlation_pearson",
                                                            "pairs")} for c in correlations],
-            "checks": checks, "seeds": [e["seed"] for e in per_seed], "paper_summary": FIG7_PAPER,
+            "checks": checks, "seeds": [e["seed"] for e in per_seed],
             "trials": report["trials"], "failed": report["failed"]}
 
 
@@ -400,12 +377,6 @@ def fig7_figure(result: dict, path: Path) -> Path:
 
 SETTING = re.compile(r"p(?P<n_pert>\d+)_b(?P<batch>\d+)$")
 """A settings run's label: `p<n_pert>_b<B>`."""
-FIG7_SETTINGS_PAPER = {
-    "n_pert": [16, 64, 256, 1024], "B": [16, 64, 256, 1024], "experts": 8,
-    "claim": "SOMA N = 8 improves loss with more n_pert and B (Fig. 7 centre and right, wall-clock axes)",
-}
-
-
 def _series(labels: list[str]) -> dict[str, list[str]]:
     """The n_pert series (at the smallest B) and the B series (at the smallest n_pert), each in order."""
     parsed = {label: (int(m["n_pert"]), int(m["batch"])) for label in labels if (m := SETTING.match(label))}
@@ -416,24 +387,24 @@ def _series(labels: list[str]) -> dict[str, list[str]]:
             "B": sorted((x for x, (p, _) in parsed.items() if p == base_pert), key=lambda x: parsed[x][1])}
 
 
-def settings_checks(name: str, order: list[str], curves: dict[str, list[dict]]) -> list[dict]:
+def settings_checks(name: str, order: list[str], curves: dict[str, list[dict]],
+                    claims: dict[str, Claim]) -> list[dict]:
     """Each setting against the next smaller one, difference = smaller − larger: at equal updates (the
     last validation), and at equal elapsed time per expert, where the cheaper run ends (the pair's
     shorter final time, with the costlier run interpolated on its curve there)."""
     checks = []
     for smaller, larger in zip(order, order[1:], strict=False):
         final, document = compare_at(curves[smaller], curves[larger], "updates")
-        checks.append(claim_check(f"SOMA improves with larger {name} (Fig. 7): {larger} below {smaller} after "
-                                  f"{curves[larger][0]['updates'][-1]} updates", final, "equal updates", document))
+        checks.append(claims["updates"].check(final, document, name=name, larger=larger, smaller=smaller,
+                                              updates=curves[larger][0]["updates"][-1]))
         cutoff = min(c["per_expert_seconds"][-1] for label in (smaller, larger) for c in curves[label])
         timed, document = compare_at(curves[smaller], curves[larger], "per_expert", cutoff)
-        checks.append(claim_check(f"SOMA improves with larger {name} (Fig. 7): {larger} below {smaller} at "
-                                  f"{cutoff:.1f} s per expert (where the cheaper run ends)", timed,
-                                  "equal elapsed update time per expert", document))
+        checks.append(claims["elapsed"].check(timed, document, name=name, larger=larger, smaller=smaller,
+                                              cutoff=cutoff))
     return checks
 
 
-def fig7_settings_result(report: dict, folders: dict[int, dict[int, str]]) -> dict:
+def fig7_settings_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Fig. 7 (centre, right) beside the paper's claim: each series of settings at equal updates
     and at equal elapsed time per expert."""
     t7 = report["table7"]
@@ -442,7 +413,8 @@ def fig7_settings_result(report: dict, folders: dict[int, dict[int, str]]) -> di
     curves = {label: [run_curve(Path(folders[entry["trial"][label]][entry["seed"]])) for entry in per_seed]
               for label in labels}
     series = _series(labels)
-    checks = [check for name, order in series.items() for check in settings_checks(name, order, curves)]
+    checks = [check for name, order in series.items()
+              for check in settings_checks(name, order, curves, experiment.claims)]
     rows = []
     for label, runs in curves.items():
         n_pert, batch = (int(v) for v in SETTING.match(label).groups())
@@ -451,7 +423,7 @@ def fig7_settings_result(report: dict, folders: dict[int, dict[int, str]]) -> di
                      "updates": runs[0]["updates"][-1], "final": mean_sd([c["loss"][-1] for c in runs]),
                      "per_expert_seconds": mean_sd([c["per_expert_seconds"][-1] for c in runs])})
     return {"rows": rows, "series": series, "curves": curves, "checks": checks,
-            "seeds": [e["seed"] for e in per_seed], "paper_summary": FIG7_SETTINGS_PAPER,
+            "seeds": [e["seed"] for e in per_seed],
             "trials": report["trials"], "failed": report["failed"]}
 
 

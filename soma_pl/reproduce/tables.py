@@ -54,52 +54,6 @@ def holm_text(check: dict) -> str:
     return "—" if check.get("holm_p") is None else f"{check['holm_p']:.3g}"
 
 
-def table7_markdown(result: dict) -> str:
-    """Table 7's layout for the demo pair: each seed's selected test losses, ours beside the paper's."""
-    lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
-             f"Equal compute: {result['basis']}.", "", "Test loss after each seed's selection on ensemble validation "
-             "(nats/byte); difference = monolithic SPSA − SOMA. Paper: its Table 7 (seeds 1–3).", "",
-             *table_head(["Optimization seed", "SPSA (ours)", "SOMA N = 2 (ours)", "Difference (ours)",
-                     "SPSA (paper)", "SOMA N = 2 (paper)", "Difference (paper)"])]
-    for row in result["rows"]:
-        edge = {side: "†" if row["at_grid_edge"].get(label) else "" for side, label in result["labels"].items()}
-        lines.append(table_row([str(row["seed"]), number(row["ours"]["spsa"]) + edge["spsa"],
-                           number(row["ours"]["soma"]) + edge["soma"], number(row["ours"]["difference"]),
-                           *(number(row["paper"].get(k)) for k in ("spsa", "soma", "difference"))]))
-    for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
-        ours = [result["summary"][k][key] for k in ("spsa", "soma", "difference")]
-        paper = [result["paper_summary"][key][k] for k in ("spsa", "soma", "difference")]
-        lines.append(table_row([name, *map(number, ours), *map(number, paper)]))
-    edges = {side: result["at_grid_edge"].get(label) for side, label in result["labels"].items()}
-    if any(edges.values()):
-        lines += ["", "† Selected at an edge of its grid (" + "; ".join(
-            f"{side.upper()}: {', '.join(names)}" for side, names in edges.items() if names) + "): the best setting "
-                  "may lie outside the grid."]
-    for key, block in result["blocks"].items():
-        lines += ["", f"## {block['label']}", ""]
-        if "unavailable" in block:
-            lines.append(f"Not compared: {block['unavailable']}.")
-            continue
-        if key == "equal_time":
-            lines += table_head(["Optimization seed", "T (s)", "SPSA", "SOMA N = 2", "Difference"])
-            for entry in block["per_seed"]:
-                lines.append(table_row([str(entry["seed"]), f"{entry['budget_seconds']:.0f}", number(entry["spsa"]),
-                                   number(entry["soma"]), number(entry["difference"])]))
-            lines.append(table_row(["Mean ± sd", "", "", "", f"{number(block['difference']['mean'])} ± "
-                                                        f"{number(block['difference']['sd'])}"]))
-            continue
-        lines += table_head(["Optimization seed", "SPSA (95% documents)", "SOMA N = 2 (95% documents)", "Difference"])
-        for entry in block["per_seed"]:
-            lines.append(table_row([str(entry["seed"]),
-                                    f"{number(entry['spsa'])} {interval_text(entry['spsa_95'], False)}",
-                                    f"{number(entry['soma'])} {interval_text(entry['soma_95'], False)}",
-                                    number(entry["difference"])]))
-        lines.append(table_row(["Mean ± sd", *(f"{number(block[k]['mean'])} ± {number(block[k]['sd'])}"
-                                          for k in ("spsa", "soma", "difference"))]))
-    lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "", run_footer(result)]
-    return "\n".join(lines) + "\n"
-
-
 def run_footer(result: dict, reused: str = "finished trials reused") -> str:
     """The closing line of every experiment's table: wall time, workers, load average, trial time, trial states."""
     workers = result.get("workers")
@@ -151,36 +105,6 @@ def save_figure(fig, path: Path) -> Path:
     plt.close(fig)
     os.replace(temporary, path)
     return path
-
-
-def figure(result: dict, path: Path) -> Path:
-    """Each check's per-seed differences, their mean and 95% seed interval, beside the paper's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    blocks = [(key, block) for key, block in result["blocks"].items() if "per_seed" in block]
-    fig, axis = plt.subplots(figsize=(7.5, 3.8))
-    paper = result["paper_summary"]
-    axis.axhspan(paper["mean"]["difference"] - paper["sd"]["difference"],
-                 paper["mean"]["difference"] + paper["sd"]["difference"], color="tab:green", alpha=0.15)
-    axis.axhline(paper["mean"]["difference"], color="tab:green", label="paper, Table 7 (mean ± sd)")
-    axis.axhline(0.0, color="black", linewidth=0.8)
-    for x, (key, block) in enumerate(blocks):
-        values = [entry["difference"] for entry in block["per_seed"]]
-        axis.scatter([x] * len(values), values, color="tab:blue", zorder=3, label="ours, per seed" if x == 0 else None)
-        check = next((c for c in result["checks"] if c["split"] == ("val" if key == "equal_time" else key)), None)
-        if check and check["seed_interval"]:
-            low, high = check["seed_interval"]
-            axis.errorbar([x + 0.12], [check["mean"]], yerr=[[check["mean"] - low], [high - check["mean"]]],
-                          fmt="o", color="tab:red", capsize=4, label="ours, mean (95% over seeds)" if x == 0 else None)
-    axis.set_xticks(range(len(blocks)), [block["label"].replace(" (used once)", "\n(used once)")
-                                         .replace(" at equal", "\nat equal") for _, block in blocks], fontsize=8)
-    axis.set_ylabel("SPSA − SOMA (nats/byte)")
-    axis.set_title(f"{result['experiment']} at {result['scale']} scale")
-    axis.legend(fontsize=7, loc="best")
-    return save_figure(fig, path)
 
 
 def reproduction_page(results: Path, page: Path) -> str:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from soma_pl.reproduce import ablations
-from soma_pl.reproduce.ablations import FIG9_CLAIMS, REFERENCE, fig9_figure, fig9_markdown, fig9_result
+from soma_pl.reproduce.ablations import REFERENCE, fig9_figure, fig9_markdown
+from soma_pl.reproduce.experiments import load_experiment
 from soma_pl.reproduce.verdicts import Verdict
 
 CONDITIONS = [REFERENCE, "random_shards", "global_iid", "cold", "decoder_only_head", "frozen_random_head"]
@@ -74,7 +75,7 @@ def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(
     report, folders, val = _report(tmp_path)
     _seed_model(tmp_path, folders, report)
     monkeypatch.setattr(ablations, "score_run", lambda *_: pytest.fail("the trials' own test scores are used"))
-    result = fig9_result(report, folders)
+    result = load_experiment("fig9").result(report, folders)
     for condition in CONDITIONS:
         curve = result["curves"][condition]
         assert curve["steps"] == list(STEPS)
@@ -89,12 +90,13 @@ def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(
         assert rows[condition]["difference"]["se"] == pytest.approx(0.001 / 3 ** 0.5)
     assert rows["decoder_only_head"]["paper_difference"] == 0.029 and "difference" not in rows[REFERENCE]
     checks = {check["claim"]: check for check in result["checks"]}
-    assert set(checks) == set(FIG9_CLAIMS.values())
+    claims = {condition: claim.claim for condition, claim in load_experiment("fig9").claims.items()}
+    assert set(checks) == set(claims.values()) and set(claims) == set(CONDITIONS[1:])
     for condition in ("random_shards", "global_iid", "decoder_only_head", "frozen_random_head"):
-        check = checks[FIG9_CLAIMS[condition]]
+        check = checks[claims[condition]]
         assert check["verdict"] == Verdict.holds.value and check["split"] == "test"
         assert check["document_interval"] == pytest.approx([SHIFT[condition] + 0.001] * 2)
-    assert checks[FIG9_CLAIMS["cold"]]["verdict"] == Verdict.does_not_hold.value
+    assert checks[claims["cold"]]["verdict"] == Verdict.does_not_hold.value
     text = fig9_markdown({**result, "experiment": "fig9", "scale": "cpu", "title": "t", "basis": "b",
                           "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
     assert "| decoder_only_head | 3.2800 ± 0.0289 | 3.0835 ± 0.0020 | +0.0310 ± 0.0006 | +0.029 |" in text
@@ -111,7 +113,7 @@ def test_a_trial_test_record_without_window_losses_is_scored_again(tmp_path, mon
     rescored = json.loads(Path(report["test_score_files"][1][0]).read_text())
     calls = []
     monkeypatch.setattr(ablations, "score_run", lambda run, split: calls.append((run, split)) or rescored)
-    result = fig9_result(report, folders)
+    result = load_experiment("fig9").result(report, folders)
     assert result["seed_model"] is None  # no run config names a seed
     assert calls == [(Path(folders[0][0]), "test")]
     assert result["rows"][0]["per_seed"]["0"] == pytest.approx(rescored["loss"])

@@ -14,14 +14,13 @@ from soma_pl.reproduce.allocation import (
     equivalence,
     fig13_figure,
     fig13_markdown,
-    fig13_result,
     loss_range,
     seconds_to,
     table11_figure,
     table11_markdown,
-    table11_result,
     threshold_of,
 )
+from soma_pl.reproduce.experiments import Claim, load_experiment
 
 SECONDS = {"p2_b16": 1.0, "p8_b4": 1.5, "p32_b1": 2.0}
 """Aggregate seconds per update: a larger batch updates faster here, at the same multiply-adds."""
@@ -74,7 +73,7 @@ def test_table10_brackets_the_linear_and_log_interpolations():
 
 def test_fig13_favours_the_allocation_that_updates_fastest(tmp_path):
     report, folders = _report(tmp_path, _fit, seeds=3)
-    result = fig13_result(report, folders)
+    result = load_experiment("fig13").result(report, folders)
     # at half the updates (5) every run is at 2.5 + 0.01·seed: the threshold is 2.52; seed 0 crosses
     # it 0.4 of the way from update 4 (2.6) to 6 (2.4), seed 1 0.45 of the way, seed 2 halfway, in log time
     assert result["threshold"] == pytest.approx(2.52)
@@ -103,14 +102,18 @@ def _documents(low: float, high: float) -> Interval:
     return Interval((low + high) / 2, low, high, 10, 40, 0.5)
 
 
+CLAIM = Claim("equal within ±{margin:g}", "equal multiply-adds", "test")
+
+
 def test_equivalence_needs_every_interval_inside_the_margin():
-    inside = equivalence("c", [0.001, 0.002, 0.0015], _documents(-0.004, 0.005), 0.01)
+    inside = equivalence(CLAIM, [0.001, 0.002, 0.0015], _documents(-0.004, 0.005), 0.01)
     assert inside["verdict"] == "holds" and inside["document_interval"] == (-0.004, 0.005)
-    assert equivalence("c", [0.001, 0.002, 0.0015], _documents(-0.004, 0.011), 0.01)["verdict"] == "inconclusive"
-    assert equivalence("c", [0.03, 0.031, 0.0305], _documents(0.02, 0.04), 0.01)["verdict"] == "does not hold"
+    assert (inside["claim"], inside["basis"], inside["split"]) == ("equal within ±0.01", "equal multiply-adds", "test")
+    assert equivalence(CLAIM, [0.001, 0.002, 0.0015], _documents(-0.004, 0.011), 0.01)["verdict"] == "inconclusive"
+    assert equivalence(CLAIM, [0.03, 0.031, 0.0305], _documents(0.02, 0.04), 0.01)["verdict"] == "does not hold"
     # too few seeds, or no document interval: nothing decided
-    assert equivalence("c", [0.03, 0.031], _documents(0.02, 0.04), 0.01)["verdict"] == "inconclusive"
-    assert equivalence("c", [0.03, 0.031, 0.0305], None, 0.01)["verdict"] == "inconclusive"
+    assert equivalence(CLAIM, [0.03, 0.031], _documents(0.02, 0.04), 0.01)["verdict"] == "inconclusive"
+    assert equivalence(CLAIM, [0.03, 0.031, 0.0305], None, 0.01)["verdict"] == "inconclusive"
 
 
 def _scored(folder: Path, label: str, seed: int) -> None:
@@ -134,7 +137,7 @@ def _scored(folder: Path, label: str, seed: int) -> None:
 
 def test_table11_checks_each_pair_of_allocations_for_equality(tmp_path):
     report, folders = _report(tmp_path, _scored, seeds=3)
-    result = table11_result(report, folders)
+    result = load_experiment("table11").result(report, folders)
     rows = {row["allocation"]: row for row in result["rows"]}
     assert rows["p8_b4"]["test"]["mean"] == pytest.approx(2.05 + 0.001 + 0.002)
     assert result["spread"] == pytest.approx(0.05)
@@ -149,5 +152,6 @@ def test_table11_checks_each_pair_of_allocations_for_equality(tmp_path):
     assert "| 2 | 16 | 2.050000 | 2.052000 | 2.054000 | 2.052000 | 64 | 1024 | 2.376587 |" in text
     # two seeds decide nothing
     report, folders = _report(tmp_path / "two", _scored)
-    assert {check["verdict"] for check in table11_result(report, folders)["checks"]} == {"inconclusive"}
+    checks = load_experiment("table11").result(report, folders)["checks"]
+    assert {check["verdict"] for check in checks} == {"inconclusive"}
     assert table11_figure({**result, "experiment": "table11", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0

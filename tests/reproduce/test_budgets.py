@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from soma_pl.errors import SomaError
-from soma_pl.reproduce.budgets import TABLE5_PAPER, table5_figure, table5_markdown, table5_result
+from soma_pl.reproduce.budgets import table5_figure, table5_markdown
+from soma_pl.reproduce.experiments import load_experiment
 from soma_pl.reproduce.verdicts import Verdict
 
 LABELS = ["bptt_n1", "soma_n1", "soma_n2", "soma_n4", "bptt_n2", "bptt_n4"]
@@ -56,7 +57,7 @@ def _report(tmp_path: Path, windows: bool = False) -> tuple[dict, dict]:
 
 def test_table5_interpolates_each_run_at_the_budgets_and_checks_both_claims(tmp_path):
     report, folders = _report(tmp_path)
-    result = table5_result(report, folders, budgets=(120.0, 180.0, 240.0))
+    result = load_experiment("table5").result(report, folders, budgets=(120.0, 180.0, 240.0))
     rows = {row["experts"]: row for row in result["rows"]}
     assert sorted(rows) == [1, 2, 4]
     for experts, row in rows.items():
@@ -83,7 +84,7 @@ def test_table5_interpolates_each_run_at_the_budgets_and_checks_both_claims(tmp_
     text = table5_markdown({**result, "experiment": "table5", "scale": "cpu", "title": "t", "basis": "b",
                             "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
     assert "| 2 | 2.7900 ± 0.0100 | 1.9900 ± 0.0100 | 2.7300 ± 0.0100 |" in text
-    assert f"| paper, N = 8 | {TABLE5_PAPER['soma']['8'][0]:.4f} | {TABLE5_PAPER['bptt']['8'][0]:.4f} |" in text
+    assert "| paper, N = 8 | 2.0880 | 1.1826 |" in text  # the paper's Table 5 at 50 GPU-hours
     assert table5_figure({**result, "experiment": "table5", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
 
 
@@ -92,7 +93,8 @@ def test_validations_kept_window_by_window_give_each_budget_a_document_interval(
     −0.5, 0.5) around its loss and BPTT's 0.01·(...), so SOMA − BPTT per window is the gap plus
     0.01·(−1, 1, −0.5, 0.5), the documents' means gap ± 0 (each document's two windows cancel)."""
     report, folders = _report(tmp_path, windows=True)
-    checks = {check["claim"]: check for check in table5_result(report, folders, budgets=(120.0, 240.0))["checks"]}
+    result = load_experiment("table5").result(report, folders, budgets=(120.0, 240.0))
+    checks = {check["claim"]: check for check in result["checks"]}
     bptt = "BPTT reaches a lower ensemble-validation loss than SOMA at N = {}, {} s"
     soma = "SOMA N = 2 reaches a lower ensemble-validation loss than SOMA N = 1 (monolithic SPSA), {} s"
     for budget in ("120", "240"):
@@ -105,14 +107,15 @@ def test_validations_kept_window_by_window_give_each_budget_a_document_interval(
     # one run without its windows: no document interval for the comparisons it is in
     for path in (Path(folders[0][0]) / "val_windows").iterdir():
         path.unlink()
-    checks = {check["claim"]: check for check in table5_result(report, folders, budgets=(120.0,))["checks"]}
+    result = load_experiment("table5").result(report, folders, budgets=(120.0,))
+    checks = {check["claim"]: check for check in result["checks"]}
     assert checks[bptt.format(1, 120)]["document_interval"] is None
     assert checks[bptt.format(2, 120)]["verdict"] == "holds"
 
 
 def test_a_budget_before_a_runs_first_validation_is_left_out(tmp_path):
     report, folders = _report(tmp_path)
-    result = table5_result(report, folders, budgets=(40.0, 240.0))
+    result = load_experiment("table5").result(report, folders, budgets=(40.0, 240.0))
     rows = {row["experts"]: row for row in result["rows"]}
     assert rows[1]["soma"][0]["mean"] is None and rows[1]["bptt"][0]["mean"] == pytest.approx(2.0 - 0.04 + 0.01)
     claim = "BPTT reaches a lower ensemble-validation loss than SOMA at N = 1, 40 s"
@@ -131,10 +134,10 @@ def test_table5_budgets_are_fractions_of_the_budget_the_runs_stopped_at(tmp_path
                     "device_hours": device_hours, "token_forwards": None}}}))
 
     record(0.0666666667)
-    assert table5_result(report, folders)["budgets_seconds"] == [120.0, 180.0, 240.0]
+    assert load_experiment("table5").result(report, folders)["budgets_seconds"] == [120.0, 180.0, 240.0]
     (Path(folders[0][0]) / "compute.json").write_text(json.dumps({"budget": {"limits": {"device_hours": 0.1}}}))
     with pytest.raises(SomaError, match="device_hours"):  # runs stopped at different budgets
-        table5_result(report, folders)
+        load_experiment("table5").result(report, folders)
     record(None)
     with pytest.raises(SomaError, match="device_hours"):
-        table5_result(report, folders)
+        load_experiment("table5").result(report, folders)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from soma_pl.reproduce.experiments import load_experiment
 from soma_pl.reproduce.inference import (
     budget_map,
     fig14_figure,
     fig14_markdown,
-    fig14_result,
     per_expert_checks,
     select,
 )
@@ -80,7 +80,7 @@ def test_under_a_per_expert_budget_n1_is_compared_with_the_best_other_run_in_clo
     # three seeds of N = 1 (loss 3 − 0.1·a) and N = 2 (3.05 − 0.1·a) validated at a = 2, 4, ..., 10
     seeds = [[{"run": label, "experts": n, "aggregate": a, "per_expert": a / n, "loss": base - 0.1 * a + 0.01 * s}
               for label, n, base in (("n1", 1, 3.0), ("n2", 2, 3.05)) for a in range(2, 11, 2)] for s in range(3)]
-    checks, rows = per_expert_checks(seeds, [1.0, 4.0, 5.0])
+    checks, rows = per_expert_checks(seeds, [1.0, 4.0, 5.0], load_experiment("fig14").claims["tight"])
     assert rows[0]["check"] is None and rows[0]["single"] == [None, None, None]  # nothing of N = 1 fits within 1 s
     # 4 s per expert: N = 1's best is a = 4 (2.6), N = 2's a = 8 (2.25): 0.35 in each seed
     assert [round(v, 12) for v in rows[1]["single"]] == [2.6, 2.61, 2.62] and rows[1]["rival"] == "n2"
@@ -94,7 +94,7 @@ def test_under_a_per_expert_budget_n1_is_compared_with_the_best_other_run_in_clo
 
 def test_fig14_result_counts_arithmetic_pairs_table13_and_draws(tmp_path):
     report, folders = _report(tmp_path)
-    result = fig14_result(report, folders)
+    result = load_experiment("fig14").result(report, folders)
     rows = {row["run"]: row for row in result["rows"]}
     assert {label: rows[label]["arithmetic_per_token"] for label in rows} == \
         {"n1": 800, "n2": 800, "n4": 800, "n8": 400, "n8_long": 400}  # top-4 of 8 experts of 100

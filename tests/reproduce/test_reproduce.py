@@ -15,9 +15,10 @@ from soma_pl.analysis.time_basis import accountings
 from soma_pl.cli import main
 from soma_pl.distributed import Accounting
 from soma_pl.eval.bootstrap import document_bootstrap
-from soma_pl.reproduce import command, experiments
-from soma_pl.reproduce.experiments import EXPERIMENTS, TABLE7_PAPER, table7_result
-from soma_pl.reproduce.tables import reproduction_page, run_footer, table7_markdown
+from soma_pl.reproduce import command, selection
+from soma_pl.reproduce.experiments import all_experiments, load_experiment
+from soma_pl.reproduce.selection import table7_markdown
+from soma_pl.reproduce.tables import reproduction_page, run_footer
 from soma_pl.reproduce.verdicts import Verdict
 from soma_pl.sweeps.space import load_sweep, trial_overrides
 
@@ -29,15 +30,15 @@ def test_help_lists_every_experiment_with_its_cost(capsys):
         main(["reproduce", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
     shown = re.sub(r"(\w)- (\w)", r"\1-\2", shown)  # a word the help wrapped at its hyphen
-    for experiment in EXPERIMENTS.values():
+    for experiment in all_experiments().values():
         assert f"`{experiment.name}`" in shown and " ".join(experiment.cost["cpu"].split()) in shown
 
 
 def test_a_dry_run_lists_the_trials_and_the_paper_scale_budget(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     for scale, trials in (("cpu", 36), ("paper", 30)):  # cpu: 6 lr x 2 N x 3 seeds
-        spec = dataclasses.replace(load_sweep(EXPERIMENTS["table7"].sweeps[scale]), output_dir=tmp_path / scale)
-        listed = command.list_trials(EXPERIMENTS["table7"], scale, spec, f"sqlite:///{tmp_path / scale / 'x.db'}")
+        spec = dataclasses.replace(load_sweep(load_experiment("table7").sweeps[scale]), output_dir=tmp_path / scale)
+        listed = command.list_trials(load_experiment("table7"), scale, spec, f"sqlite:///{tmp_path / scale / 'x.db'}")
         assert (listed["trials"], listed["done"]) == (trials, 0)
     printed = capsys.readouterr().out
     # Table 6 (App. I.2): 3 lr at eps 0.0025, then 2 more eps at the selected lr, x 2 N x 3 seeds
@@ -55,8 +56,8 @@ def test_a_dry_run_lists_the_trials_and_the_paper_scale_budget(tmp_path, monkeyp
 def test_each_paper_scale_plan_has_the_papers_trials_and_gpu_hours(experiment, trials, cost, tmp_path, monkeypatch,
                                                                   capsys):
     monkeypatch.chdir(ROOT)
-    spec = dataclasses.replace(load_sweep(EXPERIMENTS[experiment].sweeps["paper"]), output_dir=tmp_path)
-    listed = command.list_trials(EXPERIMENTS[experiment], "paper", spec, f"sqlite:///{tmp_path / 'x.db'}")
+    spec = dataclasses.replace(load_sweep(load_experiment(experiment).sweeps["paper"]), output_dir=tmp_path)
+    listed = command.list_trials(load_experiment(experiment), "paper", spec, f"sqlite:///{tmp_path / 'x.db'}")
     assert (listed["trials"], listed["done"]) == (trials, 0) and cost in listed["cost"]
 
 
@@ -70,8 +71,8 @@ def test_a_dry_run_works_from_any_folder_and_goes_back_to_it(tmp_path, monkeypat
 
 def test_fig9_lists_its_conditions_and_refuses_a_paper_scale_it_has_not(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    spec = dataclasses.replace(load_sweep(EXPERIMENTS["fig9"].sweeps["cpu"]), output_dir=tmp_path)
-    listed = command.list_trials(EXPERIMENTS["fig9"], "cpu", spec, f"sqlite:///{tmp_path / 'x.db'}")
+    spec = dataclasses.replace(load_sweep(load_experiment("fig9").sweeps["cpu"]), output_dir=tmp_path)
+    listed = command.list_trials(load_experiment("fig9"), "cpu", spec, f"sqlite:///{tmp_path / 'x.db'}")
     assert (listed["trials"], listed["done"]) == (18, 0)
     printed = capsys.readouterr().out
     for condition in ("reference", "random_shards", "global_iid", "cold", "decoder_only_head", "frozen_random_head"):
@@ -85,8 +86,8 @@ def test_fig9_lists_its_conditions_and_refuses_a_paper_scale_it_has_not(tmp_path
 
 def test_table4_lists_the_papers_five_rows_and_their_gpu_hours(monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(ROOT)
-    spec = dataclasses.replace(load_sweep(EXPERIMENTS["table4"].sweeps["paper"]), output_dir=tmp_path)
-    listed = command.list_trials(EXPERIMENTS["table4"], "paper", spec, f"sqlite:///{tmp_path / 'x.db'}")
+    spec = dataclasses.replace(load_sweep(load_experiment("table4").sweeps["paper"]), output_dir=tmp_path)
+    listed = command.list_trials(load_experiment("table4"), "paper", spec, f"sqlite:///{tmp_path / 'x.db'}")
     assert (listed["trials"], listed["done"]) == (5, 0)
     printed = capsys.readouterr().out
     for row in ("soma_n2", "spsa_64", "spsa_256", "spsa_1024", "eggroll"):
@@ -120,15 +121,15 @@ def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
                                   "2": scores[(f"soma{seed}", "test")]["loss"]},
                          "difference": {"2": 0.04 + 0.001 * seed}, "selected": {"1": {"lr": 0.025}, "2": {"lr": 0.05}},
                          "at_grid_edge": {"1": [], "2": ["lr"]}})
-    monkeypatch.setattr(experiments, "score_run", lambda run, split: scores[(str(run), split)])
+    monkeypatch.setattr(selection, "score_run", lambda run, split: scores[(str(run), split)])
     timed = {"per_seed": [{"seed": s, "budget_seconds": 100.0, "total_seconds": {"1": 100.0, "2": 120.0},
                            "val": {"1": 3.0, "2": 3.0 + d}, "difference": {"2": -d}}
                           for s, d in enumerate([0.01, 0.02, 0.015])]}
     report = {"table7": {"baseline": 1, "column_labels": [1, 2], "per_seed": per_seed, "equal_time": timed,
                          "final_test": {}, "at_grid_edge": {"1": [], "2": ["lr"]}},
               "trials": {"COMPLETE": 18}, "failed": []}
-    result = table7_result(report, folders)
-    assert [row["paper"]["difference"] for row in result["rows"]] == TABLE7_PAPER["difference"]
+    result = load_experiment("table7").result(report, folders)
+    assert [row["paper"]["difference"] for row in result["rows"]] == [0.0368, 0.0462, 0.0358]  # Table 7
     assert result["summary"]["difference"]["mean"] == pytest.approx(0.041)
     verdicts = {check["split"]: check for check in result["checks"]}
     assert verdicts["test"]["verdict"] == Verdict.holds.value and verdicts["test"]["basis"] == "equal multiply-adds"
@@ -190,7 +191,7 @@ def test_a_tiny_experiment_runs_scores_checks_and_reuses_its_trials(tmp_path, mo
                                   "data.init_args.dataset.final_test_windows": 4,
                                   "trainer.max_steps": 4, "trainer.val_check_interval": 1})
     spec = load_sweep(path)
-    tiny = dataclasses.replace(EXPERIMENTS["table7"], sweeps={"cpu": str(path)}, data={})
+    tiny = dataclasses.replace(load_experiment("table7"), sweeps={"cpu": str(path)}, data={})
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     result = command.run(tiny, "cpu", spec, storage, workers=2, results=tmp_path / "results")
     folder = tmp_path / "results" / "table7"

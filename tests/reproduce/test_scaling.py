@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
+from soma_pl.reproduce.experiments import load_experiment
 from soma_pl.reproduce.scaling import (
     aggregate_check,
     aggregate_comparisons,
     correlation_check,
     fig7_figure,
     fig7_markdown,
-    fig7_result,
     topk_check,
 )
 from soma_pl.reproduce.verdicts import Verdict
 
+CLAIMS = load_experiment("fig7").claims
 START = {1: 3.0, 2: 2.9, 4: 2.8}
 """Each N's loss at 0 s; it falls by RATE per second of elapsed time per expert, so by RATE / N per
 aggregate second: more experts are lower against elapsed time, and higher at large aggregate budgets."""
@@ -82,7 +83,7 @@ def _log_between(x0: float, y0: float, x1: float, y1: float, x: float) -> float:
 
 def test_fig7_reads_both_time_bases_and_checks_each_claim(tmp_path):
     report, folders = _report(tmp_path)
-    result = fig7_result(report, folders)
+    result = load_experiment("fig7").result(report, folders)
     rows = {row["experts"]: row for row in result["rows"]}
     assert result["cutoff_seconds"] == pytest.approx(UPDATES)  # every run: 100 s per expert
     for experts, row in rows.items():
@@ -131,7 +132,7 @@ def test_validations_window_by_window_give_the_curves_comparisons_a_document_int
     interval of its windows interpolated as the mean is: each document's two windows cancel, so it
     is the exact difference and the seeds' sign decides, at the elapsed cutoff and at every budget."""
     report, folders = _report(tmp_path, windows=True)
-    result = fig7_result(report, folders)
+    result = load_experiment("fig7").result(report, folders)
     elapsed = [c for c in result["checks"] if "Fig. 7 left" in c["claim"]]
     assert len(elapsed) == 2
     for check in elapsed:  # N = 2 below N = 1, N = 4 below N = 2, by 0.1 at 100 s per expert
@@ -145,13 +146,14 @@ def test_validations_window_by_window_give_the_curves_comparisons_a_document_int
     assert fig8["verdict"] == "holds" and fig8["p"] == 0.0 and fig8["mean"] in later and fig8["mean"] > 0
     # Fig. 8's claim can fail: where more experts are lower at every later budget, it does not hold
     report, folders = _report(tmp_path / "slow", rate=0.0005, windows=True)
-    fig8 = next(c for c in fig7_result(report, folders)["checks"] if "every aggregate budget" in c["claim"])
+    checks = load_experiment("fig7").result(report, folders)["checks"]
+    fig8 = next(c for c in checks if "every aggregate budget" in c["claim"])
     assert fig8["verdict"] == "does not hold"
 
 
 def test_more_experts_lower_at_every_aggregate_budget_is_the_opposite_of_fig8(tmp_path):
     report, folders = _report(tmp_path, rate=0.0005)  # N = 2 − N = 1 = −0.1 + 0.00025·X < 0 up to 100 s
-    result = fig7_result(report, folders)  # and N = 4 − N = 2 = −0.1 + 0.000125·X < 0 up to 200 s
+    result = load_experiment("fig7").result(report, folders)  # and N = 4 − N = 2 = −0.1 + 0.000125·X < 0 up to 200 s
     rows = result["aggregate"]
     assert {(row["smaller"], row["larger"]) for row in rows} == {(1, 2), (2, 4)}
     assert all(row["check"]["mean"] < 0 and row["check"]["seeds"] == 3 for row in rows)
@@ -168,20 +170,20 @@ def test_mixed_aggregate_comparisons_are_inconclusive():
              "check": {"verdict": "does not hold", "mean": -0.1, "why": "w", "claim": "c", "p": 0.001}},
             {"smaller": 1, "larger": 2, "budget_seconds": 20.0, "later_half": True,
              "check": {"verdict": "inconclusive", "mean": 0.01, "why": "w", "claim": "c", "p": None}}]
-    check = aggregate_check(rows)
+    check = aggregate_check(rows, CLAIMS["aggregate"])
     assert check["verdict"] == "inconclusive" and check["mean"] == 0.01
     # only the later half of the pair's range in log time counts: the 20 s comparison
     assert "0 of 1 (pair, budget) comparisons hold, 0 show the opposite" in check["why"]
     rows[1]["check"] = {**rows[1]["check"], "verdict": "does not hold", "mean": -0.02, "p": 0.01}
-    assert aggregate_check(rows)["verdict"] == "does not hold"
+    assert aggregate_check(rows, CLAIMS["aggregate"])["verdict"] == "does not hold"
     # of the holding comparisons, the one with the smallest p-value is shown and adjusted, not the largest mean
     held = [{"smaller": 1, "larger": 2, "budget_seconds": seconds, "later_half": True,
              "check": {"verdict": "holds", "mean": mean, "why": "w", "claim": "c", "p": p}}
             for seconds, mean, p in ((20.0, 0.3, 0.04), (30.0, 0.1, 0.001))]
-    check = aggregate_check(held)
+    check = aggregate_check(held, CLAIMS["aggregate"])
     assert check["verdict"] == "holds" and check["p"] == 0.001 and check["mean"] == 0.1
-    assert aggregate_check([])["verdict"] == "inconclusive"
-    assert aggregate_comparisons({1: []}) == []
+    assert aggregate_check([], CLAIMS["aggregate"])["verdict"] == "inconclusive"
+    assert aggregate_comparisons({1: []}, CLAIMS["aggregate_budget"]) == []
 
 
 def test_topk_claim_goes_against_the_paper_when_the_numbers_do_and_correlation_needs_documents():
@@ -189,12 +191,14 @@ def test_topk_claim_goes_against_the_paper_when_the_numbers_do_and_correlation_n
             "doc_ids": ["a", "b", "c", "d"]}
     other = {**flat, "loss_by_k": [3.0, 2.98, 2.97, 2.7]}
     third = {**flat, "loss_by_k": [3.0, 2.97, 2.96, 2.7]}
-    check = topk_check([flat, other, third], k=2)  # k = 2 captures 1/30, 2/30 and 3/30 of the gain of k = 4
+    # k = 2 captures 1/30, 2/30 and 3/30 of the gain of k = 4
+    check = topk_check([flat, other, third], 2, CLAIMS["topk"])
     assert check["verdict"] == "does not hold" and check["mean"] == pytest.approx((1 + 2 + 3) / 30 / 3 - 0.5)
     # every window: (3.0 − 2.99) − 0.5·(3.0 − 2.7) = −0.14
     assert check["document_interval"] == pytest.approx((-0.14, -0.14)) and check["seeds"] == 3
     # the seeds' −r go against the paper, but Fig. 17 keeps no per-window losses: no document interval
-    correlation = correlation_check([{"gain_correlation_pearson": r} for r in (0.5, 0.52, 0.54)])
+    correlation = correlation_check([{"gain_correlation_pearson": r} for r in (0.5, 0.52, 0.54)],
+                                    CLAIMS["correlation"])
     assert correlation["mean"] == pytest.approx(-0.52) and correlation["seeds"] == 3
     assert correlation["verdict"] == "inconclusive" and correlation["document_interval"] is None
     assert correlation["p"] is None
@@ -216,7 +220,7 @@ def _settings_run(folder: Path, n_pert: int, batch: int, seed: int) -> None:
 
 
 def test_fig7_settings_orders_each_series_and_compares_on_both_bases(tmp_path):
-    from soma_pl.reproduce.scaling import fig7_settings_figure, fig7_settings_markdown, fig7_settings_result
+    from soma_pl.reproduce.scaling import fig7_settings_figure, fig7_settings_markdown
 
     labels = ["p8_b1", "p16_b1", "p64_b1", "p8_b2", "p8_b8"]
     per_seed, folders = [], {}
@@ -229,7 +233,7 @@ def test_fig7_settings_orders_each_series_and_compares_on_both_bases(tmp_path):
             _settings_run(tmp_path / f"t{trial}", n_pert, batch, seed)
         per_seed.append({"seed": seed, "trial": trials})
     report = {"table7": {"column_labels": labels, "per_seed": per_seed}, "trials": {"COMPLETE": 15}, "failed": []}
-    result = fig7_settings_result(report, folders)
+    result = load_experiment("fig7_settings").result(report, folders)
     assert result["series"] == {"n_pert": ["p8_b1", "p16_b1", "p64_b1"], "B": ["p8_b1", "p8_b2", "p8_b8"]}
     checks = {check["claim"]: check for check in result["checks"]}
     updates = checks["SOMA improves with larger n_pert (Fig. 7): p64_b1 below p16_b1 after 120 updates"]

@@ -1,0 +1,152 @@
+"""Tables 6 → 7: each seed's learning rate selected on ensemble validation for monolithic SPSA and
+SOMA N = 2, the selected runs tested (on the test split, and once on the final test split), and the
+same selections compared on their validation curves at equal measured update time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from soma_pl.eval.bootstrap import Interval, paired_document_interval
+from soma_pl.reproduce.experiments import Experiment
+from soma_pl.reproduce.tables import checks_table, interval_text, number, run_footer, save_figure, table_head, table_row
+from soma_pl.reproduce.verdicts import mean_sd
+from soma_pl.sweeps.final_test import score_run
+
+
+def _selected_scores(per_seed: list[dict], folders: dict[int, dict[int, str]], label: str, split: str) -> list[dict]:
+    """Each seed's selected run of column `label`, its per-window scores on `split` (scored once, kept
+    in the run folder; the trial's own test predates per-window losses in older studies)."""
+    return [score_run(Path(folders[entry["trial"][label]][entry["seed"]]), split) for entry in per_seed]
+
+
+def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
+    """Table 7 beside the paper: per seed, the selected runs' test losses and SPSA − SOMA, on the test
+    split and on the final split, and the ensemble-validation difference at equal measured time;
+    one check of the paper's claim on each."""
+    t7 = report["table7"]
+    base, other = str(t7["baseline"]), next(str(c) for c in t7["column_labels"] if str(c) != str(t7["baseline"]))
+    per_seed = t7["per_seed"]
+    rows = []
+    for index, entry in enumerate(per_seed):
+        paper = {key: experiment.paper[key][index] for key in ("spsa", "soma", "difference")} \
+            if index < len(experiment.paper["seeds"]) else {}
+        rows.append({"seed": entry["seed"], "ours": {"spsa": entry["test"][base], "soma": entry["test"][other],
+                                                     "difference": entry["difference"][other]},
+                     "paper": paper, "selected": entry["selected"], "at_grid_edge": entry["at_grid_edge"]})
+    summary = {key: mean_sd([row["ours"][key] for row in rows]) for key in ("spsa", "soma", "difference")}
+    checks, blocks = [], {}
+    for split, label in (("test", "test split"), ("final", "final test split (used once)")):
+        if split == "final" and "final_test" not in t7:
+            continue
+        spsa, soma = (_selected_scores(per_seed, folders, side, split) for side in (base, other))
+        differences = [a["loss"] - b["loss"] for a, b in zip(spsa, soma, strict=True)]
+        blocks[split] = {"label": label, "per_seed": [{"seed": e["seed"], "spsa": a["loss"], "soma": b["loss"],
+                                                       "difference": d, "spsa_95": a["bootstrap_95"],
+                                                       "soma_95": b["bootstrap_95"]}
+                                                      for e, a, b, d in zip(per_seed, spsa, soma, differences,
+                                                                            strict=True)],
+                         **{key: mean_sd(values) for key, values in
+                            (("spsa", [a["loss"] for a in spsa]), ("soma", [b["loss"] for b in soma]),
+                             ("difference", differences))}}
+        checks.append(experiment.claims[split].check(differences, paired_document_interval(spsa, soma)))
+    timed = t7.get("equal_time")
+    if timed and "unavailable" not in timed:
+        differences = [row["difference"][other] for row in timed["per_seed"]]
+        blocks["equal_time"] = {"label": "ensemble validation at equal measured update time",
+                                "per_seed": [{"seed": row["seed"], "budget_seconds": row["budget_seconds"],
+                                              "total_seconds": row["total_seconds"], "spsa": row["val"][base],
+                                              "soma": row["val"][other], "difference": row["difference"][other]}
+                                             for row in timed["per_seed"]],
+                                "difference": mean_sd(differences)}
+        document = (timed.get("document") or {}).get(other)
+        checks.append(experiment.claims["equal_time"].check(differences,
+                                                            None if document is None else Interval(**document)))
+    elif timed:
+        blocks["equal_time"] = {"label": "ensemble validation at equal measured update time",
+                                "unavailable": timed["unavailable"]}
+    return {"labels": {"spsa": base, "soma": other}, "rows": rows, "summary": summary,
+            "blocks": blocks,
+            "checks": checks, "trials": report["trials"], "failed": report["failed"],
+            "at_grid_edge": t7["at_grid_edge"]}
+
+
+
+
+def table7_markdown(result: dict) -> str:
+    """Table 7's layout for the demo pair: each seed's selected test losses, ours beside the paper's."""
+    lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
+             f"Equal compute: {result['basis']}.", "", "Test loss after each seed's selection on ensemble validation "
+             "(nats/byte); difference = monolithic SPSA − SOMA. Paper: its Table 7 (seeds 1–3).", "",
+             *table_head(["Optimization seed", "SPSA (ours)", "SOMA N = 2 (ours)", "Difference (ours)",
+                     "SPSA (paper)", "SOMA N = 2 (paper)", "Difference (paper)"])]
+    for row in result["rows"]:
+        edge = {side: "†" if row["at_grid_edge"].get(label) else "" for side, label in result["labels"].items()}
+        lines.append(table_row([str(row["seed"]), number(row["ours"]["spsa"]) + edge["spsa"],
+                           number(row["ours"]["soma"]) + edge["soma"], number(row["ours"]["difference"]),
+                           *(number(row["paper"].get(k)) for k in ("spsa", "soma", "difference"))]))
+    for name, key in (("Mean", "mean"), ("Sample standard deviation", "sd")):
+        ours = [result["summary"][k][key] for k in ("spsa", "soma", "difference")]
+        paper = [result["paper_summary"][key][k] for k in ("spsa", "soma", "difference")]
+        lines.append(table_row([name, *map(number, ours), *map(number, paper)]))
+    edges = {side: result["at_grid_edge"].get(label) for side, label in result["labels"].items()}
+    if any(edges.values()):
+        lines += ["", "† Selected at an edge of its grid (" + "; ".join(
+            f"{side.upper()}: {', '.join(names)}" for side, names in edges.items() if names) + "): the best setting "
+                  "may lie outside the grid."]
+    for key, block in result["blocks"].items():
+        lines += ["", f"## {block['label']}", ""]
+        if "unavailable" in block:
+            lines.append(f"Not compared: {block['unavailable']}.")
+            continue
+        if key == "equal_time":
+            lines += table_head(["Optimization seed", "T (s)", "SPSA", "SOMA N = 2", "Difference"])
+            for entry in block["per_seed"]:
+                lines.append(table_row([str(entry["seed"]), f"{entry['budget_seconds']:.0f}", number(entry["spsa"]),
+                                   number(entry["soma"]), number(entry["difference"])]))
+            lines.append(table_row(["Mean ± sd", "", "", "", f"{number(block['difference']['mean'])} ± "
+                                                        f"{number(block['difference']['sd'])}"]))
+            continue
+        lines += table_head(["Optimization seed", "SPSA (95% documents)", "SOMA N = 2 (95% documents)", "Difference"])
+        for entry in block["per_seed"]:
+            lines.append(table_row([str(entry["seed"]),
+                                    f"{number(entry['spsa'])} {interval_text(entry['spsa_95'], False)}",
+                                    f"{number(entry['soma'])} {interval_text(entry['soma_95'], False)}",
+                                    number(entry["difference"])]))
+        lines.append(table_row(["Mean ± sd", *(f"{number(block[k]['mean'])} ± {number(block[k]['sd'])}"
+                                          for k in ("spsa", "soma", "difference"))]))
+    lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "", run_footer(result)]
+    return "\n".join(lines) + "\n"
+
+
+
+
+def table7_figure(result: dict, path: Path) -> Path:
+    """Each check's per-seed differences, their mean and 95% seed interval, beside the paper's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = [(key, block) for key, block in result["blocks"].items() if "per_seed" in block]
+    fig, axis = plt.subplots(figsize=(7.5, 3.8))
+    paper = result["paper_summary"]
+    axis.axhspan(paper["mean"]["difference"] - paper["sd"]["difference"],
+                 paper["mean"]["difference"] + paper["sd"]["difference"], color="tab:green", alpha=0.15)
+    axis.axhline(paper["mean"]["difference"], color="tab:green", label="paper, Table 7 (mean ± sd)")
+    axis.axhline(0.0, color="black", linewidth=0.8)
+    for x, (key, block) in enumerate(blocks):
+        values = [entry["difference"] for entry in block["per_seed"]]
+        axis.scatter([x] * len(values), values, color="tab:blue", zorder=3, label="ours, per seed" if x == 0 else None)
+        check = next((c for c in result["checks"] if c["split"] == ("val" if key == "equal_time" else key)), None)
+        if check and check["seed_interval"]:
+            low, high = check["seed_interval"]
+            axis.errorbar([x + 0.12], [check["mean"]], yerr=[[check["mean"] - low], [high - check["mean"]]],
+                          fmt="o", color="tab:red", capsize=4, label="ours, mean (95% over seeds)" if x == 0 else None)
+    axis.set_xticks(range(len(blocks)), [block["label"].replace(" (used once)", "\n(used once)")
+                                         .replace(" at equal", "\nat equal") for _, block in blocks], fontsize=8)
+    axis.set_ylabel("SPSA − SOMA (nats/byte)")
+    axis.set_title(f"{result['experiment']} at {result['scale']} scale")
+    axis.legend(fontsize=7, loc="best")
+    return save_figure(fig, path)
+
+

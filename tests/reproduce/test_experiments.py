@@ -1,0 +1,68 @@
+"""The experiment files of experiments/: each loads, names what exists, and a wrong one is refused."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from soma_pl.cli import COMMANDS
+from soma_pl.errors import ConfigError
+from soma_pl.eval.bootstrap import Interval
+from soma_pl.reproduce.experiments import FOLDER, Claim, all_experiments, load_experiment
+from soma_pl.reproduce.verdicts import Verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPECTED = ["fig13", "fig14", "fig7", "fig7_settings", "fig9", "table11", "table4", "table5", "table7", "table9"]
+
+
+def test_every_experiment_file_loads_and_names_what_exists():
+    found = all_experiments()
+    assert sorted(found) == EXPECTED and FOLDER == ROOT / "experiments"
+    for name, experiment in found.items():
+        assert experiment.name == name and experiment.claims and "cpu" in experiment.sweeps
+        for sweep in experiment.sweeps.values():
+            assert (ROOT / sweep).is_file(), (name, sweep)
+        for kind in ("result", "markdown", "figure"):
+            assert callable(experiment.function(kind)), (name, kind)
+        for commands in experiment.data.values():
+            for command in commands:
+                assert command[0] in COMMANDS, (name, command)
+                configs = [command[i + 1] for i, word in enumerate(command) if word == "--config"]
+                assert all((ROOT / config).is_file() for config in configs), (name, command)
+        for claim in experiment.claims.values():
+            assert claim.split in ("val", "test", "final", "external") and claim.basis
+
+
+def test_a_claim_fills_its_fields_and_keeps_its_basis_and_split():
+    claim = Claim("N = {larger} below N = {smaller} at {budget:.0f} s", "equal aggregate update time", "val")
+    above = Interval(mean=0.2, low=0.1, high=0.3, documents=10, windows=20, p_zero=0.001)
+    check = claim.check([0.19, 0.2, 0.21], above, larger=4, smaller=2, budget=119.6)
+    assert (check["claim"], check["basis"], check["split"]) == ("N = 4 below N = 2 at 120 s",
+                                                                "equal aggregate update time", "val")
+    assert check["verdict"] == Verdict.holds.value and check["seeds"] == 3
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda text: text + "titel: Table 4\n", "titel"),
+    (lambda text: text.replace("    basis: equal measured update time\n", "", 1), "basis"),
+    (lambda text: text.replace("\nsweeps:\n", "\nsweepz:\n", 1), "sweepz"),
+])
+def test_a_wrong_key_is_refused_naming_it(tmp_path, edit, named):
+    path = tmp_path / "table4.yaml"
+    path.write_text(edit((FOLDER / "table4.yaml").read_text()))
+    with pytest.raises(ConfigError) as refused:
+        load_experiment("table4", tmp_path)
+    assert named in str(refused.value) and str(path) in str(refused.value)
+
+
+def test_an_unknown_experiment_or_broken_file_is_refused_naming_it(tmp_path):
+    shutil.copy(FOLDER / "table4.yaml", tmp_path / "table4.yaml")
+    with pytest.raises(ConfigError) as refused:
+        load_experiment("table99", tmp_path)
+    assert "table99" in str(refused.value) and "table4" in str(refused.value)
+    (tmp_path / "broken.yaml").write_text("title: [unclosed\n")
+    with pytest.raises(ConfigError) as refused:
+        load_experiment("broken", tmp_path)
+    assert str(tmp_path / "broken.yaml") in str(refused.value)
