@@ -99,6 +99,8 @@ COMMANDS: dict[str, Command] = {
     "export": Command("Write a checkpoint as a model folder: model.safetensors, config.json and a model card (no "
                       "Lightning to load).", "soma_pl.export"),
     "sweep": Command("Run (or join) a sweep's Optuna study, one trial at a time.", "soma_pl.sweeps.runner"),
+    "sweep calibrate": Command("Time each configuration of a sweep alone, before its trials.",
+                               "soma_pl.sweeps.calibration"),
     "sweep report": Command("Table 6 / Table 7 style tables of a sweep's study (nats/byte).", "soma_pl.sweeps.report"),
     "demo": Command("The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.",
                     "soma_pl.main_job"),

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from soma_pl.analysis.time_basis import equal_time_point, measured_curve, versions
+from soma_pl.analysis.time_basis import equal_time_point, update_curve, versions
 from soma_pl.config_files import config_args, read_layers
 from soma_pl.data.formats.tar_shards import sha256_file
 from soma_pl.errors import ConfigError, SomaError
@@ -294,7 +294,7 @@ def fit_side(demo: DemoConfig, side: DemoSide, steps: Steps, position: int = 1) 
     scores = _score(folder, shared, steps, summary["last_checkpoint"])
     compute = summary["compute"]
     per_update = compute["token_forwards"] / max(compute["updates"], 1)
-    points = [(0, _scores(_latest(folder / "init", "val_scores.json"))["loss"], 0.0), *measured_curve(folder / "fit")]
+    points = [(0, _scores(_latest(folder / "init", "val_scores.json"))["loss"], 0.0), *update_curve(folder / "fit")]
     per_expert = summary["parameters"] // compute["experts"]
     curve = [{"step": s, "token_forwards": int(s * per_update), "multiply_adds": int(s * per_update) * per_expert,
               "device_seconds": seconds, "val_loss": v} for s, v, seconds in points]

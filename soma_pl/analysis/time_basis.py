@@ -1,9 +1,13 @@
-"""Equal measured update time (Table 3's basis): loss curves against the update time a run
-measured, read from its CSV logs, and a run's standing at a time budget.
+"""Equal update time (Table 3's basis): loss curves against a run's update time, read from its
+CSV logs, and a run's standing at a time budget.
 
 A fit logs `compute/aggregate_device_hours` (`U · Σₑ t̄ₑ` so far) every `log_every_n_steps` updates;
 at each validation whose update count that interval divides, the curve has the loss and the
-measured time. Comparisons at equal measured time interpolate those curves at the budget `T`.
+measured time. A run given a calibrated update time (`budget.seconds_per_update`, measured alone by
+`sweep calibrate`, as the paper estimates its hours from recorded mean step times) is placed at
+updates × that time instead (`update_curve`), so its place does not depend on what else the machine
+was doing; the measured time stays in its log. Comparisons at equal time interpolate those curves at
+the budget `T`.
 """
 
 from __future__ import annotations
@@ -49,6 +53,22 @@ def measured_curve(fit_root: Path) -> list[tuple[int, float, float]]:
     return [(step, losses[step], seconds[step]) for step in sorted(losses)]
 
 
+def calibration(fit_root: Path) -> float | None:
+    """The fit's calibrated seconds per update (`budget.seconds_per_update` in its `compute.json`),
+    None where it ran without one."""
+    found = versions(fit_root, "compute.json")
+    budget = (json.loads(found[-1].read_text()).get("budget") or {}) if found else {}
+    return budget.get("seconds_per_update")
+
+
+def update_curve(fit_root: Path) -> list[tuple[int, float, float]]:
+    """`measured_curve` on the fit's time basis: the seconds are updates × its calibrated update time
+    where it has one (`calibration`), else the measured."""
+    points = measured_curve(fit_root)
+    rate = calibration(fit_root)
+    return points if rate is None else [(step, loss, step * rate) for step, loss, _ in points]
+
+
 def validation_windows(fit_root: Path) -> dict[int, dict]:
     """Each validation of a fit window by window (`soma_pl.VAL_WINDOWS`), by update count (a resumed
     session's record of an update replaces the earlier one); empty where the fit kept none."""
@@ -62,12 +82,12 @@ def validation_windows(fit_root: Path) -> dict[int, dict]:
 
 def window_curve(fit_root: Path, points: list[tuple[int, float, float]] | None = None
                  ) -> tuple[list, list, list[np.ndarray]] | None:
-    """The windows of every validation on the fit's curve (`points`: its `measured_curve`, read
+    """The windows of every validation on the fit's curve (`points`: its `update_curve`, read
     when not given), in its order: their indices, their documents and each validation's per-window
     losses; None where a validation kept no record or they scored different windows (a session
     resumed on another validation split)."""
     records = validation_windows(fit_root)
-    steps = [step for step, _, _ in (measured_curve(fit_root) if points is None else points)]
+    steps = [step for step, _, _ in (update_curve(fit_root) if points is None else points)]
     if not steps or any(step not in records for step in steps):
         return None
     first = records[steps[0]]
@@ -78,12 +98,12 @@ def window_curve(fit_root: Path, points: list[tuple[int, float, float]] | None =
 
 
 def windows_at_seconds(fit_root: Path, budgets: Sequence[float]) -> list[dict | None]:
-    """The fit's validation windows at each of `budgets` seconds of measured update time, each
+    """The fit's validation windows at each of `budgets` seconds of update time (`update_curve`), each
     window interpolated linearly as the curve's loss is (their mean is it), as scores records
     (`window_index`, `window_losses`, `doc_ids`) for `soma_pl.eval.bootstrap.paired_document_interval`;
     None outside the curve, and for every budget where `window_curve` is None. The fit's files are
     read once."""
-    points = measured_curve(fit_root)
+    points = update_curve(fit_root)
     saved = window_curve(fit_root, points)
     if saved is None:
         return [None] * len(budgets)
@@ -135,3 +155,19 @@ def accountings(folders: dict[int, dict[int, str]]) -> dict[str, int]:
     counts = Counter(json.loads((Path(run) / "compute.json").read_text())["accounting"]
                      for runs in folders.values() for run in runs.values() if (Path(run) / "compute.json").is_file())
     return dict(sorted(counts.items()))
+
+
+def measured_over_calibrated(folders: dict[int, dict[int, str]]) -> dict | None:
+    """Each calibrated run's measured aggregate update time over its calibrated one (updates × its
+    calibrated time, `compute.json`): above 1 where the machine's other work (or the run's own
+    warm-up) slowed its updates. `runs`, `min`, `mean`, `max`; None without calibrated runs."""
+    ratios = []
+    for runs in folders.values():
+        for run in runs.values():
+            path = Path(run) / "compute.json"
+            report = json.loads(path.read_text()) if path.is_file() else {}
+            rate = (report.get("budget") or {}).get("seconds_per_update")
+            if rate and report.get("updates"):
+                ratios.append(report["aggregate_device_hours"] * 3600 / (report["updates"] * rate))
+    return {"runs": len(ratios), "min": min(ratios), "mean": float(np.mean(ratios)), "max": max(ratios)} \
+        if ratios else None

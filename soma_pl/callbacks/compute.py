@@ -22,7 +22,10 @@ W&B run records also holds the compute axes (`COMPUTE_AXES`), declared with W&B'
 a chart can take token-forwards, multiply-adds or device-hours as its x instead of the step.
 
 `ComputeBudget` stops a run once aggregate device-hours or token forwards reach a budget: sweeps and
-equal-compute comparisons use it. Both callbacks keep their totals in the checkpoint, so a resumed
+equal-compute comparisons use it. Given a calibrated update time (`sweep calibrate`: the update timed
+alone at fixed threads, as the paper's hours are estimated from recorded mean step times), its
+device-hours are updates × that time, so where a run stops does not depend on the machine's other
+work; the measured time is still recorded beside it. Both callbacks keep their totals in the checkpoint, so a resumed
 run continues counting where the checkpoint left off.
 """
 
@@ -331,8 +334,10 @@ class ComputeBudget(L.Callback):
     Token forwards per update are fixed by the batch shape, so a `token_forwards` budget stops
     at update ⌈budget / forwards per update⌉ every time. A `device_hours` budget sums measured update
     times (the aggregate device-hours of `ComputeAccounting`), so where it stops varies with the
-    machine's speed; an `elapsed_hours` budget takes the slowest expert's summed update time, so an
-    ensemble of N experts may spend up to N times it in device-hours. Totals are gathered from every
+    machine's speed and load, unless `seconds_per_update` is given: then it counts updates × that
+    calibrated time and stops at update ⌈budget / seconds_per_update⌉ every time. An `elapsed_hours`
+    budget takes the slowest expert's summed update time, so an ensemble of N experts may spend up to
+    N times it in device-hours. Totals are gathered from every
     rank each update (one small all-gather) so that all ranks stop together, and are kept in the
     checkpoint: a resumed run stops where an uninterrupted one would. Without a limit nothing is
     counted, so a budget first given when resuming counts from the resume.
@@ -341,15 +346,23 @@ class ComputeBudget(L.Callback):
         device_hours: budget of aggregate device-hours.
         elapsed_hours: budget of estimated elapsed hours (the slowest expert's update time).
         token_forwards: budget of token forward passes (all ranks together).
+        seconds_per_update: the calibrated aggregate update time (U·Σₑ t̄ₑ per update, every expert and
+            rank counted) measured alone by `sweep calibrate`; device-hours are then updates × this.
     """
 
     def __init__(self, device_hours: float | None = None, elapsed_hours: float | None = None,
-                 token_forwards: float | None = None):
+                 token_forwards: float | None = None, seconds_per_update: float | None = None):
         self.limits = {BudgetKind.device_hours: device_hours, BudgetKind.elapsed_hours: elapsed_hours,
                        BudgetKind.token_forwards: token_forwards}
         for kind, limit in self.limits.items():
             if limit is not None and limit <= 0:
                 raise ConfigError(f"budget.{kind.value}={limit}: a budget must be positive (or null for none)")
+        if seconds_per_update is not None and seconds_per_update <= 0:
+            raise ConfigError(f"budget.seconds_per_update={seconds_per_update}: a calibrated time must be positive")
+        if seconds_per_update is not None and elapsed_hours is not None:
+            raise ConfigError("budget.seconds_per_update: a calibration times the aggregate update, not the slowest "
+                              "expert's; an elapsed_hours budget counts measured time only")
+        self.seconds_per_update = seconds_per_update
         self.seconds = 0.0
         self.expert_seconds: list[float] = []
         """Each rank's summed update time per expert of its own (rank order): its experts' elapsed time."""
@@ -360,7 +373,8 @@ class ComputeBudget(L.Callback):
         self._new_record = NewRecord()
 
     def spent(self) -> dict[BudgetKind, float]:
-        return {BudgetKind.device_hours: self.seconds / SECONDS_PER_HOUR,
+        seconds = self.seconds if self.seconds_per_update is None else self.updates * self.seconds_per_update
+        return {BudgetKind.device_hours: seconds / SECONDS_PER_HOUR,
                 BudgetKind.elapsed_hours: max(self.expert_seconds, default=0.0) / SECONDS_PER_HOUR,
                 BudgetKind.token_forwards: float(self.token_forwards)}
 
@@ -404,8 +418,9 @@ class ComputeBudget(L.Callback):
 
     def summary(self) -> dict:
         """Limits, what was spent, and where (if anywhere) the run stopped on the budget."""
-        return {"limits": {k.value: v for k, v in self.limits.items()},
+        return {"limits": {k.value: v for k, v in self.limits.items()}, "seconds_per_update": self.seconds_per_update,
                 "spent": {k.value: v for k, v in self.spent().items()} if self.active else None,
+                "measured_device_hours": self.seconds / SECONDS_PER_HOUR if self.active else None,
                 "reached": self.reached.value if self.reached else None, "stopped_at_step": self.stopped_at_step}
 
     def state_dict(self) -> dict:

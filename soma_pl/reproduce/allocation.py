@@ -5,7 +5,7 @@ Every allocation evaluates the same n_pert × B direction-windows per update (ea
 with its own n_pert directions, as the paper's accumulated batches of 64 are), so equal updates are
 equal multiply-adds:
 
-- **Fig. 13**: from random weights, the measured aggregate update time (Table 3's U·Σₑ t̄ₑ) each
+- **Fig. 13**: from random weights, the aggregate update time (Table 3's U·Σₑ t̄ₑ) each
   allocation needs to reach a loss threshold. The paper's 1.90 line is one every curve crosses;
   the demo's analogue is one every run crosses mid-curve (`threshold_of`), and the crossing is
   interpolated in log time (the paper reads its first plotted point at or below the line; our
@@ -139,7 +139,7 @@ def fig13_markdown(result: dict) -> str:
              f"## Fig. 13: aggregate update time to reach {result['threshold']:.2f} nats/byte", "",
              f"The threshold is the demo's analogue of the paper's {paper['threshold']:.2f}: a level every run crosses "
              f"mid-curve (the highest of the runs' ensemble-validation losses at half their updates, rounded up to "
-             f"0.01). Seconds of measured aggregate update time (U·Σₑ t̄ₑ, one thread) where each run's curve crosses "
+             f"0.01). Seconds of aggregate update time (U·Σₑ t̄ₑ, one thread) where each run's curve crosses "
              f"it, interpolated in log time between the validations around the crossing, seeds "
              f"{seeds}. Paper: {paper['gpu_hours']['64x1024']} GPU-hours for (64, 1024) against "
              f"{paper['gpu_hours']['1024x64']} for (1024, 64), {paper['ratio']}x.", "",

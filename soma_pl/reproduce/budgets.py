@@ -1,11 +1,11 @@
-"""Table 5: SOMA against BPTT at N experts, ensemble-validation loss at budgets of measured time.
+"""Table 5: SOMA against BPTT at N experts, ensemble-validation loss at budgets of update time.
 
-Each run's ensemble-validation curve against its measured update time (Table 3's U·Σₑ t̄ₑ,
-`soma_pl.analysis.time_basis.measured_curve`) is interpolated at each budget, as the paper's table
-interpolates measured losses. A run label is `<method>_n<N>` (`soma_n2`, `bptt_n4`); SOMA N = 1 is
-monolithic SPSA. Checks compare seed by seed, with a document interval from each run's validations
-window by window (`val_windows/`, interpolated at the budget as the mean is); a run without them
-leaves its checks inconclusive (`soma_pl.reproduce.verdicts`).
+Each run's ensemble-validation curve against its update time (Table 3's U·Σₑ t̄ₑ: updates × the
+update time calibrated alone, `soma_pl.analysis.time_basis.update_curve`) is interpolated at each
+budget, as the paper's table interpolates measured losses. A run label is `<method>_n<N>`
+(`soma_n2`, `bptt_n4`); SOMA N = 1 is monolithic SPSA. Checks compare seed by seed, with a document
+interval from each run's validations window by window (`val_windows/`, interpolated at the budget as
+the mean is); a run without them leaves its checks inconclusive (`soma_pl.reproduce.verdicts`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 import statistics
 from pathlib import Path
 
-from soma_pl.analysis.time_basis import interpolate, measured_curve, windows_at_seconds
+from soma_pl.analysis.time_basis import interpolate, update_curve, windows_at_seconds
 from soma_pl.errors import SomaError
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
@@ -23,7 +23,7 @@ from soma_pl.reproduce.verdicts import paired_seeds
 
 TABLE5_FRACTIONS = (0.5, 0.75, 1.0)
 """The budgets, as fractions of the one the runs were stopped at: the paper's 50, 75 and 100 GPU-hours
-(paper scale: 100 GPU-hours, sweeps/table5.yaml; cpu: 240 s of measured update time)."""
+(paper scale: 100 GPU-hours, sweeps/table5.yaml; cpu: 240 s of update time)."""
 RUN = re.compile(r"(?P<method>soma|bptt)_n(?P<experts>\d+)$")
 
 
@@ -39,7 +39,7 @@ def _runs(labels: list[str]) -> dict[str, dict[int, str]]:
 
 def _at_budgets(run_dir: Path, budgets: tuple[float, ...]) -> list[float | None]:
     """The run's ensemble-validation loss interpolated at each budget (None outside its curve)."""
-    curve = [(seconds, loss) for _, loss, seconds in measured_curve(run_dir)]
+    curve = [(seconds, loss) for _, loss, seconds in update_curve(run_dir)]
     return [interpolate(curve, budget) if curve and curve[0][0] <= budget <= curve[-1][0] * (1 + 1e-9) else None
             for budget in budgets]
 
@@ -66,7 +66,7 @@ def run_budget_seconds(folders: dict[int, dict[int, str]]) -> float:
 
 def table5_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment,
                   budgets: tuple[float, ...] | None = None) -> dict:
-    """Table 5 beside the paper: per N and method, each seed's loss at each budget (seconds of measured
+    """Table 5 beside the paper: per N and method, each seed's loss at each budget (seconds of
     update time; default: `TABLE5_FRACTIONS` of the runs' budget), their mean and sd; checks that BPTT
     is lower at every budget and N, and that SOMA N = 2 is lower than N = 1."""
     if budgets is None:
@@ -87,7 +87,7 @@ def table5_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
         return experiment.claims[claim].check(*paired_seeds(at(losses, worse), at(losses, better), at(windows, worse),
                                                             at(windows, better)), **fields)
 
-    totals = {label: [measured_curve(Path(folders[entry["trial"][label]][entry["seed"]]))[-1][2]
+    totals = {label: [update_curve(Path(folders[entry["trial"][label]][entry["seed"]]))[-1][2]
                       for entry in per_seed] for label in losses}
     rows = []
     for experts in sorted({n for by_n in runs.values() for n in by_n}):
@@ -128,7 +128,7 @@ def table5_markdown(result: dict) -> str:
     lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
              f"Equal compute: {result['basis']}.", "",
              f"Ensemble-validation loss (nats/byte), mean ± sd over seeds {', '.join(map(str, result['seeds']))}, "
-             "interpolated at each budget on the run's curve against measured update time. Below each of our rows, "
+             "interpolated at each budget on the run's curve against update time. Below each of our rows, "
              f"the paper's (Table 5: {', '.join(table5['budgets'])}; {table5['note']}).", "",
              *table_head(["N", *(f"{method} {budget:g} s" for budget in budgets for method in ("SOMA", "BPTT"))])]
     for row in result["rows"]:
@@ -166,7 +166,7 @@ def table5_figure(result: dict, path: Path) -> Path:
             if stats and all(s["mean"] is not None for s in stats):
                 axis.errorbar(budgets, [s["mean"] for s in stats], yerr=[s["sd"] or 0.0 for s in stats], fmt=style,
                               capsize=3, label=f"{method.upper()} N = {row['experts']}")
-    axis.set_xlabel("measured update time, U·Σₑ t̄ₑ (s, one thread)")
+    axis.set_xlabel("update time, U·Σₑ t̄ₑ (s, one thread)")
     axis.set_ylabel("ensemble-validation loss (nats/byte)")
     axis.set_title(f"{result['experiment']} at {result['scale']} scale: mean ± sd over {len(result['seeds'])} seeds")
     axis.legend(fontsize=8)

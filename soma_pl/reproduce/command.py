@@ -1,12 +1,14 @@
 """`python -m soma_pl.cli reproduce <experiment> [...] [--scale cpu|paper] [--dry_run true]`.
 
-For each experiment (a file of `experiments/`, `soma_pl.reproduce.experiments`): prepare and shard its data (a
-no-op when up to date), run its sweep's trials with `workers` sweep workers of one thread each on
-the sweep's Optuna storage (a bar shows the trials done and the best ensemble-validation loss;
-finished trials are reused and an interrupted run resumes), then score the selected runs (the final
-test split once), check the paper's claims and write `results/<experiment>/` (`result.json`,
-`table.md` in the paper's layout with the paper's numbers beside ours, `figure.png`), printing the
-table. `--dry_run true` lists the trials, which are done, and the compute the rest will cost.
+For each experiment (a file of `experiments/`, `soma_pl.reproduce.experiments`): prepare and shard
+its data (a no-op when up to date), time each of its sweep's configurations alone where the sweep
+calibrates (`soma_pl.sweeps.calibration`: the update time its budgets and time axes use), run its
+sweep's trials with `workers` sweep workers of one thread each on the sweep's Optuna storage (a bar
+shows the trials done and the best ensemble-validation loss; finished trials are reused and an
+interrupted run resumes), then score the selected runs (the final test split once), check the
+paper's claims and write `results/<experiment>/` (`result.json`, `table.md` in the paper's layout
+with the paper's numbers beside ours, `figure.png`), printing the table. `--dry_run true` lists the
+trials, which are done, and the compute the rest will cost.
 
 `reproduce docs` writes `docs/reproduction.md` from every `results/*/result.json`.
 """
@@ -26,11 +28,12 @@ from typing import Literal
 import optuna
 from optuna.trial import TrialState
 
-from soma_pl.analysis.time_basis import accountings
+from soma_pl.analysis.time_basis import accountings, measured_over_calibrated
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.experiments import REPOSITORY, Experiment, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import family
+from soma_pl.sweeps.calibration import CALIBRATION, calibrate, calibration_points, read_calibration
 from soma_pl.sweeps.report import build_report, run_folders
 from soma_pl.sweeps.runner import SweepProgress
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, point_experts, point_key
@@ -133,6 +136,11 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
         cost += f"; the study's finished trials took {measured:.1f} min each: about {remaining * measured:.0f} " \
                 "core-minutes to go"
     print(f"to run: {cost}")
+    if spec.calibrate is not None:
+        timed, configurations = read_calibration(spec), calibration_points(spec)
+        print(f"calibration: {sum(key in timed for key in configurations)} of {len(configurations)} configurations "
+              "timed alone "
+              f"({spec.output_dir / CALIBRATION}), the rest first")
     print(f"equal compute: {experiment.basis}")
     return {"trials": len(points) + len(waiting), "done": done, "cost": cost}
 
@@ -216,6 +224,7 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
     load_before = os.getloadavg()[0]
     _prepare_data(experiment, scale, folder / "logs")
     spec.output_dir.mkdir(parents=True, exist_ok=True)  # the trials' folder, which holds the default storage
+    calibration = calibrate(spec, progress) if spec.calibrate is not None else None  # alone, before any trial
     _run_workers(spec, storage, workers, folder / "logs", progress)
     study = optuna.load_study(study_name=spec.name, storage=open_storage(storage, spec=spec))
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
@@ -230,6 +239,7 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
               "wall_seconds": round(time.time() - started, 1), "load_average": [load_before, os.getloadavg()[0]],
               "sweep_wall_seconds": round(busy_seconds(study.get_trials(deepcopy=False)), 1),
               "trial_minutes": round(trial_minutes, 1), "accounting": accountings(run_folders(study)),
+              "calibration": calibration, "measured_over_calibrated": measured_over_calibrated(run_folders(study)),
               **measured}
     text = experiment.table(result)
     folder.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 N = 1, 2, 4, 8 experts), what each checkpoint cost to train and what it costs at inference.
 
 - **Fig. 14, the budget map.** Every validation of every run is a validated state (the paper's
-  saved checkpoints) with a measured aggregate update time A (Table 3's U·Σₑ t̄ₑ) and an average
+  saved checkpoints) with an aggregate update time A (Table 3's U·Σₑ t̄ₑ) and an average
   per-expert time A/N (the elapsed time with one device per expert). For an aggregate budget and a
   per-expert budget, the map shows the expert count of the lowest-loss state that fits both
   (`select`); no interpolation, so its region boundaries come from the states, as the paper's do.

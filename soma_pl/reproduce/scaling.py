@@ -2,8 +2,9 @@
 aggregate compute, and the largest ensemble's top-k curve and pairwise error correlations.
 
 Every N trains the same number of updates of experts of one width, so an expert update costs the
-same at every N. Each run's ensemble-validation curve is read against its measured update time
-(Table 3's U·Σₑ t̄ₑ, `soma_pl.analysis.time_basis.measured_curve`) in two ways:
+same at every N. Each run's ensemble-validation curve is read against its update time (Table 3's
+U·Σₑ t̄ₑ: updates × the update time calibrated alone, `soma_pl.analysis.time_basis.update_curve`)
+in two ways:
 
 - **elapsed per expert** (Fig. 7): the aggregate divided by N, the elapsed time with one device per
   expert (the paper's "average work per expert");
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from soma_pl.analysis.time_basis import interpolate, measured_curve, window_curve
+from soma_pl.analysis.time_basis import interpolate, update_curve, window_curve
 from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import Interval, document_bootstrap
 from soma_pl.reproduce.experiments import Claim, Experiment
@@ -102,7 +103,7 @@ def run_curve(run_dir: Path) -> dict:
     experts = int(compute["experts"])
     updates = max(int(compute["updates"]), 1)
     per_expert = summary["parameters"] / experts
-    points = measured_curve(run_dir)
+    points = update_curve(run_dir)
     return {"experts": experts, "parameters": summary["parameters"], "parameters_per_expert": per_expert,
             "multiply_adds_per_update": compute["token_forwards"] / updates * per_expert,
             "updates": [step for step, _, _ in points], "loss": [loss for _, loss, _ in points],
@@ -276,7 +277,7 @@ def fig7_markdown(result: dict) -> str:
     lines = [*heading(result),
              "## Fig. 7 (left): ensemble-validation loss against elapsed time per expert", "",
              f"Mean ± sd over seeds {seeds} (nats/byte), interpolated in log time at the common cutoff of "
-             f"{result['cutoff_seconds']:.1f} s of measured update time per expert (U·t̄ₑ, one thread; the paper's "
+             f"{result['cutoff_seconds']:.1f} s of update time per expert (U·t̄ₑ, one thread; the paper's "
              f"common cutoff: {paper['cutoff']}; its N: {', '.join(map(str, paper['experts']))}). Multiply-adds per "
              "update: token-forwards × parameters per expert.", "",
              *table_head(["N", "parameters per expert", "ensemble parameters", "multiply-adds per update", "updates",
@@ -289,7 +290,7 @@ def fig7_markdown(result: dict) -> str:
                                 f"{number(row['final']['mean'])} ± {number(row['final']['sd'])}",
                                 f"{row['per_expert_seconds']['mean']:.0f}", f"{row['aggregate_seconds']['mean']:.0f}"]))
     lines += ["", "## Fig. 8: the same runs against aggregate update time", "",
-              "Each larger N against the next smaller one at log-spaced budgets of aggregate measured update time "
+              "Each larger N against the next smaller one at log-spaced budgets of aggregate update time "
               "(U·Σₑ t̄ₑ) over the range both curves cover, interpolated in log time; difference = larger N − smaller "
               "N (positive: more experts worse at that budget). At equal aggregate time a larger N has made fewer "
               "updates per expert, so the early budgets favour fewer experts by construction and the claim reads only "

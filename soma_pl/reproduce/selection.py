@@ -1,6 +1,6 @@
 """Tables 6 → 7: each seed's learning rate selected on ensemble validation for monolithic SPSA and
 SOMA N = 2, the selected runs tested (on the test split, and once on the final test split), and the
-same selections compared on their validation curves at equal measured update time."""
+same selections compared on their validation curves at equal update time (calibrated alone)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _selected_scores(per_seed: list[dict], folders: dict[int, dict[int, str]], l
 
 def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Table 7 beside the paper: per seed, the selected runs' test losses and SPSA − SOMA, on the test
-    split and on the final split, and the ensemble-validation difference at equal measured time;
+    split and on the final split, and the ensemble-validation difference at equal update time;
     one check of the paper's claim on each."""
     t7 = report["table7"]
     base, other = str(t7["baseline"]), next(str(c) for c in t7["column_labels"] if str(c) != str(t7["baseline"]))
@@ -52,7 +52,7 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
     timed = t7.get("equal_time")
     if timed and "unavailable" not in timed:
         differences = [row["difference"][other] for row in timed["per_seed"]]
-        blocks["equal_time"] = {"label": "ensemble validation at equal measured update time",
+        blocks["equal_time"] = {"label": "ensemble validation at equal update time",
                                 "per_seed": [{"seed": row["seed"], "budget_seconds": row["budget_seconds"],
                                               "total_seconds": row["total_seconds"], "spsa": row["val"][base],
                                               "soma": row["val"][other], "difference": row["difference"][other]}
@@ -62,7 +62,7 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
         checks.append(experiment.claims["equal_time"].check(differences,
                                                             None if document is None else Interval(**document)))
     elif timed:
-        blocks["equal_time"] = {"label": "ensemble validation at equal measured update time",
+        blocks["equal_time"] = {"label": "ensemble validation at equal update time",
                                 "unavailable": timed["unavailable"]}
     return {"labels": {"spsa": base, "soma": other}, "rows": rows, "summary": summary,
             "blocks": blocks,

@@ -71,7 +71,25 @@ def run_footer(result: dict, reused: str = "finished trials reused") -> str:
     if result.get("accounting"):
         line += ". Compute accounting of the runs: " + "; ".join(
             f"{count} with {Accounting(kind).meaning}" for kind, count in result["accounting"].items())
-    return line + "."
+    return line + "." + calibration_text(result)
+
+
+def calibration_text(result: dict) -> str:
+    """The update times the result's time basis rests on (calibrated alone), and how far the runs'
+    measured times strayed from them; empty for a result whose sweep does not calibrate."""
+    points = result.get("calibration")
+    if not points:
+        return ""
+    first = next(iter(points.values()))
+    times = "; ".join(f"{', '.join(f'{k} = {v}' for k, v in json.loads(key).items()) or 'every run'}: "
+                      f"{entry['seconds_per_update']:.4g} s" for key, entry in points.items())
+    text = (f" Update time calibrated alone ({first['threads']} thread per process, {first['updates']} updates "
+            f"timed after {first['warmup']}), per update: {times}.")
+    spread = result.get("measured_over_calibrated")
+    if spread:
+        text += (f" The runs' measured update time over their calibrated one: {spread['mean']:.2f} on average "
+                 f"({spread['min']:.2f}–{spread['max']:.2f}, {spread['runs']} runs).")
+    return text
 
 
 def rows_figure(result: dict, path: Path, key: str, ylabel: str, title: str) -> Path:

@@ -1,9 +1,10 @@
-"""Table 7's selections compared at equal measured update time (Table 3's basis).
+"""Table 7's selections compared at equal update time (Table 3's basis).
 
 A sweep's trials run the same number of updates: for the equal-size pair that is equal arithmetic.
-Per seed, the selected runs' ensemble-validation curves (`soma_pl.analysis.time_basis`) are
-interpolated at `T`, the smaller of their total measured update times, and compared there. The
-times were measured on whatever shared the machine with the workers: the report says so.
+Per seed, the selected runs' ensemble-validation curves (`soma_pl.analysis.time_basis.update_curve`:
+updates × each configuration's update time calibrated alone where the sweep calibrates, else the
+time measured beside whatever shared the machine) are interpolated at `T`, the smaller of their
+total update times, and compared there.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from soma_pl.analysis.time_basis import interpolate, measured_curve, windows_at_seconds
+from soma_pl.analysis.time_basis import interpolate, update_curve, windows_at_seconds
 from soma_pl.eval.bootstrap import paired_document_interval
 
 
@@ -25,7 +26,7 @@ def equal_time_table(per_seed: list[dict], run_dirs: dict[int, dict[int, str]], 
     `{"unavailable": why}` when `T` falls before a run's first validation (its curve has no point there)."""
     rows, windows = [], []
     for entry in per_seed:
-        curves = {label: measured_curve(Path(run_dirs[trial][entry["seed"]]))
+        curves = {label: update_curve(Path(run_dirs[trial][entry["seed"]]))
                   for label, trial in entry["trial"].items()}
         if not all(curves.values()):
             return None

@@ -279,13 +279,13 @@ def _equal_time_section(report: dict, others: list) -> list[str]:
     t7 = report["table7"]
     timed = t7["equal_time"]
     if "unavailable" in timed:
-        return ["", f"At equal measured update time (Table 3's basis): not compared ({timed['unavailable']})."]
+        return ["", f"At equal update time (Table 3's basis): not compared ({timed['unavailable']})."]
     names = [_column_name(t7["columns"], c) for c in t7["column_labels"]]
     base_name = _column_name(t7["columns"], t7["baseline"])
-    lines = ["", f"## {report['study']}: the same selections at equal measured update time (Table 3's basis)", "",
+    lines = ["", f"## {report['study']}: the same selections at equal update time (Table 3's basis)", "",
              "Ensemble-validation loss interpolated at T, the smaller of the selected runs' update times "
-             "U·Σₑ t̄ₑ (measured beside whatever else ran on the machine); the Table 7 layout above is at equal "
-             "updates.", "",
+             "U·Σₑ t̄ₑ (updates × the update time calibrated alone where the sweep calibrates, else measured "
+             "beside whatever else ran on the machine); the Table 7 layout above is at equal updates.", "",
              *_head(["Optimization seed", "T (s)", *(f"{n} (its U·Σₑ t̄ₑ)" for n in names),
                      *(f"Difference ({base_name} − {_column_name(t7['columns'], o)})" for o in others)])]
     for entry in timed["per_seed"]:

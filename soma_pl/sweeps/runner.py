@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from soma_pl.config_files import config_args, flatten, read_layers
 from soma_pl.errors import ConfigError, SomaError
+from soma_pl.sweeps.calibration import calibrated_seconds
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, override_args, trial_overrides
 from soma_pl.sweeps.study import (
     FailureKind,
@@ -133,6 +134,9 @@ def fit_command(spec: SweepSpec, trial: optuna.Trial, params: dict, seed: int, r
     else:  # BPTT: a warm start draws nothing from `seed_everything`, so its repetitions differ by their data
         overrides.setdefault("data.init_args.seed", seed)
     overrides.update({f"budget.{key}": value for key, value in spec.budget.items()})
+    calibrated = calibrated_seconds(spec, params)
+    if calibrated is not None:
+        overrides["budget.seconds_per_update"] = calibrated
     if spec.wandb:
         overrides.update({"wandb.group": spec.name, "wandb.name": f"trial-{trial.number}"})
     reporter = {"class_path": TRIAL_REPORTER, "init_args": {

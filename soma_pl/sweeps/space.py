@@ -24,11 +24,16 @@ report: {columns: N, baseline: 1}        # Table 6 columns and the Table 7 diffe
 first: {eps: 0.0025}                     # a staged grid (Table 6's protocol): the first stage holds these
                                          # factors at these labels; then, per report column and seed, their
                                          # other labels run at the first stage's selection (lowest value)
+calibrate: {by: [N], warmup: 3, updates: 10}  # each configuration's update time measured alone before the
+                                         # trials, one per label of the `by` factors (those that change an
+                                         # update's arithmetic; default: every grid factor), and given to
+                                         # every trial as --budget.seconds_per_update (soma_pl.sweeps.calibration)
 ```
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -110,6 +115,18 @@ class ReportSpec:
 
 
 @dataclass(frozen=True)
+class CalibrationSpec:
+    """A sweep's calibration: its configurations' update times, each measured alone."""
+
+    by: tuple[str, ...]
+    """The grid factors whose labels change an update's arithmetic: one calibration per combination."""
+    warmup: int = 3
+    """Updates run before the clock starts (allocations, first-call costs)."""
+    updates: int = 10
+    """Updates timed."""
+
+
+@dataclass(frozen=True)
 class SweepSpec:
     """One sweep file, validated. See the module docstring for the YAML."""
 
@@ -134,6 +151,8 @@ class SweepSpec:
     """A RUNNING trial whose heartbeat is older than this is failed and its point re-run."""
     first: dict[str, Label] = field(default_factory=dict)
     """A staged grid's first stage: these factors held at these labels (empty: one stage)."""
+    calibrate: CalibrationSpec | None = None
+    """Measure each configuration's update time alone before the trials (None: measured time only)."""
 
     @property
     def is_grid(self) -> bool:
@@ -236,7 +255,7 @@ def _range(name: str, raw: Any, where: str) -> Range:
 
 
 KNOWN_KEYS = {"study", "config", "output_dir", "seeds", "grid", "ranges", "overrides", "budget", "trials",
-              "storage", "pruner", "report", "wandb", "heartbeat_seconds", "stale_seconds", "first"}
+              "storage", "pruner", "report", "wandb", "heartbeat_seconds", "stale_seconds", "first", "calibrate"}
 
 
 STUDY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -288,7 +307,8 @@ def load_sweep(path: str | Path, overrides: dict[str, Any] | None = None) -> Swe
                              for k, v in _mapping(raw.get("pruner"), "pruner").items()}),
         report=report, wandb=bool(raw.get("wandb", True)),
         heartbeat_seconds=float(raw.get("heartbeat_seconds", 10.0)),
-        stale_seconds=float(raw.get("stale_seconds", 60.0)), first=_first(raw.get("first"), factors, report, path))
+        stale_seconds=float(raw.get("stale_seconds", 60.0)), first=_first(raw.get("first"), factors, report, path),
+        calibrate=_calibrate(raw.get("calibrate"), factors, path))
     _check_configs(spec)
     return spec
 
@@ -305,6 +325,26 @@ def _first(raw: Any, factors: tuple[Factor, ...], report: ReportSpec, path: Path
             raise ConfigError(f"{path}: first.{name}={label!r} is not one of grid.{name}'s labels "
                               f"{list(choices[name])}")
     return first
+
+
+def _calibrate(raw: Any, factors: tuple[Factor, ...], path: Path) -> CalibrationSpec | None:
+    """`calibrate:`: `by` names grid factors (default: all of them); `warmup` ≥ 0 and `updates` ≥ 1."""
+    if raw is None:
+        return None
+    settings = _mapping(raw, "calibrate")
+    known = {f.name for f in dataclasses.fields(CalibrationSpec)}
+    if unknown := sorted(set(settings) - known):
+        raise ConfigError(f"{path}: calibrate.{unknown[0]} is not a calibration setting; known: {sorted(known)}")
+    names = [f.name for f in factors]
+    by = settings.get("by", names)
+    if not isinstance(by, list) or any(name not in names for name in by):
+        raise ConfigError(f"{path}: calibrate.by={by!r} must list grid factors, of {names}")
+    spec = CalibrationSpec(by=tuple(by), warmup=settings.get("warmup", 3), updates=settings.get("updates", 10))
+    for name, least in (("warmup", 0), ("updates", 1)):
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"{path}: calibrate.{name}={value!r} must be an integer of at least {least}")
+    return spec
 
 
 def command_line_overrides(overrides: dict[str, Any] | None, factors: tuple[Factor, ...],

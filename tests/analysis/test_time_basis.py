@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from soma_pl import VAL_WINDOWS
-from soma_pl.analysis.time_basis import equal_time_point, interpolate, window_curve, windows_at_seconds
+from soma_pl.analysis.time_basis import (
+    equal_time_point,
+    interpolate,
+    measured_curve,
+    update_curve,
+    window_curve,
+    windows_at_seconds,
+)
 from soma_pl.errors import SomaError
 from soma_pl.sweeps.equal_time import equal_time_table
 from soma_pl.sweeps.report import stats
@@ -54,6 +61,18 @@ def test_windows_are_interpolated_at_a_time_as_the_loss_is(tmp_path):
     assert record["doc_ids"] == ["a", "a", "b", "b"] and outside is None
     (tmp_path / VAL_WINDOWS / "20.json").unlink()
     assert window_curve(tmp_path) is None and windows_at_seconds(tmp_path, [50.0]) == [None]
+
+
+def test_a_calibrated_run_is_placed_at_updates_times_its_calibrated_time(tmp_path):
+    """Measured 2 s per update under load; calibrated alone at 1.5 s: the curve's seconds are
+    15, 30, 45 at updates 10, 20, 30, and the windows are read at those times."""
+    _fit(tmp_path, 3.0, 0.1, 2.0)
+    assert [seconds for _, _, seconds in update_curve(tmp_path)] == pytest.approx([20.0, 40.0, 60.0])
+    (tmp_path / "compute.json").write_text(json.dumps({"budget": {"seconds_per_update": 1.5}}))
+    assert [seconds for _, _, seconds in update_curve(tmp_path)] == pytest.approx([15.0, 30.0, 45.0])
+    assert [seconds for _, _, seconds in measured_curve(tmp_path)] == pytest.approx([20.0, 40.0, 60.0])
+    record, = windows_at_seconds(tmp_path, [37.5])  # halfway from update 20 (30 s) to 30 (45 s): loss 2.75
+    assert record["window_losses"] == pytest.approx([2.65, 2.85, 2.95, 2.55])
 
 
 def test_the_equal_time_table_bootstraps_the_documents_of_its_difference(tmp_path):

@@ -81,9 +81,13 @@ def test_resuming_on_fewer_ranks_keeps_every_ranks_totals_on_rank_0():
     assert accounting.elapsed_seconds() == 7.0
 
 
-@pytest.mark.parametrize("limits", [{"device_hours": -1.0}, {"token_forwards": 0}])
-def test_a_budget_must_be_positive(limits):
-    with pytest.raises(ConfigError, match="budget"):
+@pytest.mark.parametrize(("limits", "named"), [({"device_hours": -1.0}, "device_hours"),
+                                               ({"token_forwards": 0}, "token_forwards"),
+                                               ({"seconds_per_update": 0.0}, "seconds_per_update"),
+                                               ({"seconds_per_update": 1.0, "elapsed_hours": 1.0},
+                                                "seconds_per_update")])
+def test_a_budget_must_be_positive_and_a_calibration_times_device_hours_only(limits, named):
+    with pytest.raises(ConfigError, match=f"budget.{named}"):
         ComputeBudget(**limits)
 
 
@@ -111,6 +115,19 @@ def test_a_time_budget_stops_at_the_update_that_reaches_it(kind, corpus_dir, tmp
     compute = _compute(run)
     assert compute["updates"] == 5 and compute["budget"]["stopped_at_step"] == 5
     assert compute["budget"]["reached"] == kind
+
+
+def test_a_calibrated_budget_counts_updates_times_the_calibrated_time(corpus_dir, tmp_path, fixed_clock):
+    """Calibrated at 1.5 × the (fixed) measured update time, 4.5 measured updates' worth of budget is
+    3 calibrated updates: the run stops at update 3, its measured time recorded beside."""
+    run = tmp_path / "run"
+    run_cli(fit_args(corpus_dir, tmp_path / "data", run, f"--budget.device_hours={4.5 * SECONDS / 3600}",
+                     f"--budget.seconds_per_update={1.5 * SECONDS}"))
+    budget = _compute(run)["budget"]
+    assert budget["stopped_at_step"] == 3 and budget["reached"] == "device_hours"
+    assert budget["seconds_per_update"] == pytest.approx(1.5 * SECONDS)
+    assert budget["spent"]["device_hours"] == pytest.approx(4.5 * SECONDS / 3600)
+    assert budget["measured_device_hours"] == pytest.approx(3 * SECONDS / 3600)
 
 
 def test_token_budget_stops_a_resumed_run_at_the_same_update(corpus_dir, tmp_path, fixed_clock):

@@ -1,0 +1,82 @@
+"""`sweep calibrate`: each configuration's update time measured alone, and every trial given it."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from soma_pl.errors import ConfigError
+from soma_pl.sweeps import runner
+from soma_pl.sweeps.calibration import (
+    CALIBRATION,
+    calibrate,
+    calibration_key,
+    calibration_points,
+    seconds_per_update,
+)
+from soma_pl.sweeps.space import load_sweep
+from tests.data.corpora import write_jsonl_corpus
+
+from .conftest import write_sweep
+
+
+def test_the_calibrate_section_defaults_to_every_factor_and_refuses_naming_the_setting(tmp_path):
+    assert load_sweep(write_sweep(tmp_path, calibrate={})).calibrate.by == ("N", "lr")
+    spec = load_sweep(write_sweep(tmp_path, calibrate={"by": ["N"], "warmup": 1, "updates": 2}))
+    assert (spec.calibrate.by, spec.calibrate.warmup, spec.calibrate.updates) == (("N",), 1, 2)
+    assert load_sweep(write_sweep(tmp_path)).calibrate is None
+    for section, named in (({"by": ["width"]}, "calibrate.by"), ({"updates": 0}, "calibrate.updates"),
+                           ({"warmup": -1}, "calibrate.warmup"), ({"timed": 3}, "calibrate.timed")):
+        with pytest.raises(ConfigError, match=named):
+            load_sweep(write_sweep(tmp_path, calibrate=section))
+
+
+def test_one_calibration_per_label_of_the_by_factors_the_others_held(tmp_path):
+    spec = load_sweep(write_sweep(tmp_path, calibrate={"by": ["N"]}, first={"lr": 0.02}))
+    points = calibration_points(spec)
+    assert list(points.values()) == [{"N": 1, "lr": 0.02}, {"N": 2, "lr": 0.02}]
+    # every trial of a label shares its calibration, whatever its lr
+    assert calibration_key(spec, {"N": 2, "lr": 0.01, "seed": 1}) == calibration_key(spec, points['{"N": 2}'])
+
+
+def test_seconds_per_update_is_the_logged_time_over_the_timed_updates(tmp_path):
+    """Cumulative aggregate update time 0.5 s, then 2 s per update: after warm-up update 1, updates
+    2..4 take 6 s, 2 s each."""
+    metrics = tmp_path / "metrics.csv"
+    rows = ["step,compute/aggregate_device_hours,train/loss", *(f"{step},{seconds / 3600},3.0" for step, seconds in
+                                                                ((1, 0.5), (2, 2.5), (3, 4.5), (4, 6.5)))]
+    metrics.write_text("\n".join(rows) + "\n")
+    assert seconds_per_update(metrics, warmup=1, updates=3) == pytest.approx(2.0)
+    assert seconds_per_update(metrics, warmup=0, updates=4) == pytest.approx(6.5 / 4)
+
+
+def test_a_trial_runs_with_its_calibrated_time_and_without_one_is_refused(tmp_path):
+    spec = load_sweep(write_sweep(tmp_path, calibrate={"by": ["N"]}))
+    point = {"N": 2, "lr": 0.02, "seed": 0}
+    with pytest.raises(ConfigError, match="calibrat"):
+        runner.fit_command(spec, SimpleNamespace(number=0), point, 0, tmp_path / "t", "sqlite:///x.db", report=True)
+    spec.output_dir.mkdir(parents=True)
+    (spec.output_dir / CALIBRATION).write_text(json.dumps({"points": {
+        calibration_key(spec, point): {"seconds_per_update": 0.25}}}))
+    command = runner.fit_command(spec, SimpleNamespace(number=0), point, 0, tmp_path / "t", "sqlite:///x.db",
+                                 report=True)
+    assert "--budget.seconds_per_update=0.25" in command
+
+
+def test_calibrate_times_a_real_fit_once(tmp_path):
+    corpus = tmp_path / "corpus"
+    write_jsonl_corpus(corpus, {"alpha": 20, "beta": 20}, min_words=150, max_words=400)
+    path = write_sweep(tmp_path, calibrate={"by": [], "warmup": 1, "updates": 2},
+                       overrides={"data.init_args.dataset.corpus.paths": [str(corpus)],
+                                  "data.init_args.dataset.output_dir": str(tmp_path / "data"),
+                                  "trainer.logger": False})
+    spec = load_sweep(path)
+    saved = calibrate(spec, progress=False)
+    assert list(saved) == ["{}"] and saved["{}"]["seconds_per_update"] > 0
+    assert saved["{}"]["updates"] == 2 and saved["{}"]["threads"] == 1
+    on_disk = json.loads((spec.output_dir / CALIBRATION).read_text())
+    assert on_disk["points"] == json.loads(json.dumps(saved))
+    assert not list((spec.output_dir / "calibration").iterdir())  # the timing run's folder is removed
+    assert calibrate(spec, progress=False) == saved  # timed once: a second call runs nothing
