@@ -17,7 +17,16 @@ from soma_pl.analysis.time_basis import measured_curve
 from soma_pl.config_files import read_yaml
 from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.reproduce.experiments import Experiment
-from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
+from soma_pl.reproduce.tables import (
+    checks_table,
+    grid_edge_note,
+    number,
+    run_footer,
+    save_figure,
+    selected_text,
+    table_head,
+    table_row,
+)
 from soma_pl.sweeps.final_test import score_run
 
 REFERENCE = "reference"
@@ -86,6 +95,8 @@ def fig9_result(report: dict, folders: dict[int, dict[int, str]], experiment: Ex
     for label in labels:
         test = [s["loss"] for s in scores[label]]
         row = {"condition": label, "val": _mean_se([entry["val"][label] for entry in per_seed]),
+               "selected": [(entry.get("selected") or {}).get(label) for entry in per_seed],
+               "at_grid_edge": (t7.get("at_grid_edge") or {}).get(label) or [],
                "test": _mean_se(test), "per_seed": {str(e["seed"]): t for e, t in zip(per_seed, test, strict=True)}}
         if label != REFERENCE:
             differences = [t - s["loss"] for t, s in zip(test, scores[REFERENCE], strict=True)]
@@ -110,14 +121,18 @@ def fig9_markdown(result: dict) -> str:
              f"Mean ± standard error over seeds {', '.join(map(str, result['seeds']))} (nats/byte): ensemble "
              f"validation at update {steps[-1] if steps else '—'}, test split at the end, and each condition's test "
              "loss minus the reference's (paired by seed). Paper: Fig. 9.", "",
-             *table_head(["Condition", "Ensemble validation", "Test", "Test − reference (ours)", "Paper"])]
+             *table_head(["Condition", "Selected, per seed", "Ensemble validation", "Test", "Test − reference (ours)",
+                          "Paper"])]
     for row in result["rows"]:
         difference = row.get("difference")
         shown = f"{number(difference['mean'], sign=True)} ± {number(difference['se'])}" if difference else "—"
         paper = number(row.get("paper_difference"), 3, sign=True) if row.get("paper_difference") is not None else \
             ("—" if row["condition"] == result["reference"] else "higher (figure)")
-        lines.append(table_row([row["condition"], f"{number(row['val']['mean'])} ± {number(row['val']['se'])}",
+        lines.append(table_row([row["condition"] + ("†" if row.get("at_grid_edge") else ""),
+                                selected_text(row.get("selected") or []),
+                                f"{number(row['val']['mean'])} ± {number(row['val']['se'])}",
                            f"{number(row['test']['mean'])} ± {number(row['test']['se'])}", shown, paper]))
+    lines += grid_edge_note({row["condition"]: row.get("at_grid_edge") for row in result["rows"]})
     seed = result.get("seed_model")
     if seed and seed["val_loss"] is not None:
         lines += ["", f"Every warm condition starts from the seed model (`{seed['checkpoint']}`, {seed['steps']} "

@@ -266,8 +266,7 @@ def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run
         experiments: experiment names (listed below).
         scale: `cpu` (the demo corpus, minutes to an hour on 2 cores) or `paper` (the paper's sizes, for GPUs).
         dry_run: list the trials, which are done, and what the rest costs; run nothing.
-        workers: sweep workers, one thread each; None: the experiment's own count (table4: 1), else one
-            per core.
+        workers: sweep workers, one thread each; None: one per core.
         storage: Optuna storage URL; None: the sweep's own (sqlite in its output folder).
         results: where each experiment's folder of results goes.
         progress: show a progress bar on stderr.
@@ -293,5 +292,5 @@ def _reproduce(chosen: list[Experiment], scale: str, dry_run: bool, workers: int
         if dry_run:
             list_trials(experiment, scale, spec, url)
             continue
-        count = workers or experiment.workers or os.cpu_count() or 1
+        count = workers or os.cpu_count() or 1
         run(experiment, scale, spec, url, min(count, spec.planned_trials()), results, progress)

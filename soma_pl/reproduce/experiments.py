@@ -77,8 +77,6 @@ class Experiment:
     seed model's `fit` resumes its own run with `--ckpt_path=last`, so a finished one is reused)."""
     final_test: bool = True
     """Whether the selected runs are scored on the final test split (used once per run)."""
-    workers: int | None = None
-    """At most this many sweep workers (None: one per core); 1 where runs are timed one at a time."""
 
     def function(self, kind: str) -> Callable:
         """The module's `<name>_<kind>` (`result`, `markdown`, `figure`)."""

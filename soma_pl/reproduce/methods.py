@@ -16,7 +16,17 @@ from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.ablations import run_test_scores
 from soma_pl.reproduce.experiments import Claim, Experiment
-from soma_pl.reproduce.tables import checks_table, interval_text, number, rows_figure, run_footer, table_head, table_row
+from soma_pl.reproduce.tables import (
+    checks_table,
+    grid_edge_note,
+    interval_text,
+    number,
+    rows_figure,
+    run_footer,
+    selected_text,
+    table_head,
+    table_row,
+)
 from soma_pl.reproduce.verdicts import mean_sd
 
 SOMA = "soma_n2"
@@ -73,6 +83,8 @@ def table4_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
                      "measured_seconds": mean_sd([c["measured_seconds"] for c in compute[label]]),
                      "physical_seconds": mean_sd([c["physical_seconds"] for c in compute[label]]),
                      "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
+                     "selected": [(e.get("selected") or {}).get(label) for e in per_seed],
+                     "at_grid_edge": (t7.get("at_grid_edge") or {}).get(label) or [],
                      "paper": experiment.paper.get(PAPER_ROW.get(label, label))})
     checks = lower_checks(labels, scores, experiment.claims["lower"])
     return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed],
@@ -88,18 +100,20 @@ def table4_markdown(result: dict) -> str:
              "and rank counted: updates × the update time calibrated alone where the sweep calibrates), the "
              "measured one beside it, and the physical total (ranks × training wall time). Paper: Table 4 (~150 "
              "aggregate GPU-hours, 8.44M parameters).", "",
-             *table_head(["Row", "Configuration", "Updates", "Update time (s)", "Measured (s)", "Physical (s)",
-                          "Test loss",
-                          "95% documents, per seed", "Paper: n_pert", "updates", "GPU-hours", "test loss"])]
+             *table_head(["Row", "Configuration", "Selected, per seed", "Updates", "Update time (s)", "Measured (s)",
+                          "Physical (s)", "Test loss", "95% documents, per seed", "Paper: n_pert", "updates",
+                          "GPU-hours", "test loss"])]
     for row in result["rows"]:
         paper = row["paper"] or {}
-        lines.append(table_row([row["row"], row["configuration"], f"{row['updates']['mean']:.0f}",
+        lines.append(table_row([row["row"] + ("†" if row.get("at_grid_edge") else ""), row["configuration"],
+                                selected_text(row.get("selected") or []), f"{row['updates']['mean']:.0f}",
                                 f"{row['seconds']['mean']:.0f}", f"{row['measured_seconds']['mean']:.0f}",
                                 f"{row['physical_seconds']['mean']:.0f}",
                                 f"{number(row['test']['mean'])} ± {number(row['test']['sd'])}",
                                 " ".join(interval_text(i, False) for i in row["test_95"]),
                                 str(paper.get("n_pert") or "—"), str(paper.get("updates", "—")),
                                 str(paper.get("gpu_hours", "—")), number(paper.get("test"), 2)]))
+    lines += grid_edge_note({row["row"]: row.get("at_grid_edge") for row in result["rows"]})
     lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "",
               run_footer(result)]
     return "\n".join(lines) + "\n"

@@ -8,7 +8,16 @@ from pathlib import Path
 
 from soma_pl.eval.bootstrap import Interval, paired_document_interval
 from soma_pl.reproduce.experiments import Experiment
-from soma_pl.reproduce.tables import checks_table, interval_text, number, run_footer, save_figure, table_head, table_row
+from soma_pl.reproduce.tables import (
+    checks_table,
+    grid_edge_note,
+    interval_text,
+    number,
+    run_footer,
+    save_figure,
+    table_head,
+    table_row,
+)
 from soma_pl.reproduce.verdicts import mean_sd
 from soma_pl.sweeps.final_test import score_run
 
@@ -88,11 +97,8 @@ def table7_markdown(result: dict) -> str:
         ours = [result["summary"][k][key] for k in ("spsa", "soma", "difference")]
         paper = [result["paper_summary"][key][k] for k in ("spsa", "soma", "difference")]
         lines.append(table_row([name, *map(number, ours), *map(number, paper)]))
-    edges = {side: result["at_grid_edge"].get(label) for side, label in result["labels"].items()}
-    if any(edges.values()):
-        lines += ["", "† Selected at an edge of its grid (" + "; ".join(
-            f"{side.upper()}: {', '.join(names)}" for side, names in edges.items() if names) + "): the best setting "
-                  "may lie outside the grid."]
+    lines += grid_edge_note({side.upper(): result["at_grid_edge"].get(label)
+                             for side, label in result["labels"].items()})
     for key, block in result["blocks"].items():
         lines += ["", f"## {block['label']}", ""]
         if "unavailable" in block:

@@ -49,6 +49,21 @@ def checks_table(checks: list[dict]) -> list[str]:
     return lines
 
 
+def selected_text(selected: list[dict | None]) -> str:
+    """Each seed's selected setting (`lr=0.005`), or — where the sweep selects nothing."""
+    shown = [", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+                       for key, value in chosen.items()) for chosen in selected if chosen]
+    return "; ".join(shown) or "—"
+
+
+def grid_edge_note(edges: dict[str, list[str]]) -> list[str]:
+    """A footnote to the rows marked † (label → the factors selected at an edge of their grid)."""
+    edges = {label: names for label, names in edges.items() if names}
+    return ["", "† Selected at an edge of its grid (" + "; ".join(
+        f"{label}: {', '.join(names)}" for label, names in edges.items()) + "): the best setting may lie outside "
+            "the grid."] if edges else []
+
+
 def holm_text(check: dict) -> str:
     """A check's p-value after Holm's adjustment, or — where it has none."""
     return "—" if check.get("holm_p") is None else f"{check['holm_p']:.3g}"

@@ -46,8 +46,9 @@ def test_table4_reports_each_row_and_checks_soma_against_every_other(tmp_path):
             run = tmp_path / f"trial-{trial}" / "version_0"
             recorded[trial] = {seed: _run(run, label, seed)}
             folders[trial] = {seed: str(run)}
-        per_seed.append({"seed": seed, "trial": trials})
-    report = {"table7": {"column_labels": ROWS, "per_seed": per_seed}, "test_score_files": recorded,
+        per_seed.append({"seed": seed, "trial": trials, "selected": {label: {"lr": 0.005} for label in ROWS}})
+    report = {"table7": {"column_labels": ROWS, "per_seed": per_seed, "at_grid_edge": {"eggroll": ["lr"]}},
+              "test_score_files": recorded,
               "trials": {"COMPLETE": 18}, "failed": []}
     result = load_experiment("table4").result(report, folders)
     rows = {row["row"]: row for row in result["rows"]}
@@ -72,8 +73,10 @@ def test_table4_reports_each_row_and_checks_soma_against_every_other(tmp_path):
     assert ddpp["verdict"] == Verdict.does_not_hold.value
     text = table4_markdown({**result, "experiment": "table4", "scale": "cpu", "title": "t", "basis": "b",
                             "wall_seconds": 1.0, "workers": 1, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
-    assert "| spsa_512 | Monolithic SPSA | 8 | 160 | 151 | 162 | 3.2510 ± 0.0010 | [2.9000, 3.3000] [2.9000, 3.3000] " \
+    assert "| spsa_512 | Monolithic SPSA | lr=0.005; lr=0.005; lr=0.005 | 8 | 160 | 151 | 162 | 3.2510 ± 0.0010 | " \
+           "[2.9000, 3.3000] [2.9000, 3.3000] " \
            "[2.9000, 3.3000] | 1024 | 839 | 148 | 2.00 |" in text
+    assert "| eggroll† |" in text and "† Selected at an edge of its grid (eggroll: lr)" in text
     assert table4_figure({**result, "experiment": "table4", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
 
 

@@ -73,10 +73,10 @@ def test_fig9_lists_its_conditions_and_refuses_a_paper_scale_it_has_not(tmp_path
     monkeypatch.chdir(ROOT)
     spec = dataclasses.replace(load_sweep(load_experiment("fig9").sweeps["cpu"]), output_dir=tmp_path)
     listed = command.list_trials(load_experiment("fig9"), "cpu", spec, f"sqlite:///{tmp_path / 'x.db'}")
-    assert (listed["trials"], listed["done"]) == (18, 0)
+    assert (listed["trials"], listed["done"]) == (72, 0)  # 6 conditions x 4 learning rates x 3 seeds
     printed = capsys.readouterr().out
     for condition in ("reference", "random_shards", "global_iid", "cold", "decoder_only_head", "frozen_random_head"):
-        assert printed.count(f"condition={condition}, seed") == 3
+        assert printed.count(f"condition={condition}, lr=") == 12
     with pytest.raises(SystemExit) as stop:
         main(["reproduce", "fig9", "--scale", "paper", "--dry_run", "true"])
     assert stop.value.code == 2
@@ -140,7 +140,7 @@ def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
     # losses, so without a document interval three seeds decide nothing
     assert verdicts["val"]["mean"] == pytest.approx(-0.015) and verdicts["val"]["seeds"] == 3
     assert verdicts["val"]["verdict"] == Verdict.inconclusive.value and verdicts["val"]["p"] is None
-    assert verdicts["val"]["basis"] == "equal measured update time" and verdicts["val"]["document_interval"] is None
+    assert verdicts["val"]["basis"].startswith("equal update time") and verdicts["val"]["document_interval"] is None
     text = table7_markdown({**result, "experiment": "table7", "scale": "cpu", "title": "t", "basis": "b",
                             "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2],
                             "trial_minutes": 3.0})
