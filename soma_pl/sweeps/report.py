@@ -241,14 +241,21 @@ def _column_name(columns: str | None, label) -> str:
     return "loss" if columns is None else f"{columns}={label}"
 
 
-def markdown(report: dict) -> str:
-    t6, t7 = report["table6"], report["table7"]
+def table6_lines(t6: dict) -> list[str]:
+    """Table 6's layout: one row per setting, one column per report column, the ensemble-validation
+    loss's mean ± sample standard deviation over seeds."""
     names = [_column_name(t6["columns"], label) for label in t6["column_labels"]]
-    lines = [f"## {report['study']}: ensemble validation loss (Table 6 layout)", "",
-             "Mean ± sample standard deviation over seeds, nats/byte.", "", *_head([*t6["row_factors"], *names])]
+    lines = _head([*t6["row_factors"], *names])
     for row in t6["rows"]:
         cells = [_cell(row["cells"].get(str(label), {}).get("val")) for label in t6["column_labels"]]
         lines.append(_row([*(str(row["setting"][f]) for f in t6["row_factors"]), *cells]))
+    return lines
+
+
+def markdown(report: dict) -> str:
+    t6, t7 = report["table6"], report["table7"]
+    lines = [f"## {report['study']}: ensemble validation loss (Table 6 layout)", "",
+             "Mean ± sample standard deviation over seeds, nats/byte.", "", *table6_lines(t6)]
     others = [label for label in t7["column_labels"] if label != t7["baseline"]]
     base_name = _column_name(t7["columns"], t7["baseline"])
     differences = [f"Difference ({base_name} − {_column_name(t7['columns'], o)})" for o in others]

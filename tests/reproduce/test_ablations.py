@@ -102,7 +102,8 @@ def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(
     text = fig9_markdown({**result, "experiment": "fig9", "scale": "cpu", "title": "t", "basis": "b",
                           "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
     assert "| cold† | lr=0.01; lr=0.01; lr=0.01 |" in text and "(cold: lr)" in text
-    assert "| decoder_only_head | lr=0.001; lr=0.001; lr=0.001 | 3.2800 ± 0.0289 | 3.0835 ± 0.0020 | +0.0310 ± 0.0006 | +0.029 |" in text
+    assert "| decoder_only_head | lr=0.001; lr=0.001; lr=0.001 | 3.2800 ± 0.0289 | 3.0835 ± 0.0020 | " \
+           "+0.0310 ± 0.0006 | +0.029 |" in text
     assert "| update 50 | update 100 |" in text and "**does not hold**" in text
     assert result["seed_model"]["val_loss"] == 2.2867
     assert "150 updates of spsa), whose ensemble-validation loss is 2.2867" in text

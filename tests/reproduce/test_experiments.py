@@ -46,7 +46,8 @@ def test_a_claim_fills_its_fields_and_keeps_its_basis_and_split():
 
 @pytest.mark.parametrize(("edit", "named"), [
     (lambda text: text + "titel: Table 4\n", "titel"),
-    (lambda text: text.replace("    basis: equal update time (each configuration's calibrated alone)\n", "", 1), "basis"),
+    (lambda text: text.replace("    basis: equal update time (each configuration's calibrated alone)\n", "", 1),
+     "basis"),
     (lambda text: text.replace("\nsweeps:\n", "\nsweepz:\n", 1), "sweepz"),
 ])
 def test_a_wrong_key_is_refused_naming_it(tmp_path, edit, named):

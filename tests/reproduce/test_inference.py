@@ -83,10 +83,19 @@ def test_under_a_per_expert_budget_n1_is_compared_with_the_best_other_run_in_clo
     checks, rows = per_expert_checks(seeds, [1.0, 4.0, 5.0], load_experiment("fig14").claims["tight"])
     assert rows[0]["check"] is None and rows[0]["single"] == [None, None, None]  # nothing of N = 1 fits within 1 s
     # 4 s per expert: N = 1's best is a = 4 (2.6), N = 2's a = 8 (2.25): 0.35 in each seed
-    assert [round(v, 12) for v in rows[1]["single"]] == [2.6, 2.61, 2.62] and rows[1]["rival"] == "n2"
+    assert [round(v, 12) for v in rows[1]["single"]] == [2.6, 2.61, 2.62] and rows[1]["rival"] == ["n2"] * 3
     assert checks[0]["mean"] == pytest.approx(0.35) and checks[0]["seeds"] == 3
     assert checks[1]["mean"] == pytest.approx((3 - 0.4) - (3.05 - 1.0))  # 5 s: a = 4 against a = 10
     assert len(checks) == 2
+    # each seed's rival is chosen on the other seeds: a run N = 3 with N = 2's curve shifted by +0.3
+    # (−0.4 in seed 0 alone) reaches a = 10 within 4 s per expert: 2.35 (1.65) against N = 2's 2.25 at
+    # a = 8. Seeds 1 and 2 see seed 0 among the others (mean 2.0): their rival is N = 3; seed 0's is N = 2
+    def n3(points: list[dict], seed: int) -> list[dict]:
+        return [{**p, "run": "n3", "experts": 3, "per_expert": p["aggregate"] / 3,
+                 "loss": p["loss"] + (-0.4 if seed == 0 else 0.3)} for p in points if p["run"] == "n2"]
+    with_n3 = [points + n3(points, seed) for seed, points in enumerate(seeds)]
+    _, rows = per_expert_checks(with_n3, [4.0], load_experiment("fig14").claims["tight"])
+    assert rows[0]["rival"] == ["n2", "n3", "n3"]
     # validation states keep no per-window losses: without a document interval three seeds decide nothing
     assert all(check["verdict"] == "inconclusive" and check["document_interval"] is None and check["p"] is None
                for check in checks)
@@ -117,7 +126,7 @@ def test_fig14_result_counts_arithmetic_pairs_table13_and_draws(tmp_path):
     assert [row["per_expert_budget"] for row in result["tight"]] == pytest.approx([1.25, 2.5, 5.0])
     # at 2.5 s per expert: N = 1's best is a = 2 (2.8); N = 8's longer run's is a = 20 (1.6)
     at = result["tight"][1]
-    assert at["rival"] == "n8_long" and at["check"]["mean"] == pytest.approx(2.8 - 1.6)
+    assert at["rival"] == ["n8_long"] * 3 and at["check"]["mean"] == pytest.approx(2.8 - 1.6)
     assert at["check"]["claim"].startswith("More shards lower loss under a tight per-expert budget")
     # validation states keep no per-window losses: no document interval, so inconclusive on three seeds
     assert at["check"]["verdict"] == "inconclusive" and at["check"]["seeds"] == 3

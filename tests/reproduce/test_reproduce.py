@@ -20,6 +20,7 @@ from soma_pl.reproduce.experiments import all_experiments, load_experiment
 from soma_pl.reproduce.selection import table7_markdown
 from soma_pl.reproduce.tables import reproduction_page, run_footer
 from soma_pl.reproduce.verdicts import Verdict
+from soma_pl.sweeps.report import stats
 from soma_pl.sweeps.space import load_sweep, trial_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,8 +126,10 @@ def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
     timed = {"per_seed": [{"seed": s, "budget_seconds": 100.0, "total_seconds": {"1": 100.0, "2": 120.0},
                            "val": {"1": 3.0, "2": 3.0 + d}, "difference": {"2": -d}}
                           for s, d in enumerate([0.01, 0.02, 0.015])]}
+    table6 = {"row_factors": ["lr"], "columns": "N", "column_labels": [1, 2], "rows": [
+        {"setting": {"lr": 0.025}, "cells": {"1": {"val": stats([3.0, 3.1, 3.2])}, "2": {"val": stats([2.9, 3.0])}}}]}
     report = {"table7": {"baseline": 1, "column_labels": [1, 2], "per_seed": per_seed, "equal_time": timed,
-                         "final_test": {}, "at_grid_edge": {"1": [], "2": ["lr"]}},
+                         "final_test": {}, "at_grid_edge": {"1": [], "2": ["lr"]}}, "table6": table6,
               "trials": {"COMPLETE": 18}, "failed": []}
     result = load_experiment("table7").result(report, folders)
     assert [row["paper"]["difference"] for row in result["rows"]] == [0.0368, 0.0462, 0.0358]  # Table 7
@@ -145,6 +148,7 @@ def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
                             "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2],
                             "trial_minutes": 3.0})
     assert "| 0 | 3.0500 | 3.0100† | 0.0400 | 2.2641 | 2.2273 | 0.0368 |" in text
+    assert "| lr | N=1 | N=2 |" in text and "| 0.025 | 3.1000 ± 0.1000 | 2.9500 ± 0.0707 |" in text
     assert "| Mean | " in text and "0.0396" in text and "**does not hold**" in text and "SOMA: lr" in text
 
 
