@@ -9,6 +9,7 @@ naming each setting it changes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -286,3 +287,20 @@ def parse_error_line(message: str, argv: Sequence[str] = ()) -> str:
         within = f"{'.init_args.'.join(keys)}.init_args.{option[1]}" if keys else None  # a class's argument
         source = (within and setting_source(within, layers)) or setting_source(option[1], layers)
     return f"{line}, set in {source}" if source else line
+
+
+def cli_value(value: Any) -> str:
+    """A value as `--key=value` text that jsonargparse reads back as the same value."""
+    if isinstance(value, float):
+        text = repr(value)
+        # YAML 1.1 reads '1e-05' as a string: give the mantissa a dot.
+        mantissa, _, exponent = text.partition("e")
+        return f"{mantissa}.0e{exponent}" if exponent and "." not in mantissa else text
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def override_args(overrides: dict[str, Any]) -> list[str]:
+    """`{dotted key: value}` as `--key=value` arguments of a command."""
+    return [f"--{key}={cli_value(value)}" for key, value in overrides.items()]

@@ -13,22 +13,25 @@ every `plateau.every` updates however often the main job validates for its curve
 on the context they are scored on (1,024 bytes). Every step is an ordinary `python -m soma_pl.cli`
 command in a child process:
 
-    prepare → per side: seed → shard → validate (the seed) → fit → validate → test → test (final split)
-    → per side, at equal measured update time: validate → test → test (final split)
+    prepare → per side: seed → shard → calibrate (alone, one side after the other)
+    → per side: validate (the seed) → fit → validate → test → test (final split)
+    → per side, at equal update time: validate → test → test (final split)
 
 The two sides run side by side, one intra-op thread each unless `--demo.threads` or
 `OMP_NUM_THREADS` says otherwise: on a CPU shared with other jobs, more threads per process mostly
 spin in OpenMP waits. A finished step is reused when the command runs again with the same settings
-(its record is `<step>.json`); an interrupted fit resumes from its last checkpoint. The children
-die with the demo, and Ctrl-C stops them (`soma_pl.main_job_steps`). While a fit runs, a bar per side
+(its record is `<step>.json`); an interrupted fit resumes from its last checkpoint. The children die
+with the demo, and Ctrl-C stops them (`soma_pl.main_job_steps`). While a fit runs, a bar per side
 counts its updates and shows its latest ensemble-validation loss (the fit's
-`soma_pl.callbacks.progress.ProgressFile` writes them, the demo reads them). The command
-prints a side-by-side table on both compute bases (`soma_pl.main_job_bases`): equal arithmetic (the same
-updates of the equal-size pair) and equal measured update time (Table 3's U·Σₑ t̄ₑ, with the load
-average it was measured under), and writes `main_job.json` (the same figures), `main_job.md` and
-`main_job.png` (ensemble-validation loss against updates, multiply-adds and update time) into
-`--demo.output_dir`. The final test split (`data.init_args.test_split=final`) is reported here and
-by the reproductions' final runs only.
+`soma_pl.callbacks.progress.ProgressFile` writes them, the demo reads them). The command prints a
+side-by-side table on both compute bases (`soma_pl.main_job_bases`): equal arithmetic (the same
+updates of the equal-size pair) and equal update time (Table 3's U·Σₑ t̄ₑ: updates × each side's
+update time calibrated alone before the fits, as the paper estimates its hours from recorded mean
+step times, so the two sides running side by side do not slow each other's account; the measured
+times and the load average they were measured under stand beside it), and writes `main_job.json`
+(the same figures), `main_job.md` and `main_job.png` (ensemble-validation loss against updates,
+multiply-adds and update time) into `--demo.output_dir`. The final test split
+(`data.init_args.test_split=final`) is reported here and by the reproductions' final runs only.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from soma_pl.analysis.time_basis import equal_time_point, update_curve, versions
-from soma_pl.config_files import config_args, read_layers
+from soma_pl.analysis.time_basis import CalibrationRun, equal_time_point, update_curve, versions
+from soma_pl.config_files import config_args, override_args, read_layers
 from soma_pl.data.formats.tar_shards import sha256_file
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_atomic, write_json_atomic
@@ -109,6 +112,7 @@ class DemoConfig:
             `plateau.every` updates, as in the selection.
         threads: intra-op threads per child process. None: `OMP_NUM_THREADS` if set, else 1.
         parallel: run the two sides at the same time, in two processes.
+        calibration: how each side's update time is measured alone before the fits (the time basis).
         prepare_args: arguments of `prepare` (a no-op when the dataset is up to date).
         spsa: the monolithic side.
         soma: the SOMA side.
@@ -121,6 +125,7 @@ class DemoConfig:
     val_every: int = 50
     threads: int | None = None
     parallel: bool = True
+    calibration: CalibrationRun = field(default_factory=CalibrationRun)
     prepare_args: list[str] = field(default_factory=lambda: ["--config", "configs/data/demo.yaml"])
     spsa: DemoSide = field(default_factory=_spsa)
     soma: DemoSide = field(default_factory=_soma)
@@ -200,9 +205,18 @@ def seed_side(demo: DemoConfig, side: DemoSide, steps: Steps, position: int = 1)
             "wall_seconds": record["seconds"]}
 
 
+def calibrate_side(demo: DemoConfig, side: DemoSide, steps: Steps) -> float:
+    """The side's update time measured alone (`demo.calibration`: a short fit of its settings, no
+    validation), in seconds per update; reused when its settings and data are unchanged."""
+    shared = _side_args(demo, side)
+    folder = Path(demo.output_dir) / side.name / f"calibration-{_settings_key(shared, _data_fingerprints(demo, side))}"
+    steps.run(folder, "calibrate", ["fit", *shared, *override_args(demo.calibration.overrides(folder / "fit"))])
+    return demo.calibration.seconds_per_update(folder / "fit")
+
+
 def fit_length(demo: DemoConfig) -> list[str]:
     """The fit's length and cadence: every validation keeps its checkpoint (the equal-time basis
-    scores one) and has its measured update time logged (a logging interval dividing it)."""
+    scores one) and has its update time logged (a logging interval dividing it)."""
     cadence = [f"--trainer.val_check_interval={demo.val_every}", "--checkpoint.save_top_k=-1",
                f"--trainer.log_every_n_steps={math.gcd(demo.val_every, 20)}"]
     if demo.token_forwards is None:
@@ -237,8 +251,10 @@ class SideResult:
     parameters: int
     updates: int
     token_forwards: int
+    seconds_per_update: float
+    """The update time calibrated alone: the time basis is updates × this."""
     aggregate_device_seconds: float
-    """`U · Σₑ t̄ₑ`: update time only (Table 3's aggregate device-hours, in seconds)."""
+    """`U · Σₑ t̄ₑ` as measured during the fit (beside the other side): update time only."""
     fit_wall_seconds: float
     """The fit command's wall time, start-up and validations included (a reused fit: the time of
     the run that made it)."""
@@ -250,7 +266,8 @@ class SideResult:
     """Loss of the final weights on the final test split (used once: the final runs only), as `val`."""
     curve: list[dict]
     """Ensemble-validation loss against compute: `step`, `token_forwards`, `multiply_adds`
-    (token-forwards × parameters per expert), `device_seconds` (measured update time so far), `val_loss`."""
+    (token-forwards × parameters per expert), `device_seconds` (update time so far: updates × the
+    calibrated time), `val_loss`."""
     run_dir: str
     equal_time: dict = field(default_factory=dict)
     """At the equal-time budget (`soma_pl.main_job_bases`): `TimePoint`'s fields, and `val`, `test`,
@@ -276,11 +293,13 @@ def _score(folder: Path, shared: list[str], steps: Steps, checkpoint: str | None
     return scores
 
 
-def fit_side(demo: DemoConfig, side: DemoSide, steps: Steps, position: int = 1) -> SideResult:
-    """Untrained validation, fit, then the scores of the last checkpoint, as CLI commands; the fit's
-    updates and latest validation loss show in a bar on line `position` below the main one."""
+def fit_side(demo: DemoConfig, side: DemoSide, steps: Steps, seconds_per_update: float,
+             position: int = 1) -> SideResult:
+    """Untrained validation, fit (its update time the calibrated `seconds_per_update`), then the
+    scores of the last checkpoint, as CLI commands; the fit's updates and latest validation loss
+    show in a bar on line `position` below the main one."""
     shared = _side_args(demo, side)
-    fit_args = [*shared, *fit_length(demo)]
+    fit_args = [*shared, *fit_length(demo), f"--budget.seconds_per_update={seconds_per_update!r}"]
     seed = [sha256_file(_seed_checkpoint(side))] if _seed_checkpoint(side).is_file() else []
     folder = Path(demo.output_dir) / side.name / f"run-{_settings_key(fit_args, _data_fingerprints(demo, side) + seed)}"
     steps.run(folder, "init_validate", ["validate", *shared, f"--trainer.default_root_dir={folder / 'init'}"])
@@ -300,6 +319,7 @@ def fit_side(demo: DemoConfig, side: DemoSide, steps: Steps, position: int = 1) 
               "device_seconds": seconds, "val_loss": v} for s, v, seconds in points]
     return SideResult(label=side.label, lr=side.lr, experts=compute["experts"], parameters=summary["parameters"],
                       updates=compute["updates"], token_forwards=compute["token_forwards"],
+                      seconds_per_update=seconds_per_update,
                       aggregate_device_seconds=compute["aggregate_device_hours"] * 3600,
                       fit_wall_seconds=fit_record["seconds"], **scores, curve=curve, run_dir=str(folder))
 
@@ -316,7 +336,7 @@ def _each(steps: Steps, futures: dict) -> dict:
 
 def score_at_equal_time(demo: DemoConfig, side: DemoSide, result: SideResult, steps: Steps,
                         budget_seconds: float) -> None:
-    """Fill `result.equal_time`: the side at `budget_seconds` of measured update time, its curve
+    """Fill `result.equal_time`: the side at `budget_seconds` of update time, its curve
     interpolated there and its checkpoint at the last validation within it scored in full."""
     point = equal_time_point(result.curve, budget_seconds)
     if point.updates == result.updates:
@@ -346,12 +366,14 @@ def table(results: dict[str, SideResult]) -> str:
         "token-forwards": lambda r: f"{r.token_forwards:,}",
         "multiply-adds (token-forwards × parameters per expert)":
             lambda r: f"{r.token_forwards * r.parameters // r.experts:.3e}",
-        "update time, U·Σₑ t̄ₑ (s)": lambda r: f"{r.aggregate_device_seconds:.0f}",
+        "update time calibrated alone (s per update)": lambda r: f"{r.seconds_per_update:.4g}",
+        "update time, U·Σₑ t̄ₑ (s): updates × calibrated (measured beside the other side)":
+            lambda r: f"{r.updates * r.seconds_per_update:.0f} ({r.aggregate_device_seconds:.0f})",
         "fit wall time (s)": lambda r: f"{r.fit_wall_seconds:.0f}",
         "ensemble-validation loss [95%]": lambda r: _interval(r.val),
         "test loss [95%]": lambda r: _interval(r.test),
         "final test split loss [95%] (used once)": lambda r: _interval(r.test_final),
-        "**equal measured update time** (Table 3's basis): budget T (s)":
+        "**equal update time** (Table 3's basis, calibrated): budget T (s)":
             lambda r: f"{r.equal_time['budget_seconds']:.0f}",
         "ensemble-validation loss at T (interpolated)": lambda r: f"{r.equal_time['val_interpolated']:.4f}",
         "checkpoint scored: updates (its update time, s)":
@@ -420,10 +442,11 @@ def _print_summary(report: dict, text: str, out: Path) -> None:
     load = report["load_during_fits"]
     print(f"\n{text}\n\nSPSA − SOMA at equal arithmetic: {arithmetic['val']:+.4f} (ensemble validation), "
           f"{arithmetic['test']:+.4f} (test), {arithmetic['test_final']:+.4f} (final test) nats/byte\n"
-          f"SPSA − SOMA at equal measured update time: {timed['val_interpolated']:+.4f} (ensemble validation, "
-          f"interpolated), {timed['test']:+.4f} (test), {timed['test_final']:+.4f} (final test) nats/byte; "
-          f"update times measured at load average {load.get('mean', float('nan')):.2f} (mean of {load['samples']} "
-          f"samples, max {load.get('max', float('nan')):.2f}) on {report['machine_start']['cores']} core(s)\n"
+          f"SPSA − SOMA at equal update time (each side's calibrated alone): {timed['val_interpolated']:+.4f} "
+          f"(ensemble validation, interpolated), {timed['test']:+.4f} (test), {timed['test_final']:+.4f} (final "
+          f"test) nats/byte; the fits' own update times were measured at load average "
+          f"{load.get('mean', float('nan')):.2f} (mean of {load['samples']} samples, max "
+          f"{load.get('max', float('nan')):.2f}) on {report['machine_start']['cores']} core(s)\n"
           f"wall time {report['wall_seconds']:.0f} s ({report['reused_steps']} of {report['steps']} steps reused "
           f"from an earlier run)\ntable: {out / 'main_job.json'}\nfigure: {out / 'main_job.png'}")
 
@@ -431,8 +454,8 @@ def _print_summary(report: dict, text: str, out: Path) -> None:
 def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
     """The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.
 
-    Prepares, shards, runs both sides, scores both at equal measured update time, then prints and
-    saves the table and the figure.
+    Prepares, shards, times each side's update alone, runs both sides, scores both at equal update
+    time, then prints and saves the table and the figure.
 
     Args:
         demo: what runs, for how long, and where (the `demo:` section of a YAML file).
@@ -450,7 +473,7 @@ def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
           f"--demo.threads or OMP_NUM_THREADS), {len(sides) if demo.parallel else 1} process(es) at a time on "
           f"{machine['cores']} core(s), load average {machine['load_average'][0]:.2f}", flush=True)
     started = time.monotonic()
-    with tqdm(total=1 + 7 * len(sides), desc="main job steps", unit="step", disable=not progress) as bar:
+    with tqdm(total=1 + 8 * len(sides), desc="main job steps", unit="step", disable=not progress) as bar:
         steps = Steps(threads, bar)
         # Always asked (each is a quick no-op when its output is up to date), so the two fits never
         # start on a missing dataset and race to build it.
@@ -460,8 +483,9 @@ def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
                                   for line, (name, side) in enumerate(sides.items(), start=1)})
         for side in sides.values():
             steps.run(out, f"shard_{side.name}", ["shard", *side.shard, "--progress=false"], reuse=False)
+        calibrated = {name: calibrate_side(demo, side, steps) for name, side in sides.items()}  # one at a time
         with ThreadPoolExecutor(len(sides) if demo.parallel else 1) as pool, LoadSampler() as load:
-            results = _each(steps, {name: pool.submit(fit_side, demo, side, steps, line)
+            results = _each(steps, {name: pool.submit(fit_side, demo, side, steps, calibrated[name], line)
                                     for line, (name, side) in enumerate(sides.items(), start=1)})
         budget = min(result.curve[-1]["device_seconds"] for result in results.values())
         for name, result in results.items():
@@ -471,8 +495,10 @@ def main(demo: DemoConfig = DemoConfig(), progress: bool = True) -> dict:
     report = {"table": {name: asdict(result) for name, result in results.items()},
               "difference_spsa_minus_soma": differences(results[demo.spsa.name], results[demo.soma.name]),
               "bases": {"equal_arithmetic": "the same updates of the equal-size pair (multiply-adds in the table)",
-                        "equal_time": "T = the smaller total measured update time U·Σₑ t̄ₑ; curves interpolated "
-                                      "at T, each side's last checkpoint within T scored"},
+                        "equal_time": "T = the smaller total update time U·Σₑ t̄ₑ, updates × each side's update "
+                                      "time calibrated alone; curves interpolated at T, each side's last checkpoint "
+                                      "within T scored"},
+              "calibration": {**asdict(demo.calibration), "seconds_per_update": calibrated},
               "seeds": seeds, "selection": SELECTION, "updates": updates_of(demo), "threads": threads,
               "machine_start": machine,
               "machine_end": _machine(), "load_during_fits": load.summary(),

@@ -1,12 +1,14 @@
-"""The main job's two compute bases: equal arithmetic and equal measured update time.
+"""The main job's two compute bases: equal arithmetic and equal update time.
 
 The demo's sides run the same number of updates, which for its equal-size pair is equal
-multiply-adds (Table 11's basis). The paper's Figs. 1, 7, 8 and Tables 4–7 equalise measured time
-instead (Table 3: U·Σₑ t̄ₑ). On that basis both sides are compared at `T`, the smaller of the two
-sides' total update times: each side's ensemble-validation curve is interpolated at `T`, and each
-side's checkpoint at its last validation within `T` is scored in full (ensemble validation and
-both test splits, with bootstrap intervals). Update times are measured on a shared machine: the
-report keeps the load average beside them.
+multiply-adds (Table 11's basis). The paper's Figs. 1, 7, 8 and Tables 4–7 equalise update time
+instead (Table 3: U·Σₑ t̄ₑ, its hours estimated from recorded mean step times). On that basis both
+sides are compared at `T`, the smaller of the two sides' total update times (updates × each side's
+update time calibrated alone before the fits): each side's ensemble-validation curve is
+interpolated at `T`, and each side's checkpoint at its last validation within `T` is scored in full
+(ensemble validation and both test splits, with bootstrap intervals). The fits' own update times
+are measured beside each other on a shared machine: the report keeps them, and the load average
+they were measured under, beside the calibrated ones.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ import json
 import pytest
 import yaml
 
+from soma_pl.config_files import override_args
 from soma_pl.lightning_cli import make_cli
-from soma_pl.sweeps.space import load_sweep, override_args
+from soma_pl.sweeps.space import load_sweep
 from tests.lit.conftest import TINY, corpus_dir, fit_args  # noqa: F401
 
 ROOT = TINY.parents[2]

@@ -18,11 +18,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from soma_pl import VAL_WINDOWS
-from soma_pl.errors import SomaError
+from soma_pl.errors import ConfigError, SomaError
 
 
 def versions(folder: Path, name: str) -> list[Path]:
@@ -51,6 +52,48 @@ def measured_curve(fit_root: Path) -> list[tuple[int, float, float]]:
         raise SomaError(f"{fit_root}: no update time logged at validation update(s) {missing[:5]}: "
                         "log_every_n_steps must divide the validation interval")
     return [(step, losses[step], seconds[step]) for step in sorted(losses)]
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    """How a configuration's update time is measured alone: a short `fit` of it, no validation,
+    its update time logged at every update, `warmup` updates and then `updates` timed ones."""
+
+    warmup: int = 3
+    """Updates run before the clock starts (allocations, first-call costs)."""
+    updates: int = 10
+    """Updates timed."""
+
+    def __post_init__(self):
+        for name, least in (("warmup", 0), ("updates", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"{name}={value!r}: give an integer of at least {least}")
+
+    def overrides(self, root: Path) -> dict[str, Any]:
+        """A fit's settings that cut it to the calibration, into `root` (budgets are dropped by the
+        caller: a calibration runs its updates whatever the run's budget)."""
+        return {"trainer.default_root_dir": str(root), "trainer.max_steps": self.warmup + self.updates,
+                "trainer.limit_val_batches": 0, "trainer.log_every_n_steps": 1, "trainer.enable_progress_bar": False,
+                "trainer.logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                   "init_args": {"save_dir": str(root), "name": ""}}}
+
+    def seconds_per_update(self, root: Path) -> float:
+        """The aggregate update seconds per update between update `warmup` and `warmup + updates`,
+        from the cumulative `compute/aggregate_device_hours` the calibration's CSV log (under `root`)
+        holds at every update."""
+        found = sorted(root.rglob("metrics.csv"))
+        if not found:
+            raise SomaError(f"{root}: no metrics.csv; the calibration's fit logged nothing")
+        seconds = {}
+        with found[-1].open() as rows:
+            for row in csv.DictReader(rows):
+                if row.get("compute/aggregate_device_hours"):
+                    seconds[int(row["step"])] = float(row["compute/aggregate_device_hours"]) * 3600
+        end = self.warmup + self.updates
+        if end not in seconds or (self.warmup and self.warmup not in seconds):
+            raise SomaError(f"{found[-1]}: no update time logged at update {self.warmup} and {end}")
+        return (seconds[end] - seconds.get(self.warmup, 0.0)) / self.updates
 
 
 def calibration(fit_root: Path) -> float | None:

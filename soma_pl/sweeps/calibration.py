@@ -16,7 +16,6 @@ measurement is kept with it.
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import os
@@ -30,10 +29,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from soma_pl.config_files import config_args
+from soma_pl.config_files import config_args, override_args
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_json_atomic
-from soma_pl.sweeps.space import Label, SweepSpec, load_sweep, override_args, trial_overrides
+from soma_pl.sweeps.space import Label, SweepSpec, load_sweep, trial_overrides
 
 CALIBRATION = "calibration.json"
 THREADS = 1
@@ -59,31 +58,11 @@ def calibration_points(spec: SweepSpec) -> dict[str, dict[str, Any]]:
 
 
 def calibration_command(spec: SweepSpec, params: dict[str, Label | float], root: Path) -> list[str]:
-    """A trial's `fit` cut to the calibration: no budget, no validation, the update time logged at
-    every update by a CSV logger, into `root`."""
+    """A trial's `fit` cut to the calibration (`CalibrationRun.overrides`), without its budget."""
     config, overrides = trial_overrides(spec, params)
     overrides = {key: value for key, value in overrides.items() if not key.startswith("budget.")}
-    overrides.update({"seed_everything": 0, "trainer.default_root_dir": str(root),
-                      "trainer.logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                                         "init_args": {"save_dir": str(root), "name": ""}},
-                      "trainer.max_steps": spec.calibrate.warmup + spec.calibrate.updates,
-                      "trainer.limit_val_batches": 0, "trainer.log_every_n_steps": 1,
-                      "trainer.enable_progress_bar": False})
+    overrides.update({"seed_everything": 0, **spec.calibrate.run.overrides(root)})
     return [sys.executable, "-m", "soma_pl.cli", "fit", *config_args(config), *override_args(overrides)]
-
-
-def seconds_per_update(metrics: Path, warmup: int, updates: int) -> float:
-    """The aggregate update seconds per update between update `warmup` and `warmup + updates`, from
-    the cumulative `compute/aggregate_device_hours` a fit's CSV log holds at every update."""
-    seconds = {}
-    with metrics.open() as rows:
-        for row in csv.DictReader(rows):
-            if row.get("compute/aggregate_device_hours"):
-                seconds[int(row["step"])] = float(row["compute/aggregate_device_hours"]) * 3600
-    end = warmup + updates
-    if end not in seconds or (warmup and warmup not in seconds):
-        raise SomaError(f"{metrics}: no update time logged at update {warmup} and {end}")
-    return (seconds[end] - seconds.get(warmup, 0.0)) / updates
 
 
 def measure(spec: SweepSpec, params: dict[str, Any]) -> dict:
@@ -100,13 +79,10 @@ def measure(spec: SweepSpec, params: dict[str, Any]) -> dict:
     if code != 0:
         tail = " | ".join((root / "fit.log").read_text(errors="replace").strip().splitlines()[-2:])
         raise SomaError(f"calibration of {spec.name} {params} exited with status {code} ({root / 'fit.log'}): {tail}")
-    found = sorted(root.rglob("metrics.csv"))
-    if not found:
-        raise SomaError(f"calibration of {spec.name} {params}: no metrics.csv under {root}")
-    seconds = seconds_per_update(found[-1], spec.calibrate.warmup, spec.calibrate.updates)
+    seconds = spec.calibrate.run.seconds_per_update(root)
     shutil.rmtree(root)
-    return {"params": params, "seconds_per_update": seconds, "threads": THREADS, "warmup": spec.calibrate.warmup,
-            "updates": spec.calibrate.updates, "load_average": [load_before, os.getloadavg()[0]],
+    return {"params": params, "seconds_per_update": seconds, "threads": THREADS, "warmup": spec.calibrate.run.warmup,
+            "updates": spec.calibrate.run.updates, "load_average": [load_before, os.getloadavg()[0]],
             "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

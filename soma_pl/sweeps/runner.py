@@ -34,10 +34,10 @@ from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 from tqdm import tqdm
 
-from soma_pl.config_files import config_args, flatten, read_layers
+from soma_pl.config_files import config_args, flatten, override_args, read_layers
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.sweeps.calibration import calibrated_seconds
-from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, override_args, trial_overrides
+from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, trial_overrides
 from soma_pl.sweeps.study import (
     FailureKind,
     Heartbeat,

@@ -42,6 +42,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from soma_pl.analysis.time_basis import CalibrationRun
 from soma_pl.config_files import config_args, flatten, read_layers, read_yaml
 from soma_pl.errors import ConfigError
 
@@ -120,10 +121,8 @@ class CalibrationSpec:
 
     by: tuple[str, ...]
     """The grid factors whose labels change an update's arithmetic: one calibration per combination."""
-    warmup: int = 3
-    """Updates run before the clock starts (allocations, first-call costs)."""
-    updates: int = 10
-    """Updates timed."""
+    run: CalibrationRun = CalibrationRun()
+    """How each is timed (`warmup`, `updates`: the section's own keys)."""
 
 
 @dataclass(frozen=True)
@@ -331,20 +330,18 @@ def _calibrate(raw: Any, factors: tuple[Factor, ...], path: Path) -> Calibration
     """`calibrate:`: `by` names grid factors (default: all of them); `warmup` ≥ 0 and `updates` ≥ 1."""
     if raw is None:
         return None
-    settings = _mapping(raw, "calibrate")
-    known = {f.name for f in dataclasses.fields(CalibrationSpec)}
+    settings = dict(_mapping(raw, "calibrate"))
+    known = {"by", *(f.name for f in dataclasses.fields(CalibrationRun))}
     if unknown := sorted(set(settings) - known):
         raise ConfigError(f"{path}: calibrate.{unknown[0]} is not a calibration setting; known: {sorted(known)}")
     names = [f.name for f in factors]
-    by = settings.get("by", names)
+    by = settings.pop("by", names)
     if not isinstance(by, list) or any(name not in names for name in by):
         raise ConfigError(f"{path}: calibrate.by={by!r} must list grid factors, of {names}")
-    spec = CalibrationSpec(by=tuple(by), warmup=settings.get("warmup", 3), updates=settings.get("updates", 10))
-    for name, least in (("warmup", 0), ("updates", 1)):
-        value = getattr(spec, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ConfigError(f"{path}: calibrate.{name}={value!r} must be an integer of at least {least}")
-    return spec
+    try:
+        return CalibrationSpec(by=tuple(by), run=CalibrationRun(**settings))
+    except ConfigError as error:
+        raise ConfigError(f"{path}: calibrate.{error}") from error
 
 
 def command_line_overrides(overrides: dict[str, Any] | None, factors: tuple[Factor, ...],
@@ -407,18 +404,3 @@ def trial_overrides(spec: SweepSpec, params: dict[str, Label | float]) -> tuple[
     config = overrides.pop(CONFIG, None)
     return (config_layers(config, spec.path) if config is not None else spec.config), overrides
 
-
-def cli_value(value: Any) -> str:
-    """A value as `--key=value` text that jsonargparse reads back as the same value."""
-    if isinstance(value, float):
-        text = repr(value)
-        # YAML 1.1 reads '1e-05' as a string: give the mantissa a dot.
-        mantissa, _, exponent = text.partition("e")
-        return f"{mantissa}.0e{exponent}" if exponent and "." not in mantissa else text
-    if isinstance(value, str):
-        return value
-    return json.dumps(value)
-
-
-def override_args(overrides: dict[str, Any]) -> list[str]:
-    return [f"--{key}={cli_value(value)}" for key, value in overrides.items()]

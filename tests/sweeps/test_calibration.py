@@ -7,14 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from soma_pl.errors import ConfigError
+from soma_pl.analysis.time_basis import CalibrationRun
+from soma_pl.errors import ConfigError, SomaError
 from soma_pl.sweeps import runner
 from soma_pl.sweeps.calibration import (
     CALIBRATION,
     calibrate,
     calibration_key,
     calibration_points,
-    seconds_per_update,
 )
 from soma_pl.sweeps.space import load_sweep
 from tests.data.corpora import write_jsonl_corpus
@@ -25,7 +25,7 @@ from .conftest import write_sweep
 def test_the_calibrate_section_defaults_to_every_factor_and_refuses_naming_the_setting(tmp_path):
     assert load_sweep(write_sweep(tmp_path, calibrate={})).calibrate.by == ("N", "lr")
     spec = load_sweep(write_sweep(tmp_path, calibrate={"by": ["N"], "warmup": 1, "updates": 2}))
-    assert (spec.calibrate.by, spec.calibrate.warmup, spec.calibrate.updates) == (("N",), 1, 2)
+    assert (spec.calibrate.by, spec.calibrate.run) == (("N",), CalibrationRun(warmup=1, updates=2))
     assert load_sweep(write_sweep(tmp_path)).calibrate is None
     for section, named in (({"by": ["width"]}, "calibrate.by"), ({"updates": 0}, "calibrate.updates"),
                            ({"warmup": -1}, "calibrate.warmup"), ({"timed": 3}, "calibrate.timed")):
@@ -48,8 +48,10 @@ def test_seconds_per_update_is_the_logged_time_over_the_timed_updates(tmp_path):
     rows = ["step,compute/aggregate_device_hours,train/loss", *(f"{step},{seconds / 3600},3.0" for step, seconds in
                                                                 ((1, 0.5), (2, 2.5), (3, 4.5), (4, 6.5)))]
     metrics.write_text("\n".join(rows) + "\n")
-    assert seconds_per_update(metrics, warmup=1, updates=3) == pytest.approx(2.0)
-    assert seconds_per_update(metrics, warmup=0, updates=4) == pytest.approx(6.5 / 4)
+    assert CalibrationRun(warmup=1, updates=3).seconds_per_update(tmp_path) == pytest.approx(2.0)
+    assert CalibrationRun(warmup=0, updates=4).seconds_per_update(tmp_path) == pytest.approx(6.5 / 4)
+    with pytest.raises(SomaError):
+        CalibrationRun(warmup=1, updates=4).seconds_per_update(tmp_path)  # update 5 was never logged
 
 
 def test_a_trial_runs_with_its_calibrated_time_and_without_one_is_refused(tmp_path):

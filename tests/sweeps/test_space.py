@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from soma_pl.cli import main
-from soma_pl.config_files import config_args, read_layers
+from soma_pl.config_files import cli_value, config_args, override_args, read_layers
 from soma_pl.errors import ConfigError
-from soma_pl.sweeps.space import cli_value, load_sweep, override_args, trial_overrides
+from soma_pl.sweeps.space import load_sweep, trial_overrides
 
 from .conftest import write_sweep
 
