@@ -82,7 +82,7 @@ class CalibrationRun:
         """The aggregate update seconds per update between update `warmup` and `warmup + updates`,
         from the cumulative `compute/aggregate_device_hours` the calibration's CSV log (under `root`)
         holds at every update."""
-        found = sorted(root.rglob("metrics.csv"))
+        found = versions(root, "metrics.csv")
         if not found:
             raise SomaError(f"{root}: no metrics.csv; the calibration's fit logged nothing")
         seconds = {}
@@ -179,7 +179,7 @@ class TimePoint:
     updates: int
     """The last validation at or within `T`: the checkpoint scored in full."""
     seconds: float
-    """That checkpoint's measured update time (at most `T`)."""
+    """That checkpoint's update time on the curve's basis (at most `T`)."""
 
 
 def equal_time_point(curve: list[dict], budget_seconds: float) -> TimePoint:
@@ -207,10 +207,9 @@ def measured_over_calibrated(folders: dict[int, dict[int, str]]) -> dict | None:
     ratios = []
     for runs in folders.values():
         for run in runs.values():
-            path = Path(run) / "compute.json"
-            report = json.loads(path.read_text()) if path.is_file() else {}
-            rate = (report.get("budget") or {}).get("seconds_per_update")
-            if rate and report.get("updates"):
+            rate = calibration(Path(run))
+            if rate is not None:
+                report = json.loads(versions(Path(run), "compute.json")[-1].read_text())
                 ratios.append(report["aggregate_device_hours"] * 3600 / (report["updates"] * rate))
     return {"runs": len(ratios), "min": min(ratios), "mean": float(np.mean(ratios)), "max": max(ratios)} \
         if ratios else None

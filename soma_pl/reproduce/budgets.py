@@ -143,7 +143,7 @@ def table5_markdown(result: dict) -> str:
         if paper:
             lines.append(table_row([f"paper, N = {paper}", *(number(table5[m][paper][i], 4)
                                                            for i in range(len(budgets)) for m in ("soma", "bptt"))]))
-    lines += ["", "Measured update time each run reached when its budget stopped it (s): " + "; ".join(
+    lines += ["", "Update time each run reached when its budget stopped it (s, on the runs' basis): " + "; ".join(
         f"{label} " + ", ".join(f"{t:.0f}" for t in entry["total_seconds"])
         for label, entry in result["per_seed"].items()) + ".",
               "", "## The paper's claims", "", *checks_table(result["checks"]), "",

@@ -28,12 +28,18 @@ from typing import Literal
 import optuna
 from optuna.trial import TrialState
 
-from soma_pl.analysis.time_basis import accountings, measured_over_calibrated
+from soma_pl.analysis.time_basis import accountings, calibration, measured_over_calibrated
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.experiments import REPOSITORY, Experiment, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import family
-from soma_pl.sweeps.calibration import CALIBRATION, calibrate, calibration_points, read_calibration
+from soma_pl.sweeps.calibration import (
+    CALIBRATION,
+    calibrate,
+    calibration_points,
+    check_runs_calibrated,
+    read_calibration,
+)
 from soma_pl.sweeps.report import build_report, run_folders
 from soma_pl.sweeps.runner import SweepProgress
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, point_experts, point_key
@@ -224,11 +230,13 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
     load_before = os.getloadavg()[0]
     _prepare_data(experiment, scale, folder / "logs")
     spec.output_dir.mkdir(parents=True, exist_ok=True)  # the trials' folder, which holds the default storage
-    calibration = calibrate(spec, progress) if spec.calibrate is not None else None  # alone, before any trial
+    timed = calibrate(spec, progress) if spec.calibrate is not None else None  # alone, before any trial
     _run_workers(spec, storage, workers, folder / "logs", progress)
     study = optuna.load_study(study_name=spec.name, storage=open_storage(storage, spec=spec))
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         raise SomaError(f"{experiment.name}: no trial of {spec.name} completed; see {folder / 'logs'}")
+    check_runs_calibrated(spec, [calibration(Path(run)) for runs in run_folders(study).values()
+                                 for run in runs.values()])
     report = build_report(study, storage, final_test=experiment.final_test)
     measured = experiment.result(report, run_folders(study))  # scores the selected runs: part of the wall time
     measured["checks"] = family(measured.get("checks", []))
@@ -239,7 +247,7 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
               "wall_seconds": round(time.time() - started, 1), "load_average": [load_before, os.getloadavg()[0]],
               "sweep_wall_seconds": round(busy_seconds(study.get_trials(deepcopy=False)), 1),
               "trial_minutes": round(trial_minutes, 1), "accounting": accountings(run_folders(study)),
-              "calibration": calibration, "measured_over_calibrated": measured_over_calibrated(run_folders(study)),
+              "calibration": timed, "measured_over_calibrated": measured_over_calibrated(run_folders(study)),
               **measured}
     text = experiment.table(result)
     folder.mkdir(parents=True, exist_ok=True)
@@ -282,6 +290,9 @@ def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run
 def _reproduce(chosen: list[Experiment], scale: str, dry_run: bool, workers: int | None, storage: str | None,
                results: Path, progress: bool) -> None:
     """`main` in the repository root."""
+    for experiment in chosen:  # a wrong module or function is refused before anything runs
+        for kind in ("result", "markdown", "figure"):
+            experiment.function(kind)
     for experiment in chosen:
         if scale not in experiment.sweeps:
             why = experiment.cost.get(scale)

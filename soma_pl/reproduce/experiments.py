@@ -80,7 +80,11 @@ class Experiment:
 
     def function(self, kind: str) -> Callable:
         """The module's `<name>_<kind>` (`result`, `markdown`, `figure`)."""
-        return getattr(importlib.import_module(self.module), f"{self.name}_{kind}")
+        try:
+            return getattr(importlib.import_module(self.module), f"{self.name}_{kind}")
+        except (ImportError, AttributeError) as error:
+            raise ConfigError(f"{FOLDER / self.name}.yaml: module {self.module} has no {self.name}_{kind} "
+                              f"({type(error).__name__})") from error
 
     def result(self, report: dict, folders: dict[int, dict[int, str]], **options) -> dict:
         """(sweep report, trial → seed → run folder) → the experiment's result; `options` go to the

@@ -1,8 +1,9 @@
 """Table 4: the methods at one equal budget of update time, test loss at the end.
 
-Each row is a sweep column (`soma_n2`, `spsa_<n_pert>`, `eggroll`, `ddpp`) run once per seed until
-its budget of aggregate update time (Table 3's U·Σₑ t̄ₑ, every expert and rank counted) is spent;
-its trial's own test of the last checkpoint gives the test loss and the per-window losses that
+Each row is a sweep column (`soma_n2`, `spsa_<n_pert>`, `eggroll`, `ddpp`) run per seed until its
+budget of aggregate update time (Table 3's U·Σₑ t̄ₑ, every expert and rank counted) is spent, at each
+learning rate of the sweep's grid; each seed's run of lowest ensemble-validation loss is selected,
+and its trial's own test of the last checkpoint gives the test loss and the per-window losses that
 pair it with SOMA's on the same windows. The claim, SOMA N = 2 has the lowest test loss, is checked
 against each other row.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from soma_pl.analysis.time_basis import calibration
 from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.ablations import run_test_scores
@@ -46,7 +48,7 @@ def _compute(run_dir: Path) -> dict:
     where it has one, else measured), the measured ones and the physical ones (its `compute.json`)."""
     report = json.loads((run_dir / "compute.json").read_text())
     measured = report["aggregate_device_hours"] * 3600
-    rate = (report.get("budget") or {}).get("seconds_per_update")
+    rate = calibration(run_dir)
     return {"updates": report["updates"], "seconds": measured if rate is None else report["updates"] * rate,
             "measured_seconds": measured, "physical_seconds": report["physical_device_hours"] * 3600}
 
@@ -62,7 +64,7 @@ def lower_checks(labels: list[str], scores: dict[str, list[dict]], claim: Claim)
 
 def table4_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Table 4 beside the paper: per row, each seed's test loss (with its 95% document interval),
-    updates and measured compute; one check per other row that SOMA N = 2's test loss is lower."""
+    updates and compute (calibrated and measured); one check per other row that SOMA N = 2's test loss is lower."""
     t7 = report["table7"]
     labels = [str(label) for label in t7["column_labels"]]
     per_seed = t7["per_seed"]

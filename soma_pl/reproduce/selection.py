@@ -80,8 +80,6 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
             "at_grid_edge": t7["at_grid_edge"]}
 
 
-
-
 def table7_markdown(result: dict) -> str:
     """Table 7's layout for the demo pair: each seed's selected test losses, ours beside the paper's."""
     lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
@@ -129,8 +127,6 @@ def table7_markdown(result: dict) -> str:
                                           for k in ("spsa", "soma", "difference"))]))
     lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "", run_footer(result)]
     return "\n".join(lines) + "\n"
-
-
 
 
 def table7_figure(result: dict, path: Path) -> Path:

@@ -57,10 +57,17 @@ def calibration_points(spec: SweepSpec) -> dict[str, dict[str, Any]]:
     return points
 
 
+def timed_settings(spec: SweepSpec, params: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """A trial's config layers and settings without its budget: what its update time depends on
+    (two labels that differ only in their budget, as Fig. 14's N = 8 at two budgets, share one
+    calibration)."""
+    config, overrides = trial_overrides(spec, params)
+    return config, {key: value for key, value in overrides.items() if not key.startswith("budget.")}
+
+
 def calibration_command(spec: SweepSpec, params: dict[str, Label | float], root: Path) -> list[str]:
     """A trial's `fit` cut to the calibration (`CalibrationRun.overrides`), without its budget."""
-    config, overrides = trial_overrides(spec, params)
-    overrides = {key: value for key, value in overrides.items() if not key.startswith("budget.")}
+    config, overrides = timed_settings(spec, params)
     overrides.update({"seed_everything": 0, **spec.calibrate.run.overrides(root)})
     return [sys.executable, "-m", "soma_pl.cli", "fit", *config_args(config), *override_args(overrides)]
 
@@ -100,9 +107,38 @@ def calibrate(spec: SweepSpec, progress: bool = True) -> dict[str, dict]:
     saved = read_calibration(spec)
     todo = {key: params for key, params in calibration_points(spec).items() if key not in saved}
     for key, params in tqdm(todo.items(), desc=f"calibrate {spec.name}", unit="config", disable=not progress):
-        saved[key] = measure(spec, params)
+        settings = timed_settings(spec, params)
+        same = next((entry for entry in saved.values() if timed_settings(spec, entry["params"]) == settings), None)
+        saved[key] = measure(spec, params) if same is None else {**same, "params": params, "timed_as": same["params"]}
         write_json_atomic(spec.output_dir / CALIBRATION, {"sweep": str(spec.path), "points": saved})
     return saved
+
+
+def check_calibrated(spec: SweepSpec) -> None:
+    """Refuse, before a worker claims a trial, a calibrating sweep some configuration of which has
+    not been timed."""
+    if spec.calibrate is None:
+        return
+    saved = read_calibration(spec)
+    missing = [params for key, params in calibration_points(spec).items() if key not in saved]
+    if missing:
+        raise ConfigError(f"{spec.path}: {len(missing)} configuration(s) ({missing[0]}, ...) have no calibration in "
+                          f"{spec.output_dir / CALIBRATION}; run `python -m soma_pl.cli sweep calibrate --sweep "
+                          f"{spec.path}` first (reproduce does)")
+
+
+def check_runs_calibrated(spec: SweepSpec, rates: list[float | None]) -> None:
+    """Refuse a calibrating sweep's result when a finished run was timed otherwise (`rates`: each
+    run's `budget.seconds_per_update`): made before the sweep calibrated, or by a calibration since
+    replaced. Its time would sit on another basis than the rest."""
+    if spec.calibrate is None:
+        return
+    timed = {entry["seconds_per_update"] for entry in read_calibration(spec).values()}
+    stray = [rate for rate in rates if rate not in timed]
+    if stray:
+        raise ConfigError(f"{spec.path}: {len(stray)} finished run(s) of {spec.output_dir} ran with an update time not "
+                          f"in {spec.output_dir / CALIBRATION} (first: {stray[0]}); they would compare on another "
+                          f"time basis: delete {spec.output_dir} and run the sweep again")
 
 
 def calibrated_seconds(spec: SweepSpec, params: dict[str, Any]) -> float | None:

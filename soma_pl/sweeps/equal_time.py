@@ -34,7 +34,7 @@ def equal_time_table(per_seed: list[dict], run_dirs: dict[int, dict[int, str]], 
         budget = min(totals.values())
         if any(budget < curve[0][2] * (1 - 1e-9) for curve in curves.values()):
             return {"unavailable": f"seed {entry['seed']}: T = {budget:.1f} s falls before a selected run's first "
-                                   "validation; validate more often to compare at equal measured time"}
+                                   "validation; validate more often to compare at equal time"}
         val = {label: interpolate([(seconds, loss) for _, loss, seconds in curve], budget)
                for label, curve in curves.items()}
         windows.append({label: windows_at_seconds(Path(run_dirs[trial][entry["seed"]]), [budget])[0]

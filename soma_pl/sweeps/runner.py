@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from soma_pl.config_files import config_args, flatten, override_args, read_layers
 from soma_pl.errors import ConfigError, SomaError
-from soma_pl.sweeps.calibration import calibrated_seconds
+from soma_pl.sweeps.calibration import calibrated_seconds, check_calibrated
 from soma_pl.sweeps.space import SEED, SweepSpec, load_sweep, trial_overrides
 from soma_pl.sweeps.study import (
     FailureKind,
@@ -107,7 +107,7 @@ LIGHTNING_LOG_EVERY = 50
 
 def check_logging_interval(spec: SweepSpec) -> None:
     """Refuse, before any trial runs, a sweep whose fits would validate at updates where no update
-    time is logged: the report's comparisons at equal measured time (`soma_pl.analysis.time_basis`)
+    time is logged: the report's comparisons at equal time (`soma_pl.analysis.time_basis`)
     need `trainer.log_every_n_steps` to divide `trainer.val_check_interval` (an update count)."""
     names = [factor.name for factor in spec.factors]
     for labels in itertools.product(*(factor.choices for factor in spec.factors)):
@@ -305,6 +305,7 @@ def main(sweep: str, storage: str | None = None, n_trials: int | None = None, re
                           "unset to run until the study is done")
     spec = load_sweep(sweep, overrides)
     check_logging_interval(spec)
+    check_calibrated(spec)
     url = storage or spec.storage or default_storage(spec)
     setting = "--storage" if storage else f"{sweep}: storage" if spec.storage else "the default storage"
     if storage or spec.storage:  # the default's folder, the sweep's output_dir, is made by `connect`

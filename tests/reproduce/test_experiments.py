@@ -58,6 +58,13 @@ def test_a_wrong_key_is_refused_naming_it(tmp_path, edit, named):
     assert named in str(refused.value) and str(path) in str(refused.value)
 
 
+def test_a_file_naming_a_missing_function_is_refused_naming_it(tmp_path):
+    (tmp_path / "table4.yaml").write_text((FOLDER / "table4.yaml").read_text().replace(
+        "module: soma_pl.reproduce.methods", "module: soma_pl.reproduce.tables"))
+    with pytest.raises(ConfigError, match="table4_result"):
+        load_experiment("table4", tmp_path).function("result")
+
+
 def test_an_unknown_experiment_or_broken_file_is_refused_naming_it(tmp_path):
     shutil.copy(FOLDER / "table4.yaml", tmp_path / "table4.yaml")
     with pytest.raises(ConfigError) as refused:

@@ -15,6 +15,8 @@ from soma_pl.sweeps.calibration import (
     calibrate,
     calibration_key,
     calibration_points,
+    check_calibrated,
+    check_runs_calibrated,
 )
 from soma_pl.sweeps.space import load_sweep
 from tests.data.corpora import write_jsonl_corpus
@@ -67,18 +69,34 @@ def test_a_trial_runs_with_its_calibrated_time_and_without_one_is_refused(tmp_pa
     assert "--budget.seconds_per_update=0.25" in command
 
 
-def test_calibrate_times_a_real_fit_once(tmp_path):
+def test_calibrate_times_a_real_fit_once_per_setting(tmp_path):
+    """Two labels that differ only in their budget share one timing run."""
     corpus = tmp_path / "corpus"
     write_jsonl_corpus(corpus, {"alpha": 20, "beta": 20}, min_words=150, max_words=400)
-    path = write_sweep(tmp_path, calibrate={"by": [], "warmup": 1, "updates": 2},
+    path = write_sweep(tmp_path, calibrate={"warmup": 1, "updates": 2}, report={},
+                       grid={"run": {"choices": {"short": {"budget.token_forwards": 1000},
+                                                 "long": {"budget.token_forwards": 2000}}}},
                        overrides={"data.init_args.dataset.corpus.paths": [str(corpus)],
                                   "data.init_args.dataset.output_dir": str(tmp_path / "data"),
                                   "trainer.logger": False})
     spec = load_sweep(path)
     saved = calibrate(spec, progress=False)
-    assert list(saved) == ["{}"] and saved["{}"]["seconds_per_update"] > 0
-    assert saved["{}"]["updates"] == 2 and saved["{}"]["threads"] == 1
+    short, long = saved['{"run": "short"}'], saved['{"run": "long"}']
+    assert short["seconds_per_update"] == long["seconds_per_update"] > 0
+    assert [entry.get("timed_as") for entry in (short, long)] in ([None, {"run": "short"}], [{"run": "long"}, None])
+    assert short["updates"] == 2 and short["threads"] == 1
     on_disk = json.loads((spec.output_dir / CALIBRATION).read_text())
     assert on_disk["points"] == json.loads(json.dumps(saved))
-    assert not list((spec.output_dir / "calibration").iterdir())  # the timing run's folder is removed
+    assert len(list(tmp_path.rglob("fit.log"))) == 0  # one timing run, its folder removed
     assert calibrate(spec, progress=False) == saved  # timed once: a second call runs nothing
+    check_calibrated(spec)
+    check_runs_calibrated(spec, [short["seconds_per_update"]] * 2)
+    with pytest.raises(ConfigError, match=str(spec.output_dir)):  # a run timed by another calibration
+        check_runs_calibrated(spec, [short["seconds_per_update"], None])
+
+
+def test_a_worker_refuses_a_sweep_not_yet_calibrated_before_claiming_a_trial(tmp_path):
+    path = write_sweep(tmp_path, calibrate={"by": ["N"]})
+    with pytest.raises(ConfigError, match="sweep calibrate"):
+        runner.main(str(path), storage=f"sqlite:///{tmp_path / 'x.db'}")
+    assert not (tmp_path / "x.db").exists()  # refused before any study
