@@ -33,6 +33,19 @@ def versions(folder: Path, name: str) -> list[Path]:
     return sorted(folder.glob(f"version_*/{name}"), key=lambda p: int(p.parent.name.split("_")[1]))
 
 
+def logged(metrics: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """One CSV log's ensemble-validation losses by update count (a validation row's `step` is its
+    update count minus one) and its cumulative measured update seconds by update."""
+    losses, seconds = {}, {}
+    with metrics.open() as rows:
+        for row in csv.DictReader(rows):
+            if row.get("val/loss"):
+                losses[int(row["step"]) + 1] = float(row["val/loss"])
+            if row.get("compute/aggregate_device_hours"):
+                seconds[int(row["step"])] = float(row["compute/aggregate_device_hours"]) * 3600
+    return losses, seconds
+
+
 def measured_curve(fit_root: Path) -> list[tuple[int, float, float]]:
     """`(updates, ensemble-validation loss, update seconds so far)` at every validation of a fit
     (resumed sessions included). The seconds are the measured `compute/aggregate_device_hours`
@@ -41,12 +54,9 @@ def measured_curve(fit_root: Path) -> list[tuple[int, float, float]]:
     losses: dict[int, float] = {}
     seconds: dict[int, float] = {}
     for path in versions(fit_root, "metrics.csv"):
-        with path.open() as rows:
-            for row in csv.DictReader(rows):
-                if row.get("val/loss"):
-                    losses[int(row["step"]) + 1] = float(row["val/loss"])
-                if row.get("compute/aggregate_device_hours"):
-                    seconds[int(row["step"])] = float(row["compute/aggregate_device_hours"]) * 3600
+        logged_losses, logged_seconds = logged(path)
+        losses.update(logged_losses)
+        seconds.update(logged_seconds)
     missing = sorted(set(losses) - set(seconds))
     if missing:
         raise SomaError(f"{fit_root}: no update time logged at validation update(s) {missing[:5]}: "
@@ -85,11 +95,7 @@ class CalibrationRun:
         found = versions(root, "metrics.csv")
         if not found:
             raise SomaError(f"{root}: no metrics.csv; the calibration's fit logged nothing")
-        seconds = {}
-        with found[-1].open() as rows:
-            for row in csv.DictReader(rows):
-                if row.get("compute/aggregate_device_hours"):
-                    seconds[int(row["step"])] = float(row["compute/aggregate_device_hours"]) * 3600
+        _, seconds = logged(found[-1])
         end = self.warmup + self.updates
         if end not in seconds or (self.warmup and self.warmup not in seconds):
             raise SomaError(f"{found[-1]}: no update time logged at update {self.warmup} and {end}")
