@@ -8,7 +8,8 @@ shows the trials done and the best ensemble-validation loss; finished trials are
 interrupted run resumes), then score the selected runs (the final test split once), check the
 paper's claims and write `results/<experiment>/` (`result.json`, `table.md` in the paper's layout
 with the paper's numbers beside ours, `figure.png`), printing the table. `--dry_run true` lists the
-trials, which are done, and the compute the rest will cost.
+trials, which are done, and the compute the rest will cost. An experiment of measurements at fixed
+weights (`commands`) runs its commands in order instead of a sweep and reports what they wrote.
 
 `reproduce docs` writes `docs/reproduction.md` from every `results/*/result.json`.
 """
@@ -27,6 +28,7 @@ from typing import Literal
 
 import optuna
 from optuna.trial import TrialState
+from tqdm import tqdm
 
 from soma_pl.analysis.time_basis import accountings, calibration, measured_over_calibrated
 from soma_pl.errors import ConfigError, SomaError
@@ -151,6 +153,16 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
     return {"trials": len(points) + len(waiting), "done": done, "cost": cost}
 
 
+def list_commands(experiment: Experiment, scale: str, results: Path) -> None:
+    """The commands an experiment runs at `scale` and what they cost, printed; nothing runs."""
+    print(f"{experiment.name} ({scale}): {experiment.title}")
+    folder = results / (experiment.name if scale == "cpu" else f"{experiment.name}_{scale}")
+    for arguments in [*experiment.data.get(scale, []), *_commands(experiment, scale, folder)]:
+        print("  python -m soma_pl.cli " + " ".join(arguments))
+    print(f"to run: {experiment.cost[scale]}")
+    print(f"equal compute: {experiment.basis}")
+
+
 def _run_workers(spec: SweepSpec, storage: str, workers: int, logs: Path, progress: bool = True) -> None:
     """`workers` sweep workers (one thread each) until the study is done, with one progress bar
     (unless not `progress`)."""
@@ -196,16 +208,20 @@ def _run_workers(spec: SweepSpec, storage: str, workers: int, logs: Path, progre
 
 def _prepare_data(experiment: Experiment, scale: str, logs: Path) -> None:
     """The experiment's data commands (`prepare`, `shard`: no-ops when their output is up to date)."""
-    logs.mkdir(parents=True, exist_ok=True)
     for index, arguments in enumerate(experiment.data.get(scale, [])):
-        log = logs / f"data{index}-{arguments[0]}.log"
-        with log.open("w") as output:
-            quiet = ["--progress=false"] if arguments[0] in ("prepare", "shard") else []
-            code = subprocess.call([sys.executable, "-m", "soma_pl.cli", *arguments, *quiet],
-                                   stdout=output, stderr=subprocess.STDOUT)
-        if code != 0:
-            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-1:])
-            raise SomaError(f"{' '.join(arguments)} failed ({log}): {tail}")
+        quiet = ["--progress=false"] if arguments[0] in ("prepare", "shard") else []
+        _call([*arguments, *quiet], logs / f"data{index}-{arguments[0]}.log")
+
+
+def _call(arguments: list[str], log: Path) -> None:
+    """One CLI command, its output into `log`; a failure raised with the log's last line."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as output:
+        code = subprocess.call([sys.executable, "-m", "soma_pl.cli", *arguments], stdout=output,
+                               stderr=subprocess.STDOUT)
+    if code != 0:
+        tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-1:])
+        raise SomaError(f"{' '.join(arguments)} failed ({log}): {tail}")
 
 
 def busy_seconds(trials: list) -> float:
@@ -249,16 +265,47 @@ def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, worke
               "trial_minutes": round(trial_minutes, 1), "accounting": accountings(run_folders(study)),
               "calibration": timed, "measured_over_calibrated": measured_over_calibrated(run_folders(study)),
               **measured}
+    return _write(experiment, folder, result)
+
+
+def _write(experiment: Experiment, folder: Path, result: dict) -> dict:
+    """`result.json`, `table.md` and the figure (where the experiment has one) into `folder`; the
+    table printed."""
     text = experiment.table(result)
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(folder / "result.json", result)
     temporary = folder / f".table.md.tmp-{os.getpid()}"
     temporary.write_text(text)
     os.replace(temporary, folder / "table.md")
-    experiment.figure(result, folder / "figure.png")
+    figure = experiment.figure(result, folder / "figure.png")
     print(text)
-    print(f"wrote {folder / 'result.json'}, {folder / 'table.md'}, {folder / 'figure.png'}", file=sys.stderr)
+    print(f"wrote {folder / 'result.json'}, {folder / 'table.md'}{f', {figure}' if figure else ''}", file=sys.stderr)
     return result
+
+
+def _commands(experiment: Experiment, scale: str, folder: Path) -> list[list[str]]:
+    """The experiment's commands at `scale` with `{folder}` filled in."""
+    return [[argument.replace("{folder}", str(folder)) for argument in arguments]
+            for arguments in experiment.commands[scale]]
+
+
+def run_commands(experiment: Experiment, scale: str, results: Path, progress: bool = True) -> dict:
+    """Run the experiment's commands in order (each logged to `<folder>/logs`), then write and print
+    its result from what they wrote into its folder."""
+    folder = results / (experiment.name if scale == "cpu" else f"{experiment.name}_{scale}")
+    started, load_before = time.time(), os.getloadavg()[0]
+    _prepare_data(experiment, scale, folder / "logs")
+    commands = _commands(experiment, scale, folder)
+    for index, arguments in enumerate(tqdm(commands, desc=experiment.name, unit="command", disable=not progress)):
+        _call(arguments, folder / "logs" / f"run{index}-{arguments[0]}.log")
+    measured = experiment.result(folder)
+    measured["checks"] = family(measured.get("checks", []))
+    result = {"experiment": experiment.name, "scale": scale, "title": experiment.title, "basis": experiment.basis,
+              "commands": [" ".join(["python -m soma_pl.cli", *arguments])
+                           for arguments in _commands(experiment, scale, Path(os.path.relpath(folder)))],
+              "unit": experiment.paper.get("unit", "nats/byte"), "wall_seconds": round(time.time() - started, 1),
+              "load_average": [load_before, os.getloadavg()[0]], **measured}
+    return _write(experiment, folder, result)
 
 
 def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run: bool = False,
@@ -291,13 +338,19 @@ def _reproduce(chosen: list[Experiment], scale: str, dry_run: bool, workers: int
                results: Path, progress: bool) -> None:
     """`main` in the repository root."""
     for experiment in chosen:  # a wrong module or function is refused before anything runs
-        for kind in ("result", "markdown", "figure"):
+        for kind in ("result", "markdown"):
             experiment.function(kind)
     for experiment in chosen:
-        if scale not in experiment.sweeps:
+        if scale not in experiment.scales:
             why = experiment.cost.get(scale)
-            raise ConfigError(f"reproduce {experiment.name}: no {scale}-scale sweep{f' ({why})' if why else ''}; "
-                              f"run --scale {' or '.join(experiment.sweeps)}")
+            raise ConfigError(f"reproduce {experiment.name}: nothing to run at --scale {scale}"
+                              f"{f' ({why})' if why else ''}; run --scale {' or '.join(experiment.scales)}")
+        if experiment.commands:
+            if dry_run:
+                list_commands(experiment, scale, results)
+            else:
+                run_commands(experiment, scale, results, progress)
+            continue
         spec = load_sweep(experiment.sweeps[scale])
         url = storage or spec.storage or default_storage(spec)
         if dry_run:

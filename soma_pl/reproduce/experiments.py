@@ -1,10 +1,13 @@
 """The experiments `reproduce` runs, read from `experiments/<name>.yaml` in the checkout.
 
-Each file is one of the paper's experiments as data: its title, the sweeps it runs at each scale,
-its compute basis and cost, the commands that make its data, the paper's numbers and its claims
-(each the sentence checked, the basis it is judged on and the split it is scored on). The file
-names a module whose `<name>_result`, `<name>_markdown` and `<name>_figure` turn the sweep's report
-into the result, its table in the paper's layout and its figure.
+Each file is one of the paper's experiments as data: its title, what it runs at each scale, its
+compute basis and cost, the commands that make its data, the paper's numbers and its claims (each
+the sentence checked, the basis it is judged on and the split it is scored on). An experiment runs
+either a sweep (`sweeps`: trained runs, selected and scored) or commands (`commands`: measurements
+at fixed weights, as `analyze params` or `analyze variance`, writing JSON into the result's folder,
+named `{folder}` in their arguments). The file names a module whose `<name>_result` and
+`<name>_markdown` turn the sweep's report (or the commands' folder) into the result and its table in
+the paper's layout, and whose `<name>_figure`, where it has one, draws it.
 
 A result is a plain dict (written as `results/<name>/result.json`): `rows` of the paper's table
 with the paper's numbers beside ours, `blocks` of further tables, `checks` (each claim's verdict,
@@ -23,7 +26,7 @@ import yaml
 
 from soma_pl.errors import ConfigError
 from soma_pl.eval.bootstrap import Interval
-from soma_pl.reproduce.verdicts import LEVEL, decide
+from soma_pl.reproduce.verdicts import LEVEL, Check, count, decide, estimate
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 """The checkout whose `experiments/`, `sweeps/`, `configs/`, `data/` and `runs/` the experiments name."""
@@ -48,8 +51,19 @@ class Claim:
     def check(self, differences: list[float], document: Interval | None = None, level: float = LEVEL,
               **fields) -> dict:
         """`decide`'s verdict on per-seed differences `worse − better`, as a result's check."""
-        return {**decide(self.text(**fields), differences, document, level).as_dict(), "basis": self.basis,
-                "split": self.split}
+        return self.judged(decide(self.text(**fields), differences, document, level))
+
+    def check_estimate(self, value: float, stderr: float, reference: float, draws: int,
+                       over: str = "direction draws", **fields) -> dict:
+        """`estimate`'s verdict on a quantity measured over independent draws, as a result's check."""
+        return self.judged(estimate(self.text(**fields), value, stderr, reference, draws, over))
+
+    def check_count(self, ours: int, paper: float, digits: int = 3, **fields) -> dict:
+        """`count`'s verdict on an exact count against the paper's, as a result's check."""
+        return self.judged(count(self.text(**fields), ours, paper, digits))
+
+    def judged(self, check: Check) -> dict:
+        return {**check.as_dict(), "basis": self.basis, "split": self.split}
 
 
 @dataclass(frozen=True)
@@ -62,14 +76,16 @@ class Experiment:
     """What it compares, with the paper's table or figure."""
     module: str
     """The module holding `<name>_result`, `<name>_markdown` and `<name>_figure`."""
-    sweeps: dict[str, str]
-    """Scale (`cpu`, `paper`) → the sweep file whose study it runs."""
     basis: str
     """Which compute is equal between the compared runs, and which other basis is reported beside it."""
     cost: dict[str, str]
     """Scale → what a run costs, as measured (cpu) or as the sweep's budget says (paper)."""
     claims: dict[str, Claim]
     """Key → a claim its result checks."""
+    sweeps: dict[str, str] = field(default_factory=dict)
+    """Scale (`cpu`, `paper`) → the sweep file whose study it runs."""
+    commands: dict[str, list[list[str]]] = field(default_factory=dict)
+    """Scale → the CLI commands it runs instead of a sweep, in order, each writing into `{folder}`."""
     paper: dict = field(default_factory=dict)
     """The paper's numbers this experiment is reported beside."""
     data: dict[str, list[list[str]]] = field(default_factory=dict)
@@ -78,26 +94,37 @@ class Experiment:
     final_test: bool = True
     """Whether the selected runs are scored on the final test split (used once per run)."""
 
-    def function(self, kind: str) -> Callable:
-        """The module's `<name>_<kind>` (`result`, `markdown`, `figure`)."""
-        try:
-            return getattr(importlib.import_module(self.module), f"{self.name}_{kind}")
-        except (ImportError, AttributeError) as error:
-            raise ConfigError(f"{FOLDER / self.name}.yaml: module {self.module} has no {self.name}_{kind} "
-                              f"({type(error).__name__})") from error
+    @property
+    def scales(self) -> dict:
+        """Scale → what it runs there (a sweep file or a list of commands)."""
+        return self.sweeps or self.commands
 
-    def result(self, report: dict, folders: dict[int, dict[int, str]], **options) -> dict:
-        """(sweep report, trial → seed → run folder) → the experiment's result; `options` go to the
-        module's function (a test's budgets or text)."""
-        return {**self.function("result")(report, folders, self, **options), "paper_summary": self.paper}
+    def function(self, kind: str, required: bool = True) -> Callable | None:
+        """The module's `<name>_<kind>` (`result`, `markdown`, `figure`); None for a missing one
+        not `required`."""
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError as error:
+            raise ConfigError(f"{FOLDER / self.name}.yaml: module {self.module} cannot be imported "
+                              f"({type(error).__name__})") from error
+        function = getattr(module, f"{self.name}_{kind}", None)
+        if function is None and required:
+            raise ConfigError(f"{FOLDER / self.name}.yaml: module {self.module} has no {self.name}_{kind}")
+        return function
+
+    def result(self, *inputs, **options) -> dict:
+        """(sweep report, trial → seed → run folder), or the commands' folder → the experiment's
+        result; `options` go to the module's function (a test's budgets or text)."""
+        return {**self.function("result")(*inputs, self, **options), "paper_summary": self.paper}
 
     def table(self, result: dict) -> str:
         """The result → markdown in the paper's layout, the paper's numbers beside ours."""
         return self.function("markdown")(result)
 
-    def figure(self, result: dict, path: Path) -> Path:
-        """(the result, a PNG path) → the figure written there."""
-        return self.function("figure")(result, path)
+    def figure(self, result: dict, path: Path) -> Path | None:
+        """(the result, a PNG path) → the figure written there; None for an experiment without one."""
+        draw = self.function("figure", required=False)
+        return draw and draw(result, path)
 
 
 def _fields(cls: type, entry: object, where: str) -> dict:
@@ -123,6 +150,9 @@ def load(path: Path) -> Experiment:
     entry = _fields(Experiment, entry, str(path))
     claims = {key: Claim(**_fields(Claim, claim, f"{path}: claims.{key}"))
               for key, claim in (entry.get("claims") or {}).items()}
+    if bool(entry.get("sweeps")) == bool(entry.get("commands")):
+        raise ConfigError(f"{path}: give one of 'sweeps' (trained runs) or 'commands' (measurements), not "
+                          f"{'both' if entry.get('sweeps') else 'neither'}")
     return Experiment(name=path.stem, **{**entry, "claims": claims})
 
 

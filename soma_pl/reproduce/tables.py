@@ -40,13 +40,24 @@ def heading(result: dict) -> list[str]:
 def checks_table(checks: list[dict]) -> list[str]:
     """One line per claim: its verdict, mean difference, the two 95% intervals and its p-value after
     Holm's adjustment over the experiment's claims (`soma_pl.reproduce.verdicts.family`)."""
-    lines = table_head(["Claim", "Verdict", "Mean difference", "Seeds", "95% over seeds", "95% over documents",
+    lines = table_head(["Claim", "Verdict", "Mean difference", "Over", "95% over them", "95% over documents",
                         "p (Holm)"])
     for check in checks:
-        lines.append(table_row([check["claim"], f"**{check['verdict']}**", number(check["mean"], sign=True),
-                           str(check["seeds"]), interval_text(check["seed_interval"]),
+        digits = 0 if check.get("over") == "exact count" else 4
+        lines.append(table_row([check["claim"], f"**{check['verdict']}**", number(check["mean"], digits, sign=True),
+                           f"{check['seeds']} {check.get('over', 'seeds')}", interval_text(check["seed_interval"]),
                            interval_text(check["document_interval"]), holm_text(check)]))
     return lines
+
+
+def evidence_text(check: dict) -> str:
+    """What decided a check, in one cell: the mean difference and its intervals (over seeds and
+    documents, or over direction draws), or an exact count's rule."""
+    over = check.get("over", "seeds")
+    if over == "exact count":
+        return check["why"]
+    text = f"{number(check['mean'], sign=True)} {interval_text(check['seed_interval'])} over {check['seeds']} {over}"
+    return text + (f", {interval_text(check['document_interval'])} over documents" if over == "seeds" else "")
 
 
 def selected_text(selected: list[dict | None]) -> str:
@@ -66,7 +77,8 @@ def grid_edge_note(edges: dict[str, list[str]]) -> list[str]:
 
 def holm_text(check: dict) -> str:
     """A check's p-value after Holm's adjustment, or — where it has none."""
-    return "—" if check.get("holm_p") is None else f"{check['holm_p']:.3g}"
+    p = check.get("holm_p")
+    return "—" if p is None else f"{p:.3g}" if p >= 1e-12 else "< 1e-12"
 
 
 def run_footer(result: dict, reused: str = "finished trials reused") -> str:
@@ -87,6 +99,12 @@ def run_footer(result: dict, reused: str = "finished trials reused") -> str:
         line += ". Compute accounting of the runs: " + "; ".join(
             f"{count} with {Accounting(kind).meaning}" for kind, count in result["accounting"].items())
     return line + "." + calibration_text(result)
+
+
+def commands_footer(result: dict) -> str:
+    """The closing line of a measurement's table: its commands, wall time and load average."""
+    return (f"This run: {result['wall_seconds']:.0f} s, load average {result['load_average'][0]:.2f} before, "
+            f"{result['load_average'][1]:.2f} after; " + "; ".join(f"`{c}`" for c in result["commands"]) + ".")
 
 
 def calibration_text(result: dict) -> str:
@@ -153,14 +171,14 @@ def reproduction_page(results: Path, page: Path) -> str:
              "their cost). A verdict holds when the 95% intervals over seeds (three or more) and over test documents "
              "both lie on the claim's side of zero and, after Holm's adjustment over the experiment's claims, its "
              "p-value stays below 0.05 (`soma_pl/reproduce/verdicts.py`); documents are the test split's, or the "
-             "validation split's for claims read off validation curves. A row without a Holm p-value is undecided, "
-             "judged by its own rule (an equivalence margin, a count), or was saved before the rule, when its "
+             "validation split's for claims read off validation curves. A measurement at fixed weights is decided "
+             "by its interval over independent direction draws. A row without a Holm p-value is undecided, "
+             "judged by its own rule (an equivalence margin, an exact count), or was saved before the rule, when its "
              "intervals alone decided (the seeds' alone where it had no document interval).", "",
              *table_head(["Experiment", "Paper claim", "Basis", "Ours", "Verdict", "p (Holm)"])]
     for result in saved:
         for check in result["checks"]:
-            ours = (f"{number(check['mean'], sign=True)} {interval_text(check['seed_interval'])} "
-                    f"over {check['seeds']} seeds, {interval_text(check['document_interval'])} over documents")
+            ours = evidence_text(check)
             lines.append(table_row([f"{result['experiment']} ({result['scale']})", check["claim"], check["basis"], ours,
                                f"**{check['verdict']}**", holm_text(check)]))
     for result, path in zip(saved, found, strict=True):

@@ -17,10 +17,16 @@ three seeds, or no document interval (scores without per-window losses). Its p-v
 of the two tests' (both must reject). The claims of one experiment are one family
 (:func:`family`): Holm's step-down adjustment of their p-values keeps the chance of any false
 verdict among them at 5%, and a claim whose adjusted p-value reaches 0.05 is inconclusive.
+
+Two claims of another kind are checked by rules of their own: a quantity measured over independent
+draws at fixed weights and windows (:func:`estimate`: its Student-t interval over the draws of
+directions or timing rounds, no document interval) and an exact count (:func:`count`: equal to the paper's at the
+paper's significant figures).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -57,6 +63,8 @@ class Check:
     undecided for want of seeds or documents."""
     holm_p: float | None = None
     """``p`` after Holm's adjustment over the experiment's claims (:func:`family`)."""
+    over: str = "seeds"
+    """What `seeds` counts and `seed_interval` is over: seeds, direction draws, or an exact count."""
 
     def as_dict(self) -> dict:
         return {**asdict(self), "verdict": self.verdict.value}
@@ -127,6 +135,34 @@ def decide(claim: str, differences: list[float], document: Interval | None = Non
     else:
         verdict, why = Verdict.inconclusive, f"an interval reaches zero or they disagree ({shown})"
     return Check(claim, verdict, why, mean, len(differences), interval, bounds, p)
+
+
+def estimate(claim: str, value: float, stderr: float, reference: float, draws: int, over: str = "direction draws",
+             level: float = LEVEL) -> Check:
+    """The verdict on a claim that a quantity measured as a mean over `draws` independent draws (a
+    ratio of gradient errors at fixed weights and windows over direction draws, of throughputs over
+    timing rounds) exceeds `reference`: the Student-t interval (`draws` − 1 degrees of freedom) of
+    `value − reference` from its standard error holds above zero, does not hold below it; the p-value
+    is the two-sided t-test's."""
+    difference, freedom = value - reference, max(draws - 1, 1)
+    half = float(scipy_stats.t.ppf(0.5 + level / 2, freedom)) * stderr
+    interval = (difference - half, difference + half)
+    p = float(2 * scipy_stats.t.sf(abs(difference) / stderr, freedom)) if stderr > 0 else float(difference == 0)
+    shown = f"{draws} {over} {interval[0]:+.4g} … {interval[1]:+.4g}"
+    verdict, why = {1: (Verdict.holds, f"the interval lies above zero ({shown})"),
+                    -1: (Verdict.does_not_hold, f"the opposite holds: the interval lies below zero ({shown})"),
+                    0: (Verdict.inconclusive, f"the interval reaches zero ({shown})")}[_side(interval)]
+    return Check(claim, verdict, why, difference, draws, interval, None, p, over=over)
+
+
+def count(claim: str, ours: int, paper: float, digits: int = 3) -> Check:
+    """The verdict on an exact count (a parameter count) against the paper's, given to `digits`
+    significant figures: holds when ours rounds to it."""
+    rounded = float(f"{ours:.{digits}g}")
+    same = math.isclose(rounded, paper, rel_tol=1e-9)
+    why = f"{ours:,} is {rounded:.{digits}g} to {digits} significant figures; the paper gives {paper:.{digits}g}"
+    return Check(claim, Verdict.holds if same else Verdict.does_not_hold, why, ours - paper, 1, None, None,
+                 over="exact count")
 
 
 def family(checks: list[dict], alpha: float = 1 - LEVEL) -> list[dict]:

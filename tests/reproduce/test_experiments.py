@@ -14,25 +14,38 @@ from soma_pl.reproduce.experiments import FOLDER, Claim, all_experiments, load_e
 from soma_pl.reproduce.verdicts import Verdict
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = ["fig13", "fig14", "fig7", "fig7_settings", "fig9", "table11", "table4", "table5", "table7", "table9"]
+EXPECTED = ["fig10", "fig13", "fig14", "fig4", "fig7", "fig7_settings", "fig9", "table11", "table12", "table2",
+            "table4", "table5", "table7", "table9"]
 
 
 def test_every_experiment_file_loads_and_names_what_exists():
     found = all_experiments()
     assert sorted(found) == EXPECTED and FOLDER == ROOT / "experiments"
     for name, experiment in found.items():
-        assert experiment.name == name and experiment.claims and "cpu" in experiment.sweeps
+        assert experiment.name == name and experiment.claims and "cpu" in experiment.scales
+        assert bool(experiment.sweeps) != bool(experiment.commands), name
         for sweep in experiment.sweeps.values():
             assert (ROOT / sweep).is_file(), (name, sweep)
-        for kind in ("result", "markdown", "figure"):
+        for kind in ("result", "markdown"):
             assert callable(experiment.function(kind)), (name, kind)
-        for commands in experiment.data.values():
+        for commands in [*experiment.data.values(), *experiment.commands.values()]:
             for command in commands:
-                assert command[0] in COMMANDS, (name, command)
+                assert command[0] in COMMANDS or " ".join(command[:2]) in COMMANDS, (name, command)
                 configs = [command[i + 1] for i, word in enumerate(command) if word == "--config"]
                 assert all((ROOT / config).is_file() for config in configs), (name, command)
         for claim in experiment.claims.values():
-            assert claim.split in ("val", "test", "final", "external") and claim.basis
+            assert claim.split in ("val", "test", "final", "external", "none") and claim.basis
+
+
+def test_an_experiment_runs_a_sweep_or_commands_not_both_nor_neither(tmp_path):
+    text = (FOLDER / "table2.yaml").read_text()
+    (tmp_path / "both.yaml").write_text(text + "sweeps: {cpu: sweeps/demo/table4.yaml}\n")
+    (tmp_path / "neither.yaml").write_text(text.replace("\ncommands:\n", "\nunused:\n", 1).replace(
+        "unused:", "data:", 1))
+    for name in ("both", "neither"):
+        with pytest.raises(ConfigError) as refused:
+            load_experiment(name, tmp_path)
+        assert "sweeps" in str(refused.value) and "commands" in str(refused.value)
 
 
 def test_a_claim_fills_its_fields_and_keeps_its_basis_and_split():

@@ -82,7 +82,7 @@ def test_fig9_lists_its_conditions_and_refuses_a_paper_scale_it_has_not(tmp_path
         main(["reproduce", "fig9", "--scale", "paper", "--dry_run", "true"])
     assert stop.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and "no paper-scale sweep" in error[0] and "run --scale cpu" in error[0]
+    assert len(error) == 1 and "--scale paper" in error[0] and "run --scale cpu" in error[0]
 
 
 def test_table4_lists_the_papers_five_rows_and_their_gpu_hours(monkeypatch, capsys, tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from soma_pl.eval.bootstrap import Interval, document_bootstrap, paired_document_interval
-from soma_pl.reproduce.verdicts import Verdict, decide, family, seed_interval, seed_p
+from soma_pl.reproduce.verdicts import Verdict, count, decide, estimate, family, seed_interval, seed_p
 
 
 def test_the_seed_interval_is_students_t_with_n_minus_one_degrees_of_freedom():
@@ -118,3 +118,25 @@ def test_the_document_interval_is_at_the_level_asked_for():
     plain, wide = paired_document_interval(worse, better), paired_document_interval(worse, better, level=0.99)
     assert wide.low < plain.low < plain.high < wide.high
     assert wide.p_zero == plain.p_zero  # the p-value does not depend on the interval's level
+
+
+def test_an_estimate_over_direction_draws_is_decided_by_its_normal_interval():
+    # 4.02 ± 0.3 against 1 over 32 draws: 3.02 ± t(0.975, 31) · 0.3 = 3.02 ± 2.039513 · 0.3 (the paper's Fig. 11 ratio)
+    check = estimate("separate below summed", 4.02, 0.3, 1.0, 32)
+    assert check.verdict is Verdict.holds and check.over == "direction draws" and check.seeds == 32
+    assert check.seed_interval == pytest.approx((3.02 - 2.039513 * 0.3, 3.02 + 2.039513 * 0.3), abs=1e-5)
+    assert check.document_interval is None
+    # three timing rounds: t(0.975, 2) = 4.302653; 1.5 ± 0.1 → 0.5 ± 0.43 holds, and t = 5 gives p 0.0377
+    rounds = estimate("faster", 1.5, 0.1, 1.0, 3, over="timing rounds")
+    assert rounds.verdict is Verdict.holds and rounds.seed_interval[0] == pytest.approx(0.5 - 0.4302653, abs=1e-6)
+    assert rounds.p == pytest.approx(0.03775, abs=1e-4) and rounds.over == "timing rounds"
+    assert estimate("x", 1.3, 0.2, 1.0, 32).verdict is Verdict.inconclusive  # 0.3 ± 0.408 reaches zero
+    assert estimate("x", 0.5, 0.1, 1.0, 32).verdict is Verdict.does_not_hold
+    assert family([rounds.as_dict()] * 3)[0]["holm_p"] == pytest.approx(3 * rounds.p, rel=1e-9)
+
+
+def test_a_count_holds_when_it_rounds_to_the_papers_figures():
+    assert count("N = 1", 8_333_905, 8_330_000).verdict is Verdict.holds  # 8.33M
+    assert count("N = 256 body", 32_928, 32_900).verdict is Verdict.holds  # 32.9k
+    wrong = count("N = 1", 8_346_000, 8_330_000)  # 8.35M
+    assert wrong.verdict is Verdict.does_not_hold and wrong.p is None and wrong.mean == 16_000

@@ -1,0 +1,182 @@
+"""Experiments of measurements at fixed weights (`commands` in their file), read from the JSON their
+commands wrote into the result's folder: Table 2 (`analyze params`), Figs. 10 and 11
+(`analyze variance`) and Table 12 (`bench inference`)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from soma_pl.reproduce.experiments import Experiment
+from soma_pl.reproduce.tables import checks_table, commands_footer, heading, save_figure, table_head, table_row
+
+
+def _read(folder: Path, name: str) -> dict:
+    return json.loads((folder / name).read_text())
+
+
+def table2_result(folder: Path, experiment: Experiment) -> dict:
+    """Table 2: each configuration's parameters counted from the real modules, beside the paper's."""
+    claims, paper = experiment.claims, experiment.paper["rows"]
+    rows = [{**row, "paper": paper[str(row["N"])]} for row in _read(folder, "params.json")["rows"]]
+    checks = [claims["head"].check_count(rows[0]["head_params_per_expert"], rows[0]["paper"]["head"])]
+    for row in rows:
+        fields = {"experts": row["N"], "width": row["d_t"]}
+        checks += [claims["ensemble"].check_count(row["ensemble_params"], row["paper"]["ensemble"], **fields),
+                   claims["body"].check_count(row["expert_body_params"], row["paper"]["body"], **fields)]
+    return {"rows": rows, "checks": checks}
+
+
+def table2_markdown(result: dict) -> str:
+    lines = [*heading(result), *table_head(["N", "d_t", "head per expert", "ensemble parameters (paper)",
+                                            "expert body parameters (paper)"])]
+    for row in result["rows"]:
+        paper = row["paper"]
+        head = f"{row['head_params_per_expert']:,}{' (shared)' if row['head_shared'] else ''}"
+        lines.append(table_row([str(row["N"]), str(row["d_t"]), head,
+                                f"{row['ensemble_params']:,} ({_short(paper['ensemble'])})",
+                                f"{row['expert_body_params']:,} ({_short(paper['body'])})"]))
+    return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
+
+
+def _short(count: float) -> str:
+    """A count as the paper writes it: 8.33M, 32.9k."""
+    return f"{count / 1e6:.3g}M" if count >= 1e6 else f"{count / 1e3:.3g}k"
+
+
+def _ratio(upper: dict, lower: dict) -> tuple[float, float, float]:
+    """(measured upper/lower, its standard error from both points' (independent draws), predicted)."""
+    ratio = upper["relative_error"] / lower["relative_error"]
+    spread = ((upper["stderr"] / upper["relative_error"]) ** 2 + (lower["stderr"] / lower["relative_error"]) ** 2)
+    return ratio, ratio * spread ** 0.5, upper["predicted"] / lower["predicted"]
+
+
+def fig10_result(folder: Path, experiment: Experiment) -> dict:
+    """Figs. 10 and 11: relative gradient error at fixed weights against the number of experts at
+    equal total size and against n_pert (sparse probes, Fig. 10), and separate against summed losses
+    (dense probes, Fig. 11), each beside its prediction."""
+    sparse, dense, claims = _read(folder, "sparse.json"), _read(folder, "dense.json"), experiment.claims
+    points = sparse["experts"]["points"]
+    ratio, stderr, predicted = _ratio(points[0], points[-1])
+    draws = sparse["settings"]["repeats"]
+    checks = [claims["shards"].check_estimate(ratio, stderr, 1.0, draws, smaller=points[0]["num_experts"],
+                                              larger=points[-1]["num_experts"], predicted=predicted)]
+    doubling = sparse["n_pert"]["doubling"][-1]
+    checks.append(claims["perturbations"].check_estimate(doubling["ratio"], doubling["stderr"], 1.0, draws,
+                                                          n_pert=doubling["n_pert"], predicted=doubling["predicted"]))
+    joint = dense["n_pert"]["joint_vs_separate"]
+    checks.append(claims["separate"].check_estimate(joint["ratio"], joint["stderr"], 1.0,
+                                                     dense["settings"]["repeats"], experts=joint["loss_grouping"],
+                                                     n_pert=joint["n_pert"], predicted=joint["predicted"]))
+    best = [{"loss_grouping": curve["loss_grouping"],
+             "measured": min(curve["points"], key=lambda p: p["relative_error"])["batch"],
+             "predicted": min(curve["points"], key=lambda p: p["predicted"])["batch"]}
+            for curve in dense["batch"]["curves"]]
+    return {"weights": sparse["weights"], "experts_points": points, "shards_ratio": [ratio, stderr, predicted],
+            "sparse_curves": sparse["n_pert"]["curves"], "dense_curves": dense["n_pert"]["curves"],
+            "batch": dense["batch"], "best_batch": best, "settings": {"sparse": sparse["settings"],
+                                                                      "dense": dense["settings"]},
+            "checks": checks}
+
+
+def _measured(point: dict) -> str:
+    return f"{point['relative_error']:.4g} ± {point['stderr']:.2g} ({point['predicted']:.4g})"
+
+
+def fig10_markdown(result: dict) -> str:
+    paper, settings = result["paper_summary"], result["settings"]
+    lines = [*heading(result), f"Weights: {result['weights']}; measured relative error ± its standard error over "
+             f"the draws, predicted in brackets (App. G.1, no fitting). Paper: {paper['note']}", "",
+             "**Fig. 10, left** (sparse probes, random init at equal total size, the largest n_pert):", "",
+             *table_head(["N", "width", "parameters per expert", "relative error (predicted)"])]
+    lines += [table_row([str(p["num_experts"]), str(p["width"]), f"{p['params_per_expert']:,}", _measured(p)])
+              for p in result["experts_points"]]
+    ratio, stderr, predicted = result["shards_ratio"]
+    smaller, larger = (result["experts_points"][i]["num_experts"] for i in (0, -1))
+    lines += ["", f"N = {smaller} over N = {larger}: "
+              f"{ratio:.3g} ± {stderr:.2g} (predicted {predicted:.3g}; the paper's N = 1 over N = 256 at 8.44M: "
+              f"{paper['shards_ratio']}×)."]
+    for title, curves in (("**Fig. 10, right** (sparse probes, the checkpoint)", result["sparse_curves"]),
+                          ("**Fig. 11, left** (dense probes, the checkpoint)", result["dense_curves"])):
+        n_perts = [p["n_pert"] for p in curves[0]["points"]]
+        lines += ["", f"{title}: relative error by n_pert and experts per loss", "",
+                  *table_head(["experts per loss", *(f"n_pert = {n}" for n in n_perts)])]
+        lines += [table_row([str(c["loss_grouping"]), *(_measured(p) for p in c["points"])]) for c in curves]
+    batch = result["batch"]
+    lines += ["", f"**Fig. 11, right** (dense probes, {batch['probe_coordinates']} coordinates per expert, a pool of "
+              f"{batch['pool_windows']} windows, n_pert·B = {batch['budget']}, ν = {batch['nu']:.3g}; paper ν = "
+              f"{paper['nu']}): the best B measured (predicted) by experts per loss: " + ", ".join(
+                  f"{b['loss_grouping']}: {b['measured']} ({b['predicted']})" for b in result["best_batch"])
+              + f"; the paper's {paper['best_batch']}.",
+              "", f"Draws: {settings['sparse']['repeats']} per point (sparse), {settings['dense']['repeats']} "
+              f"(dense), {settings['dense']['batch_repeats']} in the batch panel; context "
+              f"{settings['sparse']['context']} "
+              "bytes.", "", *checks_table(result["checks"]), "", commands_footer(result)]
+    return "\n".join(lines) + "\n"
+
+
+def fig10_figure(result: dict, path: Path) -> Path:
+    """Relative error against N at equal size and against n_pert, measured (points) and predicted (lines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    points = result["experts_points"]
+    x = [p["num_experts"] for p in points]
+    left.errorbar(x, [p["relative_error"] for p in points], yerr=[1.96 * p["stderr"] for p in points], fmt="o",
+                  label="measured (95%)")
+    left.plot(x, [p["predicted"] for p in points], "--", label="predicted")
+    left.set(xscale="log", yscale="log", xlabel="experts N at equal total size", ylabel="relative error",
+             title="Fig. 10, left (sparse probes)")
+    for curve in result["sparse_curves"]:
+        n = [p["n_pert"] for p in curve["points"]]
+        bar = right.errorbar(n, [p["relative_error"] for p in curve["points"]],
+                             yerr=[1.96 * p["stderr"] for p in curve["points"]], fmt="o",
+                             label=f"{curve['loss_grouping']} per loss")
+        right.plot(n, [p["predicted"] for p in curve["points"]], "--", color=bar[0].get_color())
+    right.set(xscale="log", yscale="log", xlabel="n_pert", title="Fig. 10, right (sparse probes)")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+
+def table12_result(folder: Path, experiment: Experiment) -> dict:
+    """Table 12: warm inference throughput of the equal-size ensembles, routing included, and the
+    largest ensemble's throughput over each smaller one's, round by round (each round times every
+    configuration in a fresh process, one after another)."""
+    bench = _read(folder, "inference.json")
+    rows = [{**row, "paper": experiment.paper["rows"].get(str(row["experts"]))} for row in bench["results"]]
+    largest, claim = max(rows, key=lambda row: row["experts"]), experiment.claims["faster"]
+    checks = []
+    for rival in sorted((row for row in rows if row is not largest), key=lambda row: -row["experts"]):
+        ratios = [a / b for a, b in zip(largest["tokens_per_s_per_round"], rival["tokens_per_s_per_round"],
+                                        strict=True)]
+        stderr = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("inf")
+        paper = largest["paper"]["tokens_per_s"] / rival["paper"]["tokens_per_s"]
+        checks.append(claim.check_estimate(statistics.fmean(ratios), stderr, 1.0, len(ratios), "timing rounds",
+                                           larger=largest["experts"], smaller=rival["experts"], k=rival["top_k"],
+                                           paper=paper))
+    return {"rows": rows, "machine": bench["machine"], "load_average_after": bench["load_average_after"],
+            "settings": bench["settings"], "checks": checks}
+
+
+def table12_markdown(result: dict) -> str:
+    settings = result["settings"]
+    lines = [*heading(result), f"Median of {settings['repeats']} warm batches in each of {settings['rounds']} rounds "
+             f"(a fresh process per configuration per round), {settings['threads'] or 'all'} thread(s); a request is "
+             "1,024 bytes scoring the last 768. Paper (one GPU) in brackets.", "",
+             *table_head(["model", "parameters", "top-k", "batch", "tokens/s (paper)", "per round", "latency ms",
+                          "routing share (paper)", "peak above baseline"])]
+    for row in result["rows"]:
+        paper = row["paper"] or {}
+        lines.append(table_row([row["model"], f"{row['parameters']:,}", str(row["top_k"]), str(row["batch_size"]),
+                                f"{row['tokens_per_s']:,.0f} ({paper.get('tokens_per_s', 0):,.0f})",
+                                ", ".join(f"{t:,.0f}" for t in row["tokens_per_s_per_round"]),
+                                f"{row['latency_ms']:,.0f}",
+                                f"{row['routing_share']:.2%} ({paper.get('routing_share', '—')})",
+                                f"{row['peak_above_baseline_bytes'] / 2 ** 20:,.0f} MiB"]))
+    return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"

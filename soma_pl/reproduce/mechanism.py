@@ -1,0 +1,61 @@
+"""Fig. 4: the independent-loss mechanism. One SOMA checkpoint continued twice per seed, from the
+same weights, Adam moments, data and directions, with each expert's own loss (FSO) or with one
+loss summed over its experts before each difference (one perturbation over all their coordinates),
+then both scored on the test split. The seed pairs the two arms; the claim is the paper's: the
+independent losses end lower."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from soma_pl.eval.bootstrap import paired_document_interval
+from soma_pl.reproduce.allocation import start_checkpoint
+from soma_pl.reproduce.experiments import Experiment
+from soma_pl.reproduce.tables import checks_table, heading, number, rows_figure, run_footer, table_head, table_row
+from soma_pl.reproduce.verdicts import mean_sd
+from soma_pl.sweeps.final_test import score_checkpoint, score_run
+
+
+def fig4_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
+    """Each arm's test loss per seed beside the start checkpoint's, and the claim checked on the
+    paired differences `summed − independent`."""
+    per_seed, arms = report["table7"]["per_seed"], experiment.paper["arms"]
+    runs = {arm: [Path(folders[entry["trial"][arm]][entry["seed"]]) for entry in per_seed] for arm in arms}
+    scores = {arm: [score_run(path, "test") for path in paths] for arm, paths in runs.items()}
+    first = runs[arms[0]][0]
+    start_path = start_checkpoint(first)
+    start = score_checkpoint(first / "config.yaml", start_path, Path(start_path).parent.parent / "start_test")
+    independent, summed = (scores[arm] for arm in arms)
+    differences = [s["loss"] - i["loss"] for s, i in zip(summed, independent, strict=True)]
+    check = experiment.claims["independent"].check(differences, paired_document_interval(summed, independent),
+                                                   updates=experiment.paper["cpu_updates"])
+    rows = [{"arm": arm, "row": arm, "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[arm],
+                                                                                            strict=True)},
+             "test": mean_sd([s["loss"] for s in scores[arm]])} for arm in arms]
+    return {"rows": rows, "differences": differences, "seeds": [e["seed"] for e in per_seed],
+            "start": {"checkpoint": start_path, "test": start["loss"]}, "checks": [check],
+            "trials": report["trials"], "failed": report["failed"]}
+
+
+def fig4_markdown(result: dict) -> str:
+    paper, seeds = result["paper_summary"], result["seeds"]
+    independent, summed = result["rows"]
+    lines = [*heading(result),
+             f"Test loss (nats/byte) after {paper['cpu_updates']} further updates from "
+             f"`{result['start']['checkpoint']}` "
+             f"(test loss {result['start']['test']:.4f} there), per seed; the paper's gains after {paper['updates']:,} "
+             f"further updates: {', '.join(f'{g:+.4f}' for g in paper['gains'])}.", "",
+             *table_head(["seed", "independent losses", "one summed loss", "summed − independent"])]
+    for seed, difference in zip(seeds, result["differences"], strict=True):
+        lines.append(table_row([str(seed), number(independent["per_seed"][str(seed)]),
+                                number(summed["per_seed"][str(seed)]), number(difference, sign=True)]))
+    lines += [table_row(["mean", number(independent["test"]["mean"]), number(summed["test"]["mean"]),
+                         number(sum(result["differences"]) / len(result["differences"]), sign=True)]), "",
+              f"The paper's later continuation ({paper['mature']}) is not run at this scale.", "",
+              *checks_table(result["checks"]), "", run_footer(result)]
+    return "\n".join(lines) + "\n"
+
+
+def fig4_figure(result: dict, path: Path) -> Path:
+    return rows_figure(result, path, "test", "test loss (nats/byte)",
+                       f"{result['experiment']} at {result['scale']} scale: independent against summed losses")

@@ -1,0 +1,100 @@
+"""Experiments of measurements at fixed weights (`commands`): Table 2 run end to end through
+`reproduce`, and Figs. 10 and 11 decided on hand-made measurements."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+
+from soma_pl.cli import main
+from soma_pl.reproduce.experiments import REPOSITORY, load_experiment
+from soma_pl.reproduce.measurements import _ratio
+from soma_pl.reproduce.tables import reproduction_page
+from soma_pl.reproduce.verdicts import Verdict
+
+
+def test_table2_runs_its_command_and_every_count_holds_as_the_paper_gives_it(tmp_path, capsys):
+    main(["reproduce", "table2", "--results", str(tmp_path), "--progress", "false"])
+    result = json.loads((tmp_path / "table2" / "result.json").read_text())
+    assert [row["N"] for row in result["rows"]] == [1, 2, 8, 256]
+    # App. C: 32·d_t² + 5·d_t per body; d_t = 32 gives 32,928 (the paper's 32.9k), N = 256 shares one head
+    assert result["rows"][-1]["expert_body_params"] == 32 * 32 ** 2 + 5 * 32
+    assert [c["verdict"] for c in result["checks"]] == [Verdict.holds.value] * 9
+    assert all(c["over"] == "exact count" and c.get("holm_p") is None for c in result["checks"])
+    folder = os.path.relpath(tmp_path / "table2", REPOSITORY)  # the commands run in the repository root
+    assert result["commands"] == [f"python -m soma_pl.cli analyze params --out {folder}/params.json"]
+    assert (tmp_path / "table2" / "table.md").is_file() and not (tmp_path / "table2" / "figure.png").exists()
+    page = reproduction_page(tmp_path, tmp_path / "page.md")
+    assert "8,333,905 is 8.33e+06 to 3 significant figures; the paper gives 8.33e+06" in page
+
+
+def test_a_dry_run_lists_the_commands_and_runs_nothing(tmp_path, capsys):
+    main(["reproduce", "fig10", "--dry_run", "true", "--results", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert printed.count("python -m soma_pl.cli analyze variance") == 2 and "--direction sparse" in printed
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_ratio_of_two_measured_errors_has_the_delta_methods_standard_error():
+    ratio, stderr, predicted = _ratio({"relative_error": 10.0, "stderr": 1.0, "predicted": 12.0},
+                                      {"relative_error": 5.0, "stderr": 0.5, "predicted": 4.0})
+    assert (ratio, predicted) == (2.0, 3.0) and stderr == pytest.approx(2.0 * (0.01 + 0.01) ** 0.5)
+
+
+def _point(error: float, stderr: float, **fields) -> dict:
+    return {"relative_error": error, "stderr": stderr, "predicted": error, **fields}
+
+
+def _variance(folder: Path, joint: float) -> None:
+    settings = {"repeats": 32, "batch_repeats": 16, "context": 16}
+    curves = [{"loss_grouping": g, "points": [_point(100.0 * g, 5.0, n_pert=8), _point(50.0 * g, 2.0, n_pert=16)]}
+              for g in (1, 4)]
+    common = {"settings": settings, "weights": "a checkpoint"}
+    (folder / "sparse.json").write_text(json.dumps({**common, "experts": {"points": [
+        _point(80.0, 4.0, num_experts=1, width=7, params_per_expert=2051),
+        _point(10.0, 0.5, num_experts=8, width=2, params_per_expert=256)]},
+        "n_pert": {"curves": curves, "doubling": [{"n_pert": 8, "ratio": 2.0, "stderr": 0.1, "predicted": 2.0}]}}))
+    (folder / "dense.json").write_text(json.dumps({**common, "n_pert": {
+        "curves": curves, "joint_vs_separate": {"loss_grouping": 4, "n_pert": 16, "ratio": joint, "stderr": 0.2,
+                                                "predicted": 4.0}},
+        "batch": {"probe_coordinates": 128, "pool_windows": 32, "budget": 256, "nu": 8.0, "curves": [
+            {"loss_grouping": 1, "points": [_point(9.0, 1.0, batch=1), _point(7.0, 1.0, batch=2)]}]}}))
+
+
+def test_fig10_decides_each_ratio_against_one_and_reports_the_best_batch(tmp_path):
+    _variance(tmp_path, joint=0.9)
+    result = load_experiment("fig10").result(tmp_path)
+    shards, doubling, separate = result["checks"]
+    assert shards["verdict"] == Verdict.holds.value and shards["mean"] == pytest.approx(7.0)  # 80 / 10 − 1
+    assert "N = 1 over N = 8" in shards["claim"] and shards["seeds"] == 32
+    assert doubling["verdict"] == Verdict.holds.value and "from 8" in doubling["claim"]
+    assert separate["verdict"] == Verdict.inconclusive.value  # 0.9 ± 0.39: summed not shown worse
+    assert result["best_batch"] == [{"loss_grouping": 1, "measured": 2, "predicted": 2}]
+    _variance(tmp_path, joint=0.5)
+    assert load_experiment("fig10").result(tmp_path)["checks"][2]["verdict"] == Verdict.does_not_hold.value
+
+
+def _bench_row(experts: int, per_round: list[float], top_k: int) -> dict:
+    return {"model": f"N={experts}", "experts": experts, "parameters": 8_400_000, "top_k": top_k, "batch_size": 16,
+            "tokens_per_s": statistics.median(per_round), "tokens_per_s_per_round": per_round, "latency_ms": 3000.0,
+            "routing_share": 0.01, "peak_above_baseline_bytes": 2 ** 28}
+
+
+def test_table12_compares_the_largest_ensemble_with_each_smaller_one_round_by_round(tmp_path):
+    settings = {"repeats": 7, "rounds": 3, "threads": 1}
+    (tmp_path / "inference.json").write_text(json.dumps({"machine": {}, "load_average_after": [1, 1, 1],
+                                                         "settings": settings, "results": [
+        _bench_row(1, [3000.0, 3300.0, 3000.0], 1), _bench_row(8, [3000.0, 3000.0, 3000.0], 4),
+        _bench_row(256, [33000.0, 33000.0, 3000.0], 4)]}))
+    result = load_experiment("table12").result(tmp_path)
+    against_8, against_1 = result["checks"]
+    assert "N = 256 top-4 serves more tokens/s than N = 8 top-4 (the paper: 9.18×)" == against_8["claim"]
+    # per round 11, 11, 1: mean 7.667, sd 5.7735, t(0.975, 2) = 4.3027 → 6.667 ± 14.34 reaches zero
+    assert against_8["mean"] == pytest.approx(20 / 3) and against_8["verdict"] == Verdict.inconclusive.value
+    assert against_8["seeds"] == 3 and against_8["over"] == "timing rounds"
+    assert "N = 1 top-1" in against_1["claim"]
+    assert "(the paper: 4.25×)" in against_1["claim"]
