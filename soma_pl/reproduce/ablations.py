@@ -106,6 +106,15 @@ def fig9_result(report: dict, folders: dict[int, dict[int, str]], experiment: Ex
                 checks.append(experiment.claims[label].check(
                     differences, paired_document_interval(scores[label], scores[REFERENCE])))
         rows.append(row)
+    if experiment.final_test:  # each claim again on the final test split, the selected runs scored once
+        finals = {label: [score_run(Path(folders[e["trial"][label]][e["seed"]]), "final") for e in per_seed]
+                  for label in labels}
+        for row in rows:
+            row["final"] = _mean_se([s["loss"] for s in finals[row["condition"]]])
+        checks += [experiment.claims[label].on_final().check(
+            [a["loss"] - b["loss"] for a, b in zip(finals[label], finals[REFERENCE], strict=True)],
+            paired_document_interval(finals[label], finals[REFERENCE]))
+            for label in labels if label != REFERENCE and label in experiment.claims]
     reference_run = Path(folders[per_seed[0]["trial"][REFERENCE]][per_seed[0]["seed"]]) if per_seed else None
     return {"conditions": labels, "reference": REFERENCE, "rows": rows, "curves": curves, "checks": checks,
             "seed_model": seed_model(reference_run) if reference_run else None,
@@ -122,16 +131,18 @@ def fig9_markdown(result: dict) -> str:
              f"validation at update {steps[-1] if steps else '—'}, test split at the end, and each condition's test "
              "loss minus the reference's (paired by seed). Paper: Fig. 9.", "",
              *table_head(["Condition", "Selected, per seed", "Ensemble validation", "Test", "Test − reference (ours)",
-                          "Paper"])]
+                          "Final test (used once)", "Paper"])]
     for row in result["rows"]:
-        difference = row.get("difference")
+        difference, final = row.get("difference"), row.get("final")
         shown = f"{number(difference['mean'], sign=True)} ± {number(difference['se'])}" if difference else "—"
         paper = number(row.get("paper_difference"), 3, sign=True) if row.get("paper_difference") is not None else \
             ("—" if row["condition"] == result["reference"] else "higher (figure)")
         lines.append(table_row([row["condition"] + ("†" if row.get("at_grid_edge") else ""),
                                 selected_text(row.get("selected") or []),
                                 f"{number(row['val']['mean'])} ± {number(row['val']['se'])}",
-                           f"{number(row['test']['mean'])} ± {number(row['test']['se'])}", shown, paper]))
+                           f"{number(row['test']['mean'])} ± {number(row['test']['se'])}", shown,
+                           f"{number(final['mean'])} ± {number(final['se'])}" if final else "—",
+                           paper]))
     lines += grid_edge_note({row["condition"]: row.get("at_grid_edge") for row in result["rows"]})
     seed = result.get("seed_model")
     if seed and seed["val_loss"] is not None:

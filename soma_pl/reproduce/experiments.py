@@ -45,6 +45,10 @@ class Claim:
     split: str
     """The scored split: `val` (ensemble validation), `test`, `final` or `external`."""
 
+    def on_final(self) -> Claim:
+        """The same claim checked again on the final test split (the selected runs scored once)."""
+        return dataclasses.replace(self, claim=self.claim + " (final test split, used once)", split="final")
+
     def text(self, **fields) -> str:
         return self.claim.format(**fields)
 

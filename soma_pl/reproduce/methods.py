@@ -5,7 +5,8 @@ budget of aggregate update time (Table 3's U·Σₑ t̄ₑ, every expert and ran
 learning rate of the sweep's grid; each seed's run of lowest ensemble-validation loss is selected,
 and its trial's own test of the last checkpoint gives the test loss and the per-window losses that
 pair it with SOMA's on the same windows. The claim, SOMA N = 2 has the lowest test loss, is checked
-against each other row.
+against each other row; with `final_test`, again on the final test split, which the selected runs
+(and only those) are scored on once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from soma_pl.reproduce.tables import (
     table_row,
 )
 from soma_pl.reproduce.verdicts import mean_sd
+from soma_pl.sweeps.final_test import score_run
 
 SOMA = "soma_n2"
 """The row the claim is about."""
@@ -89,6 +91,12 @@ def table4_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
                      "at_grid_edge": (t7.get("at_grid_edge") or {}).get(label) or [],
                      "paper": experiment.paper.get(PAPER_ROW.get(label, label))})
     checks = lower_checks(labels, scores, experiment.claims["lower"])
+    if experiment.final_test:
+        finals = {label: [score_run(Path(folders[e["trial"][label]][e["seed"]]), "final") for e in per_seed]
+                  for label in labels}
+        for row in rows:
+            row["final"] = mean_sd([s["loss"] for s in finals[row["row"]]])
+        checks += lower_checks(labels, finals, experiment.claims["lower"].on_final())
     return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed],
             "trials": report["trials"], "failed": report["failed"]}
 
@@ -103,16 +111,17 @@ def table4_markdown(result: dict) -> str:
              "measured one beside it, and the physical total (ranks × training wall time). Paper: Table 4 (~150 "
              "aggregate GPU-hours, 8.44M parameters).", "",
              *table_head(["Row", "Configuration", "Selected, per seed", "Updates", "Update time (s)", "Measured (s)",
-                          "Physical (s)", "Test loss", "95% documents, per seed", "Paper: n_pert", "updates",
-                          "GPU-hours", "test loss"])]
+                          "Physical (s)", "Test loss", "95% documents, per seed", "Final test loss (used once)",
+                          "Paper: n_pert", "updates", "GPU-hours", "test loss"])]
     for row in result["rows"]:
-        paper = row["paper"] or {}
+        paper, final = row["paper"] or {}, row.get("final")
         lines.append(table_row([row["row"] + ("†" if row.get("at_grid_edge") else ""), row["configuration"],
                                 selected_text(row.get("selected") or []), f"{row['updates']['mean']:.0f}",
                                 f"{row['seconds']['mean']:.0f}", f"{row['measured_seconds']['mean']:.0f}",
                                 f"{row['physical_seconds']['mean']:.0f}",
                                 f"{number(row['test']['mean'])} ± {number(row['test']['sd'])}",
                                 " ".join(interval_text(i, False) for i in row["test_95"]),
+                                f"{number(final['mean'])} ± {number(final['sd'])}" if final else "—",
                                 str(paper.get("n_pert") or "—"), str(paper.get("updates", "—")),
                                 str(paper.get("gpu_hours", "—")), number(paper.get("test"), 2)]))
     lines += grid_edge_note({row["row"]: row.get("at_grid_edge") for row in result["rows"]})

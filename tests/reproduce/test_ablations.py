@@ -53,6 +53,9 @@ def _report(tmp_path: Path) -> tuple[dict, dict, dict]:
             folders[trial] = {seed: str(run)}
             windows = [x + SHIFT[condition] + (0.001 * seed if condition != REFERENCE else 0.0) for x in base]
             recorded[trial] = {seed: _scores(run.parent / "test_scores.json", windows)}
+            (run / "final_test" / "version_0").mkdir(parents=True)  # the final split: the same gaps, doubled
+            _scores(run / "final_test" / "version_0" / "test_scores.json",
+                    [x + SHIFT[condition] for x in windows])
         per_seed.append({"seed": seed, "trial": trials, "val": {c: val[c][seed][-1] for c in CONDITIONS},
                          "selected": {c: {"lr": 0.01 if c == "cold" else 0.001} for c in CONDITIONS}})
     report = {"table7": {"baseline": REFERENCE, "column_labels": CONDITIONS, "per_seed": per_seed,
@@ -76,7 +79,10 @@ def _seed_model(tmp_path: Path, folders: dict, report: dict) -> None:
 def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(tmp_path, monkeypatch):
     report, folders, val = _report(tmp_path)
     _seed_model(tmp_path, folders, report)
-    monkeypatch.setattr(ablations, "score_run", lambda *_: pytest.fail("the trials' own test scores are used"))
+    scored = ablations.score_run
+    monkeypatch.setattr(ablations, "score_run", lambda run, split: pytest.fail("the trials' own test scores are "
+                                                                               "used") if split == "test" else
+                        scored(run, split))
     result = load_experiment("fig9").result(report, folders)
     for condition in CONDITIONS:
         curve = result["curves"][condition]
@@ -91,7 +97,11 @@ def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(
         assert rows[condition]["difference"]["mean"] == pytest.approx(SHIFT[condition] + 0.001)
         assert rows[condition]["difference"]["se"] == pytest.approx(0.001 / 3 ** 0.5)
     assert rows["decoder_only_head"]["paper_difference"] == 0.029 and "difference" not in rows[REFERENCE]
-    checks = {check["claim"]: check for check in result["checks"]}
+    finals = [check for check in result["checks"] if check["split"] == "final"]
+    assert [c["claim"].endswith("(final test split, used once)") for c in finals] == [True] * 5
+    assert finals[0]["mean"] == pytest.approx(2 * SHIFT["random_shards"] + 0.001)
+    assert rows["cold"]["final"]["mean"] == pytest.approx(3.0525 + 0.001 + 2 * SHIFT["cold"])  # base 3.05 + 0.0025·seed
+    checks = {check["claim"]: check for check in result["checks"] if check["split"] == "test"}
     claims = {condition: claim.claim for condition, claim in load_experiment("fig9").claims.items()}
     assert set(checks) == set(claims.values()) and set(claims) == set(CONDITIONS[1:])
     for condition in ("random_shards", "global_iid", "decoder_only_head", "frozen_random_head"):
@@ -103,7 +113,7 @@ def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(
                           "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
     assert "| cold† | lr=0.01; lr=0.01; lr=0.01 |" in text and "(cold: lr)" in text
     assert "| decoder_only_head | lr=0.001; lr=0.001; lr=0.001 | 3.2800 ± 0.0289 | 3.0835 ± 0.0020 | " \
-           "+0.0310 ± 0.0006 | +0.029 |" in text
+           "+0.0310 ± 0.0006 | 3.1135 ± 0.0020 | +0.029 |" in text
     assert "| update 50 | update 100 |" in text and "**does not hold**" in text
     assert result["seed_model"]["val_loss"] == 2.2867
     assert "150 updates of spsa), whose ensemble-validation loss is 2.2867" in text
@@ -116,7 +126,9 @@ def test_a_trial_test_record_without_window_losses_is_scored_again(tmp_path, mon
     stale.write_text(json.dumps({"loss": 3.05}))  # an older test record: no per-window losses
     rescored = json.loads(Path(report["test_score_files"][1][0]).read_text())
     calls = []
-    monkeypatch.setattr(ablations, "score_run", lambda run, split: calls.append((run, split)) or rescored)
+    scored = ablations.score_run
+    monkeypatch.setattr(ablations, "score_run", lambda run, split: calls.append((run, split)) or rescored
+                        if split == "test" else scored(run, split))
     result = load_experiment("fig9").result(report, folders)
     assert result["seed_model"] is None  # no run config names a seed
     assert calls == [(Path(folders[0][0]), "test")]

@@ -29,6 +29,11 @@ def _run(folder: Path, label: str, seed: int) -> str:
                                                      "physical_device_hours": (160 + 2 * seed) / 3600,
                                                      "budget": {"seconds_per_update": CALIBRATED.get(label)}}))
     losses = [x + SHIFT[label] + (0.001 * seed if label != "soma_n2" else 0.0) for x in (3.0, 3.1, 2.9, 3.2)]
+    (folder / "final_test" / "version_0").mkdir(parents=True)  # scored once on the final split: SOMA 0.5 lower
+    final = [loss + (0.5 if label != "soma_n2" else 0.0) for loss in losses]
+    (folder / "final_test" / "version_0" / "test_scores.json").write_text(json.dumps({
+        "loss": statistics.fmean(final), "window_index": [0, 1, 2, 3], "window_losses": final,
+        "doc_ids": ["a", "a", "b", "c"]}))
     record = folder.parent / "test_scores.json"
     record.write_text(json.dumps({"loss": statistics.fmean(losses), "bootstrap_95": [2.9, 3.3],
                                   "window_index": [0, 1, 2, 3], "window_losses": losses,
@@ -61,7 +66,13 @@ def test_table4_reports_each_row_and_checks_soma_against_every_other(tmp_path):
     # the paper's Table 4: EGGROLL 7.40k updates, 141 GPU-hours, 2.21; no DDPP row
     assert (rows["eggroll"]["paper"]["test"], rows["eggroll"]["paper"]["gpu_hours"]) == (2.21, 141)
     assert rows["ddpp"]["paper"] is None and "the project's row" in rows["ddpp"]["configuration"]
-    checks = {check["claim"]: check for check in result["checks"]}
+    assert rows["spsa_512"]["final"]["mean"] == pytest.approx(3.05 + 0.2 + 0.001 + 0.5)
+    finals = [check for check in result["checks"] if check["split"] == "final"]
+    assert len(finals) == 5 and all(check["verdict"] == Verdict.holds.value for check in finals)  # DDPP too
+    assert finals[-1]["claim"].startswith("SOMA N = 2 reaches a lower test loss than DDPP") and \
+        finals[-1]["claim"].endswith("(ddpp) (final test split, used once)")
+    assert finals[-1]["mean"] == pytest.approx(-0.02 + 0.001 + 0.5)
+    checks = {check["claim"]: check for check in result["checks"] if check["split"] == "test"}
     assert len(checks) == 5
     for label in ("spsa_32", "spsa_128", "spsa_512", "eggroll"):
         check = next(c for claim, c in checks.items() if claim.endswith(f"({label})"))
@@ -75,7 +86,7 @@ def test_table4_reports_each_row_and_checks_soma_against_every_other(tmp_path):
                             "wall_seconds": 1.0, "workers": 1, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
     assert "| spsa_512 | Monolithic SPSA | lr=0.005; lr=0.005; lr=0.005 | 8 | 160 | 151 | 162 | 3.2510 ± 0.0010 | " \
            "[2.9000, 3.3000] [2.9000, 3.3000] " \
-           "[2.9000, 3.3000] | 1024 | 839 | 148 | 2.00 |" in text
+           "[2.9000, 3.3000] | 3.7510 ± 0.0010 | 1024 | 839 | 148 | 2.00 |" in text
     assert "| eggroll† |" in text and "† Selected at an edge of its grid (eggroll: lr)" in text
     assert table4_figure({**result, "experiment": "table4", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
 
