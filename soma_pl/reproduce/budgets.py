@@ -37,14 +37,15 @@ def _runs(labels: list[str]) -> dict[str, dict[int, str]]:
     return runs
 
 
-def _at_budgets(run_dir: Path, budgets: tuple[float, ...]) -> list[float | None]:
+def losses_at_budgets(run_dir: Path, budgets: tuple[float, ...]) -> list[float | None]:
     """The run's ensemble-validation loss interpolated at each budget (None outside its curve)."""
     curve = [(seconds, loss) for _, loss, seconds in update_curve(run_dir)]
     return [interpolate(curve, budget) if curve and curve[0][0] <= budget <= curve[-1][0] * (1 + 1e-9) else None
             for budget in budgets]
 
 
-def _mean_sd(values: list[float | None]) -> dict:
+def complete_mean_sd(values: list[float | None]) -> dict:
+    """`mean` and `sd` over seeds, None unless every seed has a value."""
     found = [v for v in values if v is not None]
     return {"mean": statistics.fmean(found) if found and len(found) == len(values) else None,
             "sd": statistics.stdev(found) if len(found) > 1 and len(found) == len(values) else None}
@@ -59,8 +60,8 @@ def run_budget_seconds(folders: dict[int, dict[int, str]]) -> float:
             budget = (json.loads(path.read_text()).get("budget") or {}) if path.is_file() else {}
             limits.add((budget.get("limits") or {}).get("device_hours"))
     if len(limits) != 1 or None in limits:
-        raise SomaError(f"table5: the runs record device_hours budgets {sorted(map(str, limits))} in their "
-                        "compute.json; the budgets are fractions of one that every run was stopped at")
+        raise SomaError(f"the runs record device_hours budgets {sorted(map(str, limits))} in their compute.json; "
+                        "the budgets read off their curves are fractions of one that every run was stopped at")
     return float(f"{limits.pop() * 3600:.6g}")
 
 
@@ -76,7 +77,7 @@ def table5_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
     per_seed = t7["per_seed"]
     labels = [label for by_n in runs.values() for label in by_n.values()]
     run_dirs = {label: [Path(folders[entry["trial"][label]][entry["seed"]]) for entry in per_seed] for label in labels}
-    losses = {label: [_at_budgets(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
+    losses = {label: [losses_at_budgets(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
     windows = {label: [windows_at_seconds(run_dir, budgets) for run_dir in run_dirs[label]] for label in labels}
 
     def check(claim: str, worse: str, better: str, i: int, **fields) -> dict:
@@ -95,7 +96,7 @@ def table5_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
         for method, by_n in runs.items():
             label = by_n.get(experts)
             if label is not None:
-                row[method] = [_mean_sd([seed[i] for seed in losses[label]]) for i in range(len(budgets))]
+                row[method] = [complete_mean_sd([seed[i] for seed in losses[label]]) for i in range(len(budgets))]
         rows.append(row)
     checks = []
     for experts, soma in sorted(runs.get("soma", {}).items()):

@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from soma_pl.analysis.time_basis import calibration
+from soma_pl.analysis.time_basis import calibration, update_curve
 from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.ablations import run_test_scores
+from soma_pl.reproduce.budgets import complete_mean_sd, losses_at_budgets, run_budget_seconds
 from soma_pl.reproduce.experiments import Claim, Experiment
 from soma_pl.reproduce.tables import (
     checks_table,
@@ -26,6 +27,7 @@ from soma_pl.reproduce.tables import (
     number,
     rows_figure,
     run_footer,
+    save_figure,
     selected_text,
     table_head,
     table_row,
@@ -33,6 +35,9 @@ from soma_pl.reproduce.tables import (
 from soma_pl.reproduce.verdicts import mean_sd
 from soma_pl.sweeps.final_test import score_run
 
+FIG1_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+"""Fig. 1's budgets, as fractions of the one every run was stopped at: each row's ensemble-validation
+loss read off its selected runs' curves there (the paper's curve over aggregate GPU-hours)."""
 SOMA = "soma_n2"
 """The row the claim is about."""
 EXTERNAL_TEXT = "data/external/moby_dick"
@@ -90,6 +95,12 @@ def table4_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
                      "selected": [(e.get("selected") or {}).get(label) for e in per_seed],
                      "at_grid_edge": (t7.get("at_grid_edge") or {}).get(label) or [],
                      "paper": experiment.paper.get(PAPER_ROW.get(label, label))})
+    budgets = [fraction * run_budget_seconds(folders) for fraction in FIG1_FRACTIONS]
+    for row in rows:
+        runs = [Path(folders[e["trial"][row["row"]]][e["seed"]]) for e in per_seed]
+        row["fig1"] = [complete_mean_sd(values) for values in zip(*(losses_at_budgets(run, budgets) for run in runs),
+                                                                   strict=True)]
+        row["curves"] = [[[seconds, loss] for _, loss, seconds in update_curve(run)] for run in runs]
     checks = lower_checks(labels, scores, experiment.claims["lower"])
     if experiment.final_test:
         finals = {label: [score_run(Path(folders[e["trial"][label]][e["seed"]]), "final") for e in per_seed]
@@ -97,7 +108,7 @@ def table4_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
         for row in rows:
             row["final"] = mean_sd([s["loss"] for s in finals[row["row"]]])
         checks += lower_checks(labels, finals, experiment.claims["lower"].on_final())
-    return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed],
+    return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed], "fig1_budgets": budgets,
             "trials": report["trials"], "failed": report["failed"]}
 
 
@@ -125,15 +136,35 @@ def table4_markdown(result: dict) -> str:
                                 str(paper.get("n_pert") or "—"), str(paper.get("updates", "—")),
                                 str(paper.get("gpu_hours", "—")), number(paper.get("test"), 2)]))
     lines += grid_edge_note({row["row"]: row.get("at_grid_edge") for row in result["rows"]})
+    lines += ["", "## Fig. 1: ensemble validation over budgets of update time", "",
+              "Each row's selected runs read off their curves (mean ± sd over seeds; — where a seed's curve does "
+              "not reach the budget: its first validation comes later, or it stopped just before).", "",
+              *table_head(["Row", *(f"{budget:.0f} s" for budget in result["fig1_budgets"])])]
+    lines += [table_row([row["row"], *("—" if point["mean"] is None else
+                                       f"{number(point['mean'])} ± {number(point['sd'])}" for point in row["fig1"])])
+              for row in result["rows"]]
     lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "",
               run_footer(result)]
     return "\n".join(lines) + "\n"
 
 
 def table4_figure(result: dict, path: Path) -> Path:
-    """Each row's test loss per seed and mean."""
-    return rows_figure(result, path, "test", "test loss (nats/byte)",
-                       f"{result['experiment']} at {result['scale']} scale: equal update time")
+    """Fig. 1: each row's ensemble-validation curves over update time (one line per seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7.5, 4.2))
+    for index, row in enumerate(result["rows"]):
+        for seed, curve in enumerate(row["curves"]):
+            axis.plot(*zip(*curve, strict=True), "-o", markersize=2, color=f"C{index}", alpha=0.9 if seed == 0 else 0.4,
+                      label=row["row"] if seed == 0 else None)
+    axis.set_xlabel("aggregate update time, U·Σₑ t̄ₑ (s, one thread)")
+    axis.set_ylabel("ensemble-validation loss (nats/byte)")
+    axis.set_title(f"{result['experiment']} at {result['scale']} scale (Fig. 1): equal update time", fontsize=9)
+    axis.legend(fontsize=7)
+    return save_figure(fig, path)
 
 
 def external_scores(run_dir: Path, text: str = EXTERNAL_TEXT) -> dict:

@@ -24,10 +24,17 @@ CALIBRATED = {"spsa_512": 20.0}
 def _run(folder: Path, label: str, seed: int) -> str:
     """A run folder with its compute.json, and its trial's test record (returned)."""
     folder.mkdir(parents=True)
-    (folder / "compute.json").write_text(json.dumps({"updates": UPDATES[label] + seed,
+    updates = UPDATES[label] + seed
+    (folder / "compute.json").write_text(json.dumps({"updates": updates,
                                                      "aggregate_device_hours": (150 + seed) / 3600,
                                                      "physical_device_hours": (160 + 2 * seed) / 3600,
-                                                     "budget": {"seconds_per_update": CALIBRATED.get(label)}}))
+                                                     "budget": {"seconds_per_update": CALIBRATED.get(label),
+                                                                "limits": {"device_hours": 150 / 3600}}}))
+    # validations at half the updates (loss 3.5, 75 s measured) and at the end (3.1, 150 s)
+    rows = ["step,val/loss,compute/aggregate_device_hours"]
+    for update, loss, seconds in ((updates // 2, 3.5, 75), (updates, 3.1, 150)):
+        rows += [f"{update - 1},{loss + SHIFT[label]},", f"{update},,{seconds / 3600}"]
+    (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
     losses = [x + SHIFT[label] + (0.001 * seed if label != "soma_n2" else 0.0) for x in (3.0, 3.1, 2.9, 3.2)]
     (folder / "final_test" / "version_0").mkdir(parents=True)  # scored once on the final split: SOMA 0.5 lower
     final = [loss + (0.5 if label != "soma_n2" else 0.0) for loss in losses]
@@ -66,6 +73,12 @@ def test_table4_reports_each_row_and_checks_soma_against_every_other(tmp_path):
     # the paper's Table 4: EGGROLL 7.40k updates, 141 GPU-hours, 2.21; no DDPP row
     assert (rows["eggroll"]["paper"]["test"], rows["eggroll"]["paper"]["gpu_hours"]) == (2.21, 141)
     assert rows["ddpp"]["paper"] is None and "the project's row" in rows["ddpp"]["configuration"]
+    # Fig. 1 at 37.5, 75, 112.5 and 150 s: SOMA's measured curves are 3.5 at 75 s and 3.1 at 150 s, linear
+    # between; spsa_512's calibrated ones (updates x 20 s: 60 or 80 s, then 140-180 s) miss 75 s on seeds 1, 2
+    assert result["fig1_budgets"] == pytest.approx([37.5, 75.0, 112.5, 150.0])
+    assert [point["mean"] for point in rows["soma_n2"]["fig1"]] == pytest.approx([None, 3.5, 3.3, 3.1])
+    assert rows["spsa_512"]["fig1"][1]["mean"] is None
+    assert [point for curve in rows["spsa_512"]["curves"][0] for point in curve] == pytest.approx([60, 3.7, 140, 3.3])
     assert rows["spsa_512"]["final"]["mean"] == pytest.approx(3.05 + 0.2 + 0.001 + 0.5)
     finals = [check for check in result["checks"] if check["split"] == "final"]
     assert len(finals) == 5 and all(check["verdict"] == Verdict.holds.value for check in finals)  # DDPP too
@@ -87,6 +100,7 @@ def test_table4_reports_each_row_and_checks_soma_against_every_other(tmp_path):
     assert "| spsa_512 | Monolithic SPSA | lr=0.005; lr=0.005; lr=0.005 | 8 | 160 | 151 | 162 | 3.2510 ± 0.0010 | " \
            "[2.9000, 3.3000] [2.9000, 3.3000] " \
            "[2.9000, 3.3000] | 3.7510 ± 0.0010 | 1024 | 839 | 148 | 2.00 |" in text
+    assert "| soma_n2 | — | 3.5000 ± 0.0000 | 3.3000 ± 0.0000 | 3.1000 ± 0.0000 |" in text
     assert "| eggroll† |" in text and "† Selected at an edge of its grid (eggroll: lr)" in text
     assert table4_figure({**result, "experiment": "table4", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
 
