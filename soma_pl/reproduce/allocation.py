@@ -281,10 +281,15 @@ def table11_markdown(result: dict) -> str:
     spread, start = result["spread"], result["start"]
     apart = [c["claim"].split(" end")[0] for c in result["checks"]
              if c["document_interval"] and (c["document_interval"][0] > 0 or c["document_interval"][1] < 0)]
+    sds = [row["test"]["sd"] for row in result["rows"] if row["test"]["sd"] is not None]
     lines += ["", f"Start checkpoint (`{start['checkpoint']}`): test loss {start['test']:.6f}; the continuation gained "
                   f"{number(result['gain'], 6)} nats/byte on average, so the margin of equality is "
-                  f"±{result['margin']:.4f}. Spread of the means: {'—' if spread is None else f'{spread:.6f}'} "
-                  f"nats/byte (paper: {paper['spread']:g}).",
+                  f"±{result['margin']:.4f} ({EQUIVALENT_SHARE:.0%} of that gain). Spread of the means: "
+                  f"{'—' if spread is None else f'{spread:.6f}'} nats/byte (paper: {paper['spread']:g}). The paper's "
+                  f"spread is not the margin: it is the paper's three means after {paper['updates']} updates of "
+                  f"n_pert · B = 65,536, while one allocation's seeds here differ by "
+                  f"{'—' if not sds else f'{max(sds):.4f}'} (largest sd), so a margin of {paper['spread']:g} could "
+                  "not be met by any run of this size whatever the allocations do.",
               "", ("Distinguishable on documents (95% interval excluding zero), though inside the margin where the "
                    "verdict says so: " + "; ".join(apart) + ".") if apart else
               "No pair is distinguishable on documents (every 95% interval reaches zero).",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,19 @@ def test_an_unknown_experiment_or_broken_file_is_refused_naming_it(tmp_path):
     with pytest.raises(ConfigError) as refused:
         load_experiment("broken", tmp_path)
     assert str(tmp_path / "broken.yaml") in str(refused.value)
+
+
+def _claim_keys(function) -> set[str]:
+    """The literal keys a result function reads from `….claims[...]` or a local `claims[...]`."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return {node.slice.value for node in ast.walk(tree) if isinstance(node, ast.Subscript)
+            and isinstance(node.slice, ast.Constant) and "claims" in (getattr(node.value, "attr", None),
+                                                                       getattr(node.value, "id", None))}
+
+
+def test_every_claim_a_result_reads_is_declared_in_its_file():
+    # checked here, before any trial: a missing key would otherwise surface after the sweep, as a KeyError
+    for name, experiment in all_experiments().items():
+        read = _claim_keys(experiment.function("result"))
+        assert read <= set(experiment.claims), (name, sorted(read - set(experiment.claims)))
+    assert _claim_keys(all_experiments()["table2"].function("result")) == {"head", "ensemble", "body"}
