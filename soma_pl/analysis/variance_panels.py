@@ -128,7 +128,7 @@ def experts_panel(windows: Tensor, expert_counts: Sequence[int], total_params: i
     """
     points = []
     for count in expert_counts:
-        width = width_for_total(total_params, count, 32, 4)
+        width = width_for_total(total_params, count)
         with torch.random.fork_rng():
             torch.manual_seed(measurement.seed + count)
             model = StackedExperts(count, width, head=HeadMode.shared, dtype=torch.float64).requires_grad_(False)

@@ -258,7 +258,7 @@ def test_body_params_and_equal_total_widths():
 
 
 TINY_CLI = ["--context", "4", "--batch", "1", "--experts", "2", "--loss_groupings", "[1, 2]", "--n_pert", "[2, 4]",
-            "--repeats", "2", "--expert_counts", "[1, 2]", "--total_params", "600", "--pool", "4",
+            "--repeats", "2", "--expert_counts", "[1, 2]", "--total_params", "3000", "--pool", "4",
             "--probe_coordinates", "8", "--budget", "4", "--batch_sizes", "[1, 2]", "--batch_repeats", "2",
             "--width", "3"]
 
@@ -283,6 +283,8 @@ def test_cli_writes_every_panel_with_predictions(tmp_path, prepared, capsys):
     assert result["predicted_separate_vs_joint_ratio"] == pytest.approx((2 * dim - 1) / (dim - 1))
     assert result["separate_vs_joint_ratio"] > 0 and panel["central_difference_deviation"] < 1e-4
     assert [p["num_experts"] for p in result["experts"]["points"]] == [1, 2]
+    # the widths whose two-block bodies come nearest to 3,000 parameters: 32·d² + 5·d + 64·d at d = 9 and 2 × d = 6
+    assert [(p["width"], p["ensemble_params"]) for p in result["experts"]["points"]] == [(9, 3213), (6, 3132)]
     assert [p["batch"] for p in result["batch"]["curves"][0]["points"]] == [1, 2]
     assert result["batch"]["nu"] > 0
 
