@@ -248,6 +248,10 @@ def test_the_fig7_experts_sweeps_give_every_n_one_shared_frozen_seed_head_at_pap
         assert len(sides) >= 3
         assert {head_kind(config) for config in sides.values()} == {kind}, name
         assert {start(config)[0] for config in sides.values()} == {begins}, name
+    # every N starts at the width-32 sweeps' lr = eps = 1e-3 (§4), the monolith included
+    sides = sweep_sides(load_sweep(ROOT / "sweeps" / "fig7_experts.yaml"))
+    assert {(c["model"]["init_args"]["optimizer"]["init_args"]["lr"], c["model"]["init_args"]["spsa"]["eps"])
+            for c in sides.values()} == {(0.001, 0.001)}
 
 
 def test_the_main_jobs_sides_start_the_same_way_with_the_same_kind_of_head():
