@@ -223,8 +223,20 @@ def start_checkpoint(run_dir: Path) -> str:
     config = run_dir / "config.yaml"
     checkpoint = yaml.safe_load(config.read_text()).get("ckpt_path")
     if not checkpoint:
-        raise SomaError(f"{config}: no ckpt_path; Table 11's trials continue one checkpoint")
+        raise SomaError(f"{config}: no ckpt_path; a continuation's trials resume one checkpoint")
     return checkpoint
+
+
+def one_start(run_dirs: list[Path]) -> dict:
+    """The one checkpoint every continuation in `run_dirs` resumed, with its own test loss (scored
+    once, beside it); refused when they resumed several."""
+    starts = {start_checkpoint(path) for path in run_dirs}
+    if len(starts) != 1:
+        raise SomaError(f"the continuations resume {len(starts)} checkpoints ({', '.join(sorted(starts))}); "
+                        "they must resume one")
+    path = starts.pop()
+    scores = score_checkpoint(run_dirs[0] / "config.yaml", path, Path(path).parent.parent / "start_test")
+    return {"checkpoint": path, "test": scores["loss"], "bootstrap_95": scores.get("bootstrap_95")}
 
 
 def table11_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
@@ -236,20 +248,14 @@ def table11_result(report: dict, folders: dict[int, dict[int, str]], experiment:
     allocations = _allocations([str(label) for label in t7["column_labels"]])
     run_dirs = {label: [Path(folders[entry["trial"][label]][entry["seed"]]) for entry in per_seed]
                 for label, _, _ in allocations}
-    starts = {start_checkpoint(path) for paths in run_dirs.values() for path in paths}
-    if len(starts) != 1:
-        raise SomaError(f"Table 11's trials continue {len(starts)} checkpoints ({', '.join(sorted(starts))}); "
-                        "they must continue one")
+    start = one_start([path for paths in run_dirs.values() for path in paths])
     scores = {label: [score_run(path, "test") for path in paths] for label, paths in run_dirs.items()}
-    first = next(iter(run_dirs.values()))[0]
-    start_path = start_checkpoint(first)
-    start = score_checkpoint(first / "config.yaml", start_path, Path(start_path).parent.parent / "start_test")
     rows = [{"allocation": label, "n_pert": n_pert, "B": batch,
              "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
              "test": mean_sd([s["loss"] for s in scores[label]]),
              "bootstrap_95": [s["bootstrap_95"] for s in scores[label]]} for label, n_pert, batch in allocations]
     means = [row["test"]["mean"] for row in rows if row["test"]["mean"] is not None]
-    gain = start["loss"] - statistics.fmean(means) if means else None
+    gain = start["test"] - statistics.fmean(means) if means else None
     margin = max(EQUIVALENT_SHARE * gain, 0.0) if gain is not None else 0.0
     checks = []
     for index, (first, _, _) in enumerate(allocations):
@@ -260,7 +266,7 @@ def table11_result(report: dict, folders: dict[int, dict[int, str]], experiment:
                                       second=second, share=EQUIVALENT_SHARE,
                                       spread=experiment.paper["spread"]))
     return {"rows": rows, "spread": max(means) - min(means) if means else None, "checks": checks,
-            "start": {"checkpoint": start_path, "test": start["loss"], "bootstrap_95": start["bootstrap_95"]},
+            "start": start,
             "gain": gain, "margin": margin, "seeds": [e["seed"] for e in per_seed],
             "trials": report["trials"], "failed": report["failed"]}
 

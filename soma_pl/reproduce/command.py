@@ -153,10 +153,15 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
     return {"trials": len(points) + len(waiting), "done": done, "cost": cost}
 
 
+def result_folder(results: Path, experiment: Experiment, scale: str) -> Path:
+    """Where an experiment's result goes: `<results>/<name>` at CPU scale, `<name>_<scale>` otherwise."""
+    return results / (experiment.name if scale == "cpu" else f"{experiment.name}_{scale}")
+
+
 def list_commands(experiment: Experiment, scale: str, results: Path) -> None:
     """The commands an experiment runs at `scale` and what they cost, printed; nothing runs."""
     print(f"{experiment.name} ({scale}): {experiment.title}")
-    folder = results / (experiment.name if scale == "cpu" else f"{experiment.name}_{scale}")
+    folder = result_folder(results, experiment, scale)
     for arguments in [*experiment.data.get(scale, []), *_commands(experiment, scale, folder)]:
         print("  python -m soma_pl.cli " + " ".join(arguments))
     print(f"to run: {experiment.cost[scale]}")
@@ -241,7 +246,7 @@ def busy_seconds(trials: list) -> float:
 def run(experiment: Experiment, scale: str, spec: SweepSpec, storage: str, workers: int, results: Path,
         progress: bool = True) -> dict:
     """Run the experiment's sweep to the end, then write and print its result."""
-    folder = results / (experiment.name if scale == "cpu" else f"{experiment.name}_{scale}")
+    folder = result_folder(results, experiment, scale)
     started = time.time()
     load_before = os.getloadavg()[0]
     _prepare_data(experiment, scale, folder / "logs")
@@ -292,13 +297,17 @@ def _commands(experiment: Experiment, scale: str, folder: Path) -> list[list[str
 def run_commands(experiment: Experiment, scale: str, results: Path, progress: bool = True) -> dict:
     """Run the experiment's commands in order (each logged to `<folder>/logs`), then write and print
     its result from what they wrote into its folder."""
-    folder = results / (experiment.name if scale == "cpu" else f"{experiment.name}_{scale}")
+    folder = result_folder(results, experiment, scale)
     started, load_before = time.time(), os.getloadavg()[0]
     _prepare_data(experiment, scale, folder / "logs")
     commands = _commands(experiment, scale, folder)
     for index, arguments in enumerate(tqdm(commands, desc=experiment.name, unit="command", disable=not progress)):
         _call(arguments, folder / "logs" / f"run{index}-{arguments[0]}.log")
-    measured = experiment.result(folder)
+    try:
+        measured = experiment.result(folder)
+    except (KeyError, IndexError, TypeError) as error:  # a command's output without what the result reads
+        raise SomaError(f"{experiment.name}: the output in {folder} lacks what its result reads "
+                        f"({type(error).__name__}: {error})") from error
     measured["checks"] = family(measured.get("checks", []))
     result = {"experiment": experiment.name, "scale": scale, "title": experiment.title, "basis": experiment.basis,
               "commands": [" ".join(["python -m soma_pl.cli", *arguments])

@@ -26,7 +26,7 @@ import yaml
 
 from soma_pl.errors import ConfigError
 from soma_pl.eval.bootstrap import Interval
-from soma_pl.reproduce.verdicts import LEVEL, Check, count, decide, estimate
+from soma_pl.reproduce.verdicts import LEVEL, Check, agrees, count, decide, estimate
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 """The checkout whose `experiments/`, `sweeps/`, `configs/`, `data/` and `runs/` the experiments name."""
@@ -43,7 +43,8 @@ class Claim:
     basis: str
     """The compute that is equal between the compared sides."""
     split: str
-    """The scored split: `val` (ensemble validation), `test`, `final` or `external`."""
+    """The scored split: `val` (ensemble validation), `test`, `final`, `external`, or `none` (a count,
+    a timing)."""
 
     def on_final(self) -> Claim:
         """The same claim checked again on the final test split (the selected runs scored once)."""
@@ -62,6 +63,11 @@ class Claim:
         """`estimate`'s verdict on a quantity measured over independent draws, as a result's check."""
         return self.judged(estimate(self.text(**fields), value, stderr, reference, draws, over))
 
+    def check_agrees(self, value: float, stderr: float, prediction: float, draws: int, margin: float,
+                     **fields) -> dict:
+        """`agrees`' verdict on a measurement against its prediction within ±`margin`, as a result's check."""
+        return self.judged(agrees(self.text(margin=margin, **fields), value, stderr, prediction, draws, margin))
+
     def check_count(self, ours: int, paper: float, digits: int = 3, **fields) -> dict:
         """`count`'s verdict on an exact count against the paper's, as a result's check."""
         return self.judged(count(self.text(**fields), ours, paper, digits))
@@ -79,7 +85,7 @@ class Experiment:
     title: str
     """What it compares, with the paper's table or figure."""
     module: str
-    """The module holding `<name>_result`, `<name>_markdown` and `<name>_figure`."""
+    """The module holding `<name>_result` and `<name>_markdown`, and `<name>_figure` where it draws one."""
     basis: str
     """Which compute is equal between the compared runs, and which other basis is reported beside it."""
     cost: dict[str, str]

@@ -8,12 +8,21 @@ import json
 import statistics
 from pathlib import Path
 
+from soma_pl.errors import SomaError
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import checks_table, commands_footer, heading, save_figure, table_head, table_row
 
+MARGIN = 0.1
+"""How near a measured ratio must lie to its prediction (relative) for Figs. 10 and 11's predictions to hold."""
+
 
 def _read(folder: Path, name: str) -> dict:
-    return json.loads((folder / name).read_text())
+    """A command's JSON output; a missing or unreadable one is one clear error naming it."""
+    try:
+        return json.loads((folder / name).read_text())
+    except (OSError, ValueError) as error:
+        raise SomaError(f"{folder / name}: cannot read the command's output "
+                        f"({type(error).__name__}: {error})") from error
 
 
 def table2_result(folder: Path, experiment: Experiment) -> dict:
@@ -46,7 +55,9 @@ def _short(count: float) -> str:
 
 
 def _ratio(upper: dict, lower: dict) -> tuple[float, float, float]:
-    """(measured upper/lower, its standard error from both points' (independent draws), predicted)."""
+    """(measured upper/lower, its standard error by the delta method, predicted). The two points are
+    separate models; their direction draws share keys (seed, draw, expert 0), a small correlation the
+    standard error ignores."""
     ratio = upper["relative_error"] / lower["relative_error"]
     spread = ((upper["stderr"] / upper["relative_error"]) ** 2 + (lower["stderr"] / lower["relative_error"]) ** 2)
     return ratio, ratio * spread ** 0.5, upper["predicted"] / lower["predicted"]
@@ -57,18 +68,22 @@ def fig10_result(folder: Path, experiment: Experiment) -> dict:
     equal total size and against n_pert (sparse probes, Fig. 10), and separate against summed losses
     (dense probes, Fig. 11), each beside its prediction."""
     sparse, dense, claims = _read(folder, "sparse.json"), _read(folder, "dense.json"), experiment.claims
-    points = sparse["experts"]["points"]
+    points = sorted(sparse["experts"]["points"], key=lambda point: point["num_experts"])
     ratio, stderr, predicted = _ratio(points[0], points[-1])
-    draws = sparse["settings"]["repeats"]
-    checks = [claims["shards"].check_estimate(ratio, stderr, 1.0, draws, smaller=points[0]["num_experts"],
-                                              larger=points[-1]["num_experts"], predicted=predicted)]
-    doubling = sparse["n_pert"]["doubling"][-1]
-    checks.append(claims["perturbations"].check_estimate(doubling["ratio"], doubling["stderr"], 1.0, draws,
-                                                          n_pert=doubling["n_pert"], predicted=doubling["predicted"]))
-    joint = dense["n_pert"]["joint_vs_separate"]
-    checks.append(claims["separate"].check_estimate(joint["ratio"], joint["stderr"], 1.0,
-                                                     dense["settings"]["repeats"], experts=joint["loss_grouping"],
-                                                     n_pert=joint["n_pert"], predicted=joint["predicted"]))
+    draws, doubling, joint = sparse["settings"]["repeats"], sparse["n_pert"]["doubling"][-1], \
+        dense["n_pert"]["joint_vs_separate"]
+    measured = {
+        "shards": (ratio, stderr, predicted, draws,
+                   {"smaller": points[0]["num_experts"], "larger": points[-1]["num_experts"]}),
+        "perturbations": (doubling["ratio"], doubling["stderr"], doubling["predicted"], draws,
+                          {"n_pert": doubling["n_pert"]}),
+        "separate": (joint["ratio"], joint["stderr"], joint["predicted"], dense["settings"]["repeats"],
+                     {"experts": joint["loss_grouping"], "n_pert": joint["n_pert"]})}
+    checks = []
+    for key, (value, error, prediction, count, fields) in measured.items():
+        shown = {**fields, "measured": value, "predicted": prediction}
+        checks += [claims[key].check_estimate(value, error, 1.0, count, **shown),
+                   claims["predicted"].check_agrees(value, error, prediction, count, MARGIN, what=key, **shown)]
     best = [{"loss_grouping": curve["loss_grouping"],
              "measured": min(curve["points"], key=lambda p: p["relative_error"])["batch"],
              "predicted": min(curve["points"], key=lambda p: p["predicted"])["batch"]}
@@ -150,6 +165,9 @@ def table12_result(folder: Path, experiment: Experiment) -> dict:
     configuration in a fresh process, one after another)."""
     bench = _read(folder, "inference.json")
     rows = [{**row, "paper": experiment.paper["rows"].get(str(row["experts"]))} for row in bench["results"]]
+    if any(row["paper"] is None for row in rows):
+        raise SomaError(f"{folder / 'inference.json'}: configurations {[row['experts'] for row in rows]}; the paper's "
+                        f"Table 12 has N = {', '.join(experiment.paper['rows'])}")
     largest, claim = max(rows, key=lambda row: row["experts"]), experiment.claims["faster"]
     checks = []
     for rival in sorted((row for row in rows if row is not largest), key=lambda row: -row["experts"]):

@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from soma_pl.eval.bootstrap import paired_document_interval
-from soma_pl.reproduce.allocation import start_checkpoint
+from soma_pl.reproduce.allocation import one_start
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import checks_table, heading, number, rows_figure, run_footer, table_head, table_row
 from soma_pl.reproduce.verdicts import mean_sd
-from soma_pl.sweeps.final_test import score_checkpoint, score_run
+from soma_pl.sweeps.final_test import score_run
 
 
 def fig4_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
@@ -21,10 +21,8 @@ def fig4_result(report: dict, folders: dict[int, dict[int, str]], experiment: Ex
     paired differences `summed − independent`."""
     per_seed, arms = report["table7"]["per_seed"], experiment.paper["arms"]
     runs = {arm: [Path(folders[entry["trial"][arm]][entry["seed"]]) for entry in per_seed] for arm in arms}
+    start = one_start([path for paths in runs.values() for path in paths])
     scores = {arm: [score_run(path, "test") for path in paths] for arm, paths in runs.items()}
-    first = runs[arms[0]][0]
-    start_path = start_checkpoint(first)
-    start = score_checkpoint(first / "config.yaml", start_path, Path(start_path).parent.parent / "start_test")
     independent, summed = (scores[arm] for arm in arms)
     differences = [s["loss"] - i["loss"] for s, i in zip(summed, independent, strict=True)]
     check = experiment.claims["independent"].check(differences, paired_document_interval(summed, independent),
@@ -33,7 +31,7 @@ def fig4_result(report: dict, folders: dict[int, dict[int, str]], experiment: Ex
                                                                                             strict=True)},
              "test": mean_sd([s["loss"] for s in scores[arm]])} for arm in arms]
     return {"rows": rows, "differences": differences, "seeds": [e["seed"] for e in per_seed],
-            "start": {"checkpoint": start_path, "test": start["loss"]}, "checks": [check],
+            "start": start, "checks": [check],
             "trials": report["trials"], "failed": report["failed"]}
 
 

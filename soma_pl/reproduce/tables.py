@@ -171,9 +171,10 @@ def reproduction_page(results: Path, page: Path) -> str:
              "their cost). A verdict holds when the 95% intervals over seeds (three or more) and over test documents "
              "both lie on the claim's side of zero and, after Holm's adjustment over the experiment's claims, its "
              "p-value stays below 0.05 (`soma_pl/reproduce/verdicts.py`); documents are the test split's, or the "
-             "validation split's for claims read off validation curves. A measurement at fixed weights is decided "
-             "by its interval over independent direction draws. A row without a Holm p-value is undecided, "
-             "judged by its own rule (an equivalence margin, an exact count), or was saved before the rule, when its "
+             "validation split's for claims read off validation curves. A measurement is decided by its interval "
+             "over independent draws (of directions, at fixed weights, or of timing rounds). A row without a Holm "
+             "p-value is undecided, judged by its own rule (an equivalence margin, a prediction's margin, an exact "
+             "count), or was saved before the rule, when its "
              "intervals alone decided (the seeds' alone where it had no document interval).", "",
              *table_head(["Experiment", "Paper claim", "Basis", "Ours", "Verdict", "p (Holm)"])]
     for result in saved:

@@ -18,10 +18,11 @@ of the two tests' (both must reject). The claims of one experiment are one famil
 (:func:`family`): Holm's step-down adjustment of their p-values keeps the chance of any false
 verdict among them at 5%, and a claim whose adjusted p-value reaches 0.05 is inconclusive.
 
-Two claims of another kind are checked by rules of their own: a quantity measured over independent
+Claims of another kind are checked by rules of their own: a quantity measured over independent
 draws at fixed weights and windows (:func:`estimate`: its Student-t interval over the draws of
-directions or timing rounds, no document interval) and an exact count (:func:`count`: equal to the paper's at the
-paper's significant figures).
+directions or timing rounds, no document interval; :func:`agrees`: its agreement with a closed-form
+prediction within a relative margin, an equivalence outside Holm's family) and an exact count
+(:func:`count`: equal to the paper's at the paper's significant figures).
 """
 
 from __future__ import annotations
@@ -144,22 +145,50 @@ def estimate(claim: str, value: float, stderr: float, reference: float, draws: i
     timing rounds) exceeds `reference`: the Student-t interval (`draws` − 1 degrees of freedom) of
     `value − reference` from its standard error holds above zero, does not hold below it; the p-value
     is the two-sided t-test's."""
-    difference, freedom = value - reference, max(draws - 1, 1)
-    half = float(scipy_stats.t.ppf(0.5 + level / 2, freedom)) * stderr
-    interval = (difference - half, difference + half)
-    p = float(2 * scipy_stats.t.sf(abs(difference) / stderr, freedom)) if stderr > 0 else float(difference == 0)
-    shown = f"{draws} {over} {interval[0]:+.4g} … {interval[1]:+.4g}"
+    difference = value - reference
+    if not (math.isfinite(stderr) and stderr > 0 and draws >= 2):
+        return Check(claim, Verdict.inconclusive, f"no spread over {draws} {over} to decide on (standard error "
+                     f"{stderr})", difference, draws, None, None, over=over)
+    interval = _t_interval(difference, stderr, draws, level)
+    p = float(2 * scipy_stats.t.sf(abs(difference) / stderr, draws - 1))
+    shown = f"measured {value:.4g} against {reference:g}; {draws} {over}: {interval[0]:+.4g} … {interval[1]:+.4g}"
     verdict, why = {1: (Verdict.holds, f"the interval lies above zero ({shown})"),
                     -1: (Verdict.does_not_hold, f"the opposite holds: the interval lies below zero ({shown})"),
                     0: (Verdict.inconclusive, f"the interval reaches zero ({shown})")}[_side(interval)]
     return Check(claim, verdict, why, difference, draws, interval, None, p, over=over)
 
 
+def _t_interval(mean: float, stderr: float, draws: int, level: float) -> tuple[float, float]:
+    half = float(scipy_stats.t.ppf(0.5 + level / 2, draws - 1)) * stderr
+    return mean - half, mean + half
+
+
+def agrees(claim: str, value: float, stderr: float, predicted: float, draws: int, margin: float,
+           over: str = "direction draws", level: float = LEVEL) -> Check:
+    """The verdict on a measurement matching its closed-form prediction within a relative `margin`
+    (an equivalence): holds when the Student-t interval of `value / predicted − 1` lies inside
+    ±margin, does not hold when it lies wholly outside, inconclusive otherwise. Judged by its own
+    rule (no p-value, outside Holm's family)."""
+    relative = value / predicted - 1
+    if not (math.isfinite(stderr) and stderr > 0 and draws >= 2):
+        return Check(claim, Verdict.inconclusive, f"no spread over {draws} {over} to decide on", relative, draws,
+                     None, None, over=over)
+    low, high = _t_interval(relative, stderr / abs(predicted), draws, level)
+    shown = f"measured {value:.4g}, predicted {predicted:.4g}: {low:+.1%} … {high:+.1%}, margin ±{margin:.0%}"
+    if -margin < low and high < margin:
+        verdict, why = Verdict.holds, f"the interval lies inside the margin ({shown})"
+    elif low >= margin or high <= -margin:
+        verdict, why = Verdict.does_not_hold, f"the interval lies wholly outside the margin ({shown})"
+    else:
+        verdict, why = Verdict.inconclusive, f"the interval reaches past the margin ({shown})"
+    return Check(claim, verdict, why, relative, draws, (low, high), None, over=over)
+
+
 def count(claim: str, ours: int, paper: float, digits: int = 3) -> Check:
     """The verdict on an exact count (a parameter count) against the paper's, given to `digits`
     significant figures: holds when ours rounds to it."""
     rounded = float(f"{ours:.{digits}g}")
-    same = math.isclose(rounded, paper, rel_tol=1e-9)
+    same = math.isclose(rounded, float(f"{paper:.{digits}g}"), rel_tol=1e-9)
     why = f"{ours:,} is {rounded:.{digits}g} to {digits} significant figures; the paper gives {paper:.{digits}g}"
     return Check(claim, Verdict.holds if same else Verdict.does_not_hold, why, ours - paper, 1, None, None,
                  over="exact count")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from soma_pl.cli import main
+from soma_pl.errors import SomaError
+from soma_pl.reproduce import command
 from soma_pl.reproduce.experiments import REPOSITORY, load_experiment
 from soma_pl.reproduce.measurements import _ratio
 from soma_pl.reproduce.tables import reproduction_page
@@ -57,7 +60,7 @@ def _variance(folder: Path, joint: float) -> None:
     (folder / "sparse.json").write_text(json.dumps({**common, "experts": {"points": [
         _point(80.0, 4.0, num_experts=1, width=7, params_per_expert=2051),
         _point(10.0, 0.5, num_experts=8, width=2, params_per_expert=256)]},
-        "n_pert": {"curves": curves, "doubling": [{"n_pert": 8, "ratio": 2.0, "stderr": 0.1, "predicted": 2.0}]}}))
+        "n_pert": {"curves": curves, "doubling": [{"n_pert": 8, "ratio": 2.0, "stderr": 0.05, "predicted": 2.0}]}}))
     (folder / "dense.json").write_text(json.dumps({**common, "n_pert": {
         "curves": curves, "joint_vs_separate": {"loss_grouping": 4, "n_pert": 16, "ratio": joint, "stderr": 0.2,
                                                 "predicted": 4.0}},
@@ -68,14 +71,20 @@ def _variance(folder: Path, joint: float) -> None:
 def test_fig10_decides_each_ratio_against_one_and_reports_the_best_batch(tmp_path):
     _variance(tmp_path, joint=0.9)
     result = load_experiment("fig10").result(tmp_path)
-    shards, doubling, separate = result["checks"]
+    shards, shards_predicted, doubling, doubling_predicted, separate, separate_predicted = result["checks"]
     assert shards["verdict"] == Verdict.holds.value and shards["mean"] == pytest.approx(7.0)  # 80 / 10 − 1
-    assert "N = 1 over N = 8" in shards["claim"] and shards["seeds"] == 32
+    assert "N = 1 over N = 8" in shards["claim"] and "measured 8" in shards["claim"] and shards["seeds"] == 32
     assert doubling["verdict"] == Verdict.holds.value and "from 8" in doubling["claim"]
-    assert separate["verdict"] == Verdict.inconclusive.value  # 0.9 ± 0.39: summed not shown worse
+    assert separate["verdict"] == Verdict.inconclusive.value  # 0.9 ± 0.41: summed not shown worse
+    # the predictions (each point's own: 80 / 10 = 8, the doubling 2, separate/summed 4), ±10%:
+    # 8 ± 2.04·0.566 reaches past ±0.8; 2 ± 2.04·0.05 lies inside ±0.2; 0.9 against 4 lies wholly outside
+    assert shards_predicted["verdict"] == Verdict.inconclusive.value and shards_predicted["mean"] == 0.0
+    assert doubling_predicted["verdict"] == Verdict.holds.value and "±10%" in doubling_predicted["claim"]
+    assert separate_predicted["verdict"] == Verdict.does_not_hold.value
+    assert all(check.get("p") is None for check in (shards_predicted, doubling_predicted, separate_predicted))
     assert result["best_batch"] == [{"loss_grouping": 1, "measured": 2, "predicted": 2}]
     _variance(tmp_path, joint=0.5)
-    assert load_experiment("fig10").result(tmp_path)["checks"][2]["verdict"] == Verdict.does_not_hold.value
+    assert load_experiment("fig10").result(tmp_path)["checks"][4]["verdict"] == Verdict.does_not_hold.value
 
 
 def _bench_row(experts: int, per_round: list[float], top_k: int) -> dict:
@@ -88,13 +97,31 @@ def test_table12_compares_the_largest_ensemble_with_each_smaller_one_round_by_ro
     settings = {"repeats": 7, "rounds": 3, "threads": 1}
     (tmp_path / "inference.json").write_text(json.dumps({"machine": {}, "load_average_after": [1, 1, 1],
                                                          "settings": settings, "results": [
-        _bench_row(1, [3000.0, 3300.0, 3000.0], 1), _bench_row(8, [3000.0, 3000.0, 3000.0], 4),
+        _bench_row(1, [3000.0, 3300.0, 3000.0], 1), _bench_row(8, [3000.0, 1000.0, 3000.0], 4),
         _bench_row(256, [33000.0, 33000.0, 3000.0], 4)]}))
     result = load_experiment("table12").result(tmp_path)
     against_8, against_1 = result["checks"]
     assert "N = 256 top-4 serves more tokens/s than N = 8 top-4 (the paper: 9.18×)" == against_8["claim"]
-    # per round 11, 11, 1: mean 7.667, sd 5.7735, t(0.975, 2) = 4.3027 → 6.667 ± 14.34 reaches zero
-    assert against_8["mean"] == pytest.approx(20 / 3) and against_8["verdict"] == Verdict.inconclusive.value
+    # round by round 11, 33, 1 (mean 15, sd 16.37, t(0.975, 2) = 4.3027: 14 ± 40.7 reaches zero); paired
+    # otherwise the mean would differ
+    assert against_8["mean"] == pytest.approx(14.0) and against_8["verdict"] == Verdict.inconclusive.value
     assert against_8["seeds"] == 3 and against_8["over"] == "timing rounds"
-    assert "N = 1 top-1" in against_1["claim"]
-    assert "(the paper: 4.25×)" in against_1["claim"]
+    # against N = 1: 11, 10, 1 → mean 22/3
+    assert "N = 1 top-1" in against_1["claim"] and "(the paper: 4.25×)" in against_1["claim"]
+    assert against_1["mean"] == pytest.approx(22 / 3 - 1)
+
+
+def test_a_failing_command_stops_the_experiment_with_its_log_named(tmp_path, monkeypatch):
+    broken = dataclasses.replace(load_experiment("table2"),
+                                 commands={"cpu": [["analyze", "params", "--nonsense", "1"]]})
+    with pytest.raises(SomaError) as stopped:
+        command.run_commands(broken, "cpu", tmp_path)
+    assert "analyze params --nonsense 1 failed" in str(stopped.value)
+    assert str(tmp_path / "table2" / "logs" / "run0-analyze.log") in str(stopped.value)
+    assert not (tmp_path / "table2" / "result.json").exists()
+
+
+def test_a_missing_output_is_one_error_naming_it(tmp_path):
+    with pytest.raises(SomaError) as stopped:
+        load_experiment("table12").result(tmp_path)
+    assert str(tmp_path / "inference.json") in str(stopped.value)

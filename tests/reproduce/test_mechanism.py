@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from soma_pl.errors import SomaError
 from soma_pl.reproduce.experiments import load_experiment
 from soma_pl.reproduce.mechanism import fig4_figure, fig4_markdown
 from soma_pl.reproduce.verdicts import Verdict
@@ -56,3 +57,11 @@ def test_fig4_holds_when_every_seed_and_document_favours_the_independent_losses(
 def test_fig4_does_not_hold_when_the_summed_loss_ends_lower(tmp_path):
     report, folders = _report(tmp_path, {0: -0.03, 1: -0.04, 2: -0.035})
     assert load_experiment("fig4").result(report, folders)["checks"][0]["verdict"] == Verdict.does_not_hold.value
+
+
+def test_fig4_refuses_arms_that_resumed_different_checkpoints(tmp_path):
+    report, folders = _report(tmp_path, {0: 0.03, 1: 0.04, 2: 0.035})
+    (Path(folders[1][0]) / "config.yaml").write_text("ckpt_path: elsewhere/checkpoints/last.ckpt\n")  # summed, seed 0
+    with pytest.raises(SomaError) as refused:
+        load_experiment("fig4").result(report, folders)
+    assert "elsewhere/checkpoints/last.ckpt" in str(refused.value)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from soma_pl.eval.bootstrap import Interval, document_bootstrap, paired_document_interval
-from soma_pl.reproduce.verdicts import Verdict, count, decide, estimate, family, seed_interval, seed_p
+from soma_pl.reproduce.verdicts import Verdict, agrees, count, decide, estimate, family, seed_interval, seed_p
 
 
 def test_the_seed_interval_is_students_t_with_n_minus_one_degrees_of_freedom():
@@ -120,7 +120,7 @@ def test_the_document_interval_is_at_the_level_asked_for():
     assert wide.p_zero == plain.p_zero  # the p-value does not depend on the interval's level
 
 
-def test_an_estimate_over_direction_draws_is_decided_by_its_normal_interval():
+def test_an_estimate_over_draws_is_decided_by_its_student_t_interval():
     # 4.02 ± 0.3 against 1 over 32 draws: 3.02 ± t(0.975, 31) · 0.3 = 3.02 ± 2.039513 · 0.3 (the paper's Fig. 11 ratio)
     check = estimate("separate below summed", 4.02, 0.3, 1.0, 32)
     assert check.verdict is Verdict.holds and check.over == "direction draws" and check.seeds == 32
@@ -133,10 +133,23 @@ def test_an_estimate_over_direction_draws_is_decided_by_its_normal_interval():
     assert estimate("x", 1.3, 0.2, 1.0, 32).verdict is Verdict.inconclusive  # 0.3 ± 0.408 reaches zero
     assert estimate("x", 0.5, 0.1, 1.0, 32).verdict is Verdict.does_not_hold
     assert family([rounds.as_dict()] * 3)[0]["holm_p"] == pytest.approx(3 * rounds.p, rel=1e-9)
+    for stderr in (0.0, float("nan")):  # no spread: nothing decided, no p-value
+        flat = estimate("x", 2.0, stderr, 1.0, 3)
+        assert flat.verdict is Verdict.inconclusive and flat.p is None
+
+
+def test_a_measurement_agrees_with_its_prediction_within_the_margin():
+    # 4.02 ± 0.05 over 32 draws against 4.00: +0.5% ± 2.04·1.25% lies inside ±10%
+    close = agrees("x", 4.02, 0.05, 4.0, 32, 0.1)
+    assert close.verdict is Verdict.holds and close.mean == pytest.approx(0.005) and close.p is None
+    assert close.seed_interval == pytest.approx((0.005 - 2.039513 * 0.0125, 0.005 + 2.039513 * 0.0125), abs=1e-6)
+    assert agrees("x", 4.02, 0.5, 4.0, 32, 0.1).verdict is Verdict.inconclusive  # ± 25%
+    assert agrees("x", 6.0, 0.05, 4.0, 32, 0.1).verdict is Verdict.does_not_hold
 
 
 def test_a_count_holds_when_it_rounds_to_the_papers_figures():
     assert count("N = 1", 8_333_905, 8_330_000).verdict is Verdict.holds  # 8.33M
     assert count("N = 256 body", 32_928, 32_900).verdict is Verdict.holds  # 32.9k
+    assert count("N = 1", 8_333_905, 8_334_000).verdict is Verdict.holds  # the paper's value rounded alike
     wrong = count("N = 1", 8_346_000, 8_330_000)  # 8.35M
     assert wrong.verdict is Verdict.does_not_hold and wrong.p is None and wrong.mean == 16_000
