@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from soma_pl.analysis.curves import draw_loss_curves
+from soma_pl.analysis.time_basis import calibration
 from soma_pl.errors import ConfigError, DataError
 from soma_pl.io import check_apart, check_output_file, markdown_cell, write_atomic, write_json_atomic
 
@@ -51,7 +52,8 @@ class CurvePoint:
     """Forward multiply-adds spent so far (the run's `compute/multiply_adds` per update × updates); None without
     compute figures."""
     update_seconds: float | None
-    """Update time spent so far, `updates · Σₑ t̄ₑ`; None without compute figures."""
+    """Update time spent so far, `updates · Σₑ t̄ₑ` on the run's time basis (calibrated where it has one);
+    None without compute figures."""
 
 
 @dataclass
@@ -77,7 +79,9 @@ class RunRow:
     token_forwards: int | None
     multiply_adds: int | None
     update_seconds: float | None
-    """Table 3's `U · Σₑ t̄ₑ` in seconds (aggregate device-hours × 3600)."""
+    """Table 3's `U · Σₑ t̄ₑ` in seconds on the run's time basis: updates × its update time calibrated
+    alone where it ran with one (`budget.seconds_per_update`), else the measured aggregate device-hours
+    × 3600."""
     training_seconds: float | None
     """Elapsed training wall time (validation and data loading included)."""
     curve: list[CurvePoint] = field(default_factory=list)
@@ -221,7 +225,9 @@ def read_run(path: Path, label: str) -> RunRow:
     if not points and final is not None:
         points = {updates: final}
     per_update = compute["multiply_adds"] / compute["updates"] if compute and compute["updates"] else None
-    step_seconds = compute["aggregate_device_hours"] * 3600 / compute["updates"] if per_update is not None else None
+    rate = calibration(path.parent)  # the run's time basis: its update time calibrated alone, where it has one
+    step_seconds = rate if rate is not None else \
+        compute["aggregate_device_hours"] * 3600 / compute["updates"] if per_update is not None else None
     curve = [CurvePoint(u, loss, None if per_update is None else round(u * per_update),
                         None if step_seconds is None else u * step_seconds) for u, loss in points.items()]
     finite = [p for p in curve if math.isfinite(p.val_loss)]
@@ -234,7 +240,8 @@ def read_run(path: Path, label: str) -> RunRow:
                   test_loss=test_loss, test_scores=str(test) if test_loss is not None else None,
                   token_forwards=compute["token_forwards"] if compute else None,
                   multiply_adds=compute["multiply_adds"] if compute else None,
-                  update_seconds=compute["aggregate_device_hours"] * 3600 if compute else None,
+                  update_seconds=(updates * rate if rate is not None else compute["aggregate_device_hours"] * 3600)
+                  if compute else None,
                   training_seconds=compute["elapsed_training_seconds"] if compute else None, curve=curve)
 
 

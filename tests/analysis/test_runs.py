@@ -186,3 +186,17 @@ def test_a_label_with_a_pipe_or_a_line_break_stays_one_cell_of_its_row(label):
     cells = re.split(r"(?<!\\)\|", body[0])[1:-1]  # a markdown row's cells: split on unescaped pipes
     assert len(cells) == header.count("|") - 1 == rule.count("|") - 1
     assert cells[0].strip().replace("\\|", "|") == " ".join(label.splitlines())
+
+
+def test_a_calibrated_run_is_placed_at_updates_times_its_calibrated_update_time(runs, tmp_path, capsys):
+    copy = tmp_path / "b"
+    shutil.copytree(runs / "b", copy)
+    compute = copy / "version_0" / "compute.json"
+    report = json.loads(compute.read_text())
+    report["budget"] = {**(report.get("budget") or {}), "seconds_per_update": 2.5}
+    compute.write_text(json.dumps(report))
+    out = tmp_path / "table.json"
+    assert cli(capsys, "runs", str(copy), "--out", str(out)) == (0, [])
+    (row,) = json.loads(out.read_text())["runs"]
+    assert row["update_seconds"] == pytest.approx(8 * 2.5)  # 8 updates, not the measured time
+    assert [p["update_seconds"] for p in row["curve"]] == pytest.approx([2.5 * u for u in (2, 4, 6, 8)])
