@@ -25,7 +25,9 @@ from enum import Enum
 import torch
 from tqdm import tqdm
 
+from soma_pl import WINDOW_BYTES
 from soma_pl.analysis.loading import load_experts, window_pool
+from soma_pl.analysis.reference_error import reference_panel, step_settings
 from soma_pl.analysis.variance_panels import (
     Measurement,
     batch_panel,
@@ -49,6 +51,9 @@ class Panel(str, Enum):
     """Fig. 10 right and Fig. 11 left: n_pert and loss grouping on fixed windows."""
     batch = "batch"
     """Fig. 11 right: batch size at fixed n_pert·B against the pool-mean gradient."""
+    reference = "reference"
+    """Fig. 5 and Table 8: total error against a BPTT reference on separate windows, by N (equal total
+    size), n_pert and B, beside each global step's cost (`soma_pl.analysis.reference_error`)."""
 
 
 @dataclass
@@ -60,8 +65,8 @@ class VarianceSettings:
     truncated to `experts`). None: seeded random init of width `width`."""
     data: str | None = None
     """Prepared dataset folder whose ensemble_val.npz supplies the windows; None: random bytes."""
-    panels: list[Panel] = field(default_factory=lambda: list(Panel))
-    """Which measurements to run."""
+    panels: list[Panel] = field(default_factory=lambda: [Panel.experts, Panel.n_pert, Panel.batch])
+    """Which measurements to run (by default Figs. 10 and 11's; `reference` adds Fig. 5's)."""
     context: int = 16
     """Predicted bytes per window T (windows are cut to T + 1 bytes; every target is scored). Every
     time step reads all 2·n_pert perturbed copies of the weights, so the cost grows with T·n_pert·d."""
@@ -96,6 +101,12 @@ class VarianceSettings:
     direction: DirectionKind = DirectionKind.rademacher
     """Direction distribution (the predictions follow it): `rademacher` is Fig. 11's dense probe,
     `sparse` the training probe of Fig. 10 (App. G.1)."""
+    reference_windows: int = 64
+    """Windows of `context + 1` bytes in each expert's reference batch (Fig. 5; Table 8: 8,000 of 1,025
+    bytes), cut from the prepared windows; a second batch of as many gives Table 8's distance."""
+    scales: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """Fig. 5's N = 1 curves: n_pert and B at these multiples of the base (the smallest `n_pert`,
+    `batch`); B is drawn from each expert's sampling pool of `pool` windows (the paper: 64 → 1,024)."""
     max_rows: int | None = 1024
     """Most windows per loss call (bounds memory; see SPSAConfig.max_rows)."""
     seed: int = 0
@@ -108,17 +119,21 @@ class VarianceSettings:
             (min(self.n_pert) >= 1 and self.context >= 1 and self.batch >= 1, "n_pert, context, batch must be >= 1"),
             (self.context < 1025, "context must be below 1025"),
             (all(self.experts % k == 0 for k in self.loss_groupings), "every loss_grouping must divide experts"),
-            (all(b <= self.pool and self.budget % b == 0 for b in self.batch_sizes),
+            (Panel.batch not in self.panels or all(b <= self.pool and self.budget % b == 0 for b in self.batch_sizes),
              "every batch_size must divide budget and be at most pool"),
             (min(self.expert_counts) >= 1 and self.eps > 0, "expert_counts must be >= 1 and eps > 0"),
+            (Panel.reference not in self.panels or (min(self.scales) >= 1 and self.reference_windows >= 1
+                                                    and self.batch * max(self.scales) <= self.pool),
+             "the reference panel needs scales and reference_windows >= 1 and batch x max(scales) <= pool"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"analyze variance: {message}")
 
     def windows_needed(self) -> int:
+        pieces = max(self.expert_counts) * (2 * self.reference_windows + self.pool)
         needed = {Panel.experts: max(self.expert_counts) * self.batch, Panel.n_pert: self.experts * self.batch,
-                  Panel.batch: self.pool}
+                  Panel.batch: self.pool, Panel.reference: -(-pieces // (WINDOW_BYTES // (self.context + 1)))}
         return max(needed[Panel(panel)] for panel in self.panels)
 
 
@@ -158,7 +173,9 @@ def total_draws(settings: VarianceSettings, panels: list[Panel]) -> int:
     """Direction draws the selected panels make (the progress bar's length)."""
     return ((len(settings.expert_counts) * settings.repeats if Panel.experts in panels else 0)
             + (settings.repeats if Panel.n_pert in panels else 0)
-            + (len(settings.batch_sizes) * settings.batch_repeats if Panel.batch in panels else 0))
+            + (len(settings.batch_sizes) * settings.batch_repeats if Panel.batch in panels else 0)
+            + (settings.repeats * sum(len(step_settings(count, min(settings.n_pert), settings.batch, settings.scales))
+                                      for count in set(settings.expert_counts)) if Panel.reference in panels else 0))
 
 
 def variance_analysis(settings: VarianceSettings, progress: bool = False) -> dict:
@@ -195,6 +212,10 @@ def _panels(settings: VarianceSettings, panels: list[Panel], drawn) -> dict:
     if Panel.experts in panels:
         result["experts"] = experts_panel(windows, settings.expert_counts, settings.total_params, settings.batch,
                                           settings.context, max(settings.n_pert), measure)
+    if Panel.reference in panels:
+        result["reference"] = reference_panel(windows, settings.expert_counts, settings.total_params,
+                                              min(settings.n_pert), settings.batch, settings.scales,
+                                              settings.reference_windows, settings.pool, settings.context, measure)
     if Panel.n_pert in panels or Panel.batch in panels:
         model, result["weights"] = panel_model(settings)
     if Panel.n_pert in panels:

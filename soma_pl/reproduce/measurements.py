@@ -1,6 +1,6 @@
 """Experiments of measurements at fixed weights (`commands` in their file), read from the JSON their
-commands wrote into the result's folder: Table 2 (`analyze params`), Figs. 10 and 11
-(`analyze variance`) and Table 12 (`bench inference`)."""
+commands wrote into the result's folder: Table 2 (`analyze params`), Figs. 10 and 11 and Fig. 5
+with Table 8 (`analyze variance`) and Table 12 (`bench inference`)."""
 
 from __future__ import annotations
 
@@ -54,13 +54,14 @@ def _short(count: float) -> str:
     return f"{count / 1e6:.3g}M" if count >= 1e6 else f"{count / 1e3:.3g}k"
 
 
-def _ratio(upper: dict, lower: dict) -> tuple[float, float, float]:
-    """(measured upper/lower, its standard error by the delta method, predicted). The two points are
-    separate models; their direction draws share keys (seed, draw, expert 0), a small correlation the
-    standard error ignores."""
+def _ratio(upper: dict, lower: dict) -> tuple[float, float, float | None]:
+    """(measured upper/lower, its standard error by the delta method, predicted where both points have
+    a prediction). The points are separate measurements; their direction draws share keys (seed,
+    draw, expert 0), a small correlation the standard error ignores."""
     ratio = upper["relative_error"] / lower["relative_error"]
     spread = ((upper["stderr"] / upper["relative_error"]) ** 2 + (lower["stderr"] / lower["relative_error"]) ** 2)
-    return ratio, ratio * spread ** 0.5, upper["predicted"] / lower["predicted"]
+    predicted = upper["predicted"] / lower["predicted"] if "predicted" in upper and "predicted" in lower else None
+    return ratio, ratio * spread ** 0.5, predicted
 
 
 def fig10_result(folder: Path, experiment: Experiment) -> dict:
@@ -198,3 +199,75 @@ def table12_markdown(result: dict) -> str:
                                 f"{row['routing_share']:.2%} ({paper.get('routing_share', '—')})",
                                 f"{row['peak_above_baseline_bytes'] / 2 ** 20:,.0f} MiB"]))
     return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
+
+
+def fig5_result(folder: Path, experiment: Experiment) -> dict:
+    """Fig. 5 and Table 8: the total error R of each (N, n_pert, B) against its BPTT reference, with
+    its step's multiply-adds and measured seconds; the largest N at the base against the N = 1 model
+    at the largest n_pert and at the largest B, and each N = 1 curve's end against its start."""
+    panel, claims = _read(folder, "reference.json")["reference"], experiment.claims
+    draws = _read(folder, "reference.json")["settings"]["repeats"]
+    base, scale = panel["base"], max(panel["scales"])
+    points = {(p["experts"], p["n_pert"], p["batch"]): p for p in panel["points"]}
+    largest = max(p["experts"] for p in panel["points"])
+    sharded, start = points[(largest, base["n_pert"], base["batch"])], points[(1, base["n_pert"], base["batch"])]
+    ends = {"n_pert": points[(1, base["n_pert"] * scale, base["batch"])],
+            "batch": points[(1, base["n_pert"], base["batch"] * scale)]}
+    checks = []
+    for name, end in ends.items():
+        ratio, stderr, _ = _ratio(end, sharded)
+        checks.append(claims["shards"].check_estimate(ratio, stderr, 1.0, draws, larger=largest, scale=scale,
+                                                      what=name, measured=ratio,
+                                                      cost=sharded["multiply_adds"] / end["multiply_adds"]))
+    for name, end in ends.items():
+        ratio, stderr, _ = _ratio(start, end)
+        checks.append(claims[name].check_estimate(ratio, stderr, 1.0, draws, scale=scale, measured=1 - 1 / ratio))
+    return {"points": panel["points"], "table8": panel["table8"], "base": base, "scales": panel["scales"],
+            "context": panel["context"], "reference_windows": panel["reference_windows"], "pool": panel["pool"],
+            "draws": draws, "checks": checks}
+
+
+def fig5_markdown(result: dict) -> str:
+    paper = result["paper_summary"]
+    lines = [*heading(result), f"R = Σₑ E‖ĝₑ − g_ref,e‖² / Σₑ ‖g_ref,e‖² (Eq. 5) over {result['draws']} draws of a "
+             "batch and of directions, ± its standard error; each expert's reference is the autograd gradient on "
+             f"{result['reference_windows']} windows of {result['context'] + 1} bytes, its batches drawn from a pool "
+             f"of {result['pool']} others. A step's cost: multiply-adds of its 2·n_pert·B·T byte forwards over all "
+             "experts, and its measured seconds (one thread, the median over draws; read them with the load average "
+             f"below). Paper: {paper['note']}", "",
+             *table_head(["N", "width", "n_pert", "B", "R", "R, independent reference", "multiply-adds per step",
+                          "seconds per step"])]
+    for p in sorted(result["points"], key=lambda p: (p["experts"], p["n_pert"], p["batch"])):
+        lines.append(table_row([str(p["experts"]), str(p["width"]), str(p["n_pert"]), str(p["batch"]),
+                                f"{p['relative_error']:.4g} ± {p['stderr']:.2g}",
+                                f"{p['relative_error_independent_reference']:.4g}", f"{p['multiply_adds']:.3g}",
+                                f"{p['seconds']:.3g}"]))
+    moved = max(abs(p["relative_error_independent_reference"] / p["relative_error"] - 1) for p in result["points"])
+    lines += ["", "**Table 8**: each reference's cosine distance to the gradient on an independent batch of the same "
+              f"size; the independent reference moves R by up to {moved:.0%} (paper: {paper['table8']}).", "",
+              *table_head(["N", "reference windows", "cosine distance"])]
+    lines += [table_row([str(r["experts"]), str(r["reference_windows"]), f"{r['cosine_distance']:.4f}"])
+              for r in result["table8"]]
+    return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
+
+
+def fig5_figure(result: dict, path: Path) -> Path:
+    """R against multiply-adds per global step: the N curve at the base, the n_pert and B curves at N = 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base, points = result["base"], result["points"]
+    curves = {"N (base n_pert, B)": [p for p in points if (p["n_pert"], p["batch"]) == (base["n_pert"], base["batch"])],
+              "n_pert (N = 1)": [p for p in points if p["experts"] == 1 and p["batch"] == base["batch"]],
+              "B (N = 1)": [p for p in points if p["experts"] == 1 and p["n_pert"] == base["n_pert"]]}
+    fig, axis = plt.subplots(figsize=(6.5, 4.2))
+    for label, curve in curves.items():
+        curve = sorted(curve, key=lambda p: p["multiply_adds"])
+        axis.errorbar([p["multiply_adds"] for p in curve], [p["relative_error"] for p in curve],
+                      yerr=[1.96 * p["stderr"] for p in curve], fmt="-o", markersize=4, capsize=3, label=label)
+    axis.set(xscale="log", yscale="log", xlabel="multiply-adds per global step",
+             ylabel="relative error R against the reference", title="Fig. 5 (CPU scale): total gradient error")
+    axis.legend(fontsize=7)
+    return save_figure(fig, path)

@@ -295,3 +295,32 @@ def test_cli_rejects_a_grouping_that_does_not_divide_the_experts(tmp_path, capsy
     assert exit_info.value.code == 2
     assert "loss_grouping must divide experts" in capsys.readouterr().err
     assert not (tmp_path / "v.json").exists()
+
+
+def test_the_reference_panel_measures_every_curve_point_and_table8(tmp_path, prepared, capsys):
+    out = tmp_path / "reference.json"
+    main(["analyze", "variance", "--panels", "[reference]", "--data", str(prepared), "--context", "4",
+          "--n_pert", "[2]", "--batch", "1", "--scales", "[1, 2]", "--pool", "4", "--reference_windows", "6",
+          "--expert_counts", "[1, 2]", "--total_params", "3000", "--repeats", "2", "--direction", "sparse",
+          "--out", str(out)])
+    panel = json.loads(out.read_text())["reference"]
+    # the base (2, 1) at N = 1 and 2; N = 1 also at 2x n_pert and 2x B
+    assert sorted((p["experts"], p["n_pert"], p["batch"]) for p in panel["points"]) == [
+        (1, 2, 1), (1, 2, 2), (1, 4, 1), (2, 2, 1)]
+    for point in panel["points"]:
+        model = StackedExperts(point["experts"], point["width"], head=HeadMode.shared, device="meta")
+        per_token = sum(p[0].numel() if not model.is_shared(n) else p.numel()
+                        for n, p in model.named_parameters() if n != "norm_gains")
+        # 2 · n_pert · B · T byte forwards per expert, each one multiply-add per weight
+        assert point["multiply_adds"] == 2 * point["n_pert"] * point["batch"] * 4 * point["experts"] * per_token
+        assert point["relative_error"] > 0 and point["stderr"] >= 0 and point["seconds"] > 0
+    assert [row["experts"] for row in panel["table8"]] == [1, 2]
+    assert all(0 <= row["cosine_distance"] <= 2 for row in panel["table8"])
+    assert "analyze variance" in capsys.readouterr().err
+
+
+def test_the_reference_panel_refuses_batches_larger_than_its_pool(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["analyze", "variance", "--panels", "[reference]", "--batch", "4", "--scales", "[1, 4]", "--pool", "8",
+              "--out", str(tmp_path / "r.json")])
+    assert exit_info.value.code == 2 and "pool" in capsys.readouterr().err

@@ -125,3 +125,30 @@ def test_a_missing_output_is_one_error_naming_it(tmp_path):
     with pytest.raises(SomaError) as stopped:
         load_experiment("table12").result(tmp_path)
     assert str(tmp_path / "inference.json") in str(stopped.value)
+
+
+def _reference_point(experts: int, n_pert: int, batch: int, error: float, stderr: float) -> dict:
+    return {"experts": experts, "n_pert": n_pert, "batch": batch, "width": 8, "relative_error": error,
+            "stderr": stderr, "relative_error_independent_reference": error * 1.02,
+            "multiply_adds": 1000 * n_pert * batch * experts, "seconds": 0.01}
+
+
+def test_fig5_compares_the_largest_n_with_the_monolith_at_more_directions_or_windows(tmp_path):
+    points = [_reference_point(1, 8, 2, 1000.0, 50.0), _reference_point(1, 64, 2, 150.0, 10.0),
+              _reference_point(1, 8, 16, 500.0, 30.0), _reference_point(8, 8, 2, 100.0, 5.0)]
+    (tmp_path / "reference.json").write_text(json.dumps({"settings": {"repeats": 32}, "reference": {
+        "base": {"n_pert": 8, "batch": 2}, "scales": [1, 8], "context": 16, "reference_windows": 128, "pool": 32,
+        "points": points, "table8": [{"experts": 1, "reference_windows": 128, "cosine_distance": 0.29}]}}))
+    result = load_experiment("fig5").result(tmp_path)
+    against_npert, against_batch, npert, batch = result["checks"]
+    # 150 / 100 = 1.5, its standard error 1.5 · √((10/150)² + (5/100)²) = 0.125: 0.5 ± 2.04 · 0.125 holds
+    assert against_npert["mean"] == pytest.approx(0.5) and against_npert["verdict"] == Verdict.holds.value
+    assert against_npert["seed_interval"][0] == pytest.approx(0.5 - 2.039513 * 0.125, abs=1e-5)
+    assert "8x the n_pert (ratio 1.5; at 1x its multiply-adds)" in against_npert["claim"]
+    assert against_batch["mean"] == pytest.approx(4.0) and "8x the batch" in against_batch["claim"]
+    assert npert["mean"] == pytest.approx(1000 / 150 - 1) and "(by 85%; paper, 16x: 94%)" in npert["claim"]
+    assert batch["mean"] == pytest.approx(1.0) and "(by 50%" in batch["claim"]
+    shown = {**result, "experiment": "fig5", "scale": "cpu", "title": "t", "basis": "b", "wall_seconds": 1.0,
+             "load_average": [1.0, 1.0], "commands": ["x"]}
+    text = load_experiment("fig5").table(shown)
+    assert "| 8 | 8 | 8 | 2 | 100 ± 5 | 102 | 1.28e+05 | 0.01 |" in text and "moves R by up to 2%" in text
