@@ -17,6 +17,7 @@ weights (`commands`) runs its commands in order instead of a sweep and reports w
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -296,13 +297,22 @@ def _commands(experiment: Experiment, scale: str, folder: Path) -> list[list[str
 
 def run_commands(experiment: Experiment, scale: str, results: Path, progress: bool = True) -> dict:
     """Run the experiment's commands in order (each logged to `<folder>/logs`), then write and print
-    its result from what they wrote into its folder."""
+    its result from what they wrote into its folder. A command that finished before with the same
+    arguments (its stamp `logs/run<i>.done`) is reused, as a sweep's finished trials are: delete the
+    stamp to run it again."""
     folder = result_folder(results, experiment, scale)
     started, load_before = time.time(), os.getloadavg()[0]
     _prepare_data(experiment, scale, folder / "logs")
-    commands = _commands(experiment, scale, folder)
+    commands, seconds = _commands(experiment, scale, folder), []
     for index, arguments in enumerate(tqdm(commands, desc=experiment.name, unit="command", disable=not progress)):
-        _call(arguments, folder / "logs" / f"run{index}-{arguments[0]}.log")
+        stamp = folder / "logs" / f"run{index}.done"
+        done = json.loads(stamp.read_text()) if stamp.is_file() else {}
+        if done.get("arguments") != experiment.commands[scale][index]:
+            begun = time.time()
+            _call(arguments, folder / "logs" / f"run{index}-{arguments[0]}.log")
+            done = {"arguments": experiment.commands[scale][index], "seconds": round(time.time() - begun, 1)}
+            write_json_atomic(stamp, done)
+        seconds.append(done["seconds"])
     try:
         measured = experiment.result(folder)
     except (KeyError, IndexError, TypeError) as error:  # a command's output without what the result reads
@@ -313,7 +323,7 @@ def run_commands(experiment: Experiment, scale: str, results: Path, progress: bo
               "commands": [" ".join(["python -m soma_pl.cli", *arguments])
                            for arguments in _commands(experiment, scale, Path(os.path.relpath(folder)))],
               "unit": experiment.paper.get("unit", "nats/byte"), "wall_seconds": round(time.time() - started, 1),
-              "load_average": [load_before, os.getloadavg()[0]], **measured}
+              "command_seconds": seconds, "load_average": [load_before, os.getloadavg()[0]], **measured}
     return _write(experiment, folder, result)
 
 

@@ -102,9 +102,13 @@ def run_footer(result: dict, reused: str = "finished trials reused") -> str:
 
 
 def commands_footer(result: dict) -> str:
-    """The closing line of a measurement's table: its commands, wall time and load average."""
-    return (f"This run: {result['wall_seconds']:.0f} s, load average {result['load_average'][0]:.2f} before, "
-            f"{result['load_average'][1]:.2f} after; " + "; ".join(f"`{c}`" for c in result["commands"]) + ".")
+    """The closing line of a measurement's table: its commands and what each took when it ran (a
+    rerun reuses finished ones), this run's wall time and load average."""
+    took = result.get("command_seconds")
+    commands = "; ".join(f"`{c}`" + ("" if took is None else f" ({s:.0f} s)")
+                         for c, s in zip(result["commands"], took or [None] * len(result["commands"]), strict=True))
+    return (f"This run: {result['wall_seconds']:.0f} s (finished commands reused), load average "
+            f"{result['load_average'][0]:.2f} before, {result['load_average'][1]:.2f} after; {commands}.")
 
 
 def calibration_text(result: dict) -> str:

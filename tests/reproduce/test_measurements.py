@@ -33,6 +33,13 @@ def test_table2_runs_its_command_and_every_count_holds_as_the_paper_gives_it(tmp
     assert (tmp_path / "table2" / "table.md").is_file() and not (tmp_path / "table2" / "figure.png").exists()
     page = reproduction_page(tmp_path, tmp_path / "page.md")
     assert "8,333,905 is 8.33e+06 to 3 significant figures; the paper gives 8.33e+06" in page
+    # a rerun reuses the finished command (same arguments) and rebuilds the result from its output
+    output = tmp_path / "table2" / "params.json"
+    stamp = output.stat().st_mtime_ns
+    main(["reproduce", "table2", "--results", str(tmp_path), "--progress", "false"])
+    again = json.loads((tmp_path / "table2" / "result.json").read_text())
+    assert output.stat().st_mtime_ns == stamp and again["command_seconds"] == result["command_seconds"]
+    assert again["checks"] == result["checks"]
 
 
 def test_a_dry_run_lists_the_commands_and_runs_nothing(tmp_path, capsys):
