@@ -29,10 +29,12 @@ from soma_pl.estimators.spsa import spsa_estimate
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
 
-def short_windows(windows: Tensor, context: int) -> Tensor:
-    """`[n, 1025]` windows cut into consecutive `[m, context + 1]` pieces (every whole piece of each)."""
+def short_windows(windows: Tensor, context: int, seed: int) -> Tensor:
+    """`[n, 1025]` windows cut into `[m, context + 1]` pieces (every whole piece of each), in a seeded
+    random order: consecutive pieces of one document do not all go to one batch or pool."""
     pieces = windows.shape[1] // (context + 1)
-    return windows[:, : pieces * (context + 1)].reshape(-1, context + 1)
+    cut = windows[:, : pieces * (context + 1)].reshape(-1, context + 1)
+    return cut[torch.randperm(len(cut), generator=torch.Generator().manual_seed(seed))]
 
 
 def _forward_multiply_adds(model: StackedExperts) -> int:
@@ -88,28 +90,39 @@ def reference_panel(windows: Tensor, expert_counts: Sequence[int], total_params:
         n_pert, batch: the base (n_pert, B) of every N; scales: the N = 1 model's n_pert and B
             multiples (the paper: 64 → 1,024).
     """
-    pieces = short_windows(windows, context)
+    pieces = short_windows(windows, context, measurement.seed)
     per_expert = 2 * reference_windows + pool
     needed = max(expert_counts) * per_expert
     if len(pieces) < needed:
         raise ValueError(f"{len(pieces)} windows of {context + 1} bytes, {needed} needed "
                          f"({max(expert_counts)} experts x (2 x {reference_windows} reference + {pool} pool))")
-    points, table8 = [], []
-    for count in sorted(expert_counts):
-        width = width_for_total(total_params, count)
-        with torch.random.fork_rng():
-            torch.manual_seed(measurement.seed + count)
-            model = StackedExperts(count, width, head=HeadMode.shared, dtype=torch.float64).requires_grad_(False)
-        own = pieces[: count * per_expert].reshape(count, per_expert, context + 1)
-        params = _trainable(model)
-        reference = exact_gradient(model.loss_per_group, params, own[:, :reference_windows])
-        other = exact_gradient(model.loss_per_group, params, own[:, reference_windows : 2 * reference_windows])
-        cosine = torch.nn.functional.cosine_similarity(reference.flatten(), other.flatten(), dim=0)
-        table8.append({"experts": count, "reference_windows": reference_windows,
-                       "cosine_distance": float(1 - cosine)})
-        for n, b in step_settings(count, n_pert, batch, scales):
-            point = _curve_point(model, params, reference, other, own[:, 2 * reference_windows :], n, b,
-                                 measurement)
-            points.append({**point, "width": width, "params_per_expert": reference.shape[1]})
+    points, table8, threads = [], [], torch.get_num_threads()
+    torch.set_num_threads(1)  # each step's seconds on one thread, as the sweeps' calibrations time them
+    try:
+        for count in sorted(set(expert_counts)):
+            row, curve = _expert_count(count, pieces[: count * per_expert].reshape(count, per_expert, context + 1),
+                                       total_params, n_pert, batch, scales, reference_windows, measurement)
+            table8.append(row)
+            points += curve
+    finally:
+        torch.set_num_threads(threads)
     return {"base": {"n_pert": n_pert, "batch": batch}, "scales": list(scales), "context": context,
             "reference_windows": reference_windows, "pool": pool, "points": points, "table8": table8}
+
+
+def _expert_count(count: int, own: Tensor, total_params: int, n_pert: int, batch: int, scales: Sequence[int],
+                  reference_windows: int, measurement: Measurement) -> tuple[dict, list[dict]]:
+    """N = `count` experts (each with its windows `own [N, 2·reference + pool, T + 1]`): Table 8's row
+    and the curve points."""
+    width = width_for_total(total_params, count)
+    with torch.random.fork_rng():
+        torch.manual_seed(measurement.seed + count)
+        model = StackedExperts(count, width, head=HeadMode.shared, dtype=torch.float64).requires_grad_(False)
+    params = _trainable(model)
+    reference = exact_gradient(model.loss_per_group, params, own[:, :reference_windows])
+    other = exact_gradient(model.loss_per_group, params, own[:, reference_windows : 2 * reference_windows])
+    cosine = torch.nn.functional.cosine_similarity(reference.flatten(), other.flatten(), dim=0)
+    points = [{**_curve_point(model, params, reference, other, own[:, 2 * reference_windows :], n, b, measurement),
+               "width": width, "params_per_expert": reference.shape[1]}
+              for n, b in step_settings(count, n_pert, batch, scales)]
+    return {"experts": count, "reference_windows": reference_windows, "cosine_distance": float(1 - cosine)}, points

@@ -122,9 +122,12 @@ class VarianceSettings:
             (Panel.batch not in self.panels or all(b <= self.pool and self.budget % b == 0 for b in self.batch_sizes),
              "every batch_size must divide budget and be at most pool"),
             (min(self.expert_counts) >= 1 and self.eps > 0, "expert_counts must be >= 1 and eps > 0"),
-            (Panel.reference not in self.panels or (min(self.scales) >= 1 and self.reference_windows >= 1
-                                                    and self.batch * max(self.scales) <= self.pool),
-             "the reference panel needs scales and reference_windows >= 1 and batch x max(scales) <= pool"),
+            (Panel.reference not in self.panels or (1 in self.scales and min(self.scales) >= 1
+                                                    and 1 in self.expert_counts and max(self.expert_counts) > 1
+                                                    and self.reference_windows >= 1
+                                                    and 2 * self.batch * max(self.scales) <= self.pool),
+             "the reference panel needs 1 in scales, 1 and a larger N in expert_counts, reference_windows >= 1 "
+             "and a pool of at least twice the largest batch (batch x max(scales)), so that batches vary"),
         ]
         for ok, message in checks:
             if not ok:
@@ -205,7 +208,8 @@ def _panels(settings: VarianceSettings, panels: list[Panel], drawn) -> dict:
     windows = window_pool(settings.data, settings.windows_needed(), settings.seed)
     config = SPSAConfig(eps=settings.eps, direction=DirectionKind(settings.direction), max_rows=settings.max_rows)
     measure = Measurement(config, settings.repeats, settings.seed, drawn)
-    result = {"analysis": "variance", "figures": ["Fig. 10", "Fig. 11"],
+    figures = ["Fig. 10", "Fig. 11", *(["Fig. 5", "Table 8"] if Panel.reference in panels else [])]
+    result = {"analysis": "variance", "figures": figures,
               "settings": {k: v.value if isinstance(v, Enum) else v for k, v in asdict(settings).items()},
               "windows": f"{settings.data}/ensemble_val.npz" if settings.data else "random bytes"}
     result["settings"]["panels"] = [p.value for p in panels]

@@ -319,8 +319,14 @@ def test_the_reference_panel_measures_every_curve_point_and_table8(tmp_path, pre
     assert "analyze variance" in capsys.readouterr().err
 
 
-def test_the_reference_panel_refuses_batches_larger_than_its_pool(tmp_path, capsys):
+@pytest.mark.parametrize(("settings", "named"), [
+    (["--batch", "2", "--scales", "[1, 4]", "--pool", "8"], "pool"),  # every draw of B = 8 would be the whole pool
+    (["--scales", "[2, 4]"], "scales"),  # no base point to compare with
+    (["--expert_counts", "[1]"], "expert_counts"),  # no larger N
+    (["--expert_counts", "[2, 4]"], "expert_counts"),  # no N = 1
+])
+def test_the_reference_panel_refuses_settings_it_cannot_compare(settings, named, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["analyze", "variance", "--panels", "[reference]", "--batch", "4", "--scales", "[1, 4]", "--pool", "8",
-              "--out", str(tmp_path / "r.json")])
-    assert exit_info.value.code == 2 and "pool" in capsys.readouterr().err
+        main(["analyze", "variance", "--panels", "[reference]", *settings, "--out", str(tmp_path / "r.json")])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and named in error and len(error.strip().splitlines()) == 1
