@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from soma_pl.analysis.gradient_error import exact_gradient, flatten, mean_with_error
-from soma_pl.analysis.variance_panels import Measurement, _trainable, pool_batches, width_for_total
+from soma_pl.analysis.variance_panels import Measurement, perturbed_weights, pool_batches, width_for_total
 from soma_pl.estimators.spsa import spsa_estimate
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
@@ -118,7 +118,7 @@ def _expert_count(count: int, own: Tensor, total_params: int, n_pert: int, batch
     with torch.random.fork_rng():
         torch.manual_seed(measurement.seed + count)
         model = StackedExperts(count, width, head=HeadMode.shared, dtype=torch.float64).requires_grad_(False)
-    params = _trainable(model)
+    params = perturbed_weights(model)
     reference = exact_gradient(model.loss_per_group, params, own[:, :reference_windows])
     other = exact_gradient(model.loss_per_group, params, own[:, reference_windows : 2 * reference_windows])
     cosine = torch.nn.functional.cosine_similarity(reference.flatten(), other.flatten(), dim=0)

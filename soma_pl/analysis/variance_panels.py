@@ -83,7 +83,8 @@ def expert_tokens(windows: Tensor, experts: int, per_expert: int, context: int) 
     return windows[:needed, : context + 1].reshape(experts, per_expert, context + 1)
 
 
-def _trainable(model: StackedExperts) -> dict[str, Tensor]:
+def perturbed_weights(model: StackedExperts) -> dict[str, Tensor]:
+    """The experts' perturbed weights (name → `[E, ...]`), detached: what an estimate perturbs."""
     return {name: param.detach() for name, param in model.expert_parameters().items()}
 
 
@@ -133,7 +134,7 @@ def experts_panel(windows: Tensor, expert_counts: Sequence[int], total_params: i
             torch.manual_seed(measurement.seed + count)
             model = StackedExperts(count, width, head=HeadMode.shared, dtype=torch.float64).requires_grad_(False)
         tokens = expert_tokens(windows, count, per_expert, context)
-        params = _trainable(model)
+        params = perturbed_weights(model)
         reference = exact_gradient(model.loss_per_group, params, tokens)
         relative = _draws(model.loss_per_group, params, tokens, reference, [n_pert], [1], measurement)[:, 0, 0]
         dim = reference.shape[1]
@@ -162,7 +163,7 @@ def n_pert_panel(model: StackedExperts, tokens: Tensor, n_perts: Sequence[int], 
         model: E experts at fixed weights; tokens: ``[E, B, T]`` each expert's windows.
     """
     n_perts, groupings = sorted(n_perts), list(groupings)
-    params = _trainable(model)
+    params = perturbed_weights(model)
     reference = exact_gradient(model.loss_per_group, params, tokens)
     norms, dim, activity = reference.pow(2).sum(1), reference.shape[1], measurement.activity(params)
     relative = _draws(model.loss_per_group, params, tokens, reference, n_perts, groupings, measurement)
