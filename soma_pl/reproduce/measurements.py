@@ -205,8 +205,8 @@ def fig5_result(folder: Path, experiment: Experiment) -> dict:
     """Fig. 5 and Table 8: the total error R of each (N, n_pert, B) against its BPTT reference, with
     its step's multiply-adds and measured seconds; the largest N at the base against the N = 1 model
     at the largest n_pert and at the largest B, and each N = 1 curve's end against its start."""
-    panel, claims = _read(folder, "reference.json")["reference"], experiment.claims
-    draws = _read(folder, "reference.json")["settings"]["repeats"]
+    output, claims = _read(folder, "reference.json"), experiment.claims
+    panel, draws = output["reference"], output["settings"]["repeats"]
     base, scale = panel["base"], max(panel["scales"])
     points = {(p["experts"], p["n_pert"], p["batch"]): p for p in panel["points"]}
     largest = max(p["experts"] for p in panel["points"])
