@@ -103,7 +103,7 @@ COMMANDS: dict[str, Command] = {
                                "soma_pl.sweeps.calibration"),
     "sweep report": Command("Table 6 / Table 7 style tables of a sweep's study (nats/byte).", "soma_pl.sweeps.report"),
     "demo": Command("The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.",
-                    "soma_pl.main_job"),
+                    "soma_pl.reproduce.command", "demo"),
     "reproduce": Command("Run one or more of the paper's experiments and report each beside the paper.",
                          "soma_pl.reproduce.command", positional="experiments", listing="listing"),
     "reproduce docs": Command("Write docs/reproduction.md from every saved experiment result.",

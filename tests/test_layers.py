@@ -22,8 +22,8 @@ LAYERS = {
     "estimators": 2, "models": 2,
     "eval": 3, "data": 3,
     "lit": 4, "callbacks": 4, "trainer_checks": 4, "trainer": 4,
-    "lightning_cli": 5, "analysis": 5, "bench": 5, "main_job_steps": 5, "main_job_bases": 5,
-    "sweeps": 6, "evaluate_text": 6, "main_job": 6, "generate": 6, "export": 6,
+    "lightning_cli": 5, "analysis": 5, "bench": 5,
+    "sweeps": 6, "evaluate_text": 6, "generate": 6, "export": 6,
     "reproduce": 7, "cli": 7,
 }
 """Each top-level module or package of soma_pl, by layer (0 at the bottom)."""
@@ -104,7 +104,7 @@ def test_the_check_catches_an_upward_import_a_lazy_one_and_a_peer():
     assert _upward_imports(source, "soma_pl.callbacks.compute") == [
         "soma_pl.callbacks.compute:4 imports soma_pl.lit.base (layer 4 >= 4)",
         "soma_pl.callbacks.compute:3 imports soma_pl.cli (layer 7 >= 4)"]
-    assert _upward_imports(source, "soma_pl.main_job") == ["soma_pl.main_job:3 imports soma_pl.cli (layer 7 >= 6)"]
+    assert _upward_imports(source, "soma_pl.generate") == ["soma_pl.generate:3 imports soma_pl.cli (layer 7 >= 6)"]
 
 
 

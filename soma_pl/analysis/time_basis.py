@@ -174,30 +174,6 @@ def interpolate(points: list[tuple[float, float]], at: float) -> float:
     raise SomaError(f"{at:g} lies outside the curve's range [{points[0][0]:g}, {points[-1][0]:g}]")
 
 
-@dataclass(frozen=True)
-class TimePoint:
-    """Where one side stands at the equal-time budget."""
-
-    budget_seconds: float
-    """`T`: the smaller of the two sides' total update times."""
-    val_interpolated: float
-    """Ensemble-validation loss interpolated at `T` on the (update seconds, loss) curve."""
-    updates: int
-    """The last validation at or within `T`: the checkpoint scored in full."""
-    seconds: float
-    """That checkpoint's update time on the curve's basis (at most `T`)."""
-
-
-def equal_time_point(curve: list[dict], budget_seconds: float) -> TimePoint:
-    """A side's standing at `budget_seconds` of update time, from its curve (`step`, `device_seconds`,
-    `val_loss` per point; the first is the untrained start at 0 s)."""
-    points = [(p["device_seconds"], p["val_loss"]) for p in curve]
-    within = [p for p in curve if p["device_seconds"] <= budget_seconds * (1 + 1e-9)]
-    last = within[-1]
-    return TimePoint(budget_seconds=budget_seconds, val_interpolated=interpolate(points, budget_seconds),
-                     updates=last["step"], seconds=last["device_seconds"])
-
-
 def accountings(folders: dict[int, dict[int, str]]) -> dict[str, int]:
     """How many of a study's runs (`folders`: trial → seed → run folder) used each `Accounting`,
     from their `compute.json`."""

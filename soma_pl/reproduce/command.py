@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from soma_pl.analysis.time_basis import accountings, calibration, measured_over_calibrated
 from soma_pl.errors import ConfigError, SomaError
-from soma_pl.io import write_json_atomic
+from soma_pl.io import write_atomic, write_json_atomic
 from soma_pl.reproduce.experiments import REPOSITORY, Experiment, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import family
 from soma_pl.sweeps.calibration import (
@@ -280,9 +280,7 @@ def _write(experiment: Experiment, folder: Path, result: dict) -> dict:
     text = experiment.table(result)
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(folder / "result.json", result)
-    temporary = folder / f".table.md.tmp-{os.getpid()}"
-    temporary.write_text(text)
-    os.replace(temporary, folder / "table.md")
+    write_atomic(text.encode(), folder / "table.md")
     figure = experiment.figure(result, folder / "figure.png")
     print(text)
     print(f"wrote {folder / 'result.json'}, {folder / 'table.md'}{f', {figure}' if figure else ''}", file=sys.stderr)
@@ -351,6 +349,22 @@ def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run
     results, storage = Path(results).absolute(), storage and _absolute_storage(storage)
     with in_repository():
         _reproduce(chosen, scale, dry_run, workers, storage, results, progress)
+
+
+def demo(dry_run: bool = False, workers: int | None = None, results: str = "results", progress: bool = True) -> None:
+    """The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.
+
+    `reproduce main_job` (`experiments/main_job.yaml`): both sides from their seeds at the learning rates
+    the demo's Table 6 selection chose, three seeds, tested at equal multiply-adds and compared at equal
+    update time (each side's calibrated alone); the result goes to `results/main_job/`.
+
+    Args:
+        dry_run: list the trials, which are done, and what the rest costs; run nothing.
+        workers: sweep workers, one thread each; None: one per core.
+        results: where the result's folder goes.
+        progress: show a progress bar on stderr.
+    """
+    main(["main_job"], dry_run=dry_run, workers=workers, results=results, progress=progress)
 
 
 def _reproduce(chosen: list[Experiment], scale: str, dry_run: bool, workers: int | None, storage: str | None,

@@ -1,11 +1,14 @@
 """Tables 6 → 7: each seed's learning rate selected on ensemble validation for monolithic SPSA and
 SOMA N = 2, the selected runs tested (on the test split, and once on the final test split), and the
-same selections compared on their validation curves at equal update time (calibrated alone)."""
+same selections compared on their validation curves at equal update time (calibrated alone). The
+main job (`demo`) is the same comparison at one learning rate per side, the selection's, with each
+side's validation curves drawn against updates and update time."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from soma_pl.analysis.time_basis import update_curve
 from soma_pl.eval.bootstrap import Interval, paired_document_interval
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import (
@@ -80,11 +83,17 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
             "at_grid_edge": t7["at_grid_edge"]}
 
 
-def table7_markdown(result: dict) -> str:
+TABLE7_INTRO = ("Test loss after each seed's selection on ensemble validation (nats/byte); difference = monolithic "
+                "SPSA − SOMA. Paper: its Table 7 (seeds 1–3).")
+MAIN_JOB_INTRO = ("Test loss of each seed's run at the learning rate the demo's Table 6 selection chose for its side "
+                  "(nats/byte); difference = monolithic SPSA − SOMA. Paper: its Table 7 (seeds 1–3), the same "
+                  "comparison at 8.44M parameters.")
+
+
+def table7_markdown(result: dict, intro: str = TABLE7_INTRO) -> str:
     """Table 7's layout for the demo pair: each seed's selected test losses, ours beside the paper's."""
     lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
-             f"Equal compute: {result['basis']}.", "", "Test loss after each seed's selection on ensemble validation "
-             "(nats/byte); difference = monolithic SPSA − SOMA. Paper: its Table 7 (seeds 1–3).", "",
+             f"Equal compute: {result['basis']}.", "", intro, "",
              *table_head(["Optimization seed", "SPSA (ours)", "SOMA N = 2 (ours)", "Difference (ours)",
                      "SPSA (paper)", "SOMA N = 2 (paper)", "Difference (paper)"])]
     for row in result["rows"]:
@@ -98,7 +107,7 @@ def table7_markdown(result: dict) -> str:
         lines.append(table_row([name, *map(number, ours), *map(number, paper)]))
     lines += grid_edge_note({side.upper(): result["at_grid_edge"].get(label)
                              for side, label in result["labels"].items()})
-    if result.get("table6"):
+    if result.get("table6") and intro is TABLE7_INTRO:
         lines += ["", "## Table 6: ensemble validation per setting", "",
                   "Each side's grid (its ensemble-validation loss, mean ± sample standard deviation over seeds, "
                   "nats/byte), from which each seed's setting above was selected. The paper's Table 6 entries are not "
@@ -159,3 +168,44 @@ def table7_figure(result: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
+
+
+def main_job_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
+    """Table 7's result of the main job's runs, with each side's ensemble-validation curve per seed
+    (`[update, loss, update time]`, the time calibrated alone) for its figure."""
+    result = table7_result(report, folders, experiment)
+    runs = {side: [Path(folders[entry["trial"][label]][entry["seed"]]) for entry in report["table7"]["per_seed"]]
+            for side, label in result["labels"].items()}
+    result["curves"] = {side: [[list(point) for point in update_curve(run)] for run in side_runs]
+                        for side, side_runs in runs.items()}
+    return result
+
+
+def main_job_markdown(result: dict) -> str:
+    """Table 7's layout at one learning rate per side."""
+    return table7_markdown(result, MAIN_JOB_INTRO)
+
+
+def main_job_figure(result: dict, path: Path) -> Path:
+    """Each side's ensemble-validation curves (one line per seed) against updates and against update
+    time (updates × the update time calibrated alone)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    names = {"spsa": "monolithic SPSA", "soma": "SOMA N = 2"}
+    for index, (side, curves) in enumerate(result["curves"].items()):
+        for seed, curve in enumerate(curves):
+            updates, losses, seconds = zip(*curve, strict=True)
+            for axis, x in zip(axes, (updates, [s / 60 for s in seconds]), strict=True):
+                axis.plot(x, losses, "-o", markersize=2, color=f"C{index}", alpha=0.9 if seed == 0 else 0.4,
+                          label=names[side] if seed == 0 else None)
+    for axis, label in zip(axes, ("updates", "update time U·Σₑ t̄ₑ, calibrated alone (minutes)"), strict=True):
+        axis.set_xlabel(label)
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("ensemble-validation loss (nats/byte)")
+    axes[0].legend()
+    fig.suptitle(f"The main job at {result['scale']} scale: one line per seed")
+    return save_figure(fig, path)

@@ -10,7 +10,6 @@ import pytest
 
 from soma_pl import VAL_WINDOWS
 from soma_pl.analysis.time_basis import (
-    equal_time_point,
     interpolate,
     measured_curve,
     update_curve,
@@ -32,12 +31,6 @@ def test_interpolation_is_linear_between_points_and_exact_at_the_ends():
     assert interpolate([(0.430399, 2.9)], 0.430399 * (1 + 1e-12)) == 2.9  # a one-point curve at its own time
     with pytest.raises(SomaError, match="outside the curve's range"):
         interpolate(points, 101.0)
-
-
-def test_a_side_is_scored_at_its_last_validation_within_the_budget():
-    point = equal_time_point(CURVE, 70.0)
-    assert (point.updates, point.seconds, point.val_interpolated) == (50, 40.0, pytest.approx(3.25))
-    assert equal_time_point(CURVE, 100.0).updates == 100  # the faster side: all of its run
 
 
 def _fit(folder: Path, start: float, spread: float, seconds_per_update: float) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from soma_pl.analysis.time_basis import accountings
-from soma_pl.cli import main
+from soma_pl.cli import COMMANDS, main
 from soma_pl.distributed import Accounting
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.reproduce import command, selection
@@ -106,20 +106,21 @@ def _window_scores(losses: list[float], seed: int) -> dict:
             "window_losses": losses, "doc_ids": documents, "seed": seed}
 
 
-def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
-    """Three seeds where SOMA wins on every window of the test split, loses on the final one."""
+def _pair_report(monkeypatch, root: Path = Path()) -> tuple[dict, dict]:
+    """Three seeds where SOMA wins on every window of the test split, loses on the final one: the
+    sweep report and the run folders (under `root`) of a Table 7 comparison."""
     per_seed, folders, scores = [], {}, {}
     for seed in range(3):
         spsa, soma = 10 * seed + 1, 10 * seed + 2  # trial numbers
-        folders[spsa], folders[soma] = {seed: f"spsa{seed}"}, {seed: f"soma{seed}"}
+        folders[spsa], folders[soma] = {seed: str(root / f"spsa{seed}")}, {seed: str(root / f"soma{seed}")}
         base = [3.0 + 0.01 * seed, 3.1, 2.9, 3.2]
-        scores[(f"spsa{seed}", "test")] = _window_scores(base, seed)
-        scores[(f"soma{seed}", "test")] = _window_scores([x - 0.04 - 0.001 * seed for x in base], seed)
-        scores[(f"spsa{seed}", "final")] = _window_scores(base, seed)
-        scores[(f"soma{seed}", "final")] = _window_scores([x + 0.02 for x in base], seed)
+        spsa_run, soma_run = folders[spsa][seed], folders[soma][seed]
+        scores[(spsa_run, "test")] = _window_scores(base, seed)
+        scores[(soma_run, "test")] = _window_scores([x - 0.04 - 0.001 * seed for x in base], seed)
+        scores[(spsa_run, "final")] = _window_scores(base, seed)
+        scores[(soma_run, "final")] = _window_scores([x + 0.02 for x in base], seed)
         per_seed.append({"seed": seed, "trial": {"1": spsa, "2": soma},
-                         "test": {"1": scores[(f"spsa{seed}", "test")]["loss"],
-                                  "2": scores[(f"soma{seed}", "test")]["loss"]},
+                         "test": {"1": scores[(spsa_run, "test")]["loss"], "2": scores[(soma_run, "test")]["loss"]},
                          "difference": {"2": 0.04 + 0.001 * seed}, "selected": {"1": {"lr": 0.025}, "2": {"lr": 0.05}},
                          "at_grid_edge": {"1": [], "2": ["lr"]}})
     monkeypatch.setattr(selection, "score_run", lambda run, split: scores[(str(run), split)])
@@ -131,6 +132,15 @@ def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
     report = {"table7": {"baseline": 1, "column_labels": [1, 2], "per_seed": per_seed, "equal_time": timed,
                          "final_test": {}, "at_grid_edge": {"1": [], "2": ["lr"]}}, "table6": table6,
               "trials": {"COMPLETE": 18}, "failed": []}
+    return report, folders
+
+
+RUN = {"experiment": "table7", "scale": "cpu", "title": "t", "basis": "b", "wall_seconds": 1.0, "workers": 2,
+       "load_average": [0.1, 0.2], "trial_minutes": 3.0}
+
+
+def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
+    report, folders = _pair_report(monkeypatch)
     result = load_experiment("table7").result(report, folders)
     assert [row["paper"]["difference"] for row in result["rows"]] == [0.0368, 0.0462, 0.0358]  # Table 7
     assert result["summary"]["difference"]["mean"] == pytest.approx(0.041)
@@ -144,12 +154,33 @@ def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
     assert verdicts["val"]["mean"] == pytest.approx(-0.015) and verdicts["val"]["seeds"] == 3
     assert verdicts["val"]["verdict"] == Verdict.inconclusive.value and verdicts["val"]["p"] is None
     assert verdicts["val"]["basis"].startswith("equal update time") and verdicts["val"]["document_interval"] is None
-    text = table7_markdown({**result, "experiment": "table7", "scale": "cpu", "title": "t", "basis": "b",
-                            "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2],
-                            "trial_minutes": 3.0})
+    text = table7_markdown({**result, **RUN})
     assert "| 0 | 3.0500 | 3.0100† | 0.0400 | 2.2641 | 2.2273 | 0.0368 |" in text
     assert "| lr | N=1 | N=2 |" in text and "| 0.025 | 3.1000 ± 0.1000 | 2.9500 ± 0.0707 |" in text
     assert "| Mean | " in text and "0.0396" in text and "**does not hold**" in text and "SOMA: lr" in text
+
+
+def test_the_main_job_is_table7_at_one_rate_per_side_with_its_curves(monkeypatch, tmp_path):
+    """`demo` runs `reproduce main_job`: Table 7's verdicts on its runs, and each run's validation curve
+    on the calibrated time basis (updates × the update time calibrated alone) for its figure."""
+    report, folders = _pair_report(monkeypatch, tmp_path)
+    for runs in folders.values():
+        for run in map(Path, runs.values()):
+            run.mkdir()
+            rows = ["step,val/loss,compute/aggregate_device_hours", "99,3.5,", "100,,0.1", "199,3.25,", "200,,0.2"]
+            (run / "metrics.csv").write_text("\n".join(rows) + "\n")
+            (run / "compute.json").write_text(json.dumps({"budget": {"seconds_per_update": 2.0 if "spsa" in run.name
+                                                                     else 3.0}}))
+    experiment = load_experiment("main_job")
+    assert experiment.sweeps == {"cpu": "sweeps/demo/main_job.yaml"} and COMMANDS["demo"].function == "demo"
+    result = experiment.result(report, folders)
+    assert [c["verdict"] for c in result["checks"]] == [c["verdict"] for c in
+                                                         load_experiment("table7").result(report, folders)["checks"]]
+    assert result["curves"]["spsa"][0] == [[100, 3.5, 200.0], [200, 3.25, 400.0]]
+    assert result["curves"]["soma"][2] == [[100, 3.5, 300.0], [200, 3.25, 600.0]]
+    text = experiment.table({**result, **RUN, "experiment": "main_job"})
+    assert "the learning rate the demo's Table 6 selection chose" in text and "## Table 6" not in text
+    assert experiment.figure({**result, **RUN}, tmp_path / "figure.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_result_says_which_compute_accounting_its_runs_used(tmp_path):

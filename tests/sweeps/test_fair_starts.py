@@ -1,8 +1,8 @@
 """Every side of a comparison starts the same way and has the same kind of head.
 
 A comparison's sides are the grid choices of a sweep file (each composed as the runner composes it:
-the choice's config layers, merged in order, then the sweep's and the choice's overrides) and the two
-sides of the main job (`soma_pl.main_job`). A side starts from random weights or from a seed model; a
+the choice's config layers, merged in order, then the sweep's and the choice's overrides), the main
+job's (`sweeps/demo/main_job.yaml`) among them. A side starts from random weights or from a seed model; a
 seed model is named by its checkpoint path, and the fit command that trains it is written in a config
 or sweep file's header. Two seed starts are alike when their commands are one recipe (the same
 layers and settings) apart from the width, and each seed has its side's own width.
@@ -22,7 +22,6 @@ import yaml
 
 from soma_pl import lit
 from soma_pl.config_files import config_args, read_layers
-from soma_pl.main_job import DemoConfig, DemoSide
 from soma_pl.sweeps.space import SweepSpec, load_sweep, point_params, trial_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,14 +181,6 @@ def sweep_sides(spec: SweepSpec) -> dict[str, dict]:
     return sides
 
 
-def demo_sides(demo: DemoConfig) -> dict[str, dict]:
-    def side(which: DemoSide) -> dict:
-        _, options = _options([*demo.overrides, *which.overrides])
-        return compose(which.config, {**options, "model.init_args.optimizer.init_args.lr": which.lr})
-
-    return {demo.spsa.name: side(demo.spsa), demo.soma.name: side(demo.soma)}
-
-
 def _differing(sides: dict[str, dict], describe) -> dict[str, object]:
     seen = {name: describe(config) for name, config in sides.items()}
     return seen if len(set(seen.values())) > 1 else {}
@@ -256,10 +247,10 @@ def test_the_fig7_experts_sweeps_give_every_n_one_shared_frozen_seed_head_at_pap
 
 def test_the_main_jobs_sides_start_the_same_way_with_the_same_kind_of_head():
     """Each from a seed of its own width trained by one recipe (configs/demo/seed.yaml, App. D)."""
-    sides = demo_sides(DemoConfig())
+    sides = sweep_sides(load_sweep(ROOT / "sweeps" / "demo" / "main_job.yaml"))
     seed = ("seed", Recipe(layers=("configs/demo/seed.yaml",), settings=()))
     assert {name: (start(config), head_kind(config)) for name, config in sides.items()} == {
-        "spsa": (seed, "decoder_only"), "soma": (seed, "decoder_only")}
+        "{'N': 1}": (seed, "decoder_only"), "{'N': 2}": (seed, "decoder_only")}
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if "model" in (yaml.safe_load(p.read_text()) or {})],
