@@ -6,6 +6,9 @@ budget, as the paper's table interpolates measured losses. A run label is `<meth
 (`soma_n2`, `bptt_n4`); SOMA N = 1 is monolithic SPSA. Checks compare seed by seed, with a document
 interval from each run's validations window by window (`val_windows/`, interpolated at the budget as
 the mean is); a run without them leaves its checks inconclusive (`soma_pl.reproduce.verdicts`).
+
+Table 3 reads the same accounting (`compute.json`, `soma_pl.callbacks.compute`) of the main job's runs
+under each of the paper's conventions, and checks its fixed-rate formula on the paper's own run.
 """
 
 from __future__ import annotations
@@ -16,10 +19,19 @@ import statistics
 from pathlib import Path
 
 from soma_pl.analysis.time_basis import interpolate, update_curve, windows_at_seconds
+from soma_pl.callbacks.compute import Tally, compute_report
 from soma_pl.errors import SomaError
 from soma_pl.reproduce.experiments import Experiment
-from soma_pl.reproduce.tables import checks_table, number, run_footer, save_figure, table_head, table_row
-from soma_pl.reproduce.verdicts import paired_seeds
+from soma_pl.reproduce.tables import (
+    checks_table,
+    heading,
+    number,
+    run_footer,
+    save_figure,
+    table_head,
+    table_row,
+)
+from soma_pl.reproduce.verdicts import mean_sd, paired_seeds
 
 TABLE5_FRACTIONS = (0.5, 0.75, 1.0)
 """The budgets, as fractions of the one the runs were stopped at: the paper's 50, 75 and 100 GPU-hours
@@ -172,3 +184,62 @@ def table5_figure(result: dict, path: Path) -> Path:
     axis.set_title(f"{result['experiment']} at {result['scale']} scale: mean ± sd over {len(result['seeds'])} seeds")
     axis.legend(fontsize=8)
     return save_figure(fig, path)
+
+
+TABLE3_ROWS = {"recorded": "Recorded expert mean times, U·Σₑ t̄ₑ (measured beside the other side)",
+               "calibrated": "Updates × the update time calibrated alone (the equal-time endpoint basis)",
+               "physical": "Physical total, ranks × elapsed training time"}
+
+
+def table3_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
+    """Table 3: each side's runs' update seconds under each convention (mean ± sd over seeds) and the
+    physical and recorded totals over the recorded one; the fixed-rate rows checked on the paper's
+    N = 256 run through the accounting's own formula (`compute_report`)."""
+    sides = {}
+    for per_seed in report["table7"]["per_seed"]:
+        for label, trial in per_seed["trial"].items():
+            compute = json.loads((Path(folders[trial][per_seed["seed"]]) / "compute.json").read_text())
+            seconds = {"recorded": compute["aggregate_device_hours"] * 3600,
+                       "calibrated": compute["updates"] * compute["budget"]["seconds_per_update"],
+                       "physical": compute["physical_device_hours"] * 3600}
+            sides.setdefault(label, []).append({**seconds, "updates": compute["updates"],
+                                                "experts": compute["experts"]})
+    rows = {label: {key: mean_sd([run[key] for run in runs]) for key in (*TABLE3_ROWS, "updates")}
+            | {"experts": runs[0]["experts"],
+               "physical_over_recorded": mean_sd([run["physical"] / run["recorded"] for run in runs]),
+               "recorded_over_calibrated": mean_sd([run["recorded"] / run["calibrated"] for run in runs])}
+            for label, runs in sides.items()}
+    paper = experiment.paper
+    rates = sorted((float(key.split("_")[1]) for key in paper["gpu_hours"] if key.startswith("fixed_")), reverse=True)
+    theirs = compute_report([Tally(updates=paper["updates"], experts=paper["experts"])], 0.0, rates)
+    checks = [experiment.claims["fixed_rate"].check_count(round(rate.device_hours),
+                                                          paper["gpu_hours"][f"fixed_{rate.seconds_per_expert_update:.3f}"],
+                                                          seconds=rate.seconds_per_expert_update)
+              for rate in theirs.fixed_rate]
+    return {"rows": rows, "checks": checks, "trials": report["trials"], "failed": report["failed"],
+            "paper_ratio": paper["gpu_hours"]["physical"] / paper["gpu_hours"]["recorded"]}
+
+
+def table3_markdown(result: dict) -> str:
+    """Table 3's rows for each side of the main job, the paper's N = 256 run beside them."""
+    labels = list(result["rows"])
+    names = {label: f"N = {result['rows'][label]['experts']}" for label in labels}
+    paper = result["paper_summary"]["gpu_hours"]
+    lines = [*heading(result), "Update seconds of each side's runs (mean ± sd over seeds); the paper's GPU-hours for "
+             "its N = 256 checkpoint.", "",
+             *table_head(["Accounting method", *(names[label] for label in labels), "Paper (GPU-hours)"])]
+    for key, text in TABLE3_ROWS.items():
+        cells = [f"{number(result['rows'][label][key]['mean'], 1)} ± {number(result['rows'][label][key]['sd'], 1)}"
+                 for label in labels]
+        lines.append(table_row([text, *cells, f"{paper.get(key, 0) / 1e3:.3g}k" if key in paper else "—"]))
+    for key, value in paper.items():
+        if key.startswith("fixed_"):
+            lines.append(table_row([f"Fixed {key.split('_')[1]} s per expert update, E·U·r", *(["—"] * len(labels)),
+                                    f"{value / 1e3:.3g}k"]))
+    ratio = {label: result["rows"][label]["physical_over_recorded"]["mean"] for label in labels}
+    lines += ["", "Physical total over recorded: " + ", ".join(f"{names[label]} {ratio[label]:.3f}" for label in labels)
+              + f" (paper {result['paper_ratio']:.3f}); recorded over calibrated (the fits' other work and warm-up): "
+              + ", ".join(f"{names[label]} {result['rows'][label]['recorded_over_calibrated']['mean']:.3f}"
+                          for label in labels) + ". The fixed-rate conventions have no CPU rate of their own; they "
+              "are checked on the paper's run.", "", *checks_table(result["checks"]), "", run_footer(result)]
+    return "\n".join(lines) + "\n"

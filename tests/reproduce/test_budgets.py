@@ -3,6 +3,7 @@ measured time, the paper's rows beside ours, and the verdicts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -141,3 +142,34 @@ def test_table5_budgets_are_fractions_of_the_budget_the_runs_stopped_at(tmp_path
     record(None)
     with pytest.raises(SomaError, match="device_hours"):
         load_experiment("table5").result(report, folders)
+
+
+def test_table3_reads_each_runs_accounting_and_checks_the_papers_fixed_rates(tmp_path):
+    """Two sides of three seeds: 100 updates, 2 s per update calibrated, the recorded time 10% above it
+    and the elapsed time 30% above; the paper's fixed-rate rows follow from its N = 256 and U = 4.16M
+    (256 · 4.16M · 0.168 s = 49,698 GPU-hours, 0.140 s: 41,415)."""
+    folders, per_seed = {}, []
+    for seed in range(3):
+        trials = {"1": 2 * seed, "2": 2 * seed + 1}
+        for label, trial in trials.items():
+            run = tmp_path / f"trial{trial}"
+            run.mkdir()
+            (run / "compute.json").write_text(json.dumps({
+                "updates": 100, "experts": int(label), "aggregate_device_hours": 220 / 3600,
+                "physical_device_hours": (260 + seed) / 3600, "budget": {"seconds_per_update": 2.0}}))
+            folders[trial] = {seed: str(run)}
+        per_seed.append({"seed": seed, "trial": trials})
+    report = {"table7": {"per_seed": per_seed}, "trials": {"COMPLETE": 6}, "failed": []}
+    experiment = load_experiment("table3")
+    result = experiment.result(report, folders)
+    assert result["rows"]["2"]["calibrated"]["mean"] == pytest.approx(200.0)
+    assert result["rows"]["1"]["recorded_over_calibrated"]["mean"] == pytest.approx(1.1)
+    assert result["rows"]["1"]["physical_over_recorded"]["mean"] == pytest.approx(261 / 220)
+    assert [(c["verdict"], c["mean"]) for c in result["checks"]] == [(Verdict.holds.value, 49698 - 49700),
+                                                                      (Verdict.holds.value, 41415 - 41400)]
+    wrong = dataclasses.replace(experiment, paper={**experiment.paper, "experts": 255})
+    assert {c["verdict"] for c in wrong.result(report, folders)["checks"]} == {Verdict.does_not_hold.value}
+    text = experiment.table({**result, "experiment": "table3", "scale": "cpu", "title": "t", "basis": "b",
+                             "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2]})
+    assert "| Physical total, ranks × elapsed training time | 261.0 ± 1.0 | 261.0 ± 1.0 | 49.6k |" in text
+    assert "| Fixed 0.168 s per expert update, E·U·r | — | — | 49.7k |" in text

@@ -18,7 +18,7 @@ from soma_pl.reproduce.verdicts import Verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = ["fig10", "fig13", "fig14", "fig4", "fig5", "fig7", "fig7_settings", "fig9", "main_job", "table11",
-            "table12", "table2", "table4", "table5", "table7", "table9"]
+            "table12", "table2", "table3", "table4", "table5", "table7", "table9"]
 
 
 def test_every_experiment_file_loads_and_names_what_exists():
