@@ -45,15 +45,6 @@ from soma_pl.models.stacked import HeadMode, StackedExperts
 SCORED_TOKENS = WINDOW_BYTES - 1 - ROUTE_BYTES
 """Scored targets per request (768)."""
 
-PAPER_TABLE12 = {
-    "N=1": {"batch": 768, "tokens_per_s": 0.555e6, "latency_ms": 1060, "peak_gib": 16.5},
-    "N=2": {"batch": 768, "tokens_per_s": 0.468e6, "latency_ms": 1260, "peak_gib": 12.3},
-    "N=8": {"batch": 1024, "tokens_per_s": 0.257e6, "latency_ms": 3060, "peak_gib": 15.0},
-    "N=256": {"batch": 4096, "tokens_per_s": 2.36e6, "latency_ms": 1330, "peak_gib": 8.30},
-}
-"""Table 12 (one GPU, top-4 routing)."""
-
-
 @dataclass(frozen=True)
 class InferenceModel:
     """One timed configuration (a Table 12 row)."""
@@ -195,7 +186,7 @@ def bench_inference(models: Sequence[InferenceModel] = TABLE2_MODELS,
     """One record per configuration, each from a fresh process, and throughput ratios to N = 1.
 
     Returns ``{"benchmark": "inference", "machine", "settings", "results": [...],
-    "throughput_ratio_to_n1": {name: ratio}, "paper_table12": ...}``.
+    "throughput_ratio_to_n1": {name: ratio}}``; the paper's Table 12 is in `experiments/table12.yaml`.
     """
     if not models or min(min(m.experts, m.width, m.batch_size) for m in models) < 1:
         raise ConfigError("every inference configuration needs experts, width and batch_size >= 1")
@@ -213,8 +204,7 @@ def bench_inference(models: Sequence[InferenceModel] = TABLE2_MODELS,
                   round(record["tokens_per_s"] / monolithic["tokens_per_s"], 3)
                   for record in results}
     return {"benchmark": "inference", "table": "Table 12", "machine": before, "load_average_after": os.getloadavg(),
-            "settings": asdict(settings), "results": results, "throughput_ratio_to_n1": ratios,
-            "paper_table12": PAPER_TABLE12}
+            "settings": asdict(settings), "results": results, "throughput_ratio_to_n1": ratios}
 
 
 def _combine(config: InferenceModel, records: list[dict]) -> dict:
