@@ -48,6 +48,7 @@ from soma_pl.reproduce.tables import (
     table_row,
 )
 from soma_pl.reproduce.verdicts import MIN_SEEDS, Verdict, mean_sd
+from soma_pl.sweeps.final_test import score_run
 
 RUN = re.compile(r"n(?P<experts>\d+)(?P<long>_long)?$")
 """A run's label: `n<N>` at the common budget, `n<N>_long` at a longer one."""
@@ -182,18 +183,23 @@ def fig14_result(report: dict, folders: dict[int, dict[int, str]], experiment: E
                      "test_95": seed_mean_interval(scores[label]),
                      "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)}})
     checks.insert(0, never_single(maps, per_experts, aggregates, len(per_seed), claims["never_single"]))
+    splits = {"test": (scores, lambda claim: claim)}
+    if experiment.final_test:  # the runs' last checkpoints scored once on the final test split
+        finals = {label: [score_run(path, "final") for path in paths] for label, paths in run_dirs.items()}
+        for row in rows:
+            row["final"] = mean_sd([s["loss"] for s in finals[row["run"]]])
+        splits["final"] = (finals, Claim.on_final)
     table13 = table13_rows(rows)
     if len(table13) == 2:
-        near, large = table13[0]["run"], next(r["run"] for r in rows if r["experts"] == table13[1]["experts"]
-                                               and not label_experts(r["run"])[1])
-        differences = [a["loss"] - b["loss"] for a, b in zip(scores[large], scores[near], strict=True)]
-        checks.append(claims["ranking"].check(differences, paired_document_interval(scores[large], scores[near]),
-                                              large=large, near=near))
-    if len(table13) == 2:
         near, longer = table13[0]["run"], table13[1]["run"]
-        differences = [a["loss"] - b["loss"] for a, b in zip(scores[longer], scores[near], strict=True)]
-        checks.append(claims["not_yet"].check(differences, paired_document_interval(scores[longer], scores[near]),
-                                              near=near, longer=longer))
+        large = next(r["run"] for r in rows if r["experts"] == table13[1]["experts"] and not label_experts(r["run"])[1])
+        for split_scores, on_split in splits.values():
+            for key, worse, fields in (("ranking", large, {"large": large, "near": near}),
+                                       ("not_yet", longer, {"near": near, "longer": longer})):
+                differences = [a["loss"] - b["loss"] for a, b in zip(split_scores[worse], split_scores[near],
+                                                                     strict=True)]
+                checks.append(on_split(claims[key]).check(
+                    differences, paired_document_interval(split_scores[worse], split_scores[near]), **fields))
     selected = {str(n): sum(cell == n for grid in maps for p, line in zip(per_experts, grid, strict=True)
                             for a, cell in zip(aggregates, line, strict=True) if p <= a)
                 for n in sorted({row["experts"] for row in rows})}
@@ -247,14 +253,17 @@ def fig14_markdown(result: dict) -> str:
              "which at a fixed total size cannot rise with N). Paper: "
              f"{paper['fig15']['left']}.", "",
              *table_head(["run", "N", "k", "parameters", "per expert", "multiply-adds per token", "updates",
-                          "aggregate (s)", "per expert (s)", "ensemble validation", "test loss", "95% documents"])]
+                          "aggregate (s)", "per expert (s)", "ensemble validation", "test loss", "95% documents",
+                          "final test split (used once)"])]
     for row in result["rows"]:
+        final = row.get("final")
         lines.append(table_row([row["run"], str(row["experts"]), str(row["top_k"]), f"{row['parameters']:,}",
                                 f"{row['parameters_per_expert']:,.0f}", f"{row['arithmetic_per_token']:,.0f}",
                                 f"{row['updates']['mean']:.0f}", f"{row['aggregate_seconds']['mean']:.0f}",
                                 f"{row['per_expert_seconds']['mean']:.0f}", number(row["val"]["mean"]),
                                 f"{number(row['test']['mean'])} ± {number(row['test']['sd'])}",
-                                interval_text(row["test_95"], sign=False)]))
+                                interval_text(row["test_95"], sign=False),
+                                f"{number(final['mean'])} ± {number(final['sd'])}" if final else "—"]))
     lines += ["", "## Fig. 14: the budget map", "",
               f"States: every validation of every run ({', '.join(map(str, grid['checkpoints']))} per seed; the "
               f"paper: {paper['fig14']['checkpoints']} saved checkpoints from N = "
