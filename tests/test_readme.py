@@ -83,8 +83,8 @@ def test_the_dev_extra_brings_each_jupyter_command_the_docs_name():
 
 def test_links_and_the_figure_resolve():
     targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
-    assert "docs/figures/main_job.png" in targets
-    figure = ROOT / "docs" / "figures" / "main_job.png"
+    assert "results/main_job/figure.png" in targets
+    figure = ROOT / "results" / "main_job" / "figure.png"
     assert figure.read_bytes().startswith(b"\x89PNG") and figure.stat().st_size < 300_000
     missing = [t for t in targets if not t.startswith("http") and not (ROOT / t).exists()]
     assert missing == []

@@ -4,14 +4,14 @@ A run is what one `fit` leaves in its run directory (`soma_pl.callbacks.summary.
 `summary.json` (final metrics, compute accounting, checkpoints) and, beside it, the CSV logger's
 `metrics.csv`, whose `val/loss` rows are the curve (`read_curve`).
 Each argument names a run directory, a `summary.json`, or a folder holding runs: every
-`summary.json` under it (the demo's `runs/main_job`, a sweep's output folder). A fit resumed in a
+`summary.json` under it (a sweep's output folder, as the demo's `runs/sweeps/demo_main_job`). A fit resumed in a
 new session may write a new `version_N` beside the first: the versions in one folder are one run,
 whose summary is the newest that accounts for training and whose curve joins every version's log.
 
 Per run the table gives the method (the module), N experts, parameters, updates, the final and the
 best ensemble-validation loss, the test loss when a `test` scored the run after its fit ended (in
-the run's folder, as a sweep trial tests, or in the `test/` folder beside a `fit/` one, as the demo
-does), forward multiply-adds (as the run's compute accounting counted them) and measured time: Table 3's
+the run's folder, as a sweep trial tests), forward multiply-adds (as the run's compute accounting
+counted them) and measured time: Table 3's
 update time `U · Σₑ t̄ₑ` and the elapsed training time. The figure draws validation loss against
 updates, multiply-adds and update time (`soma_pl.analysis.curves`), one line per run.
 """
@@ -187,11 +187,9 @@ def read_curve(summary: Path, updates: int) -> dict[int, float]:
 
 def find_test_scores(summary: Path) -> Path | None:
     """The newest `test_scores.json` written after `summary` in the run's folder (a sweep trial's
-    `test` shares it) or, for a run in a `fit/` folder, in the `test/` folder beside it (the demo's)."""
+    `test` shares it)."""
     root = run_root(summary)
     candidates = [*root.glob(f"version_*/{TEST_SCORES}"), root / TEST_SCORES]
-    if root.name == "fit":
-        candidates += [*(root.parent / "test").glob(f"version_*/{TEST_SCORES}"), root.parent / "test" / TEST_SCORES]
     ended = summary.stat().st_mtime
     fresh = [p for p in candidates if p.is_file() and p.stat().st_mtime >= ended]
     return max(fresh, key=lambda p: p.stat().st_mtime, default=None)

@@ -18,7 +18,7 @@ import re
 import statistics
 from pathlib import Path
 
-from soma_pl.analysis.time_basis import interpolate, update_curve, windows_at_seconds
+from soma_pl.analysis.time_basis import calibration, interpolate, update_curve, windows_at_seconds
 from soma_pl.callbacks.compute import Tally, compute_report
 from soma_pl.errors import SomaError
 from soma_pl.reproduce.experiments import Experiment
@@ -198,9 +198,12 @@ def table3_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
     sides = {}
     for per_seed in report["table7"]["per_seed"]:
         for label, trial in per_seed["trial"].items():
-            compute = json.loads((Path(folders[trial][per_seed["seed"]]) / "compute.json").read_text())
-            seconds = {"recorded": compute["aggregate_device_hours"] * 3600,
-                       "calibrated": compute["updates"] * compute["budget"]["seconds_per_update"],
+            run = Path(folders[trial][per_seed["seed"]])
+            compute, rate = json.loads((run / "compute.json").read_text()), calibration(run)
+            if rate is None:
+                raise SomaError(f"{run}: ran without a calibrated update time (budget.seconds_per_update in its "
+                                "compute.json); Table 3 compares the recorded time with it")
+            seconds = {"recorded": compute["aggregate_device_hours"] * 3600, "calibrated": compute["updates"] * rate,
                        "physical": compute["physical_device_hours"] * 3600}
             sides.setdefault(label, []).append({**seconds, "updates": compute["updates"],
                                                 "experts": compute["experts"]})
@@ -214,7 +217,7 @@ def table3_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
     theirs = compute_report([Tally(updates=paper["updates"], experts=paper["experts"])], 0.0, rates)
     checks = [experiment.claims["fixed_rate"].check_count(round(rate.device_hours),
                                                           paper["gpu_hours"][f"fixed_{rate.seconds_per_expert_update:.3f}"],
-                                                          seconds=rate.seconds_per_expert_update)
+                                                          seconds=f"{rate.seconds_per_expert_update:.3f}")
               for rate in theirs.fixed_rate]
     return {"rows": rows, "checks": checks, "trials": report["trials"], "failed": report["failed"],
             "paper_ratio": paper["gpu_hours"]["physical"] / paper["gpu_hours"]["recorded"]}
@@ -231,7 +234,7 @@ def table3_markdown(result: dict) -> str:
     for key, text in TABLE3_ROWS.items():
         cells = [f"{number(result['rows'][label][key]['mean'], 1)} ± {number(result['rows'][label][key]['sd'], 1)}"
                  for label in labels]
-        lines.append(table_row([text, *cells, f"{paper.get(key, 0) / 1e3:.3g}k" if key in paper else "—"]))
+        lines.append(table_row([text, *cells, f"{paper[key] / 1e3:.3g}k" if key in paper else "—"]))
     for key, value in paper.items():
         if key.startswith("fixed_"):
             lines.append(table_row([f"Fixed {key.split('_')[1]} s per expert update, E·U·r", *(["—"] * len(labels)),

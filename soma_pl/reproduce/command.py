@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from soma_pl.analysis.time_basis import accountings, calibration, measured_over_calibrated
 from soma_pl.errors import ConfigError, SomaError
-from soma_pl.io import write_atomic, write_json_atomic
+from soma_pl.io import die_with_parent, write_atomic, write_json_atomic
 from soma_pl.reproduce.experiments import REPOSITORY, Experiment, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import family
 from soma_pl.sweeps.calibration import (
@@ -178,7 +178,9 @@ def _run_workers(spec: SweepSpec, storage: str, workers: int, logs: Path, progre
     command = [sys.executable, "-m", "soma_pl.cli", "sweep", "--sweep", str(spec.path), f"--storage={storage}",
                "--progress=false"]
     handles = [(logs / f"worker{i}.log").open("w") for i in range(workers)]
-    processes = [subprocess.Popen(command, stdout=h, stderr=subprocess.STDOUT, env=environment) for h in handles]
+    # the workers (and their trials, which watch their worker) die with this process, however it ends
+    processes = [subprocess.Popen(command, stdout=h, stderr=subprocess.STDOUT, env=environment,
+                                  preexec_fn=die_with_parent(os.getpid())) for h in handles]
     bar, study = SweepProgress(spec, progress), None
     try:
         while any(p.poll() is None for p in processes):
@@ -224,7 +226,7 @@ def _call(arguments: list[str], log: Path) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as output:
         code = subprocess.call([sys.executable, "-m", "soma_pl.cli", *arguments], stdout=output,
-                               stderr=subprocess.STDOUT)
+                               stderr=subprocess.STDOUT, preexec_fn=die_with_parent(os.getpid()))
     if code != 0:
         tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-1:])
         raise SomaError(f"{' '.join(arguments)} failed ({log}): {tail}")
@@ -344,7 +346,7 @@ def main(experiments: list[str], scale: Literal["cpu", "paper"] = "cpu", dry_run
         progress: show a progress bar on stderr.
     """
     if workers is not None and workers < 1:
-        raise ConfigError(f"reproduce --workers={workers}: give 1 or more")
+        raise ConfigError(f"--workers={workers}: give 1 or more sweep workers")
     chosen = [load_experiment(name) for name in experiments]
     results, storage = Path(results).absolute(), storage and _absolute_storage(storage)
     with in_repository():

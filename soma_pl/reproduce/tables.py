@@ -3,13 +3,14 @@ a figure, and `docs/reproduction.md` drawn from every saved result."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
 
 from soma_pl.distributed import Accounting
 from soma_pl.errors import ConfigError
-from soma_pl.io import check_apart
+from soma_pl.io import check_apart, write_atomic
 
 
 def number(value: float | None, digits: int = 4, sign: bool = False) -> str:
@@ -154,11 +155,10 @@ def save_figure(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(temporary, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
-    os.replace(temporary, path)
+    write_atomic(buffer.getvalue(), path)
     return path
 
 
@@ -207,8 +207,5 @@ def write_docs(results: str = "results", out: str = "docs/reproduction.md") -> N
     check_apart(out, "--out", [results])
     target = Path(out)
     text = reproduction_page(Path(results), target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    temporary.write_text(text)
-    os.replace(temporary, target)
+    write_atomic(text.encode(), target)
     print(f"wrote {target}")

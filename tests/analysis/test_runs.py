@@ -113,23 +113,6 @@ def test_a_resumed_run_is_one_run_with_the_curve_of_every_session(runs, tmp_path
     assert row["best_val_loss"] == 4.5 and row["test_loss"] is None
 
 
-def test_a_demo_run_folder_takes_the_test_loss_of_its_test_folder(runs, tmp_path, capsys):
-    # The demo's layout: <side>/run-<key>/fit/version_0 beside <side>/run-<key>/test/version_0.
-    # A `test/` folder beside a run folder not named `fit` belongs to another run and is not read.
-    side = tmp_path / "main_job" / "spsa" / "run-1"
-    shutil.copytree(runs / "a" / "version_0", side / "fit" / "version_0")
-    shutil.copytree(runs / "a" / "version_1", side / "test" / "version_0")
-    shutil.copytree(runs / "b", tmp_path / "other" / "b")
-    shutil.copytree(runs / "a" / "version_1", tmp_path / "other" / "test" / "version_0")
-    out = tmp_path / "table.json"
-    assert cli(capsys, "runs", str(tmp_path / "main_job"), str(tmp_path / "other" / "b"), "--out", str(out)) == (0, [])
-    demo, other = json.loads(out.read_text())["runs"]
-    (scores,) = (runs / "a").glob("version_*/test_scores.json")
-    assert demo["test_loss"] == pytest.approx(json.loads(scores.read_text())["loss"])
-    assert demo["test_scores"] == str(side / "test" / "version_0" / "test_scores.json")
-    assert other["test_loss"] is None
-
-
 @pytest.mark.parametrize("damage, fragment", [
     ("missing", "run not found: "),
     ("empty folder", "no summary.json in it or under it"),

@@ -205,11 +205,8 @@ def test_a_report_on_a_file_that_is_no_database_is_one_line(tmp_path, capsys):
     assert garbage.read_bytes() == b"not a database\n" * 100 and not (tmp_path / "report.json").exists()
 
 
-def test_demo_threads_must_be_at_least_one(tmp_path, capsys):
-    # A prepare step that would fail at once, should the threads be accepted.
-    one_error(cli(capsys, "demo", "--demo.threads=0", f"--demo.output_dir={tmp_path / 'out'}", "--progress=false",
-                  "--demo.prepare_args=[--no_such_option]"),
-              "--demo.threads=0: give the intra-op threads per child process (1 or more)")
+def test_demo_workers_must_be_at_least_one(tmp_path, capsys):
+    one_error(cli(capsys, "demo", "--workers=0", f"--results={tmp_path / 'out'}", "--progress=false"), "--workers=0")
     assert not (tmp_path / "out").exists()
 
 
@@ -221,7 +218,7 @@ marks, command = sys.argv[1], sys.argv[2]
 open(os.path.join(marks, f"{command}-{os.getpid()}"), "w").close()
 time.sleep(300 if command == "fit" else 0)
 """
-"""A demo step: records that it started (`<command>-<pid>`); a fit then runs for minutes."""
+"""A demo step: records that it started (`<command>-<pid>`); a fit (the first: a seed's) then runs for minutes."""
 
 DEMO = """
 import subprocess, sys
@@ -235,7 +232,7 @@ def step(self, args, *rest, **kwargs):  # every `python -m soma_pl.cli <command>
 
 subprocess.Popen.__init__ = step
 from soma_pl.cli import main
-main(["demo", f"--demo.output_dir={out}", "--progress=false"])
+main(["demo", f"--results={out}", "--progress=false"])
 """
 """The real `demo` command in a process of its own, its steps replaced by FAKE_STEP."""
 
@@ -248,14 +245,14 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # an orphan's zombie waits for a reaper, it runs nothing
 
 
-def _demo_with_two_fits(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+def _demo_with_a_fit(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     marks = tmp_path / "marks"
     marks.mkdir()
     demo = subprocess.Popen([sys.executable, "-c", DEMO, FAKE_STEP, str(marks), str(tmp_path / "out")], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while len(fits := [int(p.name.split("-")[1]) for p in marks.glob("fit-*")]) < 2 and demo.poll() is None:
-        assert time.monotonic() < deadline, "the demo's two fits never started"
+    while not (fits := [int(p.name.split("-")[1]) for p in marks.glob("fit-*")]) and demo.poll() is None:
+        assert time.monotonic() < deadline, "the demo's first fit never started"
         time.sleep(0.1)
     assert demo.poll() is None, demo.stderr.read()
     return demo, fits
@@ -278,7 +275,7 @@ def _end(demo: subprocess.Popen, pids: list[int]) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_demos_fits_die_when_the_demo_is_killed(tmp_path):
-    demo, fits = _demo_with_two_fits(tmp_path)
+    demo, fits = _demo_with_a_fit(tmp_path)
     try:
         demo.send_signal(signal.SIGKILL)
         demo.wait()
@@ -288,7 +285,7 @@ def test_the_demos_fits_die_when_the_demo_is_killed(tmp_path):
 
 
 def test_ctrl_c_stops_the_demo_and_its_fits_with_one_line(tmp_path):
-    demo, fits = _demo_with_two_fits(tmp_path)
+    demo, fits = _demo_with_a_fit(tmp_path)
     try:
         demo.send_signal(signal.SIGINT)  # the demo alone: its children must be stopped by it
         _, err = demo.communicate(timeout=60)
