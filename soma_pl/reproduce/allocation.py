@@ -12,7 +12,10 @@ equal multiply-adds:
   validations are too sparse for that to resolve the differences).
 - **Table 10**: the same curves' loss at three doubling budgets of multiply-adds (a quarter, half
   and all of `BUDGET_SHARE` of the shortest run's, so that they fall between validations),
-  interpolated there linearly and in log compute: the range of the two.
+  interpolated there linearly and in log compute: the table gives the range of the two, the
+  claims compare the log-compute value (the figures' axis), with the validation windows
+  interpolated alike for the document interval (`scaling.compare_at`; equal updates are equal
+  multiply-adds, so every allocation is read at the same update count).
 - **Table 11**: one checkpoint continued for a fixed number of further updates under each
   allocation, paired seeds (the same seeds and start for every allocation), test loss with
   per-window scores, beside the start checkpoint's own. The paper's claim, nearly equal, is an
@@ -30,7 +33,7 @@ from pathlib import Path
 from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import Interval, paired_document_interval
 from soma_pl.reproduce.experiments import Claim, Experiment
-from soma_pl.reproduce.scaling import curve_value, run_curve
+from soma_pl.reproduce.scaling import compare_at, curve_value, run_curve
 from soma_pl.reproduce.tables import (
     checks_table,
     heading,
@@ -109,12 +112,12 @@ def fig13_result(report: dict, folders: dict[int, dict[int, str]], experiment: E
                    if a is not None and b is not None]
     checks.append(experiment.claims["threshold"].check(differences, threshold=threshold, largest=largest,
                                                        smallest=smallest))
-    for index, budget in enumerate(budgets):
-        mids = {label: [sum(r[index]) / 2 if r[index] else None for r in ranges] for label, ranges in table10.items()}
+    for budget in budgets:
+        updates = budget / curves[largest][0]["multiply_adds_per_update"]  # the same for every allocation
         for label, _, _ in allocations[:-1]:
-            differences = [a - b for a, b in zip(mids[label], mids[largest], strict=True)
-                           if a is not None and b is not None]
-            checks.append(experiment.claims["budget"].check(differences, budget=budget, largest=largest, label=label))
+            differences, document = compare_at(curves[label], curves[largest], "updates", updates)
+            checks.append(experiment.claims["budget"].check(differences, document, budget=budget, largest=largest,
+                                                            label=label))
     rows = []
     for label, n_pert, batch in allocations:
         runs = curves[label]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from soma_pl import VAL_WINDOWS
 from soma_pl.eval.bootstrap import Interval
 from soma_pl.reproduce.allocation import (
     equivalence,
@@ -51,6 +52,37 @@ def _report(tmp_path: Path, make, seeds: int = 2) -> tuple[dict, dict]:
             "failed": []}, folders
 
 
+OFFSET = {"p2_b16": -0.05, "p8_b4": 0.0, "p32_b1": 0.02}
+"""Each allocation's validation windows sit this far from the common curve at every validation."""
+
+
+def _fit_with_windows(folder: Path, label: str, seed: int) -> None:
+    """`_fit`'s run shifted by OFFSET, each validation window by window: four windows of two
+    documents, ±0.1 and ±0.2 around the loss."""
+    _fit(folder, label, seed)
+    rows = ["step,val/loss,compute/aggregate_device_hours"]
+    for update in range(2, 11, 2):
+        loss = 3 - 0.1 * update + 0.01 * seed + OFFSET[label]
+        rows += [f"{update - 1},{loss},", f"{update},,{update * SECONDS[label] / 3600}"]
+        (folder / VAL_WINDOWS).mkdir(exist_ok=True)
+        (folder / VAL_WINDOWS / f"{update}.json").write_text(json.dumps({
+            "updates": update, "window_index": [0, 1, 2, 3], "doc_ids": ["a", "a", "b", "b"],
+            "window_losses": [loss + d for d in (-0.1, 0.1, -0.2, 0.2)]}))
+    (folder / "metrics.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_table10_claims_compare_at_equal_updates_with_a_document_interval(tmp_path):
+    """The largest batch 0.05 below the middle allocation and 0.07 below the smallest on every window
+    at every validation: each of Table 10's checks holds, with both intervals at that gap."""
+    report, folders = _report(tmp_path, _fit_with_windows, seeds=3)
+    checks = load_experiment("fig13").result(report, folders)["checks"][1:]
+    assert len(checks) == 6 and all(check["verdict"] == "holds" for check in checks)
+    gaps = [check["mean"] for check in checks]
+    assert gaps == pytest.approx([0.07, 0.05] * 3)
+    for check, gap in zip(checks, gaps, strict=True):
+        assert check["document_interval"] == pytest.approx((gap, gap)) and check["claim"].endswith("log compute)")
+
+
 def test_the_threshold_is_crossed_mid_curve_by_every_run_and_the_crossing_interpolated_in_log_time():
     curves = {"a": [{"updates": [10, 20, 30, 40], "loss": [4.0, 3.0, 2.5, 2.4]}],
               "b": [{"updates": [10, 20, 30, 40], "loss": [4.0, 3.2, 2.6, 2.2]}]}
@@ -84,7 +116,7 @@ def test_fig13_favours_the_allocation_that_updates_fastest(tmp_path):
     assert result["ratio"] == pytest.approx(2.0)
     fig13 = result["checks"][0]
     assert fig13["mean"] == pytest.approx(sum(crossings) / 3) and fig13["seeds"] == 3
-    # validation curves keep no per-window losses: no document interval, so three seeds decide nothing
+    # these validation curves keep no per-window losses: no document interval, so three seeds decide nothing
     assert all(check["verdict"] == "inconclusive" and check["document_interval"] is None and check["p"] is None
                for check in result["checks"])
     # Table 10: equal multiply-adds per update and equal curves: no allocation is favoured
