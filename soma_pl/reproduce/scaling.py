@@ -56,12 +56,15 @@ def curve_value(xs: list[float], ys: list[float], at: float, log: bool = True) -
 
 
 def _axis(curve: dict, basis: str) -> list[float]:
-    """A curve's x values on `basis`: seconds of update time (`per_expert` or `aggregate`) or `updates`."""
+    """A curve's x values on `basis`: seconds of update time (`per_expert` or `aggregate`), `updates`
+    or forward `multiply_adds` (updates × the run's multiply-adds per update)."""
+    if basis == "multiply_adds":
+        return [updates * curve["multiply_adds_per_update"] for updates in curve["updates"]]
     return curve["updates"] if basis == "updates" else curve[f"{basis}_seconds"]
 
 
 def _loss_at(curve: dict, basis: str, at: float) -> float | None:
-    """A run's loss at `at` on `basis` (seconds of update time `per_expert` or `aggregate`, or `updates`)."""
+    """A run's loss at `at` on `basis` (`_axis`)."""
     return curve_value(_axis(curve, basis), curve["loss"], at)
 
 
