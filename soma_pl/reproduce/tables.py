@@ -158,6 +158,7 @@ def save_figure(fig, path: Path) -> Path:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(buffer.getvalue(), path)
     return path
 
@@ -207,5 +208,6 @@ def write_docs(results: str = "results", out: str = "docs/reproduction.md") -> N
     check_apart(out, "--out", [results])
     target = Path(out)
     text = reproduction_page(Path(results), target)
+    target.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(text.encode(), target)
     print(f"wrote {target}")
