@@ -61,9 +61,26 @@ def markdown_cell(text: str) -> str:
     return " ".join(text.splitlines()).replace("|", "\\|")
 
 
+TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
+"""A temporary file of `write_atomic`: `.<name>.tmp-<host>-<pid>`, beside the file it becomes."""
+
+
 def temporary_path(path: Path) -> Path:
     """`.<name>.tmp-<host>-<pid>` beside `path`: which machine and process is writing it."""
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Remove the temporary files that processes of this machine left in `folder` when they were
+    killed; another machine's (a shared filesystem) may still be writing and are kept."""
+    removed, host = [], socket.gethostname()
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        match = TEMPORARY.match(entry.name)
+        if match and match["host"] == host and not process_alive(int(match["pid"])):
+            with suppress(FileNotFoundError):
+                entry.unlink()
+                removed.append(entry)
+    return removed
 
 
 def write_atomic(data: bytes | memoryview | Sequence[bytes | memoryview], path: Path) -> None:

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import warnings
 from pathlib import Path
 
 import torch
 
 from soma_pl.errors import ConfigError, DataError
-from soma_pl.io import existing_parent
+from soma_pl.io import existing_parent, remove_stale_temporaries, temporary_path
 
 LAST = "last.ckpt"
 RUN_SETTINGS_KEY = "run_settings"
@@ -110,14 +109,16 @@ def resume_point(folder: Path) -> Path | None:
     link (a copy where links fail) and a rename: resuming from `last.ckpt` lets the top-k rotation
     delete the `epoch=…` file at the next save, which Lightning never does to the file it resumed
     from. No later state is lost: the file taken is the latest. Checkpoints are written by a
-    rename, so each is complete; one damaged afterwards is refused with one line."""
+    rename, so each is complete; one damaged afterwards is refused with one line. Temporary files
+    that killed writers left in `folder` are removed first."""
+    remove_stale_temporaries(folder)  # here too: a resume that trains no further saves nothing
     found = checkpoints(folder)
     if not found:
         return None
     last = folder / LAST
     latest = max(found, key=lambda path: (recorded_step(path), path == last))
     if latest != last:
-        staged = folder / f".{LAST}.tmp-{socket.gethostname()}-{os.getpid()}"
+        staged = temporary_path(last)
         try:
             os.link(latest, staged)
         except OSError:

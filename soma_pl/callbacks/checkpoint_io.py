@@ -5,18 +5,16 @@ folder is on another filesystem that move is a copy, so a process killed (or a d
 during it leaves a truncated file under the checkpoint's name. `AtomicCheckpointIO` writes the
 bytes to a hidden temporary file in the checkpoint's own folder, syncs them to disk and renames the
 file into place: a reader sees the old checkpoint or the new one, never part of one. A failed write
-removes its temporary file; one left by a killed process is removed by the next save in that folder.
+removes its temporary file; one left by a killed process is removed by the next save in that folder
+(`soma_pl.io.remove_stale_temporaries`), and by a resume from it.
 Reading a checkpoint with pickle (`--weights_only false`, for a file soma_pl did not write) stays
 possible, with a warning naming the file: such a file can run any code.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import io
-import re
-import socket
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,11 +23,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from soma_pl.errors import DataError
-from soma_pl.io import process_alive, write_atomic
+from soma_pl.io import remove_stale_temporaries, write_atomic
 from soma_pl.models.checkpoints import load_checkpoint
-
-TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
-"""A temporary checkpoint: `.<name>.tmp-<host>-<pid>`, beside the checkpoint it becomes."""
 
 FIXES = {
     errno.ENOSPC: "free space there or set --checkpoint.dirpath to a folder on a disk with room",
@@ -38,19 +33,6 @@ FIXES = {
     errno.EROFS: "set --checkpoint.dirpath (and --trainer.default_root_dir) to a writable folder",
     errno.EACCES: "set --checkpoint.dirpath (and --trainer.default_root_dir) to a folder you may write",
 }
-
-
-def remove_stale_temporaries(folder: Path) -> list[Path]:
-    """Remove the temporary checkpoints that processes of this machine left in `folder` when they
-    were killed; another machine's (a shared filesystem) may still be writing and are kept."""
-    removed, host = [], socket.gethostname()
-    for entry in folder.iterdir() if folder.is_dir() else ():
-        match = TEMPORARY.match(entry.name)
-        if match and match["host"] == host and not process_alive(int(match["pid"])):
-            with contextlib.suppress(FileNotFoundError):
-                entry.unlink()
-                removed.append(entry)
-    return removed
 
 
 def write_error(error: OSError, path: Path) -> DataError:

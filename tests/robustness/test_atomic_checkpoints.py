@@ -27,12 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from soma_pl.callbacks.checkpoint_io import TEMPORARY, AtomicCheckpointIO, write_atomic
+from soma_pl.callbacks.checkpoint_io import AtomicCheckpointIO
 from soma_pl.cli import main as cli_main
 from soma_pl.data.corpus.readers import CorpusConfig
 from soma_pl.data.preparation.config import PrepareConfig
 from soma_pl.data.preparation.prepare import prepare
 from soma_pl.errors import DataError
+from soma_pl.io import TEMPORARY, write_atomic
 from soma_pl.models.checkpoints import load_checkpoint
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args

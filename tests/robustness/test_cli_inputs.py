@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -105,6 +106,21 @@ def test_last_takes_the_highest_recorded_step_not_the_newest_file(dataset, four_
         assert resume_point(folder) == folder / "last.ckpt"
     assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 8
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
+def test_last_removes_what_a_killed_writer_left_even_when_nothing_more_is_trained(four_steps, tmp_path):
+    """Killed while writing `last.ckpt` after `epoch=0-step=4.ckpt`: a resume to step 4 promotes that
+    file and trains nothing, so no save would remove the dead process's temporary file."""
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(four_steps / "checkpoints", folder)
+    (folder / "last.ckpt").unlink()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = folder / f".last.ckpt.tmp-{socket.gethostname()}-{int(dead.stdout)}"
+    stale.write_bytes(b"partial")
+    with pytest.warns(UserWarning, match="epoch=0-step=4.ckpt"):
+        assert resume_point(folder) == folder / "last.ckpt"
+    assert not stale.exists() and sorted(path.name for path in folder.iterdir()) == ["epoch=0-step=4.ckpt",
+                                                                                     "last.ckpt"]
 
 
 def test_last_refuses_an_unreadable_checkpoint_naming_it(four_steps, tmp_path):
