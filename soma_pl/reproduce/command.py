@@ -118,6 +118,8 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
                for later in spec.later_labels()]
     done = sum(states.get(point_key(p)) in ("COMPLETE", "PRUNED") for p in points)
     print(f"{experiment.name} ({scale}): {experiment.title}")
+    for arguments in experiment.data.get(scale, []):  # run first, each reused when its output is there
+        print("  first: python -m soma_pl.cli " + " ".join(arguments))
     print(f"sweep {spec.path}: {len(points) + len(waiting)} trials, {done} done; storage {storage}")
     for point in points:
         shown = ", ".join(f"{k}={v}" for k, v in point.items() if k != SEED)

@@ -60,6 +60,7 @@ def test_expert_plateau_decays_only_the_expert_that_stalls():
 from pathlib import Path  # noqa: E402
 
 from soma_pl.data.corpus.readers import CorpusConfig  # noqa: E402
+from soma_pl.data.formats.expert_sets import read_experts_manifest  # noqa: E402
 from soma_pl.data.preparation.config import PrepareConfig  # noqa: E402
 from soma_pl.data.preparation.prepare import prepare  # noqa: E402
 from soma_pl.data.sharding.config import ShardConfig  # noqa: E402
@@ -165,3 +166,32 @@ def test_frozen_shared_head_is_one_frozen_copy_of_the_seed_head(tmp_path):
     random_head = _soma(tmp_path, init="seed", seed_checkpoint=str(path), head_training="frozen_random")
     warm_start(random_head.model, str(path), random_head.head_training)
     assert not torch.equal(random_head.model.head, module.model.head)
+
+
+def test_experts_kept_from_a_wider_sharding_train_as_they_do_in_the_wider_run(sharded, corpus_dir, tmp_path):
+    """Fig. 4's N = 4 is experts 0-3 of the N = 8 run (App. J): with `shard.keep_experts` an N = 2 fit
+    on experts 0-1 of a 3-way sharding ends with the weights those experts have in the N = 3 run."""
+    root, dataset, _ = sharded
+    every = shard(ShardConfig(prepared=dataset.output_dir, num_experts=3, output_dir=str(tmp_path / "n3"),
+                              shard_max_bytes=40000), progress=False)
+    kept = shard(ShardConfig(prepared=dataset.output_dir, num_experts=3, keep_experts=2,
+                             output_dir=str(tmp_path / "kept"), shard_max_bytes=40000), progress=False)
+    wide, narrow = read_experts_manifest(every), read_experts_manifest(kept)
+    assert narrow["num_experts"] == 2 and narrow["experts"] == wide["experts"][:2]
+    assert torch.equal(Router.load(kept / "router.pt").centroids, Router.load(every / "router.pt").centroids[:2])
+    seed = _seed_checkpoint(tmp_path / "seed.ckpt", width=8)
+    start = ["--model.init_args.init=seed", f"--model.init_args.seed_checkpoint={seed}"]
+    for folder, experts in ((every, 3), (kept, 2)):
+        make_cli(["fit", *soma_args(corpus_dir, root, folder, f"fit-{experts}", *start,
+                                    f"--model.init_args.num_experts={experts}")])
+    weights = [torch.load(root / f"fit-{n}" / "checkpoints" / "last.ckpt",
+                          weights_only=False)["state_dict"] for n in (3, 2)]
+    for name, value in weights[1].items():
+        if name.startswith("model."):
+            torch.testing.assert_close(value, weights[0][name][:2], rtol=0, atol=0, msg=name)
+    assert not torch.equal(weights[1]["model.w_hh"], weights[0]["model.w_hh"][1:]), "the experts trained apart"
+
+
+def test_keeping_more_experts_than_the_sharding_has_names_the_setting(tmp_path):
+    with pytest.raises(ConfigError, match="shard.keep_experts"):
+        ShardConfig(num_experts=2, keep_experts=3, output_dir=str(tmp_path / "out")).validate()

@@ -15,23 +15,21 @@ from .conftest import write_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = sorted((ROOT / "sweeps").rglob("*.yaml"))
-# sweeps/{table6_lr_eps,fig7_experts,fig7_npert,fig7_batch,table11_alloc,table4,table5}, their demo/
-# twins (TWINS), demo/table7_pair, demo/fig9, demo/fig13, demo/fig14, demo/fig4, demo/main_job
-EXPECTED = 19
+# sweeps/{table6_lr_eps,fig7_experts,fig7_npert,fig7_batch,table11_alloc,table4,table5,fig4}, their demo/
+# twins (TWINS), demo/table7_pair, demo/fig9, demo/fig13, demo/fig14, demo/main_job
+EXPECTED = 20
 
 TWINS = {"table6_lr_eps.yaml": "demo/table6_lr_eps.yaml", "table4.yaml": "demo/table4.yaml",
          "fig7_experts.yaml": "demo/fig7.yaml", "fig7_npert.yaml": "demo/fig7_settings.yaml",
          "fig7_batch.yaml": "demo/fig7_settings.yaml", "table11_alloc.yaml": "demo/table11.yaml",
-         "table5.yaml": "demo/table5.yaml"}
+         "table5.yaml": "demo/table5.yaml", "fig4.yaml": "demo/fig4.yaml"}
 """Each paper-scale sweep → the demo sweep of the same experiment (`reproduce`'s CPU scale): Fig. 7's
 n_pert and B panels share one demo sweep."""
-DEMO_ONLY = {"demo/table7_pair.yaml", "demo/fig9.yaml", "demo/fig13.yaml", "demo/fig14.yaml", "demo/fig4.yaml",
-             "demo/main_job.yaml"}
+DEMO_ONLY = {"demo/table7_pair.yaml", "demo/fig9.yaml", "demo/fig13.yaml", "demo/fig14.yaml", "demo/main_job.yaml"}
 """The demo's Table 6 -> 7 comparison (at paper scale that is table6_lr_eps.yaml), Fig. 9's
 ablations (the paper's captions give neither the model nor the steps of its runs), Fig. 13's curves
 (the paper's are separate runs it does not configure), Figs. 14-15's fixed-size runs (the paper's
-N = 256 runs reach 41.9k GPU-hours), Fig. 4's continuations (the paper's N = 4 is formed from four
-experts of its N = 8 run, which no command forms yet) and the main job (at paper scale that is
+N = 256 runs reach 41.9k GPU-hours) and the main job (at paper scale that is
 Table 7's comparison, table6_lr_eps.yaml)."""
 
 

@@ -39,6 +39,10 @@ class ShardConfig:
         recipe: a data config (`configs/data/<name>.yaml`) that builds `prepared` first when it is
             missing or was built from another corpus or config. None: `prepared` must exist.
         num_experts: N, the number of experts (and of clusters).
+        keep_experts: k: write only experts 0..k-1 of the N-way sharding, with their router
+            centroids (None: all N). An N = k fit on the folder from the same seed model trains
+            exactly those experts of an N-way SOMA run, since SOMA's experts exchange nothing: the
+            paper forms Fig. 4's N = 4 from experts 0-3 of its N = 8 run (App. J).
         output_dir: the sharded dataset folder (what `ByteDataModule(experts_dir=...)` reads).
         sharding: `semantic` (the paper's router) or `random` (seeded deal, the Fig. 9 ablation).
         seed: seeds the sequence keys (sample and held-out shares), the SVD and k-means.
@@ -58,6 +62,7 @@ class ShardConfig:
     prepared: str = "data/demo"
     recipe: str | None = None
     num_experts: int = 3
+    keep_experts: int | None = None
     output_dir: str = "data/demo-experts"
     sharding: Sharding = Sharding.semantic
     seed: int = 0
@@ -74,6 +79,8 @@ class ShardConfig:
         """Raises ConfigError naming the first setting that cannot work."""
         checks = [
             (self.num_experts >= 1, f"shard.num_experts={self.num_experts} must be >= 1"),
+            (self.keep_experts is None or 1 <= self.keep_experts <= self.num_experts,
+             f"shard.keep_experts={self.keep_experts} must be in [1, shard.num_experts={self.num_experts}]"),
             (0 < self.expert_val_fraction < 1,
              f"shard.expert_val_fraction={self.expert_val_fraction} must be in (0, 1)"),
             (min(self.kmeans_n_init, self.tfidf_max_features, self.tfidf_min_df, self.svd_dim) >= 1,
@@ -103,6 +110,8 @@ class ShardConfig:
         settings = asdict(self)
         for key in ("output_dir", "prepared", "recipe", "executor"):
             settings.pop(key)
+        if self.keep_experts is None:  # every expert kept: the same folder as a sharding without the setting
+            settings.pop("keep_experts")
         identity = {"settings": settings, "dataset": manifest.get("fingerprint"),
                     "shards": {split: [s["sha256"] for s in manifest[split]["shards"]]
                                for split in ("train", "expert_val")},

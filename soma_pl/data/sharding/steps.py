@@ -287,7 +287,7 @@ class FinishShard(_Stage):
         self.fingerprint, self.manifest, self.started = fingerprint, manifest, started
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        config, experts = self.config, self.config.num_experts
+        config, experts = self.config, self.config.keep_experts or self.config.num_experts
         output = Path(config.output_dir).expanduser()
         if experts_fingerprint(output) == self.fingerprint:
             return  # finished before a kill stopped the task from marking itself complete
@@ -305,8 +305,8 @@ class FinishShard(_Stage):
                   for entry, split in (("train", "train"), ("expert_val", "val"))}
         sequences = sum(len(self.load("seq", task)["keys"]) for task in range(self.tasks))  # each counted once
         members = [s["train"]["sequences"] + s["val"]["sequences"] for s in sizes]
-        router = Router.load(self.stage / "fit" / ROUTER_FILE)
-        router.sharding = self.fingerprint
+        fitted_router = Router.load(self.stage / "fit" / ROUTER_FILE)
+        router = Router(fitted_router.encoder, fitted_router.centroids[:experts], self.fingerprint)
         with atomic_folder(output, KIND, "shard.output_dir", config.inputs()) as work:
             for expert in records:
                 for record in expert["train"] + expert["val"]:
