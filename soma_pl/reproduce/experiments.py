@@ -103,6 +103,8 @@ class Experiment:
     seed model's `fit` resumes its own run with `--ckpt_path=last`, so a finished one is reused)."""
     final_test: bool = True
     """Whether the selected runs are scored on the final test split (used once per run)."""
+    losses: str | None = None
+    """A measurement's partner: the experiment whose saved result gives the losses it is paired with."""
 
     @property
     def scales(self) -> dict:

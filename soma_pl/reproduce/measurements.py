@@ -1,6 +1,7 @@
 """Experiments of measurements at fixed weights (`commands` in their file), read from the JSON their
 commands wrote into the result's folder: Table 2 (`analyze params`), Figs. 10 and 11 and Fig. 5
-with Table 8 (`analyze variance`) and Table 12 (`bench inference`)."""
+with Table 8 (`analyze variance`), Table 12 and Fig. 6 (`bench inference`; Fig. 6 beside Fig. 14's
+losses)."""
 
 from __future__ import annotations
 
@@ -199,6 +200,72 @@ def table12_markdown(result: dict) -> str:
                                 f"{row['routing_share']:.2%} ({paper.get('routing_share', '—')})",
                                 f"{row['peak_above_baseline_bytes'] / 2 ** 20:,.0f} MiB"]))
     return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
+
+
+def fig6_result(folder: Path, experiment: Experiment) -> dict:
+    """Fig. 6 (right): each ensemble's warm inference throughput (this experiment's `bench inference`)
+    beside the lowest ensemble-validation loss of each of its runs (the saved result of the experiment
+    named by `losses`); the smaller N's throughput over the larger's, round by round, for each pair the
+    paper measured."""
+    bench, partner = _read(folder, "inference.json"), _read(folder.parent / experiment.losses, "result.json")
+    sizes = {row["experts"]: row["parameters"] for row in partner["rows"]}
+    curves = {seeds[0]["experts"]: seeds for run, seeds in partner["curves"].items() if not run.endswith("_long")}
+    rows = []
+    for row in bench["results"]:
+        if sizes.get(row["experts"]) != row["parameters"]:
+            raise SomaError(f"{folder / 'inference.json'}: N = {row['experts']} of {row['parameters']:,} parameters "
+                            f"has no run of that size in {folder.parent / experiment.losses / 'result.json'} "
+                            f"(N: parameters {sizes})")
+        lowest = [min(seed["loss"]) for seed in curves[row["experts"]]]
+        rows.append({**row, "lowest_loss": lowest, "paper": experiment.paper["tokens_per_s"].get(str(row["experts"]))})
+    by_n, claim, checks = {row["experts"]: row for row in rows}, experiment.claims["slower"], []
+    paired = sorted(n for n in by_n if by_n[n]["paper"])
+    for smaller, larger in zip(paired, paired[1:], strict=False):
+        ratios = [a / b for a, b in zip(by_n[smaller]["tokens_per_s_per_round"], by_n[larger]["tokens_per_s_per_round"],
+                                        strict=True)]
+        stderr = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("inf")
+        checks.append(claim.check_estimate(statistics.fmean(ratios), stderr, 1.0, len(ratios), "timing rounds",
+                                           smaller=smaller, larger=larger, k=by_n[larger]["top_k"],
+                                           paper=by_n[smaller]["paper"] / by_n[larger]["paper"]))
+    return {"rows": rows, "losses_from": experiment.losses, "losses_wall_seconds": partner["wall_seconds"],
+            "machine": bench["machine"], "load_average_after": bench["load_average_after"],
+            "settings": bench["settings"], "checks": checks}
+
+
+def fig6_markdown(result: dict) -> str:
+    settings = result["settings"]
+    threads = settings["threads"] or "all"
+    lines = [*heading(result), f"Throughput: median of {settings['repeats']} warm batches in each of "
+             f"{settings['rounds']} rounds (a fresh process per configuration per round), {threads} thread(s). "
+             f"Loss: the lowest ensemble-validation loss of each run of `{result['losses_from']}`, per seed. "
+             "Paper (one GPU, 8.44M) in brackets.", "",
+             *table_head(["model", "parameters", "top-k", "tokens/s (paper)", "per round", "lowest loss per seed",
+                          "mean"])]
+    for row in result["rows"]:
+        paper = f"{row['paper']:,.0f}" if row["paper"] else "—"
+        lines.append(table_row([row["model"], f"{row['parameters']:,}", str(row["top_k"]),
+                                f"{row['tokens_per_s']:,.0f} ({paper})",
+                                ", ".join(f"{t:,.0f}" for t in row["tokens_per_s_per_round"]),
+                                ", ".join(f"{loss:.4f}" for loss in row["lowest_loss"]),
+                                f"{statistics.fmean(row['lowest_loss']):.4f}"]))
+    return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
+
+
+def fig6_figure(result: dict, path: Path) -> Path:
+    """Lowest loss (mean over seeds, the seeds' range as bars) against tokens/s, one point per N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(5, 3.6))
+    for row in result["rows"]:
+        mean, losses = statistics.fmean(row["lowest_loss"]), row["lowest_loss"]
+        axis.errorbar([row["tokens_per_s"]], [mean], yerr=[[mean - min(losses)], [max(losses) - mean]], fmt="o")
+        axis.annotate(f"N = {row['experts']}", (row["tokens_per_s"], mean), textcoords="offset points", xytext=(5, 5))
+    axis.set(xscale="log", xlabel="inference tokens/s (routing included)", ylabel="lowest ensemble validation loss",
+             title="Fig. 6, right (equal total size)")
+    return save_figure(fig, path)
 
 
 def fig5_result(folder: Path, experiment: Experiment) -> dict:

@@ -17,7 +17,7 @@ from soma_pl.reproduce.experiments import FOLDER, Claim, all_experiments, load_e
 from soma_pl.reproduce.verdicts import Verdict
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = ["fig10", "fig13", "fig14", "fig4", "fig5", "fig7", "fig7_settings", "fig9", "main_job", "table11",
+EXPECTED = ["fig10", "fig13", "fig14", "fig4", "fig5", "fig6", "fig7", "fig7_settings", "fig9", "main_job", "table11",
             "table12", "table2", "table3", "table4", "table5", "table7", "table9"]
 
 
