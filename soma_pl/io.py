@@ -72,12 +72,13 @@ def temporary_path(path: Path) -> Path:
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
     """Remove the temporary files that processes of this machine left in `folder` when they were
-    killed; another machine's (a shared filesystem) may still be writing and are kept."""
+    killed; another machine's (a shared filesystem) may still be writing and are kept, and one that
+    cannot be removed (a read-only folder, another user's) stays for a later pass."""
     removed, host = [], socket.gethostname()
     for entry in folder.iterdir() if folder.is_dir() else ():
         match = TEMPORARY.match(entry.name)
         if match and match["host"] == host and not process_alive(int(match["pid"])):
-            with suppress(FileNotFoundError):
+            with suppress(OSError):
                 entry.unlink()
                 removed.append(entry)
     return removed

@@ -6,7 +6,7 @@ during it leaves a truncated file under the checkpoint's name. `AtomicCheckpoint
 bytes to a hidden temporary file in the checkpoint's own folder, syncs them to disk and renames the
 file into place: a reader sees the old checkpoint or the new one, never part of one. A failed write
 removes its temporary file; one left by a killed process is removed by the next save in that folder
-(`soma_pl.io.remove_stale_temporaries`), and by a resume from it.
+(`soma_pl.io.remove_stale_temporaries`), and when `--ckpt_path last` picks the checkpoint to resume.
 Reading a checkpoint with pickle (`--weights_only false`, for a file soma_pl did not write) stays
 possible, with a warning naming the file: such a file can run any code.
 """

@@ -118,8 +118,7 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
                for later in spec.later_labels()]
     done = sum(states.get(point_key(p)) in ("COMPLETE", "PRUNED") for p in points)
     print(f"{experiment.name} ({scale}): {experiment.title}")
-    for arguments in experiment.data.get(scale, []):  # run first, each reused when its output is there
-        print("  first: python -m soma_pl.cli " + " ".join(arguments))
+    _print_commands(experiment.data.get(scale, []), "first: ")  # each reused when its output is there
     print(f"sweep {spec.path}: {len(points) + len(waiting)} trials, {done} done; storage {storage}")
     for point in points:
         shown = ", ".join(f"{k}={v}" for k, v in point.items() if k != SEED)
@@ -161,12 +160,16 @@ def result_folder(results: Path, experiment: Experiment, scale: str) -> Path:
     return results / (experiment.name if scale == "cpu" else f"{experiment.name}_{scale}")
 
 
+def _print_commands(commands: list[list[str]], label: str = "") -> None:
+    for arguments in commands:
+        print(f"  {label}python -m soma_pl.cli " + " ".join(arguments))
+
+
 def list_commands(experiment: Experiment, scale: str, results: Path) -> None:
     """The commands an experiment runs at `scale` and what they cost, printed; nothing runs."""
     print(f"{experiment.name} ({scale}): {experiment.title}")
     folder = result_folder(results, experiment, scale)
-    for arguments in [*experiment.data.get(scale, []), *_commands(experiment, scale, folder)]:
-        print("  python -m soma_pl.cli " + " ".join(arguments))
+    _print_commands([*experiment.data.get(scale, []), *_commands(experiment, scale, folder)])
     print(f"to run: {experiment.cost[scale]}")
     print(f"equal compute: {experiment.basis}")
 

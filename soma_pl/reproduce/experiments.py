@@ -162,6 +162,8 @@ def load(path: Path) -> Experiment:
     entry = _fields(Experiment, entry, str(path))
     claims = {key: Claim(**_fields(Claim, claim, f"{path}: claims.{key}"))
               for key, claim in (entry.get("claims") or {}).items()}
+    if entry.get("losses") and not (path.parent / f"{entry['losses']}.yaml").is_file():
+        raise ConfigError(f"{path}: losses: no experiment '{entry['losses']}' in {path.parent}")
     if bool(entry.get("sweeps")) == bool(entry.get("commands")):
         raise ConfigError(f"{path}: give one of 'sweeps' (trained runs) or 'commands' (measurements), not "
                           f"{'both' if entry.get('sweeps') else 'neither'}")

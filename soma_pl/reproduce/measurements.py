@@ -5,12 +5,14 @@ losses)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 from pathlib import Path
 
 from soma_pl.errors import SomaError
-from soma_pl.reproduce.experiments import Experiment
+from soma_pl.reproduce.experiments import Experiment, load_experiment
+from soma_pl.reproduce.inference import label_experts
 from soma_pl.reproduce.tables import checks_table, commands_footer, heading, save_figure, table_head, table_row
 
 MARGIN = 0.1
@@ -173,13 +175,10 @@ def table12_result(folder: Path, experiment: Experiment) -> dict:
     largest, claim = max(rows, key=lambda row: row["experts"]), experiment.claims["faster"]
     checks = []
     for rival in sorted((row for row in rows if row is not largest), key=lambda row: -row["experts"]):
-        ratios = [a / b for a, b in zip(largest["tokens_per_s_per_round"], rival["tokens_per_s_per_round"],
-                                        strict=True)]
-        stderr = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("inf")
+        mean, stderr, rounds = _round_ratios(largest["tokens_per_s_per_round"], rival["tokens_per_s_per_round"])
         paper = largest["paper"]["tokens_per_s"] / rival["paper"]["tokens_per_s"]
-        checks.append(claim.check_estimate(statistics.fmean(ratios), stderr, 1.0, len(ratios), "timing rounds",
-                                           larger=largest["experts"], smaller=rival["experts"], k=rival["top_k"],
-                                           paper=paper))
+        checks.append(claim.check_estimate(mean, stderr, 1.0, rounds, "timing rounds", larger=largest["experts"],
+                                           smaller=rival["experts"], k=rival["top_k"], paper=paper))
     return {"rows": rows, "machine": bench["machine"], "load_average_after": bench["load_average_after"],
             "settings": bench["settings"], "checks": checks}
 
@@ -202,32 +201,57 @@ def table12_markdown(result: dict) -> str:
     return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
 
 
+def _round_ratios(upper: list[float], lower: list[float]) -> tuple[float, float, int]:
+    """(mean, standard error, rounds) of `upper / lower` taken round by round (each round timed both in
+    fresh processes, one after the other)."""
+    ratios = [a / b for a, b in zip(upper, lower, strict=True)]
+    stderr = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("inf")
+    return statistics.fmean(ratios), stderr, len(ratios)
+
+
+def partner_result(folder: Path, experiment: Experiment) -> tuple[Path, dict]:
+    """The saved result an experiment is paired with (`losses`), at the same scale as `folder`; a
+    missing one is one line naming the command that makes it."""
+    name = experiment.losses + folder.name.removeprefix(experiment.name)  # `fig14`, or `fig14_paper`
+    path = folder.parent / name / "result.json"
+    try:
+        return path, json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SomaError(f"{experiment.name} pairs its measurement with {path}, which cannot be read "
+                        f"({type(error).__name__}); run `python -m soma_pl.cli reproduce {experiment.losses}` "
+                        "first") from error
+
+
 def fig6_result(folder: Path, experiment: Experiment) -> dict:
     """Fig. 6 (right): each ensemble's warm inference throughput (this experiment's `bench inference`)
-    beside the lowest ensemble-validation loss of each of its runs (the saved result of the experiment
-    named by `losses`); the smaller N's throughput over the larger's, round by round, for each pair the
-    paper measured."""
-    bench, partner = _read(folder, "inference.json"), _read(folder.parent / experiment.losses, "result.json")
-    sizes = {row["experts"]: row["parameters"] for row in partner["rows"]}
-    curves = {seeds[0]["experts"]: seeds for run, seeds in partner["curves"].items() if not run.endswith("_long")}
-    rows = []
+    beside the lowest ensemble-validation loss of each of its runs at the common budget (the saved
+    result of the experiment named by `losses`, matched by N, size and top-k); the smaller N's
+    throughput over the larger's, round by round, for each pair Table 12 gives the paper's of."""
+    path, partner = partner_result(folder, experiment)
+    runs = {label_experts(row["run"]): row for row in partner["rows"]}
+    common = {(n, row["parameters"], row["top_k"]): row["run"] for (n, long), row in runs.items() if not long}
+    paper = {int(n): row["tokens_per_s"] for n, row in load_experiment(experiment.paper["throughputs"]).paper[
+        "rows"].items()}
+    bench, rows = _read(folder, "inference.json"), []
     for row in bench["results"]:
-        if sizes.get(row["experts"]) != row["parameters"]:
-            raise SomaError(f"{folder / 'inference.json'}: N = {row['experts']} of {row['parameters']:,} parameters "
-                            f"has no run of that size in {folder.parent / experiment.losses / 'result.json'} "
-                            f"(N: parameters {sizes})")
-        lowest = [min(seed["loss"]) for seed in curves[row["experts"]]]
-        rows.append({**row, "lowest_loss": lowest, "paper": experiment.paper["tokens_per_s"].get(str(row["experts"]))})
+        run = common.get((row["experts"], row["parameters"], row["top_k"]))
+        if run is None or not partner["curves"].get(run):
+            raise SomaError(f"{folder / 'inference.json'}: N = {row['experts']} of {row['parameters']:,} parameters, "
+                            f"top-{row['top_k']}, has no run of that shape with a curve in {path} "
+                            f"(runs: {sorted(common.values())})")
+        seeds = partner["curves"][run]
+        rows.append({**row, "run": run, "lowest_loss": [min(seed["loss"]) for seed in seeds],
+                     "validations": len(seeds[0]["loss"]), "paper": paper.get(row["experts"])})
     by_n, claim, checks = {row["experts"]: row for row in rows}, experiment.claims["slower"], []
     paired = sorted(n for n in by_n if by_n[n]["paper"])
     for smaller, larger in zip(paired, paired[1:], strict=False):
-        ratios = [a / b for a, b in zip(by_n[smaller]["tokens_per_s_per_round"], by_n[larger]["tokens_per_s_per_round"],
-                                        strict=True)]
-        stderr = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("inf")
-        checks.append(claim.check_estimate(statistics.fmean(ratios), stderr, 1.0, len(ratios), "timing rounds",
-                                           smaller=smaller, larger=larger, k=by_n[larger]["top_k"],
+        mean, stderr, rounds = _round_ratios(by_n[smaller]["tokens_per_s_per_round"],
+                                             by_n[larger]["tokens_per_s_per_round"])
+        checks.append(claim.check_estimate(mean, stderr, 1.0, rounds, "timing rounds", smaller=smaller,
+                                           larger=larger, k=by_n[larger]["top_k"],
                                            paper=by_n[smaller]["paper"] / by_n[larger]["paper"]))
-    return {"rows": rows, "losses_from": experiment.losses, "losses_wall_seconds": partner["wall_seconds"],
+    return {"rows": rows, "losses_from": {"experiment": experiment.losses, "result": str(path),
+                                          "sha256": hashlib.sha256(path.read_bytes()).hexdigest()},
             "machine": bench["machine"], "load_average_after": bench["load_average_after"],
             "settings": bench["settings"], "checks": checks}
 
@@ -237,16 +261,17 @@ def fig6_markdown(result: dict) -> str:
     threads = settings["threads"] or "all"
     lines = [*heading(result), f"Throughput: median of {settings['repeats']} warm batches in each of "
              f"{settings['rounds']} rounds (a fresh process per configuration per round), {threads} thread(s). "
-             f"Loss: the lowest ensemble-validation loss of each run of `{result['losses_from']}`, per seed. "
-             "Paper (one GPU, 8.44M) in brackets.", "",
-             *table_head(["model", "parameters", "top-k", "tokens/s (paper)", "per round", "lowest loss per seed",
-                          "mean"])]
+             f"Loss: the lowest ensemble-validation loss of each run of `{result['losses_from']['experiment']}`, "
+             "per seed, over its validations (more for a run that makes more updates in the budget). Paper (one "
+             "GPU, 8.44M) in brackets.", "",
+             *table_head(["model", "parameters", "top-k", "tokens/s (paper)", "per round", "validations",
+                          "lowest loss per seed", "mean"])]
     for row in result["rows"]:
         paper = f"{row['paper']:,.0f}" if row["paper"] else "—"
         lines.append(table_row([row["model"], f"{row['parameters']:,}", str(row["top_k"]),
                                 f"{row['tokens_per_s']:,.0f} ({paper})",
                                 ", ".join(f"{t:,.0f}" for t in row["tokens_per_s_per_round"]),
-                                ", ".join(f"{loss:.4f}" for loss in row["lowest_loss"]),
+                                str(row["validations"]), ", ".join(f"{loss:.4f}" for loss in row["lowest_loss"]),
                                 f"{statistics.fmean(row['lowest_loss']):.4f}"]))
     return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
 

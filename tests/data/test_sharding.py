@@ -275,3 +275,16 @@ def test_shard_reader_shows_each_tasks_progress_over_its_files(dataset, capsys):
         assert f"shard assign task {rank}" in err and f"{done}/{done}" in err
     quiet = PreparedShardsReader(paths, stage="assign")
     assert len(list(quiet.run(rank=0, world_size=2))) > 0 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("keep", [0, 3])
+def test_keeping_no_experts_or_more_than_the_sharding_has_names_the_setting(keep, tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        ShardConfig(num_experts=2, keep_experts=keep, output_dir=str(tmp_path / "out")).validate()
+    assert "shard.keep_experts" in str(refused.value)
+
+
+def test_keeping_every_expert_is_the_sharding_without_the_setting():
+    manifest = {"fingerprint": "f", "train": {"shards": []}, "expert_val": {"shards": []}}
+    assert ShardConfig(num_experts=2, keep_experts=2).fingerprint(manifest) == ShardConfig(num_experts=2).fingerprint(
+        manifest) != ShardConfig(num_experts=2, keep_experts=1).fingerprint(manifest)

@@ -168,30 +168,43 @@ def test_frozen_shared_head_is_one_frozen_copy_of_the_seed_head(tmp_path):
     assert not torch.equal(random_head.model.head, module.model.head)
 
 
-def test_experts_kept_from_a_wider_sharding_train_as_they_do_in_the_wider_run(sharded, corpus_dir, tmp_path):
-    """Fig. 4's N = 4 is experts 0-3 of the N = 8 run (App. J): with `shard.keep_experts` an N = 2 fit
-    on experts 0-1 of a 3-way sharding ends with the weights those experts have in the N = 3 run."""
-    root, dataset, _ = sharded
-    every = shard(ShardConfig(prepared=dataset.output_dir, num_experts=3, output_dir=str(tmp_path / "n3"),
-                              shard_max_bytes=40000), progress=False)
-    kept = shard(ShardConfig(prepared=dataset.output_dir, num_experts=3, keep_experts=2,
-                             output_dir=str(tmp_path / "kept"), shard_max_bytes=40000), progress=False)
+@pytest.fixture(scope="module")
+def wide_and_kept(sharded, tmp_path_factory):
+    """A 3-way sharding of the tiny corpus, and its first 2 experts kept."""
+    _, dataset, _ = sharded
+    root = tmp_path_factory.mktemp("kept")
+    return tuple(shard(ShardConfig(prepared=dataset.output_dir, num_experts=3, keep_experts=keep,
+                                   output_dir=str(root / name), shard_max_bytes=40000), progress=False)
+                 for name, keep in (("n3", None), ("kept", 2)))
+
+
+def test_a_kept_sharding_holds_the_first_experts_and_their_centroids(wide_and_kept):
+    every, kept = wide_and_kept
     wide, narrow = read_experts_manifest(every), read_experts_manifest(kept)
     assert narrow["num_experts"] == 2 and narrow["experts"] == wide["experts"][:2]
+    assert narrow["expert_sizes"] == wide["expert_sizes"][:2] and narrow["contingency"] == wide["contingency"][:2]
+    assert narrow["sequences"] == narrow["train"]["sequences"] + narrow["expert_val"]["sequences"] < wide["sequences"]
+    assert narrow["kept_from"] == {"num_experts": 3, "sequences": wide["sequences"]} and "kept_from" not in wide
     assert torch.equal(Router.load(kept / "router.pt").centroids, Router.load(every / "router.pt").centroids[:2])
+
+
+@pytest.mark.parametrize("head", ["decoder_only", "frozen_shared"])
+def test_experts_kept_from_a_wider_sharding_train_as_they_do_in_the_wider_run(head, sharded, wide_and_kept,
+                                                                              corpus_dir, tmp_path):
+    """Fig. 4's N = 4 is experts 0-3 of the N = 8 run (App. J): an N = 2 fit on experts 0-1 kept from
+    a 3-way sharding ends with the weights those experts have in the N = 3 run, from the same seed."""
+    root = sharded[0]
     seed = _seed_checkpoint(tmp_path / "seed.ckpt", width=8)
-    start = ["--model.init_args.init=seed", f"--model.init_args.seed_checkpoint={seed}"]
-    for folder, experts in ((every, 3), (kept, 2)):
-        make_cli(["fit", *soma_args(corpus_dir, root, folder, f"fit-{experts}", *start,
+    start = ["--model.init_args.init=seed", f"--model.init_args.seed_checkpoint={seed}",
+             f"--model.init_args.head_training={head}"]
+    for folder, experts in zip(wide_and_kept, (3, 2), strict=True):
+        make_cli(["fit", *soma_args(corpus_dir, tmp_path, folder, f"fit-{experts}", *start,
+                                    f"--data.init_args.dataset.output_dir={root / 'data'}",
                                     f"--model.init_args.num_experts={experts}")])
-    weights = [torch.load(root / f"fit-{n}" / "checkpoints" / "last.ckpt",
-                          weights_only=False)["state_dict"] for n in (3, 2)]
-    for name, value in weights[1].items():
+    wide, narrow = (torch.load(tmp_path / f"fit-{n}" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+                    for n in (3, 2))
+    for name, value in narrow.items():
         if name.startswith("model."):
-            torch.testing.assert_close(value, weights[0][name][:2], rtol=0, atol=0, msg=name)
-    assert not torch.equal(weights[1]["model.w_hh"], weights[0]["model.w_hh"][1:]), "the experts trained apart"
-
-
-def test_keeping_more_experts_than_the_sharding_has_names_the_setting(tmp_path):
-    with pytest.raises(ConfigError, match="shard.keep_experts"):
-        ShardConfig(num_experts=2, keep_experts=3, output_dir=str(tmp_path / "out")).validate()
+            shared = value.shape == wide[name].shape  # the frozen shared head: one for every expert
+            torch.testing.assert_close(value, wide[name] if shared else wide[name][:2], rtol=0, atol=0, msg=name)
+    assert not torch.equal(narrow["model.w_hh"], wide["model.w_hh"][1:]), "the experts trained apart"

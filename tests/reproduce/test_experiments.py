@@ -74,6 +74,14 @@ def test_a_wrong_key_is_refused_naming_it(tmp_path, edit, named):
     assert named in str(refused.value) and str(path) in str(refused.value)
 
 
+def test_a_partner_that_is_no_experiment_is_refused_naming_it(tmp_path):
+    path = tmp_path / "fig6.yaml"
+    path.write_text((FOLDER / "fig6.yaml").read_text().replace("losses: fig14", "losses: fig41"))
+    with pytest.raises(ConfigError) as refused:
+        load_experiment("fig6", tmp_path)
+    assert "losses" in str(refused.value) and "fig41" in str(refused.value) and str(path) in str(refused.value)
+
+
 def test_a_file_naming_a_missing_function_is_refused_naming_it(tmp_path):
     (tmp_path / "table4.yaml").write_text((FOLDER / "table4.yaml").read_text().replace(
         "module: soma_pl.reproduce.methods", "module: soma_pl.reproduce.tables"))

@@ -118,43 +118,55 @@ def test_table12_compares_the_largest_ensemble_with_each_smaller_one_round_by_ro
     assert against_1["mean"] == pytest.approx(22 / 3 - 1)
 
 
-def _fig14_result(folder: Path, sizes: dict[int, int], lowest: dict[int, list[float]]) -> None:
-    rows = [{"run": f"n{n}", "experts": n, "parameters": size} for n, size in sizes.items()]
+def _fig14_result(folder: Path, rows: list[dict], lowest: dict[int, list[float]]) -> None:
+    """A saved Fig. 14 result holding a run of each bench row's shape, and a longer N = 8 run."""
+    runs = [{"run": f"n{row['experts']}", "experts": row["experts"], "parameters": row["parameters"],
+             "top_k": row["top_k"]} for row in rows]
     curves = {f"n{n}": [{"experts": n, "loss": [3.0, low, low + 0.1]} for low in lows] for n, lows in lowest.items()}
+    runs.append({**runs[-1], "run": "n8_long"})
     curves["n8_long"] = [{"experts": 8, "loss": [1.0]}]  # twice the budget: not one of the paired runs
     (folder / "fig14").mkdir()
-    (folder / "fig14" / "result.json").write_text(json.dumps({"rows": rows, "curves": curves, "wall_seconds": 1.0}))
+    (folder / "fig14" / "result.json").write_text(json.dumps({"rows": runs, "curves": curves}))
+
+
+def _fig6_bench(folder: Path, rows: list[dict]) -> Path:
+    folder.mkdir()
+    (folder / "inference.json").write_text(json.dumps({"machine": {}, "load_average_after": [1, 1, 1], "settings": {
+        "repeats": 7, "rounds": 3, "threads": 1}, "results": rows}))
+    return folder
 
 
 def test_fig6_pairs_each_ensembles_throughput_with_its_runs_lowest_loss(tmp_path):
-    folder = tmp_path / "fig6"
-    folder.mkdir()
     rows = [_bench_row(1, [3000.0, 3300.0, 3000.0], 1), _bench_row(2, [1000.0, 3000.0, 1500.0], 2),
             _bench_row(8, [2000.0, 1000.0, 1000.0], 4)]
-    (folder / "inference.json").write_text(json.dumps({"machine": {}, "load_average_after": [1, 1, 1], "settings": {
-        "repeats": 7, "rounds": 3, "threads": 1}, "results": rows}))
-    _fig14_result(tmp_path, {n: row["parameters"] for n, row in zip((1, 2, 8), rows, strict=True)},
-                  {1: [2.6, 2.7, 2.8], 2: [2.5, 2.4, 2.6], 8: [2.9, 2.9, 3.0]})
+    folder = _fig6_bench(tmp_path / "fig6", rows)
+    _fig14_result(tmp_path, rows, {1: [2.6, 2.7, 2.8], 2: [2.5, 2.4, 2.6], 8: [2.9, 2.9, 3.0]})
     result = load_experiment("fig6").result(folder)
     assert [row["lowest_loss"] for row in result["rows"]] == [[2.6, 2.7, 2.8], [2.5, 2.4, 2.6], [2.9, 2.9, 3.0]]
+    assert [row["run"] for row in result["rows"]] == ["n1", "n2", "n8"] and result["rows"][0]["validations"] == 3
     one_two, two_eight = result["checks"]
     # rounds 3, 1.1, 2 (mean 2.0333) over 1: +1.0333; 0.5, 3, 1.5 (mean 5/3) over 1: +0.6667
     assert one_two["mean"] == pytest.approx(61 / 30 - 1) and two_eight["mean"] == pytest.approx(5 / 3 - 1)
+    # the paper's pairs from Table 12: 555k / 468k and 468k / 257k
     assert "N = 1 serves more tokens/s than N = 2 top-2" in one_two["claim"] and "(the paper: 1.19×)" in one_two[
         "claim"]
     assert "N = 2 serves more tokens/s than N = 8 top-4" in two_eight["claim"] and "1.82×" in two_eight["claim"]
     assert all(check["over"] == "timing rounds" for check in result["checks"])
 
 
-def test_fig6_refuses_a_throughput_of_another_size_than_the_runs(tmp_path):
-    folder = tmp_path / "fig6"
-    folder.mkdir()
-    (folder / "inference.json").write_text(json.dumps({"machine": {}, "load_average_after": [1], "settings": {},
-                                                       "results": [_bench_row(1, [3000.0], 1)]}))
-    _fig14_result(tmp_path, {1: _bench_row(1, [1.0], 1)["parameters"] + 1}, {1: [2.6]})
+def test_fig6_refuses_a_throughput_of_another_shape_than_the_runs(tmp_path):
+    folder = _fig6_bench(tmp_path / "fig6", [_bench_row(1, [3000.0], 1)])
+    _fig14_result(tmp_path, [{**_bench_row(1, [1.0], 1), "parameters": 8_400_001}], {1: [2.6]})
     with pytest.raises(SomaError) as refused:
         load_experiment("fig6").result(folder)
     assert str(folder / "inference.json") in str(refused.value) and "N = 1" in str(refused.value)
+
+
+def test_fig6_without_fig14s_result_names_the_command_that_makes_it(tmp_path):
+    folder = _fig6_bench(tmp_path / "fig6", [_bench_row(1, [3000.0], 1)])
+    with pytest.raises(SomaError) as refused:
+        load_experiment("fig6").result(folder)
+    assert str(tmp_path / "fig14" / "result.json") in str(refused.value) and "reproduce fig14" in str(refused.value)
 
 
 def test_a_failing_command_stops_the_experiment_with_its_log_named(tmp_path, monkeypatch):

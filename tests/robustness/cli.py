@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,3 +57,9 @@ def tiny_dataset(folder: Path) -> tuple[Path, Path]:
                           val_documents=2, val_windows=4, test_windows=4, shard_max_bytes=40000,
                           expert_val_fraction=0.05), progress=False)
     return corpus, data
+
+
+def dead_pid() -> int:
+    """The process id of a process that has exited (and been reaped)."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)

@@ -37,7 +37,7 @@ from soma_pl.io import TEMPORARY, write_atomic
 from soma_pl.models.checkpoints import load_checkpoint
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args
-from tests.robustness.cli import tiny_dataset
+from tests.robustness.cli import dead_pid, tiny_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,8 +84,7 @@ def test_save_on_a_full_disk_is_one_line_naming_the_folder(tmp_path, monkeypatch
 
 def test_temporaries_of_dead_processes_are_removed_by_the_next_save(tmp_path):
     host = socket.gethostname()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".last.ckpt.tmp-{host}-{int(dead.stdout)}"
+    stale = tmp_path / f".last.ckpt.tmp-{host}-{dead_pid()}"
     live = tmp_path / f".last.ckpt.tmp-{host}-{os.getppid()}"
     elsewhere = tmp_path / ".last.ckpt.tmp-another-machine-1"
     for path in (stale, live, elsewhere):

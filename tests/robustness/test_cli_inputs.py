@@ -29,7 +29,7 @@ from soma_pl.errors import DataError
 from soma_pl.lightning_cli import make_cli
 from soma_pl.trainer_checks import resume_point
 from tests.lit.conftest import fit_args
-from tests.robustness.cli import cli, one_error
+from tests.robustness.cli import cli, dead_pid, one_error
 from tests.sweeps.conftest import write_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,8 +114,7 @@ def test_last_removes_what_a_killed_writer_left_even_when_nothing_more_is_traine
     folder = tmp_path / "checkpoints"
     shutil.copytree(four_steps / "checkpoints", folder)
     (folder / "last.ckpt").unlink()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = folder / f".last.ckpt.tmp-{socket.gethostname()}-{int(dead.stdout)}"
+    stale = folder / f".last.ckpt.tmp-{socket.gethostname()}-{dead_pid()}"
     stale.write_bytes(b"partial")
     with pytest.warns(UserWarning, match="epoch=0-step=4.ckpt"):
         assert resume_point(folder) == folder / "last.ckpt"

@@ -10,10 +10,11 @@ from soma_pl.data.sharding.config import ShardConfig
 SHARD_SUMMARY = ("num_experts", "sequences", "train", "expert_val", "kmeans_sample", "vocabulary", "shard_sizes",
                  "contingency", "purity", "router_agreement", "tasks", "shard_seconds")
 """`experts.json` entries that `shard` prints as they are: `sequences` is every 1,024-byte sequence
-cut, `train` and `expert_val` its two parts (sequences and bytes); `shard_sizes` counts each expert's
+written (those of the kept experts under `keep_experts`; `kept_from` then gives N and every sequence
+cut), `train` and `expert_val` its two parts (sequences and bytes); `shard_sizes` counts each expert's
 sequences; `contingency` and `purity` are over training sequences by the source of their first byte;
-`router_agreement` is the share of sequences whose nearest centroid is their expert, reading the
-whole sequence and reading its first 256 bytes (what evaluation routes on)."""
+`router_agreement` is the share of sequences whose nearest centroid of the saved router is their
+expert, reading the whole sequence and reading its first 256 bytes (what evaluation routes on)."""
 
 
 def shard_dataset(shard: ShardConfig = ShardConfig(), progress: bool = True) -> None:

@@ -39,10 +39,11 @@ class ShardConfig:
         recipe: a data config (`configs/data/<name>.yaml`) that builds `prepared` first when it is
             missing or was built from another corpus or config. None: `prepared` must exist.
         num_experts: N, the number of experts (and of clusters).
-        keep_experts: k: write only experts 0..k-1 of the N-way sharding, with their router
-            centroids (None: all N). An N = k fit on the folder from the same seed model trains
-            exactly those experts of an N-way SOMA run, since SOMA's experts exchange nothing: the
-            paper forms Fig. 4's N = 4 from experts 0-3 of its N = 8 run (App. J).
+        keep_experts: write only the first `keep_experts` experts of the N-way sharding, with their
+            router centroids (None: all N). A fit of that many experts on the folder, from the same
+            seed model, does the computation those experts of an N-way SOMA run do, since SOMA's
+            experts exchange nothing (bit for bit on a CPU in one process): the paper forms Fig. 4's
+            N = 4 from experts 0-3 of its N = 8 run (App. J).
         output_dir: the sharded dataset folder (what `ByteDataModule(experts_dir=...)` reads).
         sharding: `semantic` (the paper's router) or `random` (seeded deal, the Fig. 9 ablation).
         seed: seeds the sequence keys (sample and held-out shares), the SVD and k-means.
@@ -74,6 +75,11 @@ class ShardConfig:
     svd_dim: int = 128
     shard_max_bytes: int = 64_000_000
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+
+    @property
+    def kept_experts(self) -> int:
+        """The experts written: `keep_experts`, or all N."""
+        return self.keep_experts or self.num_experts
 
     def validate(self) -> None:
         """Raises ConfigError naming the first setting that cannot work."""
@@ -110,7 +116,7 @@ class ShardConfig:
         settings = asdict(self)
         for key in ("output_dir", "prepared", "recipe", "executor"):
             settings.pop(key)
-        if self.keep_experts is None:  # every expert kept: the same folder as a sharding without the setting
+        if self.kept_experts == self.num_experts:  # every expert kept: the folder a sharding without the setting makes
             settings.pop("keep_experts")
         identity = {"settings": settings, "dataset": manifest.get("fingerprint"),
                     "shards": {split: [s["sha256"] for s in manifest[split]["shards"]]

@@ -1,10 +1,11 @@
-"""`shard`: cut a prepared dataset into 1,024-byte sequences, fit the router, and write N expert shard sets.
+"""`shard`: cut a prepared dataset into 1,024-byte sequences, fit the router, and write N expert shard sets
+(the first `keep_experts` of them where that is set).
 
 ```
 <output_dir>/
   expert-000/train-<task>-000000.tar ... val-<task>-000000.tar   expert 0's sequences (train / expert validation)
   ...
-  router.pt                                        tf–idf vocabulary and idf, SVD, mean, N unit centroids
+  router.pt                                        tf–idf vocabulary and idf, SVD, mean, a unit centroid per expert
   experts.json                                     written last: shard records, sizes, contingency, agreement
 ```
 

@@ -208,8 +208,10 @@ class AssignSequences(_Stage):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         config, begun = self.config, time.perf_counter()
         router = Router.load(self.stage / "fit" / ROUTER_FILE)
+        kept = config.kept_experts
+        saved = router if kept == config.num_experts else Router(router.encoder, router.centroids[:kept])
         fitted = self.load("fit", "fit")
-        labels, whole, prefix = [], 0, 0
+        labels, whole, prefix, counted = [], 0, 0, 0
         for file, windows, _ in file_sequences(data):
             keys = sequence_keys(config.seed, file, len(windows))
             for start in range(0, len(windows), BLOCK):
@@ -221,10 +223,14 @@ class AssignSequences(_Stage):
                 sampled = fitted["keys"][at] == block
                 mine = np.where(sampled, fitted["labels"][at], mine)
                 labels.append(mine)
-                whole += int((closest == mine).sum())
-                prefix += int((nearest(router, [t[:ROUTE_BYTES] for t in texts]) == mine).sum())
+                # the saved router's agreement, over the sequences of the experts written
+                held = mine < kept
+                whole += int(((closest if saved is router else nearest(saved, texts)) == mine)[held].sum())
+                prefix += int((nearest(saved, [t[:ROUTE_BYTES] for t in texts]) == mine)[held].sum())
+                counted += int(held.sum())
         labels = _join(labels, np.int64)
-        self.finish("assign", rank, begun, {"whole_agreeing": whole, "prefix_agreeing": prefix}, labels=labels)
+        self.finish("assign", rank, begun, {"whole_agreeing": whole, "prefix_agreeing": prefix, "counted": counted},
+                    labels=labels)
         return
         yield
 
@@ -245,10 +251,10 @@ class WriteExperts(_Stage):
         else:
             thresholds = held_out_thresholds(np.concatenate([labels for _, labels in every]), every_key, experts,
                                              config.expert_val_fraction)
-        labels, names = every[rank][1], self.meta("seq", rank)["sources"]
-        writer = ExpertShardWriter(self.stage, experts, config.shard_max_bytes, task=rank)
-        sizes = [{split: {"sequences": 0, "bytes": 0} for split in ("train", "val")} for _ in range(experts)]
-        contingency = [Counter() for _ in range(experts)]
+        labels, names, kept = every[rank][1], self.meta("seq", rank)["sources"], config.kept_experts
+        writer = ExpertShardWriter(self.stage, kept, config.shard_max_bytes, task=rank)
+        sizes = [{split: {"sequences": 0, "bytes": 0} for split in ("train", "val")} for _ in range(kept)]
+        contingency = [Counter() for _ in range(kept)]
         position = 0
         try:
             for file, windows, sources in file_sequences(data):
@@ -256,7 +262,8 @@ class WriteExperts(_Stage):
                 if position + len(windows) > len(labels):
                     raise DataError("prepared shards changed between the passes of shard")
                 for number, (window, source) in enumerate(zip(windows, sources, strict=True)):
-                    for expert in range(experts) if replicated else (int(labels[position]),):
+                    owner = int(labels[position])
+                    for expert in range(kept) if replicated else (owner,) if owner < kept else ():
                         held = bool(keys[number] <= thresholds[expert])
                         split = "val" if held else "train"
                         writer.write(expert, Document(window.tobytes(), source, f"{file}:{number}"), validation=held)
@@ -287,7 +294,7 @@ class FinishShard(_Stage):
         self.fingerprint, self.manifest, self.started = fingerprint, manifest, started
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        config, experts = self.config, self.config.keep_experts or self.config.num_experts
+        config, experts = self.config, self.config.kept_experts
         output = Path(config.output_dir).expanduser()
         if experts_fingerprint(output) == self.fingerprint:
             return  # finished before a kill stopped the task from marking itself complete
@@ -303,8 +310,11 @@ class FinishShard(_Stage):
                    for e in range(experts)]
         totals = {entry: {key: sum(s[split][key] for s in sizes) for key in ("sequences", "bytes")}
                   for entry, split in (("train", "train"), ("expert_val", "val"))}
-        sequences = sum(len(self.load("seq", task)["keys"]) for task in range(self.tasks))  # each counted once
+        every = sum(len(self.load("seq", task)["keys"]) for task in range(self.tasks))  # each counted once
         members = [s["train"]["sequences"] + s["val"]["sequences"] for s in sizes]
+        # the sequences written, each counted once (every expert holds every one under global_iid)
+        sequences = every if Sharding(config.sharding) is Sharding.global_iid else sum(members)
+        counted = sum(a["counted"] for a in assigned)  # the kept experts' sequences, the router's agreement over
         fitted_router = Router.load(self.stage / "fit" / ROUTER_FILE)
         router = Router(fitted_router.encoder, fitted_router.centroids[:experts], self.fingerprint)
         with atomic_folder(output, KIND, "shard.output_dir", config.inputs()) as work:
@@ -326,8 +336,8 @@ class FinishShard(_Stage):
                 "purity": round(sum(max(c.values(), default=0) for c in contingency)
                                 / max(totals["train"]["sequences"], 1), 4),
                 "router_agreement": {
-                    "whole_sequence": round(sum(a["whole_agreeing"] for a in assigned) / max(sequences, 1), 4),
-                    "first_256_bytes": round(sum(a["prefix_agreeing"] for a in assigned) / max(sequences, 1), 4)},
+                    "whole_sequence": round(sum(a["whole_agreeing"] for a in assigned) / max(counted, 1), 4),
+                    "first_256_bytes": round(sum(a["prefix_agreeing"] for a in assigned) / max(counted, 1), 4)},
                 "tasks": self.tasks,
                 "peak_rss_mib": {stage: [m["peak_rss_mib"] for m in metas]
                                  for stage, metas in (("sequences", cut), ("assign", assigned), ("write", parts))}
@@ -337,6 +347,8 @@ class FinishShard(_Stage):
                                 | {"fit": fitted["seconds"]},
                 "shard_seconds": round(time.time() - self.started, 3),
                 "num_experts": experts,
+                **({"kept_from": {"num_experts": config.num_experts, "sequences": every}}
+                   if experts < config.num_experts else {}),
                 "experts": [{"train": e["train"], "val": e["val"]} for e in records],
             })
         return
