@@ -29,6 +29,9 @@ from soma_pl.errors import ConfigError, DataError
 
 from .corpora import write_jsonl_corpus
 
+pytestmark = pytest.mark.worker_pool  # the stages' worker pool itself, as prepare runs it
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

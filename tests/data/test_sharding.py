@@ -183,6 +183,7 @@ def _placement(folder: Path) -> dict[str, tuple[int, str]]:
             for split in ("train", "val") for d in e[split]}
 
 
+@pytest.mark.worker_pool
 @pytest.mark.parametrize("sample", [10_000, 50])
 def test_one_and_two_tasks_give_the_same_experts_splits_and_router(tmp_path, sample):
     """Any task count places every sequence in the same expert and split and fits the same router,
