@@ -314,7 +314,7 @@ class FinishShard(_Stage):
         members = [s["train"]["sequences"] + s["val"]["sequences"] for s in sizes]
         # the sequences written, each counted once (every expert holds every one under global_iid)
         sequences = every if Sharding(config.sharding) is Sharding.global_iid else sum(members)
-        counted = sum(a["counted"] for a in assigned)  # the kept experts' sequences, the router's agreement over
+        counted = sum(a["counted"] for a in assigned)  # the kept experts' sequences: what the agreement is over
         fitted_router = Router.load(self.stage / "fit" / ROUTER_FILE)
         router = Router(fitted_router.encoder, fitted_router.centroids[:experts], self.fingerprint)
         with atomic_folder(output, KIND, "shard.output_dir", config.inputs()) as work:
