@@ -1,6 +1,7 @@
 """The main job runs at the setting its learning rates were selected at (issue 24, item 2): each side's
-trial composes to the selection's trial of that side at the main job's learning rate, its length and
-the updates at which a decay is decided included; the selection's grid reaches beyond it."""
+trial composes to the selection's trial of that side at the main job's learning rate, its budget of
+update time and the updates at which a decay is decided included; the selection's grid reaches
+beyond it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_the_main_job_trains_each_side_as_its_selection_trial_did(label, monkeyp
     lr = overrides[LR]
     selected = resolve(*trial_overrides(selection, {"N": label, "lr": lr}))
     assert resolve(layers, overrides) == selected
+    assert main_job.budget == selection.budget and main_job.calibrate == selection.calibrate
     assert decay_checks(selected) != []
     choices = next(f for f in selection.factors if f.name == "lr").choices
     assert min(choices) < lr < max(choices)  # a step either side of the selected rate was tried

@@ -362,8 +362,8 @@ def demo(dry_run: bool = False, workers: int | None = None, results: str = "resu
     """The main job: monolithic SPSA against SOMA at equal compute, a table and a figure.
 
     `reproduce main_job` (`experiments/main_job.yaml`): both sides from their seeds at the learning rates
-    seed 0 of the demo's Table 6 selection chose, three seeds, tested at equal multiply-adds and compared at equal
-    update time (each side's calibrated alone); the result goes to `results/main_job/`.
+    seed 0 of the demo's Table 6 selection chose, three seeds, each at the selection's budget of update time (each
+    side's calibrated alone), tested; the result goes to `results/main_job/`.
 
     Args:
         dry_run: list the trials, which are done, and what the rest costs; run nothing.

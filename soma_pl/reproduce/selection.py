@@ -1,15 +1,15 @@
 """Tables 6 → 7: each seed's learning rate selected on ensemble validation for monolithic SPSA and
-SOMA N = 2, the selected runs tested (on the test split, and once on the final test split), and the
-same selections compared on their validation curves at equal update time (calibrated alone). The
-main job (`demo`) is the same comparison at one learning rate per side, the selection's, with each
-side's validation curves drawn against updates and update time."""
+SOMA N = 2, every trial at one budget of update time (calibrated alone), the selected runs tested
+(on the test split, and once on the final test split). The main job (`demo`) is the same comparison
+at one learning rate per side, the selection's, with each side's validation curves drawn against
+updates and update time."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from soma_pl.analysis.time_basis import update_curve
-from soma_pl.eval.bootstrap import Interval, paired_document_interval
+from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import (
     checks_table,
@@ -35,8 +35,7 @@ def _selected_scores(per_seed: list[dict], folders: dict[int, dict[int, str]], l
 
 def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Table 7 beside the paper: per seed, the selected runs' test losses and SPSA − SOMA, on the test
-    split and on the final split, and the ensemble-validation difference at equal update time;
-    one check of the paper's claim on each."""
+    split and on the final split; one check of the paper's claim on each."""
     t7 = report["table7"]
     base, other = str(t7["baseline"]), next(str(c) for c in t7["column_labels"] if str(c) != str(t7["baseline"]))
     per_seed = t7["per_seed"]
@@ -63,21 +62,6 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
                             (("spsa", [a["loss"] for a in spsa]), ("soma", [b["loss"] for b in soma]),
                              ("difference", differences))}}
         checks.append(experiment.claims[split].check(differences, paired_document_interval(spsa, soma)))
-    timed = t7.get("equal_time")
-    if timed and "unavailable" not in timed:
-        differences = [row["difference"][other] for row in timed["per_seed"]]
-        blocks["equal_time"] = {"label": "ensemble validation at equal update time",
-                                "per_seed": [{"seed": row["seed"], "budget_seconds": row["budget_seconds"],
-                                              "total_seconds": row["total_seconds"], "spsa": row["val"][base],
-                                              "soma": row["val"][other], "difference": row["difference"][other]}
-                                             for row in timed["per_seed"]],
-                                "difference": mean_sd(differences)}
-        document = (timed.get("document") or {}).get(other)
-        checks.append(experiment.claims["equal_time"].check(differences,
-                                                            None if document is None else Interval(**document)))
-    elif timed:
-        blocks["equal_time"] = {"label": "ensemble validation at equal update time",
-                                "unavailable": timed["unavailable"]}
     return {"labels": {"spsa": base, "soma": other}, "rows": rows, "summary": summary, "table6": report["table6"],
             "blocks": blocks,
             "checks": checks, "trials": report["trials"], "failed": report["failed"],
@@ -114,19 +98,8 @@ def table7_markdown(result: dict, intro: str = TABLE7_INTRO, table6: bool = True
                   "nats/byte), from which each seed's setting above was selected. The paper's Table 6 entries are not "
                   "in the text this reproduction was built from, so none stand beside them.", "",
                   *table6_lines(result["table6"])]
-    for key, block in result["blocks"].items():
+    for block in result["blocks"].values():
         lines += ["", f"## {block['label']}", ""]
-        if "unavailable" in block:
-            lines.append(f"Not compared: {block['unavailable']}.")
-            continue
-        if key == "equal_time":
-            lines += table_head(["Optimization seed", "T (s)", "SPSA", "SOMA N = 2", "Difference"])
-            for entry in block["per_seed"]:
-                lines.append(table_row([str(entry["seed"]), f"{entry['budget_seconds']:.0f}", number(entry["spsa"]),
-                                   number(entry["soma"]), number(entry["difference"])]))
-            lines.append(table_row(["Mean ± sd", "", "", "", f"{number(block['difference']['mean'])} ± "
-                                                        f"{number(block['difference']['sd'])}"]))
-            continue
         lines += table_head(["Optimization seed", "SPSA (95% documents)", "SOMA N = 2 (95% documents)", "Difference"])
         for entry in block["per_seed"]:
             lines.append(table_row([str(entry["seed"]),
@@ -146,7 +119,7 @@ def table7_figure(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    blocks = [(key, block) for key, block in result["blocks"].items() if "per_seed" in block]
+    blocks = list(result["blocks"].items())
     fig, axis = plt.subplots(figsize=(7.5, 3.8))
     paper = result["paper_summary"]
     axis.axhspan(paper["mean"]["difference"] - paper["sd"]["difference"],
@@ -156,13 +129,13 @@ def table7_figure(result: dict, path: Path) -> Path:
     for x, (key, block) in enumerate(blocks):
         values = [entry["difference"] for entry in block["per_seed"]]
         axis.scatter([x] * len(values), values, color="tab:blue", zorder=3, label="ours, per seed" if x == 0 else None)
-        check = next((c for c in result["checks"] if c["split"] == ("val" if key == "equal_time" else key)), None)
+        check = next((c for c in result["checks"] if c["split"] == key), None)
         if check and check["seed_interval"]:
             low, high = check["seed_interval"]
             axis.errorbar([x + 0.12], [check["mean"]], yerr=[[check["mean"] - low], [high - check["mean"]]],
                           fmt="o", color="tab:red", capsize=4, label="ours, mean (95% over seeds)" if x == 0 else None)
     axis.set_xticks(range(len(blocks)), [block["label"].replace(" (used once)", "\n(used once)")
-                                         .replace(" at equal", "\nat equal") for _, block in blocks], fontsize=8)
+                                         for _, block in blocks], fontsize=8)
     axis.set_ylabel("SPSA − SOMA (nats/byte)")
     axis.set_title(f"{result['experiment']} at {result['scale']} scale")
     axis.legend(fontsize=7, loc="best")
