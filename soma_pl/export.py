@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 from soma_pl.errors import ConfigError
-from soma_pl.io import atomic_folder, check_output, folder_lock, write_atomic
+from soma_pl.io import atomic_folder, check_output, write_atomic
+from soma_pl.locks import folder_lock
 from soma_pl.models.checkpoints import load_checkpoint, trained_on
 from soma_pl.models.export import CARD_FILE, WEIGHTS_FILE, save_exported
 from soma_pl.models.stacked import StackedExperts

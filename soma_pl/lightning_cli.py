@@ -63,8 +63,8 @@ from soma_pl.data.preparation.config import PrepareConfig, recipe_config
 from soma_pl.data.training.datamodule import ByteDataModule
 from soma_pl.distributed import launching_process
 from soma_pl.errors import ConfigError, DataError, Interrupted, SomaError
-from soma_pl.io import folder_lock
 from soma_pl.lit.base import ByteLMModule
+from soma_pl.locks import folder_lock
 from soma_pl.trainer import Trainer
 from soma_pl.trainer_checks import (
     RUN_SETTINGS_KEY,
@@ -317,7 +317,7 @@ class SomaCLI(LightningCLI):
         (one folder per run, across resumed sessions, where `--ckpt_path` finds `last.ckpt`); trainer
         settings and folders that cannot work are refused; a resumed `fit` continues its loggers'
         run; a `WandbLogger` named in the config takes the `wandb:` section's settings it leaves unset.
-        A `fit` holds its run folder (`soma_pl.io.folder_lock`), and its checkpoint folder where that
+        A `fit` holds its run folder (`soma_pl.locks.folder_lock`), and its checkpoint folder where that
         lies outside it: a second `fit` into either at once is refused. A multi-process run is one
         writer: its launching process holds the folders."""
         torch.set_float32_matmul_precision(self._get(self.config, "float32_matmul_precision", default="highest"))

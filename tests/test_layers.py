@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "soma_pl"
 LAYERS = {
     "soma_pl": 0, "errors": 0,
     "io": 1, "contracts": 1, "distributed": 1, "config_files": 1, "allocator": 1,
-    "estimators": 2, "models": 2,
+    "estimators": 2, "models": 2, "locks": 2,
     "eval": 3, "data": 3,
     "lit": 4, "callbacks": 4, "trainer_checks": 4, "trainer": 4,
     "lightning_cli": 5, "analysis": 5, "bench": 5,

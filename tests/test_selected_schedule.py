@@ -50,3 +50,19 @@ def test_both_sides_train_on_the_context_they_are_scored_on(monkeypatch):
     for label in (1, 2):
         config = resolve(*trial_overrides(spec, {"N": label}))
         assert config["model"]["init_args"]["train_context"] == WINDOW_BYTES - 1
+
+
+def test_the_main_job_runs_at_the_rates_the_committed_table7_selected_for_seed_0(monkeypatch):
+    """The main job's rates are the ones `reproduce table7` (results/table7) selected for seed 0, on the
+    protocol the experiment describes today."""
+    import json
+
+    from soma_pl.reproduce.experiments import load_experiment
+
+    monkeypatch.chdir(ROOT)
+    result = json.loads((ROOT / "results" / "table7" / "result.json").read_text())
+    assert result["sweep"] == str(SELECTION.relative_to(ROOT)) and result["basis"] == load_experiment("table7").basis
+    selected = next(row["selected"] for row in result["rows"] if row["seed"] == 0)
+    main_job = load_sweep(MAIN_JOB)
+    for label in (1, 2):
+        assert trial_overrides(main_job, {"N": label})[1][LR] == selected[str(label)]["lr"]

@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 from soma_pl.analysis.time_basis import accountings, calibration, measured_over_calibrated
 from soma_pl.errors import ConfigError, SomaError
-from soma_pl.io import die_with_parent, write_atomic, write_json_atomic
+from soma_pl.io import write_atomic, write_json_atomic
+from soma_pl.locks import die_with_parent
 from soma_pl.reproduce.experiments import REPOSITORY, Experiment, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import family
 from soma_pl.sweeps.calibration import (

@@ -205,7 +205,7 @@ def test_a_second_fit_into_a_checkpoint_folder_being_written_is_refused(capsys, 
 def _killed_holder(lock: str, folder: Path) -> None:
     """Run `with <lock>(folder, ...)` in a process, and kill it with SIGKILL while it holds the lock."""
     child = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path\n"
-                              f"from soma_pl.io import {lock}\n"
+                              f"from soma_pl.locks import {lock}\n"
                               f"with {lock}(Path(sys.argv[1]), 'dataset.output_dir'):\n"
                               "    print('held', flush=True); sys.stdin.read()", str(folder)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -226,7 +226,7 @@ def test_a_killed_build_leaves_no_output_folder_and_a_lock_that_blocks_nobody(ca
 
 
 def test_a_killed_writers_lock_in_its_folder_blocks_nobody(tmp_path):
-    from soma_pl.io import folder_lock
+    from soma_pl.locks import folder_lock
 
     run = tmp_path / "run"
     _killed_holder("folder_lock", run)
@@ -237,7 +237,7 @@ def test_a_killed_writers_lock_in_its_folder_blocks_nobody(tmp_path):
 
 
 def test_a_build_waits_for_its_turn_without_making_its_folder(tmp_path):
-    from soma_pl.io import build_lock
+    from soma_pl.locks import build_lock
 
     folder = tmp_path / "data"
     with held(beside(folder)) as holder:
@@ -264,7 +264,7 @@ def test_only_the_launching_process_of_a_run_holds_its_folder(monkeypatch, envir
 
 def test_a_folder_this_command_already_holds_is_refused_not_waited_for(tmp_path):
     from soma_pl.errors import ConfigError
-    from soma_pl.io import build_lock, folder_lock
+    from soma_pl.locks import build_lock, folder_lock
 
     with folder_lock(tmp_path / "run", "--trainer.default_root_dir"):
         with pytest.raises(ConfigError, match="dataset.output_dir"):

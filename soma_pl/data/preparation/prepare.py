@@ -29,7 +29,7 @@ The manifest records a hash of the config and of the corpus's identity: an ident
 no-op, a changed one rebuilds. The last stage checks that the corpus files are still those (paths,
 sizes, mtimes) seen at the start. Only a folder soma_pl wrote as a prepared dataset is replaced
 (`soma_pl.io.atomic_folder`). Processes preparing one folder at once (`prepare` commands, the fits of
-a sweep's first trials preparing a missing dataset) take turns (`soma_pl.io.build_lock`): the first
+a sweep's first trials preparing a missing dataset) take turns (`soma_pl.locks.build_lock`): the first
 builds, the others then find it up to date, or are refused with one line when it is another build.
 """
 
@@ -57,7 +57,8 @@ from soma_pl.data.preparation.steps import (
 from soma_pl.data.runner.pipeline import chain, corpus_reader, write_paths_file
 from soma_pl.data.runner.staging import check_unchanged, remove_staging, run_build
 from soma_pl.errors import ConfigError
-from soma_pl.io import build_lock, check_output, read_marker, tag_marker
+from soma_pl.io import check_output, read_marker, tag_marker
+from soma_pl.locks import build_lock
 
 
 def prepare(config: PrepareConfig, progress: bool = True, recipe: tuple[str, str] | None = None) -> Path:

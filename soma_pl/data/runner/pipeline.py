@@ -34,7 +34,7 @@ from soma_pl.data.corpus.documents import Document
 from soma_pl.data.corpus.readers import CorpusConfig, CorpusKind, corpus_changed, corpus_files, iter_file
 from soma_pl.data.runner.executor import ExecutorConfig, ExecutorKind, import_ray
 from soma_pl.errors import ConfigError, SomaError
-from soma_pl.io import die_with_parent
+from soma_pl.locks import die_with_parent
 
 
 def make_executor(config: ExecutorConfig, pipeline: list[PipelineStep], tasks: int, logging_dir: Path,

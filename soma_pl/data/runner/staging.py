@@ -3,7 +3,7 @@
 A build runs in a staging folder beside its output, named after the build's fingerprint and task
 count: datatrove's completion markers there let a killed run resume where it stopped, and the
 output appears only when the last stage renames the finished folder into place. Builds of one
-folder take turns (`soma_pl.io.build_lock`); `check_unchanged` refuses to replace what another
+folder take turns (`soma_pl.locks.build_lock`); `check_unchanged` refuses to replace what another
 wrote there while one waited.
 """
 
@@ -24,7 +24,7 @@ STAGING_MARKER = ".soma_pl-staging.json"
 
 def check_unchanged(output: Path, setting: str, before: str | None, now: str | None, fingerprint: str) -> None:
     """Refuse to replace what another command built in `output` while this one waited for its turn
-    (`soma_pl.io.build_lock`): `before` and `now` are the fingerprints of the build the folder held
+    (`soma_pl.locks.build_lock`): `before` and `now` are the fingerprints of the build the folder held
     then and holds now (None: none), `fingerprint` this command's, which `now` is not.
 
     Raises:

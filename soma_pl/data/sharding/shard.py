@@ -54,7 +54,8 @@ from soma_pl.data.sharding.steps import (
     WriteExperts,
 )
 from soma_pl.errors import DataError, SomaError
-from soma_pl.io import build_lock, check_output
+from soma_pl.io import check_output
+from soma_pl.locks import build_lock
 
 
 def shard(config: ShardConfig, progress: bool = True) -> Path:
@@ -65,7 +66,7 @@ def shard(config: ShardConfig, progress: bool = True) -> Path:
     Slurm or Ray executor the stages may still be running when this returns (the output then has
     no experts.json yet): run it again once they are done.
 
-    Processes sharding into one folder at once take turns (`soma_pl.io.build_lock`): the first
+    Processes sharding into one folder at once take turns (`soma_pl.locks.build_lock`): the first
     builds, the others then find it up to date.
 
     Raises:
