@@ -139,7 +139,7 @@ RUN = {"experiment": "table7", "scale": "cpu", "title": "t", "basis": "b", "wall
        "load_average": [0.1, 0.2], "trial_minutes": 3.0}
 
 
-def test_a_result_puts_the_paper_beside_ours_and_checks_each_basis(monkeypatch):
+def test_a_result_puts_the_paper_beside_ours_and_checks_each_split(monkeypatch):
     report, folders = _pair_report(monkeypatch)
     result = load_experiment("table7").result(report, folders)
     assert [row["paper"]["difference"] for row in result["rows"]] == [0.0368, 0.0462, 0.0358]  # Table 7
