@@ -141,7 +141,8 @@ def list_trials(experiment: Experiment, scale: str, spec: SweepSpec, storage: st
         cost = (f"{remaining} trials to {elapsed:g} estimated elapsed hours each (the slowest expert's update "
                 f"time): at most {most:,.1f} aggregate device-hours, every expert as slow as the slowest")
     else:
-        cost = f"{remaining} of {len(points) + len(waiting)} trials; all of them: {experiment.cost[scale]}"
+        cost = f"{remaining} of {len(points) + len(waiting)} trials"
+    cost += f"; all of them: {experiment.cost[scale]}"
     measured = _measured_minutes(study) if remaining and not (budget or elapsed) else None
     if measured:
         cost += f"; the study's finished trials took {measured:.1f} min each: about {remaining * measured:.0f} " \
