@@ -1,6 +1,7 @@
 """Table 7's selections compared at equal update time (Table 3's basis).
 
-A sweep's trials run the same number of updates: for the equal-size pair that is equal arithmetic.
+A sweep stopped by updates or multiply-adds (not by a budget of update time, which `sweep report`
+does not compare again) reports its selections at equal update time too, labelled as such.
 Per seed, the selected runs' ensemble-validation curves (`soma_pl.analysis.time_basis.update_curve`:
 updates × each configuration's update time calibrated alone where the sweep calibrates, else the
 time measured beside whatever shared the machine) are interpolated at `T`, the smaller of their

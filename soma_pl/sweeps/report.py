@@ -206,7 +206,9 @@ def build_report(study: optuna.Study, storage: str, final_test: bool = False) ->
     records = collect_records(study, description)
     t7 = table7(records, description)
     folders = run_folders(study)
-    if t7["per_seed"] and all(t7["columns"] and folders.get(trial) for s in t7["per_seed"]
+    # A budget of update time stops every run at the same U·Σₑ t̄ₑ: Table 7's layout is already at equal time.
+    timed_budget = "device_hours" in description.get("budget", {})
+    if t7["per_seed"] and not timed_budget and all(t7["columns"] and folders.get(trial) for s in t7["per_seed"]
                               for trial in s["trial"].values()):
         timed = equal_time_table(t7["per_seed"], folders, t7["baseline"], stats)
         if timed is not None:

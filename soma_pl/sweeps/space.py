@@ -195,7 +195,7 @@ class SweepSpec:
         return {"factors": [f.name for f in self.factors], "ranges": [r.name for r in self.ranges],
                 "seeds": list(self.seeds), "columns": self.report.columns, "baseline": self.report.baseline,
                 "labels": {f.name: list(f.choices) for f in self.factors}, "sweep_file": str(self.path),
-                "overrides": json.loads(json.dumps(self.overrides))}
+                "overrides": json.loads(json.dumps(self.overrides)), "budget": dict(self.budget)}
 
 
 def point_experts(spec: SweepSpec, point: dict[str, Label]) -> int:

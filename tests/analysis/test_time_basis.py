@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import optuna
 import pytest
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import create_trial
 
 from soma_pl import VAL_WINDOWS
 from soma_pl.analysis.time_basis import (
@@ -18,7 +21,8 @@ from soma_pl.analysis.time_basis import (
 )
 from soma_pl.errors import SomaError
 from soma_pl.sweeps.equal_time import equal_time_table
-from soma_pl.sweeps.report import stats
+from soma_pl.sweeps.report import build_report, stats
+from soma_pl.sweeps.study import SWEEP_ATTR
 
 CURVE = [{"step": 0, "device_seconds": 0.0, "val_loss": 5.5}, {"step": 50, "device_seconds": 40.0, "val_loss": 3.5},
          {"step": 100, "device_seconds": 100.0, "val_loss": 3.0}]
@@ -84,3 +88,27 @@ def test_the_equal_time_table_bootstraps_the_documents_of_its_difference(tmp_pat
     document = table["document"]["fast"]
     assert (document["low"], document["mean"], document["high"]) == pytest.approx((-0.05, -0.05, -0.05))
     assert document["p_zero"] == 0.0 and document["documents"] == 2
+
+
+@pytest.mark.parametrize("budget", [{}, {"device_hours": 0.01}])
+def test_the_report_compares_at_equal_time_only_where_a_budget_of_time_did_not_already(tmp_path, budget):
+    """An unbudgeted sweep's selections (here 2 s and 1 s per update, 30 updates each) are also compared at
+    the faster one's 30 s; a sweep that stopped every run at one budget of update time is not compared again."""
+    labels = {"side": ["base", "fast"]}
+    study = optuna.create_study(study_name="timed")
+    study.set_user_attr(SWEEP_ATTR, {"factors": ["side"], "ranges": [], "seeds": [0, 1], "columns": "side",
+                                     "baseline": "base", "labels": labels, "sweep_file": "x.yaml", "budget": budget})
+    for seed in (0, 1):
+        for side, start, rate in (("base", 3.0, 2.0), ("fast", 3.2, 1.0)):
+            _fit(tmp_path / f"{side}{seed}", start, 0.1, rate)
+            runs = [{"seed": seed, "val_loss": start - 0.3, "test_loss": start - 0.3, "global_step": 30,
+                     "run_dir": str(tmp_path / f"{side}{seed}")}]
+            study.add_trial(create_trial(params={"side": side}, distributions={"side": CategoricalDistribution(
+                labels["side"])}, value=start - 0.3, user_attrs={"runs": runs, "seed": seed, "test_loss": start - 0.3,
+                                                                  "point": json.dumps({"side": side, "seed": seed})}))
+    t7 = build_report(study, "memory")["table7"]
+    if budget:
+        assert "equal_time" not in t7
+    else:
+        assert [row["budget_seconds"] for row in t7["equal_time"]["per_seed"]] == pytest.approx([30.0, 30.0])
+        assert t7["equal_time"]["difference"]["fast"]["mean"] == pytest.approx(-0.05)
