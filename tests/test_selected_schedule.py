@@ -5,10 +5,12 @@ beyond it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from soma_pl.sweeps.calibration import calibration_points, reused
 from soma_pl.sweeps.space import load_sweep, trial_overrides
 from tests.sweeps.test_fair_starts import compose as resolve
 
@@ -34,7 +36,13 @@ def test_the_main_job_trains_each_side_as_its_selection_trial_did(label, monkeyp
     lr = overrides[LR]
     selected = resolve(*trial_overrides(selection, {"N": label, "lr": lr}))
     assert resolve(layers, overrides) == selected
-    assert main_job.budget == selection.budget and main_job.calibrate == selection.calibrate
+    assert main_job.budget == selection.budget
+    assert main_job.calibrate == dataclasses.replace(selection.calibrate, reuse=SELECTION.relative_to(ROOT))
+    monkeypatch.setattr("soma_pl.sweeps.calibration.read_calibration", lambda spec: {})
+    assert reused(main_job, {"N": label}, selection) is None  # no selection has run: the main job times itself
+    monkeypatch.setattr("soma_pl.sweeps.calibration.read_calibration", lambda spec: {
+        key: {"params": params, "seconds_per_update": 0.5} for key, params in calibration_points(spec).items()})
+    assert reused(main_job, {"N": label}, selection)["params"]["N"] == label  # the selection's time of this side
     assert decay_checks(selected) != []
     choices = next(f for f in selection.factors if f.name == "lr").choices
     assert min(choices) < lr < max(choices)  # a step either side of the selected rate was tried

@@ -11,7 +11,9 @@ device-hour budget counts updates × that time, and so does the time axis of its
 (`soma_pl.analysis.time_basis.update_curve`); the measured times stay beside it in its
 `compute.json`. A configuration already in the file is not timed again; delete the file to time
 them anew. Run it with nothing else on the machine: the load average before and after each
-measurement is kept with it.
+measurement is kept with it. With `reuse: <sweep file>` a configuration that sweep has timed (the
+same layers and settings, but for those its factors outside `by` set, timed the same way) takes its
+time instead of a new measurement, which can differ by tens of percent between moments.
 """
 
 from __future__ import annotations
@@ -99,6 +101,24 @@ def read_calibration(spec: SweepSpec) -> dict[str, dict]:
     return json.loads(path.read_text())["points"] if path.is_file() else {}
 
 
+def reused(spec: SweepSpec, params: dict[str, Any], source: SweepSpec) -> dict | None:
+    """`source`'s calibration of the arithmetic `params` runs: the same layers and settings but for
+    those `source` declares free of arithmetic (set by its factors outside `by`), timed the same way;
+    None where it has none."""
+    if source.calibrate is None or source.calibrate.run != spec.calibrate.run:
+        return None
+    free = {key for factor in source.factors if factor.name not in source.calibrate.by
+            for choice in factor.choices.values() for key in choice}
+
+    def timing(sweep: SweepSpec, point: dict[str, Any]) -> tuple:
+        layers, settings = timed_settings(sweep, point)
+        return layers, {key: value for key, value in settings.items() if key not in free}
+
+    wanted = timing(spec, params)
+    return next((entry for entry in read_calibration(source).values() if timing(source, entry["params"]) == wanted),
+                None)
+
+
 def calibrate(spec: SweepSpec, progress: bool = True) -> dict[str, dict]:
     """Time every configuration of the sweep not yet in its calibration file, one at a time; the file
     is rewritten after each, so an interrupted calibration resumes."""
@@ -106,10 +126,17 @@ def calibrate(spec: SweepSpec, progress: bool = True) -> dict[str, dict]:
         raise ConfigError(f"{spec.path}: no `calibrate:` section; the sweep's trials use measured update time")
     saved = read_calibration(spec)
     todo = {key: params for key, params in calibration_points(spec).items() if key not in saved}
+    source = spec.calibrate.reuse and load_sweep(spec.calibrate.reuse)
     for key, params in tqdm(todo.items(), desc=f"calibrate {spec.name}", unit="config", disable=not progress):
         settings = timed_settings(spec, params)
         same = next((entry for entry in saved.values() if timed_settings(spec, entry["params"]) == settings), None)
-        saved[key] = measure(spec, params) if same is None else {**same, "params": params, "timed_as": same["params"]}
+        other = source and reused(spec, params, source)
+        if same is not None:
+            saved[key] = {**same, "params": params, "timed_as": same["params"]}
+        elif other is not None:
+            saved[key] = {**other, "params": params, "timed_as": other["params"], "reused_from": str(source.path)}
+        else:
+            saved[key] = measure(spec, params)
         write_json_atomic(spec.output_dir / CALIBRATION, {"sweep": str(spec.path), "points": saved})
     return saved
 

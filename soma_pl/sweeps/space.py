@@ -27,7 +27,8 @@ first: {eps: 0.0025}                     # a staged grid (Table 6's protocol): t
 calibrate: {by: [N], warmup: 3, updates: 10}  # each configuration's update time measured alone before the
                                          # trials, one per label of the `by` factors (those that change an
                                          # update's arithmetic; default: every grid factor), and given to
-                                         # every trial as --budget.seconds_per_update (soma_pl.sweeps.calibration)
+                                         # every trial as --budget.seconds_per_update (soma_pl.sweeps.calibration);
+                                         # `reuse: sweeps/<other>.yaml` takes that sweep's time of the same arithmetic
 ```
 """
 
@@ -123,6 +124,9 @@ class CalibrationSpec:
     """The grid factors whose labels change an update's arithmetic: one calibration per combination."""
     run: CalibrationRun = CalibrationRun()
     """How each is timed (`warmup`, `updates`: the section's own keys)."""
+    reuse: Path | None = None
+    """Another sweep whose calibration a configuration takes where that sweep timed the same arithmetic
+    (the main job's sides are the selection's trials): both sweeps then stand on one time basis."""
 
 
 @dataclass(frozen=True)
@@ -331,15 +335,18 @@ def _calibrate(raw: Any, factors: tuple[Factor, ...], path: Path) -> Calibration
     if raw is None:
         return None
     settings = dict(_mapping(raw, "calibrate"))
-    known = {"by", *(f.name for f in dataclasses.fields(CalibrationRun))}
+    known = {"by", "reuse", *(f.name for f in dataclasses.fields(CalibrationRun))}
     if unknown := sorted(set(settings) - known):
         raise ConfigError(f"{path}: calibrate.{unknown[0]} is not a calibration setting; known: {sorted(known)}")
     names = [f.name for f in factors]
     by = settings.pop("by", names)
     if not isinstance(by, list) or any(name not in names for name in by):
         raise ConfigError(f"{path}: calibrate.by={by!r} must list grid factors, of {names}")
+    reuse = settings.pop("reuse", None)
+    if reuse is not None and not isinstance(reuse, str):
+        raise ConfigError(f"{path}: calibrate.reuse={reuse!r} must be a sweep file")
     try:
-        return CalibrationSpec(by=tuple(by), run=CalibrationRun(**settings))
+        return CalibrationSpec(by=tuple(by), run=CalibrationRun(**settings), reuse=reuse and Path(reuse))
     except ConfigError as error:
         raise ConfigError(f"{path}: calibrate.{error}") from error
 

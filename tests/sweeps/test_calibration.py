@@ -9,7 +9,7 @@ import pytest
 
 from soma_pl.analysis.time_basis import CalibrationRun
 from soma_pl.errors import ConfigError, SomaError
-from soma_pl.sweeps import runner
+from soma_pl.sweeps import calibration, runner
 from soma_pl.sweeps.calibration import (
     CALIBRATION,
     calibrate,
@@ -100,3 +100,36 @@ def test_a_worker_refuses_a_sweep_not_yet_calibrated_before_claiming_a_trial(tmp
     with pytest.raises(ConfigError, match="sweep calibrate"):
         runner.main(str(path), storage=f"sqlite:///{tmp_path / 'x.db'}")
     assert not (tmp_path / "x.db").exists()  # refused before any study
+
+
+def test_a_sweep_reuses_the_calibration_of_another_sweep_that_timed_the_same_arithmetic(tmp_path, monkeypatch):
+    """The main job's case: its sides are the selection's trials at one lr each. The selection's lr is a
+    factor outside `by` (free of arithmetic), so each side takes the selection's time; a side whose
+    arithmetic differs (another width) and a source timed with other updates are measured anew."""
+    for folder in ("selection", "job", "wider", "longer", "bad"):
+        (tmp_path / folder).mkdir()
+    source = load_sweep(write_sweep(tmp_path / "selection", calibrate={"by": ["N"]}))
+    source.output_dir.mkdir(parents=True)
+    times = {'{"N": 1}': 0.681, '{"N": 2}': 0.7996}
+    points = {key: {"params": params, "seconds_per_update": times[key]}
+              for key, params in calibration_points(source).items()}
+    (source.output_dir / CALIBRATION).write_text(json.dumps({"points": points}))
+    measured = []
+    monkeypatch.setattr(calibration, "measure", lambda spec, params: measured.append(params) or
+                        {"params": params, "seconds_per_update": 9.0})
+
+    def job(folder, two, **section):
+        grid = {"N": {"choices": {1: {"model.init_args.optimizer.init_args.lr": 0.005}, 2: two}}}
+        return load_sweep(write_sweep(tmp_path / folder, grid=grid, calibrate={"by": ["N"], **section}))
+
+    same = {"model.init_args.num_experts": 2, "model.init_args.optimizer.init_args.lr": 0.01}
+    saved = calibrate(job("job", same, reuse=str(source.path)), progress=False)
+    assert {key: entry["seconds_per_update"] for key, entry in saved.items()} == times and measured == []
+    assert {entry["reused_from"] for entry in saved.values()} == {str(source.path)}
+    wider = {**same, "model.init_args.shape.width": 12}
+    saved = calibrate(job("wider", wider, reuse=str(source.path)), progress=False)
+    assert [saved[key]["seconds_per_update"] for key in times] == [0.681, 9.0] and measured == [{"N": 2}]
+    saved = calibrate(job("longer", same, reuse=str(source.path), updates=20), progress=False)
+    assert [entry["seconds_per_update"] for entry in saved.values()] == [9.0, 9.0]
+    with pytest.raises(ConfigError, match="calibrate.reuse"):
+        job("bad", same, reuse=3)
