@@ -58,16 +58,26 @@ TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
 """A temporary file of `write_atomic`: `.<name>.tmp-<host>-<pid>`, beside the file it becomes."""
 
 
+def machine() -> str:
+    """Where this process's PID means something: the host name and, where Linux tells it, the PID
+    namespace, so two containers of one host name that do not see each other's processes differ."""
+    try:
+        return f"{socket.gethostname()}.pidns{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return socket.gethostname()
+
+
 def temporary_path(path: Path) -> Path:
-    """`.<name>.tmp-<host>-<pid>` beside `path`: which machine and process is writing it."""
-    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    """`.<name>.tmp-<host>-<pid>` beside `path`: which machine (`machine`) and process is writing it."""
+    return path.with_name(f".{path.name}.tmp-{machine()}-{os.getpid()}")
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
     """Remove the temporary files that processes of this machine left in `folder` when they were
-    killed; another machine's (a shared filesystem) may still be writing and are kept, and one that
-    cannot be removed (a read-only folder, another user's) stays for a later pass."""
-    removed, host = [], socket.gethostname()
+    killed; another machine's (a shared filesystem, another container's PID namespace) may still be
+    writing and are kept, and one that cannot be removed (a read-only folder, another user's) stays
+    for a later pass."""
+    removed, host = [], machine()
     for entry in folder.iterdir() if folder.is_dir() else ():
         match = TEMPORARY.match(entry.name)
         if match and match["host"] == host and not process_alive(int(match["pid"])):
@@ -227,7 +237,7 @@ def remove_leftovers(output: Path) -> list[Path]:
     """Remove the `.<name>.tmp-<pid>` and `.<name>.old-<pid>` entries beside `output` that
     processes now gone left behind (a killed build); return what was removed.
 
-    A temporary folder whose marker names another host is kept: its process may be alive there.
+    A temporary folder whose marker names another machine (`machine`) is kept: its process may be alive there.
     """
     output = Path(output).expanduser()
     prefix, removed = f".{output.name}.", []
@@ -240,7 +250,7 @@ def remove_leftovers(output: Path) -> list[Path]:
         if match is None or process_alive(int(match["pid"])):
             continue
         marker = read_marker(entry) if match["stage"] == "tmp" else None
-        if marker is not None and marker.get("host") not in (None, socket.gethostname()):
+        if marker is not None and marker.get("host") not in (None, machine()):
             continue
         _remove(entry)
         if not (entry.exists() or entry.is_symlink()):
@@ -295,7 +305,7 @@ def tag_marker(folder: Path, **fields: str) -> None:
 
 def _write_marker(folder: Path, kind: str, files: list[str] | None) -> None:
     write_json_atomic(folder / OUTPUT_MARKER, {
-        "tool": "soma_pl", "kind": kind, "files": files, "host": socket.gethostname(), "pid": os.getpid(),
+        "tool": "soma_pl", "kind": kind, "files": files, "host": machine(), "pid": os.getpid(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
 

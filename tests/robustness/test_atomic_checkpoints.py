@@ -33,7 +33,7 @@ from soma_pl.data.corpus.readers import CorpusConfig
 from soma_pl.data.preparation.config import PrepareConfig
 from soma_pl.data.preparation.prepare import prepare
 from soma_pl.errors import DataError
-from soma_pl.io import TEMPORARY, write_atomic
+from soma_pl.io import TEMPORARY, machine, write_atomic
 from soma_pl.models.checkpoints import load_checkpoint
 from tests.data.corpora import write_jsonl_corpus
 from tests.lit.conftest import fit_args
@@ -83,14 +83,17 @@ def test_save_on_a_full_disk_is_one_line_naming_the_folder(tmp_path, monkeypatch
 
 
 def test_temporaries_of_dead_processes_are_removed_by_the_next_save(tmp_path):
-    host = socket.gethostname()
+    host = machine()
     stale = tmp_path / f".last.ckpt.tmp-{host}-{dead_pid()}"
     live = tmp_path / f".last.ckpt.tmp-{host}-{os.getppid()}"
     elsewhere = tmp_path / ".last.ckpt.tmp-another-machine-1"
-    for path in (stale, live, elsewhere):
+    # a container of the same host name whose processes this one cannot see: its PID says nothing here
+    container = tmp_path / f".last.ckpt.tmp-{socket.gethostname()}.pidns1-{dead_pid()}"
+    for path in (stale, live, elsewhere, container):
         path.write_bytes(b"partial")
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "last.ckpt")
-    assert not stale.exists() and live.exists() and elsewhere.exists()
+    assert not stale.exists() and live.exists() and elsewhere.exists() and container.exists()
+    assert host.startswith(socket.gethostname() + ".pidns")  # Linux names the PID namespace
     assert torch.equal(load_checkpoint(tmp_path / "last.ckpt")["state_dict"]["w"], torch.ones(2))
 
 

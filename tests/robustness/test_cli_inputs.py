@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import yaml
 from soma_pl.cli import main
 from soma_pl.config_files import config_args, read_layer
 from soma_pl.errors import DataError
+from soma_pl.io import machine
 from soma_pl.lightning_cli import make_cli
 from soma_pl.trainer_checks import resume_point
 from tests.lit.conftest import fit_args
@@ -114,7 +114,7 @@ def test_last_removes_what_a_killed_writer_left_even_when_nothing_more_is_traine
     folder = tmp_path / "checkpoints"
     shutil.copytree(four_steps / "checkpoints", folder)
     (folder / "last.ckpt").unlink()
-    stale = folder / f".last.ckpt.tmp-{socket.gethostname()}-{dead_pid()}"
+    stale = folder / f".last.ckpt.tmp-{machine()}-{dead_pid()}"
     stale.write_bytes(b"partial")
     with pytest.warns(UserWarning, match="epoch=0-step=4.ckpt"):
         assert resume_point(folder) == folder / "last.ckpt"
