@@ -238,10 +238,10 @@ def open_study(spec: SweepSpec, storage: BaseStorage, create: bool = True) -> op
         return optuna.load_study(**kwargs)
     study = optuna.create_study(direction="minimize", load_if_exists=True, **kwargs)
     recorded = study.user_attrs.get(SWEEP_ATTR)
-    if study.get_trials(deepcopy=False) and (recorded is None or "overrides" not in recorded):
+    if study.get_trials(deepcopy=False) and recorded is None:
         raise ConfigError(f"study {spec.name!r} holds trials but no record of the sweep and fit settings that ran them "
-                          "(it was started by hand or by an earlier soma_pl): start this sweep as a new study "
-                          "(another study name, storage or output_dir)")
+                          "(it was not started by `sweep`): start this sweep as a new study (another study name, "
+                          "storage or output_dir)")
     check_distributions(spec, study)
     check_same_overrides(spec, study)
     if SWEEP_ATTR not in study.user_attrs or extends(study.user_attrs[SWEEP_ATTR], spec.describe()):
@@ -265,10 +265,16 @@ def extends(recorded: dict, described: dict) -> bool:
 
 
 def check_same_overrides(spec: SweepSpec, study: optuna.Study) -> None:
-    """Refuse to add trials to a study with fit settings other than those its first worker ran with
-    (the sweep file's `overrides` and `sweep --overrides`, recorded with the study): its trials
-    would differ in a setting that no parameter shows."""
-    recorded = study.user_attrs.get(SWEEP_ATTR, {}).get("overrides")
+    """Refuse to add trials to a study with fit settings or a budget other than those its first
+    worker ran with (the sweep file's `overrides` and `sweep --overrides`, and its `budget`, recorded
+    with the study): its trials would differ in a setting that no parameter shows."""
+    described = study.user_attrs.get(SWEEP_ATTR, {})
+    budget = described.get("budget")
+    if budget is not None and budget != dict(spec.budget):
+        raise ConfigError(f"study {spec.name!r} was started with budget {budget}; this sweep file has "
+                          f"{dict(spec.budget)}: its trials would stop elsewhere; start this sweep as a new study "
+                          "(another study name, storage or output_dir)")
+    recorded = described.get("overrides")
     if recorded is None:
         return
     given = spec.describe()["overrides"]

@@ -336,6 +336,22 @@ def test_a_study_holding_a_factor_as_categories_is_refused_naming_it(tmp_path):
         open_study(spec, storage)
 
 
+def test_a_study_started_at_another_budget_is_refused_naming_the_setting(tmp_path):
+    """A sweep file whose budget changed cannot add trials to the study its old budget began: its
+    trials would stop at another budget than the finished ones, which no parameter shows."""
+    import optuna
+
+    from soma_pl.errors import ConfigError
+    from soma_pl.sweeps.study import SWEEP_ATTR
+
+    storage = open_storage(STORAGES["journal"](tmp_path))
+    old = optuna.create_study(study_name="unit", storage=storage)
+    old.set_user_attr(SWEEP_ATTR, spec_of(write_sweep(tmp_path, seeds=[0], budget={"device_hours": 0.01})).describe())
+    open_study(spec_of(write_sweep(tmp_path, seeds=[0], budget={"device_hours": 0.01})), storage)
+    with pytest.raises(ConfigError, match="budget"):
+        open_study(spec_of(write_sweep(tmp_path, seeds=[0], budget={"device_hours": 0.02})), storage)
+
+
 REAL_FIT_COMMAND = runner.fit_command  # before `fake_trials` replaces it
 
 
