@@ -5,7 +5,7 @@ Every allocation evaluates the same n_pert × B direction-windows per update (ea
 with its own n_pert directions, as the paper's accumulated batches of 64 are), so equal updates are
 equal multiply-adds:
 
-- **Fig. 13**: from random weights, the aggregate update time (Table 3's U·Σₑ t̄ₑ) each
+- **Fig. 13**: from the width-32 seed, the aggregate update time (Table 3's U·Σₑ t̄ₑ) each
   allocation needs to reach a loss threshold. The paper's 1.90 line is one every curve crosses;
   the demo's analogue is one every run crosses mid-curve (`threshold_of`), and the crossing is
   interpolated in log time (the paper reads its first plotted point at or below the line; our
@@ -15,8 +15,8 @@ equal multiply-adds:
   interpolated there linearly and in log compute: the table gives the range of the two, the
   claims compare the log-compute value (the figures' axis), with the validation windows
   interpolated alike for the document interval (`scaling.compare_at`). The multiply-adds are the
-  runs' own count, which charges the delta-rule head's forward of each window (B more windows
-  per update: a larger batch's update counts more); the paper's C leaves head updates out.
+  runs' own count; with the shared head frozen, as in the paper's fixed-width runs, it is the same
+  per update for every allocation.
 - **Table 11**: one checkpoint continued for a fixed number of further updates under each
   allocation, paired seeds (the same seeds and start for every allocation), test loss with
   per-window scores, beside the start checkpoint's own. The paper's claim, nearly equal, is an

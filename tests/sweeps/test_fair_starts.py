@@ -231,16 +231,19 @@ def test_each_fig9_condition_changes_exactly_its_one_thing(monkeypatch):
                     "frozen_random_head": ("seed", "frozen_random", reference[2])}
 
 
-def test_the_fig7_experts_sweeps_give_every_n_one_shared_frozen_seed_head_at_paper_scale(monkeypatch):
+FIXED_WIDTH = ["fig7_experts.yaml", "demo/fig13.yaml", "demo/table11.yaml", "demo/fig4.yaml"]
+"""The fixed-width (d_t = 32) sweeps at both scales (§3: width 32 with one shared frozen head); the
+demo's Fig. 7 sweeps still start from random weights with delta-rule heads."""
+
+
+@pytest.mark.parametrize("name", FIXED_WIDTH)
+def test_the_fixed_width_sweeps_give_every_side_one_shared_frozen_head_from_the_width_32_seed(name, monkeypatch):
     monkeypatch.chdir(ROOT)
-    for name, kind, begins in (("fig7_experts.yaml", "frozen_shared", "seed"),
-                               ("demo/fig7.yaml", "decoder_only", "random")):
-        sides = sweep_sides(load_sweep(ROOT / "sweeps" / name))
-        assert len(sides) >= 3
-        assert {head_kind(config) for config in sides.values()} == {kind}, name
-        assert {start(config)[0] for config in sides.values()} == {begins}, name
-    # every N starts at the width-32 sweeps' lr = eps = 1e-3 (§4), the monolith included
-    sides = sweep_sides(load_sweep(ROOT / "sweeps" / "fig7_experts.yaml"))
+    sides = sweep_sides(load_sweep(ROOT / "sweeps" / name))
+    assert len(sides) >= 2
+    assert {head_kind(config) for config in sides.values()} == {"frozen_shared"}
+    assert {(start(config)[0], width(config)) for config in sides.values()} == {("seed", 32)}
+    # every side at the width-32 sweeps' lr = eps = 1e-3 (§4), the monolith included
     assert {(c["model"]["init_args"]["optimizer"]["init_args"]["lr"], c["model"]["init_args"]["spsa"]["eps"])
             for c in sides.values()} == {(0.001, 0.001)}
 
