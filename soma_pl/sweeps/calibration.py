@@ -130,13 +130,9 @@ def calibrate(spec: SweepSpec, progress: bool = True) -> dict[str, dict]:
     for key, params in tqdm(todo.items(), desc=f"calibrate {spec.name}", unit="config", disable=not progress):
         settings = timed_settings(spec, params)
         same = next((entry for entry in saved.values() if timed_settings(spec, entry["params"]) == settings), None)
-        other = source and reused(spec, params, source)
-        if same is not None:
-            saved[key] = {**same, "params": params, "timed_as": same["params"]}
-        elif other is not None:
-            saved[key] = {**other, "params": params, "timed_as": other["params"], "reused_from": str(source.path)}
-        else:
-            saved[key] = measure(spec, params)
+        if same is None and source and (other := reused(spec, params, source)) is not None:
+            same = {**other, "reused_from": str(source.path)}
+        saved[key] = measure(spec, params) if same is None else {**same, "params": params, "timed_as": same["params"]}
         write_json_atomic(spec.output_dir / CALIBRATION, {"sweep": str(spec.path), "points": saved})
     return saved
 

@@ -268,16 +268,15 @@ def check_same_overrides(spec: SweepSpec, study: optuna.Study) -> None:
     """Refuse to add trials to a study with fit settings or a budget other than those its first
     worker ran with (the sweep file's `overrides` and `sweep --overrides`, and its `budget`, recorded
     with the study): its trials would differ in a setting that no parameter shows."""
-    described = study.user_attrs.get(SWEEP_ATTR, {})
-    budget = described.get("budget")
-    if budget is not None and budget != dict(spec.budget):
-        raise ConfigError(f"study {spec.name!r} was started with budget {budget}; this sweep file has "
-                          f"{dict(spec.budget)}: its trials would stop elsewhere; start this sweep as a new study "
+    record, described = study.user_attrs.get(SWEEP_ATTR, {}), spec.describe()
+    if record.get("budget") not in (None, described["budget"]):
+        raise ConfigError(f"study {spec.name!r} was started with budget {record['budget']}; this sweep file has "
+                          f"{described['budget']}: its trials would stop elsewhere; start this sweep as a new study "
                           "(another study name, storage or output_dir)")
-    recorded = described.get("overrides")
+    recorded = record.get("overrides")
     if recorded is None:
         return
-    given = spec.describe()["overrides"]
+    given = described["overrides"]
     if given != recorded:
         changed = sorted(key for key in {*recorded, *given} if recorded.get(key) != given.get(key))
         raise ConfigError(f"study {spec.name!r} was started with the fit settings {recorded} (the sweep file's "
