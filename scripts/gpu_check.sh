@@ -52,7 +52,7 @@ if [ "$DEVICE" != cpu ] && [ "${#TESTS[@]}" -eq 0 ]; then
   echo "no test file carries a cuda mark" | tee "$OUT/pytest_cuda.txt"
   status=1
 elif [ "$DEVICE" != cpu ]; then
-  "${STAGE[@]}" python3 -m pytest -q -m cuda -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$OUT/pytest_cuda.txt" || status=1
+  "${STAGE[@]}" python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts='-ra --strict-markers' "${TESTS[@]}" 2>&1 | tee "$OUT/pytest_cuda.txt" || status=1
 fi
 if [ "$DEVICE" != cpu ]; then  # the Triton grouped kernel against the loop, naive cuDNN and cuDNN inference
   "${STAGE[@]}" python3 scripts/gpu_grouped.py --out "$OUT/gpu_grouped.json" > "$OUT/gpu_grouped.log" 2>&1 || status=1

@@ -41,13 +41,13 @@ def test_the_two_commands_install_then_run_the_main_job_and_the_tests():
 def test_ci_runs_the_readme_test_command_then_the_slow_and_the_cluster_checks():
     printed = subprocess.run([str(ROOT / ".ci" / "run"), "--print"], capture_output=True, text=True, check=True)
     assert printed.stdout.splitlines() == [_two_commands()[1], "ruff check .",
-                                           "python -m pytest -q -m 'slow and not cuda'",
-                                           "scripts/local_cluster.sh up", "python -m pytest -q -m cluster"]
+                                           "python -m pytest -q -m 'slow and not cuda' -n 0",
+                                           "scripts/local_cluster.sh up", "python -m pytest -q -m cluster -n 0"]
     assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()
     tests = " ".join(README.split("## Tests", 1)[1].split())
-    assert "`python -m pytest -q -m 'slow and not cuda'`" in tests
+    assert "`python -m pytest -q -m 'slow and not cuda' -n 0`" in tests
     assert "CI (`.ci/run`) runs it, `ruff check .`" in tests
-    assert "then `scripts/local_cluster.sh up`" in tests and "`python -m pytest -q -m cluster`" in tests
+    assert "then `scripts/local_cluster.sh up`" in tests and "`python -m pytest -q -m cluster -n 0`" in tests
 
 
 def test_the_lint_configuration_is_the_one_ci_and_pre_commit_run():
