@@ -231,9 +231,9 @@ def test_each_fig9_condition_changes_exactly_its_one_thing(monkeypatch):
                     "frozen_random_head": ("seed", "frozen_random", reference[2])}
 
 
-FIXED_WIDTH = ["fig7_experts.yaml", "demo/fig13.yaml", "demo/table11.yaml", "demo/fig4.yaml"]
-"""The fixed-width (d_t = 32) sweeps at both scales (§3: width 32 with one shared frozen head); the
-demo's Fig. 7 sweeps still start from random weights with delta-rule heads."""
+FIXED_WIDTH = ["fig7_experts.yaml", "demo/fig7.yaml", "demo/fig7_settings.yaml", "demo/fig13.yaml",
+               "demo/table11.yaml", "demo/fig4.yaml"]
+"""The fixed-width (d_t = 32) sweeps at both scales (§3: width 32 with one shared frozen head)."""
 
 
 @pytest.mark.parametrize("name", FIXED_WIDTH)
