@@ -15,7 +15,7 @@ from pathlib import Path
 
 from soma_pl.analysis.time_basis import measured_curve
 from soma_pl.config_files import read_yaml
-from soma_pl.eval.bootstrap import paired_document_interval
+from soma_pl.reproduce.comparisons import compare_selected
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import (
     checks_table,
@@ -27,7 +27,6 @@ from soma_pl.reproduce.tables import (
     table_head,
     table_row,
 )
-from soma_pl.sweeps.final_test import score_run
 
 REFERENCE = "reference"
 """The condition every other one is compared with."""
@@ -37,15 +36,6 @@ def _mean_se(values: list[float]) -> dict:
     """Mean and standard error of the mean (None below two values)."""
     return {"mean": statistics.fmean(values),
             "se": statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None}
-
-
-def run_test_scores(run_dir: str, recorded: str | None) -> dict:
-    """A run's per-window test scores: its trial's own test record, else scored again (once)."""
-    if recorded and Path(recorded).is_file():
-        scores = json.loads(Path(recorded).read_text())
-        if "window_losses" in scores:
-            return scores
-    return score_run(Path(run_dir), "test")
 
 
 def seed_model(run_dir: Path) -> dict | None:
@@ -82,42 +72,27 @@ def _curves(per_seed: list[dict], folders: dict[int, dict[int, str]], labels: li
 
 def fig9_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Fig. 9 beside the paper: the curves, each condition's last-step losses and its difference from
-    the reference, and one check per claim on the test split."""
+    the reference, and its declared comparisons checked (each condition against the reference)."""
     t7 = report["table7"]
     labels = [str(label) for label in t7["column_labels"]]
     per_seed = t7["per_seed"]
-    recorded = report.get("test_score_files", {})
-    scores = {label: [run_test_scores(folders[entry["trial"][label]][entry["seed"]],
-                                   recorded.get(entry["trial"][label], {}).get(entry["seed"]))
-                      for entry in per_seed] for label in labels}
-    curves = _curves(per_seed, folders, labels)
-    rows, checks = [], []
+    scores, checks = compare_selected(report, folders, experiment)
+    rows = []
     for label in labels:
-        test = [s["loss"] for s in scores[label]]
+        test = [s["loss"] for s in scores["test"][label]]
         row = {"condition": label, "val": _mean_se([entry["val"][label] for entry in per_seed]),
                "selected": [(entry.get("selected") or {}).get(label) for entry in per_seed],
                "at_grid_edge": (t7.get("at_grid_edge") or {}).get(label) or [],
                "test": _mean_se(test), "per_seed": {str(e["seed"]): t for e, t in zip(per_seed, test, strict=True)}}
         if label != REFERENCE:
-            differences = [t - s["loss"] for t, s in zip(test, scores[REFERENCE], strict=True)]
-            row["difference"] = _mean_se(differences)
+            row["difference"] = _mean_se([t - s["loss"] for t, s in zip(test, scores["test"][REFERENCE], strict=True)])
             row["paper_difference"] = experiment.paper.get(label)
-            if label in experiment.claims:
-                checks.append(experiment.claims[label].check(
-                    differences, paired_document_interval(scores[label], scores[REFERENCE])))
+        if "final" in scores:
+            row["final"] = _mean_se([s["loss"] for s in scores["final"][label]])
         rows.append(row)
-    if experiment.final_test:  # each claim again on the final test split, the selected runs scored once
-        finals = {label: [score_run(Path(folders[e["trial"][label]][e["seed"]]), "final") for e in per_seed]
-                  for label in labels}
-        for row in rows:
-            row["final"] = _mean_se([s["loss"] for s in finals[row["condition"]]])
-        checks += [experiment.claims[label].on_final().check(
-            [a["loss"] - b["loss"] for a, b in zip(finals[label], finals[REFERENCE], strict=True)],
-            paired_document_interval(finals[label], finals[REFERENCE]))
-            for label in labels if label != REFERENCE and label in experiment.claims]
     reference_run = Path(folders[per_seed[0]["trial"][REFERENCE]][per_seed[0]["seed"]]) if per_seed else None
-    return {"conditions": labels, "reference": REFERENCE, "rows": rows, "curves": curves, "checks": checks,
-            "seed_model": seed_model(reference_run) if reference_run else None,
+    return {"conditions": labels, "reference": REFERENCE, "rows": rows, "curves": _curves(per_seed, folders, labels),
+            "checks": checks, "seed_model": seed_model(reference_run) if reference_run else None,
             "seeds": [entry["seed"] for entry in per_seed],
             "trials": report["trials"], "failed": report["failed"]}
 

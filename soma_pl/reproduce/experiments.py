@@ -2,7 +2,9 @@
 
 Each file is one of the paper's experiments as data: its title, what it runs at each scale, its
 compute basis and cost, the commands that make its data, the paper's numbers and its claims (each
-the sentence checked, the basis it is judged on and the split it is scored on). An experiment runs
+the sentence checked, the basis it is judged on and the split it is scored on; a comparison of the
+sweep's columns also names them, `worse` and `better`, and `soma_pl.reproduce.comparisons` judges
+it). An experiment runs
 either a sweep (`sweeps`: trained runs, selected and scored) or commands (`commands`: measurements
 at fixed weights, as `analyze params` or `analyze variance`, writing JSON into the result's folder,
 named `{folder}` in their arguments). The file names a module whose `<name>_result` and
@@ -45,6 +47,17 @@ class Claim:
     split: str
     """The scored split: `val` (ensemble validation), `test`, `final`, `external`, or `none` (a count,
     a timing)."""
+    worse: str | list[str] | None = None
+    """A comparison's column or columns of the sweep claimed worse (`others`: every column but
+    `better`), checked by `soma_pl.reproduce.comparisons`; None for a claim its module checks."""
+    better: str | None = None
+    """A comparison's column claimed better."""
+
+    def sides(self, columns: list[str]) -> list[str]:
+        """The columns compared with `better`, in the sweep's order for `others`."""
+        if self.worse == "others":
+            return [column for column in columns if column != self.better]
+        return self.worse if isinstance(self.worse, list) else [self.worse]
 
     def on_final(self) -> Claim:
         """The same claim checked again on the final test split (the selected runs scored once)."""
@@ -105,6 +118,8 @@ class Experiment:
     """Whether the selected runs are scored on the final test split (used once per run)."""
     losses: str | None = None
     """A measurement's partner: the experiment whose saved result gives the losses it is paired with."""
+    names: dict[str, str] = field(default_factory=dict)
+    """Column → the name a comparison's claim gives it (`{name}`; the column's label where none)."""
 
     @property
     def scales(self) -> dict:
@@ -153,6 +168,15 @@ def _fields(cls: type, entry: object, where: str) -> dict:
     return entry
 
 
+def _claim(entry: dict, where: str) -> Claim:
+    """A claim, a comparison's columns read as the sweep's labels (strings)."""
+    if (entry.get("worse") is None) != (entry.get("better") is None):
+        raise ConfigError(f"{where}: a comparison needs both 'worse' and 'better'")
+    sides = {key: [str(v) for v in value] if isinstance(value, list) else str(value)
+             for key in ("worse", "better") if (value := entry.get(key)) is not None}
+    return Claim(**{**entry, **sides})
+
+
 def load(path: Path) -> Experiment:
     """One experiment file."""
     try:
@@ -160,7 +184,7 @@ def load(path: Path) -> Experiment:
     except (OSError, yaml.YAMLError) as error:
         raise ConfigError(f"{path}: cannot read it as YAML: {' '.join(str(error).split())}") from error
     entry = _fields(Experiment, entry, str(path))
-    claims = {key: Claim(**_fields(Claim, claim, f"{path}: claims.{key}"))
+    claims = {key: _claim(_fields(Claim, claim, f"{path}: claims.{key}"), f"{path}: claims.{key}")
               for key, claim in (entry.get("claims") or {}).items()}
     if entry.get("losses") and not (path.parent / f"{entry['losses']}.yaml").is_file():
         raise ConfigError(f"{path}: losses: no experiment '{entry['losses']}' in {path.parent}")

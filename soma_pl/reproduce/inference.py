@@ -34,7 +34,7 @@ import numpy as np
 
 from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import document_bootstrap, paired_document_interval
-from soma_pl.reproduce.ablations import run_test_scores
+from soma_pl.reproduce.comparisons import run_test_scores
 from soma_pl.reproduce.experiments import Claim, Experiment
 from soma_pl.reproduce.scaling import run_curve
 from soma_pl.reproduce.tables import (

@@ -8,30 +8,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.reproduce.allocation import one_start
+from soma_pl.reproduce.comparisons import compare_selected
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import checks_table, heading, number, rows_figure, run_footer, table_head, table_row
 from soma_pl.reproduce.verdicts import mean_sd
-from soma_pl.sweeps.final_test import score_run
 
 
 def fig4_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
-    """Each arm's test loss per seed beside the start checkpoint's, and the claim checked on the
-    paired differences `summed − independent`."""
+    """Each arm's test loss per seed beside the start checkpoint's, and the declared comparison
+    (`summed − independent`, paired by seed) checked."""
     per_seed, arms = report["table7"]["per_seed"], experiment.paper["arms"]
-    runs = {arm: [Path(folders[entry["trial"][arm]][entry["seed"]]) for entry in per_seed] for arm in arms}
-    start = one_start([path for paths in runs.values() for path in paths])
-    scores = {arm: [score_run(path, "test") for path in paths] for arm, paths in runs.items()}
-    independent, summed = (scores[arm] for arm in arms)
-    differences = [s["loss"] - i["loss"] for s, i in zip(summed, independent, strict=True)]
-    check = experiment.claims["independent"].check(differences, paired_document_interval(summed, independent),
-                                                   updates=experiment.paper["cpu_updates"])
-    rows = [{"arm": arm, "row": arm, "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[arm],
-                                                                                            strict=True)},
-             "test": mean_sd([s["loss"] for s in scores[arm]])} for arm in arms]
-    return {"rows": rows, "differences": differences, "seeds": [e["seed"] for e in per_seed],
-            "start": start, "checks": [check],
+    start = one_start([Path(folders[entry["trial"][arm]][entry["seed"]]) for arm in arms for entry in per_seed])
+    scores, checks = compare_selected(report, folders, experiment, updates=experiment.paper["cpu_updates"])
+    test = {arm: [s["loss"] for s in scores["test"][arm]] for arm in arms}
+    independent, summed = test.values()
+    rows = [{"arm": arm, "row": arm, "per_seed": {str(e["seed"]): loss for e, loss in zip(per_seed, test[arm],
+                                                                                          strict=True)},
+             "test": mean_sd(test[arm])} for arm in arms]
+    return {"rows": rows, "differences": [s - i for s, i in zip(summed, independent, strict=True)],
+            "seeds": [e["seed"] for e in per_seed], "start": start, "checks": checks,
             "trials": report["trials"], "failed": report["failed"]}
 
 

@@ -4,9 +4,10 @@ Each row is a sweep column (`soma_n2`, `spsa_<n_pert>`, `eggroll`, `ddpp`) run p
 budget of aggregate update time (Table 3's U·Σₑ t̄ₑ, every expert and rank counted) is spent, at each
 learning rate of the sweep's grid; each seed's run of lowest ensemble-validation loss is selected,
 and its trial's own test of the last checkpoint gives the test loss and the per-window losses that
-pair it with SOMA's on the same windows. The claim, SOMA N = 2 has the lowest test loss, is checked
-against each other row; with `final_test`, again on the final test split, which the selected runs
-(and only those) are scored on once.
+pair it with SOMA's on the same windows. The claim, SOMA N = 2 has the lowest test loss, is declared
+in experiments/table4.yaml as a comparison with every other row
+(`soma_pl.reproduce.comparisons`); with `final_test`, it is checked again on the final test split,
+which the selected runs (and only those) are scored on once.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ import json
 from pathlib import Path
 
 from soma_pl.analysis.time_basis import calibration, update_curve
-from soma_pl.eval.bootstrap import paired_document_interval
-from soma_pl.io import write_json_atomic
-from soma_pl.reproduce.ablations import run_test_scores
 from soma_pl.reproduce.budgets import complete_mean_sd, losses_at_budgets, run_budget_seconds
-from soma_pl.reproduce.experiments import Claim, Experiment
+from soma_pl.reproduce.comparisons import EXTERNAL_TEXT, compare_selected
+from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import (
     checks_table,
     grid_edge_note,
@@ -33,19 +32,10 @@ from soma_pl.reproduce.tables import (
     table_row,
 )
 from soma_pl.reproduce.verdicts import mean_sd
-from soma_pl.sweeps.final_test import score_run
 
 FIG1_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 """Fig. 1's budgets, as fractions of the one every run was stopped at: each row's ensemble-validation
 loss read off its selected runs' curves there (the paper's curve over aggregate GPU-hours)."""
-SOMA = "soma_n2"
-"""The row the claim is about."""
-EXTERNAL_TEXT = "data/external/moby_dick"
-"""The external text of Table 9 at CPU scale (`python -m soma_pl.cli external-text`)."""
-NAMES = {"soma_n2": "SOMA N = 2", "spsa_32": "Monolithic SPSA", "spsa_128": "Monolithic SPSA",
-         "spsa_512": "Monolithic SPSA", "eggroll": "Monolithic EGGROLL",
-         "ddpp": "DDPP (2 processes; the project's row, not the paper's)",
-         "spsa_64": "Monolithic SPSA", "spsa_256": "Monolithic SPSA", "spsa_1024": "Monolithic SPSA"}
 PAPER_ROW = {"spsa_64": "spsa_32", "spsa_256": "spsa_128", "spsa_1024": "spsa_512"}
 """A paper-scale row (sweeps/table4.yaml names the paper's n_pert) → the key of the paper's numbers."""
 
@@ -60,31 +50,20 @@ def _compute(run_dir: Path) -> dict:
             "measured_seconds": measured, "physical_seconds": report["physical_device_hours"] * 3600}
 
 
-def lower_checks(labels: list[str], scores: dict[str, list[dict]], claim: Claim) -> list[dict]:
-    """`claim` for SOMA N = 2 against every other row: per seed the row's loss − SOMA's, the
-    documents paired."""
-    return [claim.check([a["loss"] - b["loss"] for a, b in zip(scores[label], scores[SOMA], strict=True)],
-                        paired_document_interval(scores[label], scores[SOMA]), name=NAMES.get(label, label),
-                        label=label)
-            for label in labels if label != SOMA and SOMA in scores]
-
-
 def table4_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Table 4 beside the paper: per row, each seed's test loss (with its 95% document interval),
-    updates and compute (calibrated and measured); one check per other row that SOMA N = 2's test loss is lower."""
+    updates and compute (calibrated and measured); the declared comparisons (SOMA N = 2 against every
+    other row) checked."""
     t7 = report["table7"]
     labels = [str(label) for label in t7["column_labels"]]
     per_seed = t7["per_seed"]
-    recorded = report.get("test_score_files", {})
-    scores, compute = {}, {}
-    for label in labels:
-        runs = [(folders[entry["trial"][label]][entry["seed"]], recorded.get(entry["trial"][label], {})
-                 .get(entry["seed"])) for entry in per_seed]
-        scores[label] = [run_test_scores(run, record) for run, record in runs]
-        compute[label] = [_compute(Path(run)) for run, _ in runs]
+    all_scores, checks = compare_selected(report, folders, experiment)
+    scores = all_scores["test"]
+    compute = {label: [_compute(Path(folders[entry["trial"][label]][entry["seed"]])) for entry in per_seed]
+               for label in labels}
     rows = []
     for label in labels:
-        rows.append({"row": label, "configuration": NAMES.get(label, label),
+        rows.append({"row": label, "configuration": experiment.names.get(label, label),
                      "test": mean_sd([s["loss"] for s in scores[label]]),
                      "test_95": [s["bootstrap_95"] for s in scores[label]],
                      "updates": mean_sd([c["updates"] for c in compute[label]]),
@@ -101,13 +80,9 @@ def table4_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
         row["fig1"] = [complete_mean_sd(values) for values in zip(*(losses_at_budgets(run, budgets) for run in runs),
                                                                    strict=True)]
         row["curves"] = [[[seconds, loss] for _, loss, seconds in update_curve(run)] for run in runs]
-    checks = lower_checks(labels, scores, experiment.claims["lower"])
-    if experiment.final_test:
-        finals = {label: [score_run(Path(folders[e["trial"][label]][e["seed"]]), "final") for e in per_seed]
-                  for label in labels}
+    if "final" in all_scores:
         for row in rows:
-            row["final"] = mean_sd([s["loss"] for s in finals[row["row"]]])
-        checks += lower_checks(labels, finals, experiment.claims["lower"].on_final())
+            row["final"] = mean_sd([s["loss"] for s in all_scores["final"][row["row"]]])
     return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed], "fig1_budgets": budgets,
             "trials": report["trials"], "failed": report["failed"]}
 
@@ -167,35 +142,20 @@ def table4_figure(result: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def external_scores(run_dir: Path, text: str = EXTERNAL_TEXT) -> dict:
-    """The run's last checkpoint evaluated, frozen, on `text` (once: kept in `<run_dir>/external/`)."""
-    from soma_pl.evaluate_text import evaluate
-
-    saved = run_dir / "external" / f"{Path(text).name}.json"
-    if saved.is_file():
-        return json.loads(saved.read_text())
-    checkpoint = json.loads((run_dir / "summary.json").read_text())["last_checkpoint"]
-    scores = evaluate(checkpoint, text)
-    write_json_atomic(saved, scores)
-    return scores
-
-
 def table9_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment,
                   text: str = EXTERNAL_TEXT) -> dict:
     """Table 9 beside the paper: Table 4's last checkpoints (chosen by its protocol, before any
-    external score exists) evaluated frozen on the external text; SOMA N = 2 against every other row."""
-    t7 = report["table7"]
-    labels = [str(label) for label in t7["column_labels"]]
-    per_seed = t7["per_seed"]
-    scores = {label: [external_scores(Path(folders[entry["trial"][label]][entry["seed"]]), text)
-                      for entry in per_seed] for label in labels}
+    external score exists) evaluated frozen on the external text; the declared comparisons (SOMA
+    N = 2 against every other row) checked there."""
+    per_seed = report["table7"]["per_seed"]
+    all_scores, checks = compare_selected(report, folders, experiment, text)
+    scores = all_scores["external"]
     first = next(iter(scores.values()))[0] if scores and per_seed else {}
-    rows = [{"row": label, "configuration": NAMES.get(label, label),
+    rows = [{"row": label, "configuration": experiment.names.get(label, label),
              "external": mean_sd([s["loss"] for s in scores[label]]),
              "external_95": [s["bootstrap_95"] for s in scores[label]],
              "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
-             "paper": experiment.paper.get(PAPER_ROW.get(label, label))} for label in labels]
-    checks = lower_checks(labels, scores, experiment.claims["lower"])
+             "paper": experiment.paper.get(PAPER_ROW.get(label, label))} for label in scores]
     return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed],
             "text": {key: first.get(key) for key in ("text", "documents", "documents_scored", "windows", "bytes")},
             "trials": report["trials"], "failed": report["failed"]}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from soma_pl.analysis.time_basis import update_curve
-from soma_pl.eval.bootstrap import paired_document_interval
+from soma_pl.reproduce.comparisons import compare_selected
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import (
     checks_table,
@@ -23,19 +23,12 @@ from soma_pl.reproduce.tables import (
     table_row,
 )
 from soma_pl.reproduce.verdicts import mean_sd
-from soma_pl.sweeps.final_test import score_run
 from soma_pl.sweeps.report import table6_lines
-
-
-def _selected_scores(per_seed: list[dict], folders: dict[int, dict[int, str]], label: str, split: str) -> list[dict]:
-    """Each seed's selected run of column `label`, its per-window scores on `split` (scored once, kept
-    in the run folder; the trial's own test predates per-window losses in older studies)."""
-    return [score_run(Path(folders[entry["trial"][label]][entry["seed"]]), split) for entry in per_seed]
 
 
 def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
     """Table 7 beside the paper: per seed, the selected runs' test losses and SPSA − SOMA, on the test
-    split and on the final split; one check of the paper's claim on each."""
+    split and on the final split, and the declared comparison (SOMA below SPSA) checked on each."""
     t7 = report["table7"]
     base, other = str(t7["baseline"]), next(str(c) for c in t7["column_labels"] if str(c) != str(t7["baseline"]))
     per_seed = t7["per_seed"]
@@ -47,11 +40,12 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
                                                      "difference": entry["difference"][other]},
                      "paper": paper, "selected": entry["selected"], "at_grid_edge": entry["at_grid_edge"]})
     summary = {key: mean_sd([row["ours"][key] for row in rows]) for key in ("spsa", "soma", "difference")}
-    checks, blocks = [], {}
+    scores, checks = compare_selected(report, folders, experiment)
+    blocks = {}
     for split, label in (("test", "test split"), ("final", "final test split (used once)")):
-        if split == "final" and "final_test" not in t7:
+        if split not in scores:
             continue
-        spsa, soma = (_selected_scores(per_seed, folders, side, split) for side in (base, other))
+        spsa, soma = scores[split][base], scores[split][other]
         differences = [a["loss"] - b["loss"] for a, b in zip(spsa, soma, strict=True)]
         blocks[split] = {"label": label, "per_seed": [{"seed": e["seed"], "spsa": a["loss"], "soma": b["loss"],
                                                        "difference": d, "spsa_95": a["bootstrap_95"],
@@ -61,7 +55,6 @@ def table7_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
                          **{key: mean_sd(values) for key, values in
                             (("spsa", [a["loss"] for a in spsa]), ("soma", [b["loss"] for b in soma]),
                              ("difference", differences))}}
-        checks.append(experiment.claims[split].check(differences, paired_document_interval(spsa, soma)))
     return {"labels": {"spsa": base, "soma": other}, "rows": rows, "summary": summary, "table6": report["table6"],
             "blocks": blocks,
             "checks": checks, "trials": report["trials"], "failed": report["failed"],

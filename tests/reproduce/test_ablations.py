@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from soma_pl.reproduce import ablations
+from soma_pl.reproduce import comparisons
 from soma_pl.reproduce.ablations import REFERENCE, fig9_figure, fig9_markdown
 from soma_pl.reproduce.experiments import load_experiment
 from soma_pl.reproduce.verdicts import Verdict
@@ -79,8 +79,8 @@ def _seed_model(tmp_path: Path, folders: dict, report: dict) -> None:
 def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(tmp_path, monkeypatch):
     report, folders, val = _report(tmp_path)
     _seed_model(tmp_path, folders, report)
-    scored = ablations.score_run
-    monkeypatch.setattr(ablations, "score_run", lambda run, split: pytest.fail("the trials' own test scores are "
+    scored = comparisons.score_run
+    monkeypatch.setattr(comparisons, "score_run", lambda run, split: pytest.fail("the trials' own test scores are "
                                                                                "used") if split == "test" else
                         scored(run, split))
     result = load_experiment("fig9").result(report, folders)
@@ -126,8 +126,8 @@ def test_a_trial_test_record_without_window_losses_is_scored_again(tmp_path, mon
     stale.write_text(json.dumps({"loss": 3.05}))  # an older test record: no per-window losses
     rescored = json.loads(Path(report["test_score_files"][1][0]).read_text())
     calls = []
-    scored = ablations.score_run
-    monkeypatch.setattr(ablations, "score_run", lambda run, split: calls.append((run, split)) or rescored
+    scored = comparisons.score_run
+    monkeypatch.setattr(comparisons, "score_run", lambda run, split: calls.append((run, split)) or rescored
                         if split == "test" else scored(run, split))
     result = load_experiment("fig9").result(report, folders)
     assert result["seed_model"] is None  # no run config names a seed

@@ -13,6 +13,7 @@ import pytest
 from soma_pl.cli import COMMANDS
 from soma_pl.errors import ConfigError
 from soma_pl.eval.bootstrap import Interval
+from soma_pl.reproduce.comparisons import comparison_checks
 from soma_pl.reproduce.experiments import FOLDER, Claim, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import Verdict
 
@@ -114,3 +115,40 @@ def test_every_claim_a_result_reads_is_declared_in_its_file():
         read = _claim_keys(experiment.function("result"))
         assert read <= set(experiment.claims), (name, sorted(read - set(experiment.claims)))
     assert _claim_keys(all_experiments()["table2"].function("result")) == {"head", "ensemble", "body"}
+
+
+def test_a_comparison_needs_both_sides(tmp_path):
+    (tmp_path / "fig4.yaml").write_text((FOLDER / "fig4.yaml").read_text().replace("    better: independent\n", ""))
+    with pytest.raises(ConfigError) as refused:
+        load_experiment("fig4", tmp_path)
+    assert "better" in str(refused.value) and str(tmp_path / "fig4.yaml") in str(refused.value)
+
+
+def _scores(losses: list[float]) -> dict:
+    return {"loss": sum(losses) / len(losses), "window_index": [0, 1, 2, 3], "window_losses": losses,
+            "doc_ids": ["a", "a", "b", "c"]}
+
+
+def test_a_declared_comparison_is_checked_on_each_split_against_every_other_column():
+    """`worse: others` against `better`: per seed `worse − better`, first on the claim's split, then
+    each again on the final split; a column the sweep lacks is refused naming it."""
+    experiment = load_experiment("table4")
+    shift = {"soma_n2": 0.0, "spsa_32": 0.1, "eggroll": -0.2}
+    scores = {split: {label: [_scores([x + s + (0.5 if split == "final" and label != "soma_n2" else 0.0) + 0.01 * seed
+                                       for x in (3.0, 3.1, 2.9, 3.2)]) for seed in range(3)]
+                      for label, s in shift.items()} for split in ("test", "final")}
+    checks = comparison_checks(experiment, scores)
+    final = " (final test split, used once)"
+    assert [(c["split"], c["claim"]) for c in checks] == [
+        ("test", "SOMA N = 2 reaches a lower test loss than Monolithic SPSA (spsa_32)"),
+        ("test", "SOMA N = 2 reaches a lower test loss than Monolithic EGGROLL (eggroll)"),
+        ("final", "SOMA N = 2 reaches a lower test loss than Monolithic SPSA (spsa_32)" + final),
+        ("final", "SOMA N = 2 reaches a lower test loss than Monolithic EGGROLL (eggroll)" + final)]
+    assert [round(c["mean"], 6) for c in checks] == [0.1, -0.2, 0.6, 0.3]
+    assert checks[0]["document_interval"] == pytest.approx([0.1, 0.1])
+    assert [c["verdict"] for c in checks] == [Verdict.holds.value, Verdict.does_not_hold.value,
+                                              Verdict.holds.value, Verdict.holds.value]
+    del scores["test"]["soma_n2"]
+    with pytest.raises(ConfigError) as refused:
+        comparison_checks(experiment, scores)
+    assert "soma_n2" in str(refused.value) and "table4.yaml" in str(refused.value)

@@ -38,7 +38,8 @@ def _report(root: Path, gap: dict[int, float]) -> tuple[dict, dict]:
             folders[trial] = {seed: str(root / f"t{trial}")}
             _continuation(root / f"t{trial}", 2.0 + 0.01 * seed + (gap[seed] if arm == "summed" else 0.0))
         per_seed.append({"seed": seed, "trial": trials})
-    return {"table7": {"per_seed": per_seed}, "trials": {"COMPLETE": 6}, "failed": []}, folders
+    return ({"table7": {"column_labels": ["independent", "summed"], "per_seed": per_seed}, "trials": {"COMPLETE": 6},
+             "failed": []}, folders)
 
 
 def test_fig4_holds_when_every_seed_and_document_favours_the_independent_losses(tmp_path):

@@ -109,7 +109,7 @@ def test_table9_scores_each_checkpoint_once_and_checks_soma_against_every_other(
     """The frozen evaluation of a real (tiny) checkpoint is saved in its run folder and read back;
     the table pairs the rows' per-window losses on the text."""
     from soma_pl.lit import ZOModule
-    from soma_pl.reproduce import methods
+    from soma_pl.reproduce import comparisons, methods
     from tests.tiny_checkpoints import SHAPE, module_checkpoint
 
     text = tmp_path / "text"
@@ -120,11 +120,11 @@ def test_table9_scores_each_checkpoint_once_and_checks_soma_against_every_other(
     run.mkdir()
     checkpoint = module_checkpoint(ZOModule(shape=SHAPE), tmp_path / "last.ckpt")
     (run / "summary.json").write_text(json.dumps({"last_checkpoint": str(checkpoint)}))
-    scores = methods.external_scores(run, str(text))
+    scores = comparisons.external_scores(run, str(text))
     assert scores["windows"] == 6 and scores["documents_scored"] == 2 and len(scores["window_losses"]) == 6
     assert scores["loss"] == pytest.approx(statistics.fmean(scores["window_losses"]))
     monkeypatch.setattr("soma_pl.evaluate_text.evaluate", lambda *_: pytest.fail("evaluated twice"))
-    assert methods.external_scores(run, str(text)) == scores
+    assert comparisons.external_scores(run, str(text)) == scores
 
     per_seed, folders = [], {}
     for seed in range(3):

@@ -15,7 +15,7 @@ from soma_pl.analysis.time_basis import accountings
 from soma_pl.cli import COMMANDS, main
 from soma_pl.distributed import Accounting
 from soma_pl.eval.bootstrap import document_bootstrap
-from soma_pl.reproduce import command, selection
+from soma_pl.reproduce import command, comparisons
 from soma_pl.reproduce.experiments import all_experiments, load_experiment
 from soma_pl.reproduce.selection import table7_markdown
 from soma_pl.reproduce.tables import reproduction_page, run_footer
@@ -126,7 +126,7 @@ def _pair_report(monkeypatch, root: Path = Path()) -> tuple[dict, dict]:
                          "test": {"1": scores[(spsa_run, "test")]["loss"], "2": scores[(soma_run, "test")]["loss"]},
                          "difference": {"2": 0.04 + 0.001 * seed}, "selected": {"1": {"lr": 0.025}, "2": {"lr": 0.05}},
                          "at_grid_edge": {"1": [], "2": ["lr"]}})
-    monkeypatch.setattr(selection, "score_run", lambda run, split: scores[(str(run), split)])
+    monkeypatch.setattr(comparisons, "score_run", lambda run, split: scores[(str(run), split)])
     table6 = {"row_factors": ["lr"], "columns": "N", "column_labels": [1, 2], "rows": [
         {"setting": {"lr": 0.025}, "cells": {"1": {"val": stats([3.0, 3.1, 3.2])}, "2": {"val": stats([2.9, 3.0])}}}]}
     report = {"table7": {"baseline": 1, "column_labels": [1, 2], "per_seed": per_seed,
