@@ -15,10 +15,10 @@ from soma_pl.lit.base import ByteLMModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
-EXPECTED = 30
+EXPECTED = 32
 # configs/{quickstart,spsa,bptt,seed,soma_quickstart,soma_n2,soma_n8,soma_n256,eggroll,eggroll_gru,ddpp} (11),
 # data/{demo,fineweb_edu} (2), shard/{demo_n1,demo_n2,demo_n2_random,demo_n2_iid,demo_n3,fineweb_n8} (6),
-# demo/{spsa,soma_n2,bptt_n2,eggroll,eggroll_gru,ddpp,seed} (7),
+# demo/{spsa,soma_n2,bptt_n2,eggroll,eggroll_gru,ddpp,seed} (7) and the seed's variants demo/seed_w{32,44} (2),
 # the layers under them: trainer/{cpu,gpu} (2), datamodule/{demo,fineweb_edu} (2)
 CPU = ("configs/trainer/cpu.yaml", "configs/datamodule/demo.yaml")
 GPU = ("configs/trainer/gpu.yaml", "configs/datamodule/fineweb_edu.yaml")
@@ -47,15 +47,43 @@ def _dump(cli) -> dict:
 
 
 LAYERS = {ROOT / layer for layer in CPU + GPU}
-METHODS = [path for path in CONFIGS if "model" in (yaml.safe_load(path.read_text()) or {})]
+METHODS = [path for path in CONFIGS if "class_path" in ((yaml.safe_load(path.read_text()) or {}).get("model") or {})]
+VARIANTS = [path for path in CONFIGS if {Path(base) for base in read_layer(path).bases} & set(METHODS)]
+"""Layers over one method layer that set only a few of its settings (the seed at another width)."""
 
 
 def test_found_every_config():
     assert len(CONFIGS) == EXPECTED, [_name(c) for c in CONFIGS]
-    assert len(METHODS) == 18 and LAYERS < set(CONFIGS)
+    assert len(METHODS) == 18 and LAYERS < set(CONFIGS) and len(VARIANTS) == 2
 
 
-@pytest.mark.parametrize("path", [c for c in CONFIGS if c not in METHODS and c not in LAYERS], ids=_name)
+def _flags(settings: dict, prefix: str = "") -> list[str]:
+    """A layer's settings as the CLI's `--key=value` flags (`model`'s arguments in the short form)."""
+    flags = []
+    for key, value in settings.items():
+        key = "" if key == "init_args" else key
+        dotted = ".".join(part for part in (prefix, key) if part)
+        flags += _flags(value, dotted) if isinstance(value, dict) else [f"--{dotted}={value}"]
+    return flags
+
+
+@pytest.mark.parametrize("path", VARIANTS, ids=_name)
+def test_a_variant_is_its_method_layer_with_its_few_settings(path, monkeypatch):
+    """`fit --config VARIANT` is the run of its method layer with the variant's settings given as
+    flags; it names no checkpoint folder (`<default_root_dir>/checkpoints`), and its comment's
+    command is that one file."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (method,) = read_layer(path).bases
+    settings = _settings(_name(path))
+    assert "checkpoint" not in settings and settings["trainer"]["default_root_dir"].startswith("runs/")
+    variant = make_cli(["--config", _name(path)], run=False)
+    flagged = make_cli(["--config", str(Path(method).relative_to(ROOT)), *_flags(settings)], run=False)
+    assert _dump(variant) == _dump(flagged) != _dump(make_cli(["--config", str(Path(method).relative_to(ROOT))],
+                                                              run=False))
+    assert f"fit --config {_name(path)}" in path.read_text()
+
+
+@pytest.mark.parametrize("path", [c for c in CONFIGS if c not in [*METHODS, *VARIANTS, *LAYERS]], ids=_name)
 def test_command_config_parses(path):
     content = yaml.safe_load(path.read_text())
     command, section = ("shard", "shard") if "shard" in content else ("prepare", "dataset")

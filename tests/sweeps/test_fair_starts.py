@@ -4,8 +4,8 @@ A comparison's sides are the grid choices of a sweep file (each composed as the 
 the choice's config layers, merged in order, then the sweep's and the choice's overrides), the main
 job's (`sweeps/demo/main_job.yaml`) among them. A side starts from random weights or from a seed model; a
 seed model is named by its checkpoint path, and the fit command that trains it is written in a config
-or sweep file's header. Two seed starts are alike when their commands are one recipe (the same
-layers and settings) apart from the width, and each seed has its side's own width.
+or sweep file's header. Two seed starts are alike when their commands compose one recipe (the same
+config) apart from the width and output folders, and each seed has its side's own width.
 """
 
 from __future__ import annotations
@@ -138,10 +138,18 @@ def fit_commands(path: Path) -> list[list[str]]:
 
 @dataclass(frozen=True)
 class Recipe:
-    """How a seed model is trained: its fit command's layers and settings, but for width and output folder."""
+    """How a seed model is trained: its fit command's composed config, but for width and output folder."""
 
-    layers: tuple[str, ...]
-    settings: tuple[tuple[str, str], ...]
+    config: str
+    """The config as sorted JSON, without `WIDTH` and `OUTPUTS`."""
+
+
+def recipe(config: dict) -> Recipe:
+    stripped = json.loads(json.dumps(config))
+    for dotted in (WIDTH, *OUTPUTS):
+        *parents, last = dotted.split(".")
+        (_get(stripped, ".".join(parents)) or {}).pop(last, None)
+    return Recipe(json.dumps({key: value for key, value in stripped.items() if value != {}}, sort_keys=True))
 
 
 @cache
@@ -153,8 +161,7 @@ def seed_recipes() -> dict[str, set[tuple[Recipe, int]]]:
             layers, options = _options(command)
             config = compose(layers, options)
             folder = options.get("checkpoint.dirpath") or f"{_get(config, 'trainer.default_root_dir')}/checkpoints"
-            settings = tuple(sorted((k, str(v)) for k, v in options.items() if k not in (WIDTH, *OUTPUTS)))
-            found.setdefault(f"{folder}/last.ckpt", set()).add((Recipe(layers, settings), width(config)))
+            found.setdefault(f"{folder}/last.ckpt", set()).add((recipe(config), width(config)))
     return found
 
 
@@ -251,13 +258,13 @@ def test_the_fixed_width_sweeps_give_every_side_one_shared_frozen_head_from_the_
 def test_the_main_jobs_sides_start_the_same_way_with_the_same_kind_of_head():
     """Each from a seed of its own width trained by one recipe (configs/demo/seed.yaml, App. D)."""
     sides = sweep_sides(load_sweep(ROOT / "sweeps" / "demo" / "main_job.yaml"))
-    seed = ("seed", Recipe(layers=("configs/demo/seed.yaml",), settings=()))
+    seed = ("seed", recipe(compose(["configs/demo/seed.yaml"], {})))
     assert {name: (start(config), head_kind(config)) for name, config in sides.items()} == {
         "{'N': 1}": (seed, "decoder_only"), "{'N': 2}": (seed, "decoder_only")}
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if "model" in (yaml.safe_load(p.read_text()) or {})],
-                         ids=_name)
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "class_path" in
+                                  ((yaml.safe_load(p.read_text()) or {}).get("model") or {})], ids=_name)
 def test_every_method_config_says_how_it_starts(path):
     """An explicit `init`; a seed start names a seed of the model's own width whose command is written down."""
     [*_, (_, content)] = read_layers(["--config", str(path)])
@@ -287,7 +294,7 @@ def test_sides_that_start_differently_are_told_apart():
     assert _differing({"spsa": random, "soma": soma}, start)
     # The demo's seed recipe (configs/demo/seed.yaml) against the paper's (configs/seed.yaml).
     cheap = compose(["configs/spsa.yaml"], {WIDTH: 32, CHECKPOINT: "runs/demo_seed_w32/checkpoints/last.ckpt"})
-    assert start(cheap)[1].layers[-1] == "configs/demo/seed.yaml"
+    assert start(cheap)[1] == recipe(compose(["configs/demo/seed.yaml"], {}))
     assert _differing({"cheap": cheap, "soma": soma}, start)
     assert not _differing({"spsa": spsa, "soma": soma}, start)
     wrong_width = compose(["configs/spsa.yaml"], {CHECKPOINT: "runs/seed_w361/checkpoints/last.ckpt"})
