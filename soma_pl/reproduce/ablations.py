@@ -18,10 +18,8 @@ from soma_pl.config_files import read_yaml
 from soma_pl.reproduce.comparisons import compare_selected
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import (
-    checks_table,
     grid_edge_note,
     number,
-    run_footer,
     save_figure,
     selected_text,
     table_head,
@@ -93,16 +91,13 @@ def fig9_result(report: dict, folders: dict[int, dict[int, str]], experiment: Ex
     reference_run = Path(folders[per_seed[0]["trial"][REFERENCE]][per_seed[0]["seed"]]) if per_seed else None
     return {"conditions": labels, "reference": REFERENCE, "rows": rows, "curves": _curves(per_seed, folders, labels),
             "checks": checks, "seed_model": seed_model(reference_run) if reference_run else None,
-            "seeds": [entry["seed"] for entry in per_seed],
-            "trials": report["trials"], "failed": report["failed"]}
+            "seeds": [entry["seed"] for entry in per_seed]}
 
 
 def fig9_markdown(result: dict) -> str:
     """Fig. 9 as a table: each condition's last-step losses and its difference from the reference."""
     steps = result["curves"][result["reference"]]["steps"]
-    lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
-             f"Equal compute: {result['basis']}.", "",
-             f"Mean ± standard error over seeds {', '.join(map(str, result['seeds']))} (nats/byte): ensemble "
+    lines = [f"Mean ± standard error over seeds {', '.join(map(str, result['seeds']))} (nats/byte): ensemble "
              f"validation at update {steps[-1] if steps else '—'}, test split at the end, and each condition's test "
              "loss minus the reference's (paired by seed). Paper: Fig. 9.", "",
              *table_head(["Condition", "Selected, per seed", "Ensemble validation", "Test", "Test − reference (ours)",
@@ -129,8 +124,6 @@ def fig9_markdown(result: dict) -> str:
     for label, curve in result["curves"].items():
         lines.append(table_row([label, *(f"{number(m)} ± {number(s)}" for m, s in zip(curve["mean"], curve["se"],
                                                                               strict=True))]))
-    lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "",
-              run_footer(result)]
     return "\n".join(lines) + "\n"
 
 

@@ -23,10 +23,7 @@ from soma_pl.callbacks.compute import Tally, compute_report
 from soma_pl.errors import SomaError
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import (
-    checks_table,
-    heading,
     number,
-    run_footer,
     save_figure,
     table_head,
     table_row,
@@ -121,8 +118,7 @@ def table5_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
     return {"budgets_seconds": list(budgets), "rows": rows,
             "per_seed": {label: {"seeds": [e["seed"] for e in per_seed], "losses": values,
                                  "total_seconds": totals[label]} for label, values in losses.items()},
-            "checks": checks, "seeds": [e["seed"] for e in per_seed],
-            "trials": report["trials"], "failed": report["failed"]}
+            "checks": checks, "seeds": [e["seed"] for e in per_seed]}
 
 
 def _paper_row(paper: dict, experts: int, largest: int) -> str | None:
@@ -138,9 +134,7 @@ def table5_markdown(result: dict) -> str:
     budgets = result["budgets_seconds"]
     largest = max(row["experts"] for row in result["rows"])
     table5 = result["paper_summary"]
-    lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
-             f"Equal compute: {result['basis']}.", "",
-             f"Ensemble-validation loss (nats/byte), mean ± sd over seeds {', '.join(map(str, result['seeds']))}, "
+    lines = [f"Ensemble-validation loss (nats/byte), mean ± sd over seeds {', '.join(map(str, result['seeds']))}, "
              "interpolated at each budget on the run's curve against update time. Below each of our rows, "
              f"the paper's (Table 5: {', '.join(table5['budgets'])}; {table5['note']}).", "",
              *table_head(["N", *(f"{method} {budget:g} s" for budget in budgets for method in ("SOMA", "BPTT"))])]
@@ -158,9 +152,7 @@ def table5_markdown(result: dict) -> str:
                                                            for i in range(len(budgets)) for m in ("soma", "bptt"))]))
     lines += ["", "Update time each run reached when its budget stopped it (s, on the runs' basis): " + "; ".join(
         f"{label} " + ", ".join(f"{t:.0f}" for t in entry["total_seconds"])
-        for label, entry in result["per_seed"].items()) + ".",
-              "", "## The paper's claims", "", *checks_table(result["checks"]), "",
-              run_footer(result)]
+        for label, entry in result["per_seed"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -219,7 +211,7 @@ def table3_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
                                                           paper["gpu_hours"][f"fixed_{rate.seconds_per_expert_update:.3f}"],
                                                           seconds=f"{rate.seconds_per_expert_update:.3f}")
               for rate in theirs.fixed_rate]
-    return {"rows": rows, "checks": checks, "trials": report["trials"], "failed": report["failed"],
+    return {"rows": rows, "checks": checks,
             "paper_ratio": paper["gpu_hours"]["physical"] / paper["gpu_hours"]["recorded"]}
 
 
@@ -228,7 +220,7 @@ def table3_markdown(result: dict) -> str:
     labels = list(result["rows"])
     names = {label: f"N = {result['rows'][label]['experts']}" for label in labels}
     paper = result["paper_summary"]["gpu_hours"]
-    lines = [*heading(result), "Update seconds of each side's runs (mean ± sd over seeds); the paper's GPU-hours for "
+    lines = ["Update seconds of each side's runs (mean ± sd over seeds); the paper's GPU-hours for "
              "its N = 256 checkpoint.", "",
              *table_head(["Accounting method", *(names[label] for label in labels), "Paper (GPU-hours)"])]
     for key, text in TABLE3_ROWS.items():
@@ -244,5 +236,5 @@ def table3_markdown(result: dict) -> str:
               + f" (paper {result['paper_ratio']:.3f}); recorded over calibrated (the fits' other work and warm-up): "
               + ", ".join(f"{names[label]} {result['rows'][label]['recorded_over_calibrated']['mean']:.3f}"
                           for label in labels) + ". The fixed-rate conventions have no CPU rate of their own; they "
-              "are checked on the paper's run.", "", *checks_table(result["checks"]), "", run_footer(result)]
+              "are checked on the paper's run."]
     return "\n".join(lines) + "\n"

@@ -8,8 +8,9 @@ it). An experiment runs
 either a sweep (`sweeps`: trained runs, selected and scored) or commands (`commands`: measurements
 at fixed weights, as `analyze params` or `analyze variance`, writing JSON into the result's folder,
 named `{folder}` in their arguments). The file names a module whose `<name>_result` and
-`<name>_markdown` turn the sweep's report (or the commands' folder) into the result and its table in
-the paper's layout, and whose `<name>_figure`, where it has one, draws it.
+`<name>_markdown` turn the sweep's report (or the commands' folder) into the result and its tables in
+the paper's layout, and whose `<name>_figure`, where it has one, draws it; `Experiment.table` puts
+the heading, the claims' verdicts and the run's footer around those tables, one way for all.
 
 A result is a plain dict (written as `results/<name>/result.json`): `rows` of the paper's table
 with the paper's numbers beside ours, `blocks` of further tables, `checks` (each claim's verdict,
@@ -141,12 +142,19 @@ class Experiment:
 
     def result(self, *inputs, **options) -> dict:
         """(sweep report, trial → seed → run folder), or the commands' folder → the experiment's
-        result; `options` go to the module's function (a test's budgets or text)."""
-        return {**self.function("result")(*inputs, self, **options), "paper_summary": self.paper}
+        result, with the sweep's trial states; `options` go to the module's function (a test's
+        budgets or text)."""
+        trials = {key: inputs[0][key] for key in ("trials", "failed")} if self.sweeps else {}
+        return {**trials, **self.function("result")(*inputs, self, **options), "paper_summary": self.paper}
 
     def table(self, result: dict) -> str:
-        """The result → markdown in the paper's layout, the paper's numbers beside ours."""
-        return self.function("markdown")(result)
+        """The result → markdown: its heading, the module's tables in the paper's layout (the paper's
+        numbers beside ours), the claims' verdicts, and how the run went."""
+        from soma_pl.reproduce.tables import checks_table, commands_footer, heading, run_footer
+
+        body = self.function("markdown")(result).strip("\n")
+        return "\n".join([*heading(result), body, "", "## The paper's claims", "", *checks_table(result["checks"]), "",
+                          run_footer(result) if self.sweeps else commands_footer(result)]) + "\n"
 
     def figure(self, result: dict, path: Path) -> Path | None:
         """(the result, a PNG path) → the figure written there; None for an experiment without one."""

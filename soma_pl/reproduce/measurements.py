@@ -13,7 +13,7 @@ from pathlib import Path
 from soma_pl.errors import SomaError
 from soma_pl.reproduce.experiments import Experiment, load_experiment
 from soma_pl.reproduce.inference import label_experts
-from soma_pl.reproduce.tables import checks_table, commands_footer, heading, save_figure, table_head, table_row
+from soma_pl.reproduce.tables import save_figure, table_head, table_row
 
 MARGIN = 0.1
 """How near a measured ratio must lie to its prediction (relative) for Figs. 10 and 11's predictions to hold."""
@@ -41,7 +41,7 @@ def table2_result(folder: Path, experiment: Experiment) -> dict:
 
 
 def table2_markdown(result: dict) -> str:
-    lines = [*heading(result), *table_head(["N", "d_t", "head per expert", "ensemble parameters (paper)",
+    lines = [*table_head(["N", "d_t", "head per expert", "ensemble parameters (paper)",
                                             "expert body parameters (paper)"])]
     for row in result["rows"]:
         paper = row["paper"]
@@ -49,7 +49,7 @@ def table2_markdown(result: dict) -> str:
         lines.append(table_row([str(row["N"]), str(row["d_t"]), head,
                                 f"{row['ensemble_params']:,} ({_short(paper['ensemble'])})",
                                 f"{row['expert_body_params']:,} ({_short(paper['body'])})"]))
-    return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def _short(count: float) -> str:
@@ -105,7 +105,7 @@ def _measured(point: dict) -> str:
 
 def fig10_markdown(result: dict) -> str:
     paper, settings = result["paper_summary"], result["settings"]
-    lines = [*heading(result), f"Weights: {result['weights']}; measured relative error ± its standard error over "
+    lines = [f"Weights: {result['weights']}; measured relative error ± its standard error over "
              f"the draws, predicted in brackets (App. G.1, no fitting). Paper: {paper['note']}", "",
              "**Fig. 10, left** (sparse probes, random init at equal total size, the largest n_pert):", "",
              *table_head(["N", "width", "parameters per expert", "relative error (predicted)"])]
@@ -131,7 +131,7 @@ def fig10_markdown(result: dict) -> str:
               "", f"Draws: {settings['sparse']['repeats']} per point (sparse), {settings['dense']['repeats']} "
               f"(dense), {settings['dense']['batch_repeats']} in the batch panel; context "
               f"{settings['sparse']['context']} "
-              "bytes.", "", *checks_table(result["checks"]), "", commands_footer(result)]
+              "bytes."]
     return "\n".join(lines) + "\n"
 
 
@@ -185,7 +185,7 @@ def table12_result(folder: Path, experiment: Experiment) -> dict:
 
 def table12_markdown(result: dict) -> str:
     settings = result["settings"]
-    lines = [*heading(result), f"Median of {settings['repeats']} warm batches in each of {settings['rounds']} rounds "
+    lines = [f"Median of {settings['repeats']} warm batches in each of {settings['rounds']} rounds "
              f"(a fresh process per configuration per round), {settings['threads'] or 'all'} thread(s); a request is "
              "1,024 bytes scoring the last 768. Paper (one GPU) in brackets.", "",
              *table_head(["model", "parameters", "top-k", "batch", "tokens/s (paper)", "per round", "latency ms",
@@ -198,7 +198,7 @@ def table12_markdown(result: dict) -> str:
                                 f"{row['latency_ms']:,.0f}",
                                 f"{row['routing_share']:.2%} ({paper.get('routing_share', '—')})",
                                 f"{row['peak_above_baseline_bytes'] / 2 ** 20:,.0f} MiB"]))
-    return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def _round_ratios(upper: list[float], lower: list[float]) -> tuple[float, float, int]:
@@ -259,7 +259,7 @@ def fig6_result(folder: Path, experiment: Experiment) -> dict:
 def fig6_markdown(result: dict) -> str:
     settings = result["settings"]
     threads = settings["threads"] or "all"
-    lines = [*heading(result), f"Throughput: median of {settings['repeats']} warm batches in each of "
+    lines = [f"Throughput: median of {settings['repeats']} warm batches in each of "
              f"{settings['rounds']} rounds (a fresh process per configuration per round), {threads} thread(s). "
              f"Loss: the lowest ensemble-validation loss of each run of `{result['losses_from']['experiment']}`, "
              "per seed, over its validations (more for a run that makes more updates in the budget). Paper (one "
@@ -273,7 +273,7 @@ def fig6_markdown(result: dict) -> str:
                                 ", ".join(f"{t:,.0f}" for t in row["tokens_per_s_per_round"]),
                                 str(row["validations"]), ", ".join(f"{loss:.4f}" for loss in row["lowest_loss"]),
                                 f"{statistics.fmean(row['lowest_loss']):.4f}"]))
-    return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def fig6_figure(result: dict, path: Path) -> Path:
@@ -321,7 +321,7 @@ def fig5_result(folder: Path, experiment: Experiment) -> dict:
 
 def fig5_markdown(result: dict) -> str:
     paper = result["paper_summary"]
-    lines = [*heading(result), f"R = Σₑ E‖ĝₑ − g_ref,e‖² / Σₑ ‖g_ref,e‖² (Eq. 5) over {result['draws']} draws of a "
+    lines = [f"R = Σₑ E‖ĝₑ − g_ref,e‖² / Σₑ ‖g_ref,e‖² (Eq. 5) over {result['draws']} draws of a "
              "batch and of directions, ± its standard error; each expert's reference is the autograd gradient on "
              f"{result['reference_windows']} windows of {result['context'] + 1} bytes, its batches drawn from a pool "
              f"of {result['pool']} others. A step's cost: multiply-adds of its 2·n_pert·B·T byte forwards over all "
@@ -340,7 +340,7 @@ def fig5_markdown(result: dict) -> str:
               *table_head(["N", "reference windows", "cosine distance"])]
     lines += [table_row([str(r["experts"]), str(r["reference_windows"]), f"{r['cosine_distance']:.4f}"])
               for r in result["table8"]]
-    return "\n".join([*lines, "", *checks_table(result["checks"]), "", commands_footer(result)]) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def fig5_figure(result: dict, path: Path) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 from soma_pl.reproduce.allocation import one_start
 from soma_pl.reproduce.comparisons import compare_selected
 from soma_pl.reproduce.experiments import Experiment
-from soma_pl.reproduce.tables import checks_table, heading, number, rows_figure, run_footer, table_head, table_row
+from soma_pl.reproduce.tables import number, rows_figure, table_head, table_row
 from soma_pl.reproduce.verdicts import mean_sd
 
 
@@ -27,15 +27,13 @@ def fig4_result(report: dict, folders: dict[int, dict[int, str]], experiment: Ex
                                                                                           strict=True)},
              "test": mean_sd(test[arm])} for arm in arms]
     return {"rows": rows, "differences": [s - i for s, i in zip(summed, independent, strict=True)],
-            "seeds": [e["seed"] for e in per_seed], "start": start, "checks": checks,
-            "trials": report["trials"], "failed": report["failed"]}
+            "seeds": [e["seed"] for e in per_seed], "start": start, "checks": checks}
 
 
 def fig4_markdown(result: dict) -> str:
     paper, seeds = result["paper_summary"], result["seeds"]
     independent, summed = result["rows"]
-    lines = [*heading(result),
-             f"Test loss (nats/byte) after {paper['cpu_updates']} further updates from "
+    lines = [f"Test loss (nats/byte) after {paper['cpu_updates']} further updates from "
              f"`{result['start']['checkpoint']}` "
              f"(test loss {result['start']['test']:.4f} there), per seed; the paper's gains after {paper['updates']:,} "
              f"further updates: {', '.join(f'{g:+.4f}' for g in paper['gains'])}.", "",
@@ -45,8 +43,7 @@ def fig4_markdown(result: dict) -> str:
                                 number(summed["per_seed"][str(seed)]), number(difference, sign=True)]))
     lines += [table_row(["mean", number(independent["test"]["mean"]), number(summed["test"]["mean"]),
                          number(sum(result["differences"]) / len(result["differences"]), sign=True)]), "",
-              f"The paper's later continuation ({paper['mature']}) is not run at this scale.", "",
-              *checks_table(result["checks"]), "", run_footer(result)]
+              f"The paper's later continuation ({paper['mature']}) is not run at this scale."]
     return "\n".join(lines) + "\n"
 
 

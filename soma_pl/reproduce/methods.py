@@ -20,12 +20,10 @@ from soma_pl.reproduce.budgets import complete_mean_sd, losses_at_budgets, run_b
 from soma_pl.reproduce.comparisons import EXTERNAL_TEXT, compare_selected
 from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import (
-    checks_table,
     grid_edge_note,
     interval_text,
     number,
     rows_figure,
-    run_footer,
     save_figure,
     selected_text,
     table_head,
@@ -83,15 +81,12 @@ def table4_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
     if "final" in all_scores:
         for row in rows:
             row["final"] = mean_sd([s["loss"] for s in all_scores["final"][row["row"]]])
-    return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed], "fig1_budgets": budgets,
-            "trials": report["trials"], "failed": report["failed"]}
+    return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed], "fig1_budgets": budgets}
 
 
 def table4_markdown(result: dict) -> str:
     """Table 4's layout: configuration, n_pert, updates, compute and test loss; the paper's beside."""
-    lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
-             f"Equal compute: {result['basis']}.", "",
-             f"Mean ± sd over seeds {', '.join(map(str, result['seeds']))}; each seed's 95% document interval "
+    lines = [f"Mean ± sd over seeds {', '.join(map(str, result['seeds']))}; each seed's 95% document interval "
              "follows. Updates are per expert for SOMA; seconds are Table 3's aggregate update time (every expert "
              "and rank counted: updates × the update time calibrated alone where the sweep calibrates), the "
              "measured one beside it, and the physical total (ranks × training wall time). Paper: Table 4 (~150 "
@@ -118,8 +113,6 @@ def table4_markdown(result: dict) -> str:
     lines += [table_row([row["row"], *("—" if point["mean"] is None else
                                        f"{number(point['mean'])} ± {number(point['sd'])}" for point in row["fig1"])])
               for row in result["rows"]]
-    lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "",
-              run_footer(result)]
     return "\n".join(lines) + "\n"
 
 
@@ -157,16 +150,13 @@ def table9_result(report: dict, folders: dict[int, dict[int, str]], experiment: 
              "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[label], strict=True)},
              "paper": experiment.paper.get(PAPER_ROW.get(label, label))} for label in scores]
     return {"rows": rows, "checks": checks, "seeds": [e["seed"] for e in per_seed],
-            "text": {key: first.get(key) for key in ("text", "documents", "documents_scored", "windows", "bytes")},
-            "trials": report["trials"], "failed": report["failed"]}
+            "text": {key: first.get(key) for key in ("text", "documents", "documents_scored", "windows", "bytes")}}
 
 
 def table9_markdown(result: dict) -> str:
     """Table 9's layout: each checkpoint's frozen loss on the external text; the paper's beside."""
     text = result["text"]
-    lines = [f"# {result['experiment']} ({result['scale']} scale): {result['title']}", "",
-             f"Equal compute: {result['basis']}.", "",
-             f"Frozen next-byte loss (nats/byte) on `{text['text']}` ({text['documents']} documents, "
+    lines = [f"Frozen next-byte loss (nats/byte) on `{text['text']}` ({text['documents']} documents, "
              f"{text['windows']} windows of 1,025 bytes from {text['documents_scored']} of them), routed on 256 bytes "
              f"and scored on the next 768 as in Table 1; mean ± sd over seeds {', '.join(map(str, result['seeds']))} "
              "and each seed's 95% document interval. Paper: Table 9 (WikiText-103).", "",
@@ -178,8 +168,6 @@ def table9_markdown(result: dict) -> str:
                                 f"{number(row['external']['mean'])} ± {number(row['external']['sd'])}",
                                 " ".join(interval_text(i, False) for i in row["external_95"]),
                                 number(paper.get("validation"), 3), number(paper.get("test"), 3)]))
-    lines += ["", "## The paper's claims", "", *checks_table(result["checks"]), "",
-              run_footer(result, "Table 4's trials reused; the evaluations are part of it")]
     return "\n".join(lines) + "\n"
 
 

@@ -35,7 +35,7 @@ from soma_pl.analysis.time_basis import interpolate, update_curve, window_curve
 from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import Interval, document_bootstrap
 from soma_pl.reproduce.experiments import Claim, Experiment
-from soma_pl.reproduce.tables import checks_table, heading, number, run_footer, save_figure, table_head, table_row
+from soma_pl.reproduce.tables import number, save_figure, table_head, table_row
 from soma_pl.reproduce.verdicts import LEVEL, Verdict, mean_sd, paired_seeds
 
 FIG8_POINTS = 3
@@ -268,8 +268,7 @@ def fig7_result(report: dict, folders: dict[int, dict[int, str]], experiment: Ex
                                               "windows", "documents")} for t in topks],
             "error_correlation": [{key: c[key] for key in ("experts", "tokens", "bins", "gain_correlation_pearson",
                                                            "pairs")} for c in correlations],
-            "checks": checks, "seeds": [e["seed"] for e in per_seed],
-            "trials": report["trials"], "failed": report["failed"]}
+            "checks": checks, "seeds": [e["seed"] for e in per_seed]}
 
 
 def fig7_markdown(result: dict) -> str:
@@ -277,8 +276,7 @@ def fig7_markdown(result: dict) -> str:
     the top-k curve (Fig. 16) and the error-correlation bins (Fig. 17); then the claims."""
     paper = result["paper_summary"]
     seeds = ", ".join(map(str, result["seeds"]))
-    lines = [*heading(result),
-             "## Fig. 7 (left): ensemble-validation loss against elapsed time per expert", "",
+    lines = ["## Fig. 7 (left): ensemble-validation loss against elapsed time per expert", "",
              f"Mean ± sd over seeds {seeds} (nats/byte), interpolated in log time at the common cutoff of "
              f"{result['cutoff_seconds']:.1f} s of update time per expert (U·t̄ₑ, one thread; the paper's "
              f"common cutoff: {paper['cutoff']}; its N: {', '.join(map(str, paper['experts']))}). Multiply-adds per "
@@ -330,9 +328,8 @@ def fig7_markdown(result: dict) -> str:
             lines += [table_row([f"{b['correlation']:+.3f}", f"{b['gain']:+.4f} ± {b['gain_stderr']:.4f}",
                                  str(b["pairs"])]) for b in analysis["bins"]]
             lines.append("")
-    lines += ["", "## The paper's claims", "", *(f"- {paper[key]} (paper, {key.replace('fig', 'Fig. ')})"
-                                                for key in ("fig7", "fig8", "fig16", "fig17")), "",
-              *checks_table(result["checks"]), "", run_footer(result)]
+    lines += ["", "The paper's statements:", "", *(f"- {paper[key]} (paper, {key.replace('fig', 'Fig. ')})"
+                                                   for key in ("fig7", "fig8", "fig16", "fig17"))]
     return "\n".join(lines) + "\n"
 
 
@@ -427,15 +424,13 @@ def fig7_settings_result(report: dict, folders: dict[int, dict[int, str]], exper
                      "updates": runs[0]["updates"][-1], "final": mean_sd([c["loss"][-1] for c in runs]),
                      "per_expert_seconds": mean_sd([c["per_expert_seconds"][-1] for c in runs])})
     return {"rows": rows, "series": series, "curves": curves, "checks": checks,
-            "seeds": [e["seed"] for e in per_seed],
-            "trials": report["trials"], "failed": report["failed"]}
+            "seeds": [e["seed"] for e in per_seed]}
 
 
 def fig7_settings_markdown(result: dict) -> str:
     """One row per setting; then the claims, at equal updates and at equal elapsed time."""
     paper = result["paper_summary"]
-    lines = [*heading(result),
-             f"Ensemble-validation loss (nats/byte), mean ± sd over seeds {', '.join(map(str, result['seeds']))}. "
+    lines = [f"Ensemble-validation loss (nats/byte), mean ± sd over seeds {', '.join(map(str, result['seeds']))}. "
              f"Directions per update: n_pert × B (each window of a batch has its own n_pert directions). The paper "
              f"(N = {paper['experts']}): n_pert {', '.join(map(str, paper['n_pert']))} at B = 64 and B "
              f"{', '.join(map(str, paper['B']))} at n_pert = 64; its curves give no table of numbers.", "",
@@ -446,8 +441,7 @@ def fig7_settings_markdown(result: dict) -> str:
                                 f"{row['multiply_adds_per_update']:.3g}", str(row["updates"]),
                                 f"{number(row['final']['mean'])} ± {number(row['final']['sd'])}",
                                 f"{row['per_expert_seconds']['mean']:.0f}"]))
-    lines += ["", "## The paper's claims", "", f"- {paper['claim']}", "", *checks_table(result["checks"]), "",
-              run_footer(result)]
+    lines += ["", "The paper's statement:", "", f"- {paper['claim']}"]
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from soma_pl.reproduce import comparisons
-from soma_pl.reproduce.ablations import REFERENCE, fig9_figure, fig9_markdown
+from soma_pl.reproduce.ablations import REFERENCE, fig9_figure
 from soma_pl.reproduce.experiments import load_experiment
 from soma_pl.reproduce.verdicts import Verdict
 
@@ -109,7 +109,7 @@ def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(
         assert check["verdict"] == Verdict.holds.value and check["split"] == "test"
         assert check["document_interval"] == pytest.approx([SHIFT[condition] + 0.001] * 2)
     assert checks[claims["cold"]]["verdict"] == Verdict.does_not_hold.value
-    text = fig9_markdown({**result, "experiment": "fig9", "scale": "cpu", "title": "t", "basis": "b",
+    text = load_experiment("fig9").table({**result, "experiment": "fig9", "scale": "cpu", "title": "t", "basis": "b",
                           "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
     assert "| cold† | lr=0.01; lr=0.01; lr=0.01 |" in text and "(cold: lr)" in text
     assert "| decoder_only_head | lr=0.001; lr=0.001; lr=0.001 | 3.2800 ± 0.0289 | 3.0835 ± 0.0020 | " \

@@ -14,11 +14,9 @@ from soma_pl.eval.bootstrap import Interval
 from soma_pl.reproduce.allocation import (
     equivalence,
     fig13_figure,
-    fig13_markdown,
     loss_range,
     seconds_to,
     table11_figure,
-    table11_markdown,
     threshold_of,
 )
 from soma_pl.reproduce.experiments import Claim, load_experiment
@@ -123,7 +121,7 @@ def test_fig13_favours_the_allocation_that_updates_fastest(tmp_path):
     per_update = 8 * 64 * 800 / 8  # token-forwards per update × parameters per expert
     assert result["budgets"] == pytest.approx([0.95 * 10 * per_update / d for d in (4, 2, 1)])
     assert all(check["mean"] == pytest.approx(0.0) for check in result["checks"][1:])
-    text = fig13_markdown({**result, "experiment": "fig13", "scale": "cpu", "title": "t", "basis": "b",
+    text = load_experiment("fig13").table({**result, "experiment": "fig13", "scale": "cpu", "title": "t", "basis": "b",
                            "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2]})
     assert "| p2_b16 | 2 | 16 | 5.12e+04 | 5, 5, 5 |" in text and "2.00x (paper: 1.55x)" in text
     assert fig13_figure({**result, "experiment": "fig13", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
@@ -179,7 +177,8 @@ def test_table11_checks_each_pair_of_allocations_for_equality(tmp_path):
     verdicts = {check["claim"].split(" end")[0]: check["verdict"] for check in result["checks"]}
     assert verdicts == {"p8_b4 and p2_b16": "holds", "p32_b1 and p2_b16": "does not hold",
                         "p32_b1 and p8_b4": "does not hold"}
-    text = table11_markdown({**result, "experiment": "table11", "scale": "cpu", "title": "t", "basis": "b",
+    text = load_experiment("table11").table({
+        **result, "experiment": "table11", "scale": "cpu", "title": "t", "basis": "b",
                              "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2]})
     assert "| 2 | 16 | 2.050000 | 2.052000 | 2.054000 | 2.052000 | 64 | 1024 | 2.376587 |" in text
     # two seeds decide nothing

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from soma_pl.errors import SomaError
-from soma_pl.reproduce.budgets import table5_figure, table5_markdown
+from soma_pl.reproduce.budgets import table5_figure
 from soma_pl.reproduce.experiments import load_experiment
 from soma_pl.reproduce.verdicts import Verdict
 
@@ -82,7 +82,8 @@ def test_table5_interpolates_each_run_at_the_budgets_and_checks_both_claims(tmp_
     # validation curves keep no per-window losses: without a document interval three seeds decide nothing
     assert all(check["verdict"] == Verdict.inconclusive.value and check["seeds"] == 3 and check["p"] is None
                and check["document_interval"] is None and check["split"] == "val" for check in result["checks"])
-    text = table5_markdown({**result, "experiment": "table5", "scale": "cpu", "title": "t", "basis": "b",
+    text = load_experiment("table5").table({
+        **result, "experiment": "table5", "scale": "cpu", "title": "t", "basis": "b",
                             "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
     assert "| 2 | 2.7900 ± 0.0100 | 1.9900 ± 0.0100 | 2.7300 ± 0.0100 |" in text
     assert "| paper, N = 8 | 2.0880 | 1.1826 |" in text  # the paper's Table 5 at 50 GPU-hours

@@ -14,7 +14,6 @@ from soma_pl.reproduce.experiments import load_experiment
 from soma_pl.reproduce.inference import (
     budget_map,
     fig14_figure,
-    fig14_markdown,
     per_expert_checks,
     select,
 )
@@ -163,7 +162,7 @@ def test_fig14_result_counts_arithmetic_pairs_table13_and_draws(tmp_path, monkey
         assert where["min_per_expert_seconds"] >= 2 and where["min_share"] > 0.5
     result.update(experiment="fig14", scale="cpu", title="t", basis="b", wall_seconds=1.0, load_average=[0.0, 0.0],
                   workers=2)
-    text = fig14_markdown(result)
+    text = load_experiment("fig14").table(result)
     assert "| n8 | 8 | 4 | 800 | 100 | 400 |" in text and "## Table 13" in text and "| 2.2600 ± 0.0100 |" in text
     assert fig14_figure(result, tmp_path / "f.png").stat().st_size > 0
     assert math.isfinite(result["map"]["aggregate_seconds"][-1])

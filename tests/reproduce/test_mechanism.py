@@ -10,7 +10,7 @@ import pytest
 
 from soma_pl.errors import SomaError
 from soma_pl.reproduce.experiments import load_experiment
-from soma_pl.reproduce.mechanism import fig4_figure, fig4_markdown
+from soma_pl.reproduce.mechanism import fig4_figure
 from soma_pl.reproduce.verdicts import Verdict
 
 
@@ -51,7 +51,7 @@ def test_fig4_holds_when_every_seed_and_document_favours_the_independent_losses(
     assert check["document_interval"][0] > 0 and result["start"]["test"] == 2.5
     shown = {**result, "experiment": "fig4", "scale": "cpu", "title": "t", "basis": "b", "wall_seconds": 1.0,
              "workers": 2, "load_average": [0.1, 0.2]}
-    assert "| 1 | 2.0100 | 2.0500 | +0.0400 |" in fig4_markdown(shown)
+    assert "| 1 | 2.0100 | 2.0500 | +0.0400 |" in load_experiment("fig4").table(shown)
     assert fig4_figure(shown, tmp_path / "f.png").stat().st_size > 0
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from soma_pl.reproduce.experiments import load_experiment
-from soma_pl.reproduce.methods import table4_figure, table4_markdown
+from soma_pl.reproduce.methods import table4_figure
 from soma_pl.reproduce.verdicts import Verdict
 
 ROWS = ["soma_n2", "spsa_32", "spsa_128", "spsa_512", "eggroll", "ddpp"]
@@ -95,7 +95,8 @@ def test_table4_reports_each_row_and_checks_soma_against_every_other(tmp_path):
         assert check["document_interval"] == pytest.approx([SHIFT[label] + 0.001] * 2)
     ddpp = next(c for claim, c in checks.items() if claim.endswith("(ddpp)"))
     assert ddpp["verdict"] == Verdict.does_not_hold.value
-    text = table4_markdown({**result, "experiment": "table4", "scale": "cpu", "title": "t", "basis": "b",
+    text = load_experiment("table4").table({
+        **result, "experiment": "table4", "scale": "cpu", "title": "t", "basis": "b",
                             "wall_seconds": 1.0, "workers": 1, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
     assert "| spsa_512 | Monolithic SPSA | lr=0.005; lr=0.005; lr=0.005 | 8 | 160 | 151 | 162 | 3.2510 ± 0.0010 | " \
            "[2.9000, 3.3000] [2.9000, 3.3000] " \
@@ -109,7 +110,7 @@ def test_table9_scores_each_checkpoint_once_and_checks_soma_against_every_other(
     """The frozen evaluation of a real (tiny) checkpoint is saved in its run folder and read back;
     the table pairs the rows' per-window losses on the text."""
     from soma_pl.lit import ZOModule
-    from soma_pl.reproduce import comparisons, methods
+    from soma_pl.reproduce import comparisons
     from tests.tiny_checkpoints import SHAPE, module_checkpoint
 
     text = tmp_path / "text"
@@ -149,7 +150,8 @@ def test_table9_scores_each_checkpoint_once_and_checks_soma_against_every_other(
     verdicts = {check["claim"].rsplit("(", 1)[1]: check for check in result["checks"]}
     assert verdicts["spsa_32)"]["verdict"] == Verdict.holds.value
     assert verdicts["spsa_128)"]["document_interval"] == pytest.approx([0.1, 0.1])
-    text_md = methods.table9_markdown({**result, "experiment": "table9", "scale": "cpu", "title": "t", "basis": "b",
+    text_md = load_experiment("table9").table({
+        **result, "experiment": "table9", "scale": "cpu", "title": "t", "basis": "b",
                                        "wall_seconds": 1.0, "load_average": [0.1, 0.2]})
     assert "| spsa_32 | Monolithic SPSA | 2.2010 ± 0.0010 | [1.9000, 2.5000] [1.9000, 2.5000] [1.9000, 2.5000] | " \
            "2.240 | 2.254 |" in text_md

@@ -17,7 +17,6 @@ from soma_pl.distributed import Accounting
 from soma_pl.eval.bootstrap import document_bootstrap
 from soma_pl.reproduce import command, comparisons
 from soma_pl.reproduce.experiments import all_experiments, load_experiment
-from soma_pl.reproduce.selection import table7_markdown
 from soma_pl.reproduce.tables import reproduction_page, run_footer
 from soma_pl.reproduce.verdicts import Verdict
 from soma_pl.sweeps.report import stats
@@ -151,7 +150,7 @@ def test_a_result_puts_the_paper_beside_ours_and_checks_each_split(monkeypatch):
     assert verdicts["test"]["document_interval"] == pytest.approx([0.041, 0.041])
     assert verdicts["final"]["verdict"] == Verdict.does_not_hold.value
     assert set(verdicts) == {"test", "final"}  # every trial ran one budget: no claim on another basis
-    text = table7_markdown({**result, **RUN})
+    text = load_experiment("table7").table({**result, **RUN})
     assert "| 0 | 3.0500 | 3.0100† | 0.0400 | 2.2641 | 2.2273 | 0.0368 |" in text
     assert "| lr | N=1 | N=2 |" in text and "| 0.025 | 3.1000 ± 0.1000 | 2.9500 ± 0.0707 |" in text
     assert "| Mean | " in text and "0.0396" in text and "**does not hold**" in text and "SOMA: lr" in text

@@ -15,7 +15,6 @@ from soma_pl.reproduce.scaling import (
     aggregate_comparisons,
     correlation_check,
     fig7_figure,
-    fig7_markdown,
     topk_check,
 )
 from soma_pl.reproduce.verdicts import Verdict
@@ -119,7 +118,7 @@ def test_fig7_reads_both_time_bases_and_checks_each_claim(tmp_path):
     assert fig16["document_interval"] == pytest.approx((0.0, 0.0), abs=1e-12)
     fig17 = next(c for c in result["checks"] if "Fig. 17" in c["claim"])
     assert fig17["mean"] == pytest.approx(0.7) and fig17["seeds"] == 3  # r = −0.6, −0.7, −0.8
-    text = fig7_markdown({**result, "experiment": "fig7", "scale": "cpu", "title": "t", "basis": "b",
+    text = load_experiment("fig7").table({**result, "experiment": "fig7", "scale": "cpu", "title": "t", "basis": "b",
                           "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2], "trial_minutes": 3.0})
     assert "| 4 | 1,000 | 4,000 | 2.56e+05 | 100 | 2.3100 ± 0.0100 |" in text
     assert "| N = 1 → 2 | 100 | 2.5100 | 2.6600 | +0.1500 | inconclusive |" in text
@@ -220,7 +219,7 @@ def _settings_run(folder: Path, n_pert: int, batch: int, seed: int) -> None:
 
 
 def test_fig7_settings_orders_each_series_and_compares_on_both_bases(tmp_path):
-    from soma_pl.reproduce.scaling import fig7_settings_figure, fig7_settings_markdown
+    from soma_pl.reproduce.scaling import fig7_settings_figure
 
     labels = ["p8_b1", "p16_b1", "p64_b1", "p8_b2", "p8_b8"]
     per_seed, folders = [], {}
@@ -252,7 +251,8 @@ def test_fig7_settings_orders_each_series_and_compares_on_both_bases(tmp_path):
     assert len(checks) == 8 and all(c["verdict"] == "inconclusive" and c["seeds"] == 3 and c["p"] is None
                                     and c["document_interval"] is None for c in checks.values())
     assert {row["setting"]: row["directions"] for row in result["rows"]}["p8_b8"] == 64
-    text = fig7_settings_markdown({**result, "experiment": "fig7_settings", "scale": "cpu", "title": "t", "basis": "b",
+    text = load_experiment("fig7_settings").table({
+        **result, "experiment": "fig7_settings", "scale": "cpu", "title": "t", "basis": "b",
                                    "wall_seconds": 1.0, "workers": 2, "load_average": [0.1, 0.2]})
     assert "| p8_b8 | 8 | 64 | 64 |" not in text and "| p8_b8 | 8 | 8 | 64 |" in text
     assert fig7_settings_figure({**result, "experiment": "fig7_settings", "scale": "cpu"},
