@@ -6,6 +6,9 @@ reads the per-seed differences `worse − better` and the document interval over
 scored. `worse: others` compares `better` with every other column, one check each. Where the
 experiment scores its selected runs on the final test split (`final_test`), every such claim is
 checked there again, after all of them on their own split.
+
+An experiment whose claims are all such comparisons needs no module of its own: `selected_result`,
+`selected_markdown` and `selected_figure` lay out each column's selected runs.
 """
 
 from __future__ import annotations
@@ -17,10 +20,21 @@ from soma_pl.errors import ConfigError
 from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.io import write_json_atomic
 from soma_pl.reproduce.experiments import FOLDER, Experiment
+from soma_pl.reproduce.tables import (
+    grid_edge_note,
+    interval_text,
+    number,
+    rows_figure,
+    selected_text,
+    table_head,
+    table_row,
+)
+from soma_pl.reproduce.verdicts import mean_sd
 from soma_pl.sweeps.final_test import score_run
 
 EXTERNAL_TEXT = "data/external/moby_dick"
 """The external text of Table 9 at CPU scale (`python -m soma_pl.cli external-text`)."""
+SPLITS = {"test": "test split", "final": "final test split (used once)", "external": "external text"}
 
 
 def run_test_scores(run_dir: str, recorded: str | None) -> dict:
@@ -97,3 +111,44 @@ def compare_selected(report: dict, folders: dict[int, dict[int, str]], experimen
     """(split → column → each seed's selected run scored there, the declared comparisons checked)."""
     scores = {split: selected_scores(report, folders, split, text) for split in splits(experiment)}
     return scores, comparison_checks(experiment, scores, **fields)
+
+
+def selected_result(report: dict, folders: dict[int, dict[int, str]], experiment: Experiment) -> dict:
+    """The result of an experiment without a module of its own: each column's selected setting per
+    seed and its selected runs' scores on every split the comparisons read, the comparisons checked."""
+    table = report["table7"]
+    per_seed, edges = table["per_seed"], table.get("at_grid_edge") or {}
+    scores, checks = compare_selected(report, folders, experiment)
+    first = next(iter(scores))
+    rows = [{"row": label, "name": experiment.names.get(label, label),
+             "selected": [(entry.get("selected") or {}).get(label) for entry in per_seed],
+             "at_grid_edge": edges.get(label) or [],
+             "per_seed": {str(e["seed"]): s["loss"] for e, s in zip(per_seed, scores[first][label], strict=True)},
+             "documents_95": [s.get("bootstrap_95") for s in scores[first][label]],
+             **{split: mean_sd([s["loss"] for s in by_column[label]]) for split, by_column in scores.items()}}
+            for label in scores[first]]
+    return {"rows": rows, "splits": list(scores), "checks": checks, "seeds": [e["seed"] for e in per_seed]}
+
+
+def selected_markdown(result: dict) -> str:
+    """One row per column: its name, selected settings, each split's loss and the first split's
+    document intervals per seed."""
+    splits = result["splits"]
+    lines = [f"Each column's selected run per seed (seeds {', '.join(map(str, result['seeds']))}), scored on "
+             f"{', '.join(SPLITS.get(s, s) for s in splits)}: loss in nats/byte, mean ± sd over seeds, and each "
+             f"seed's 95% document interval on the {SPLITS.get(splits[0], splits[0])}.", "",
+             *table_head(["Column", "Name", "Selected, per seed", *(SPLITS.get(s, s) for s in splits),
+                          "95% documents, per seed"])]
+    for row in result["rows"]:
+        lines.append(table_row([row["row"] + ("†" if row["at_grid_edge"] else ""), row["name"],
+                                selected_text(row["selected"]),
+                                *(f"{number(row[s]['mean'])} ± {number(row[s]['sd'])}" for s in splits),
+                                " ".join(interval_text(i, False) for i in row["documents_95"])]))
+    return "\n".join([*lines, *grid_edge_note({row["row"]: row["at_grid_edge"] for row in result["rows"]})]) + "\n"
+
+
+def selected_figure(result: dict, path: Path) -> Path:
+    """Each column's loss on the first split per seed, and its mean ± sd."""
+    split = result["splits"][0]
+    return rows_figure(result, path, split, f"{SPLITS.get(split, split)} loss (nats/byte)",
+                       f"{result['experiment']} at {result['scale']} scale")

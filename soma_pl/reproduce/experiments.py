@@ -98,14 +98,16 @@ class Experiment:
     """The file's stem."""
     title: str
     """What it compares, with the paper's table or figure."""
-    module: str
-    """The module holding `<name>_result` and `<name>_markdown`, and `<name>_figure` where it draws one."""
     basis: str
     """Which compute is equal between the compared runs, and which other basis is reported beside it."""
     cost: dict[str, str]
     """Scale → what a run costs, as measured (cpu) or as the sweep's budget says (paper)."""
     claims: dict[str, Claim]
     """Key → a claim its result checks."""
+    module: str | None = None
+    """The module holding `<name>_result` and `<name>_markdown`, and `<name>_figure` where it draws one;
+    None for an experiment whose claims are all declared comparisons: `comparisons.selected_*` lay
+    out each column's selected runs."""
     sweeps: dict[str, str] = field(default_factory=dict)
     """Scale (`cpu`, `paper`) → the sweep file whose study it runs."""
     commands: dict[str, list[list[str]]] = field(default_factory=dict)
@@ -130,6 +132,8 @@ class Experiment:
     def function(self, kind: str, required: bool = True) -> Callable | None:
         """The module's `<name>_<kind>` (`result`, `markdown`, `figure`); None for a missing one
         not `required`."""
+        if self.module is None:
+            return getattr(importlib.import_module("soma_pl.reproduce.comparisons"), f"selected_{kind}")
         try:
             module = importlib.import_module(self.module)
         except ImportError as error:
@@ -199,6 +203,9 @@ def load(path: Path) -> Experiment:
     if bool(entry.get("sweeps")) == bool(entry.get("commands")):
         raise ConfigError(f"{path}: give one of 'sweeps' (trained runs) or 'commands' (measurements), not "
                           f"{'both' if entry.get('sweeps') else 'neither'}")
+    if not entry.get("module") and not (entry.get("sweeps") and claims and all(c.better for c in claims.values())):
+        raise ConfigError(f"{path}: module: name the module of its result and table, or run a sweep and declare "
+                          "every claim as a comparison of its columns (worse, better)")
     return Experiment(name=path.stem, **{**entry, "claims": claims})
 
 

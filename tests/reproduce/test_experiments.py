@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import shutil
 import textwrap
 from pathlib import Path
@@ -152,3 +153,47 @@ def test_a_declared_comparison_is_checked_on_each_split_against_every_other_colu
     with pytest.raises(ConfigError) as refused:
         comparison_checks(experiment, scores)
     assert "soma_n2" in str(refused.value) and "table4.yaml" in str(refused.value)
+
+
+PAIR = """title: A against B
+sweeps: {cpu: sweeps/demo/table4.yaml}
+basis: equal updates
+cost: {cpu: none}
+final_test: false
+names: {a: Method A}
+claims:
+  lower: {claim: "b reaches a lower test loss than {name}", basis: equal updates, split: test, worse: a, better: b}
+"""
+
+
+def test_an_experiment_of_comparisons_alone_is_a_file_and_no_module(tmp_path):
+    """A sweep and declared comparisons make a whole experiment: the default result, table and figure
+    lay out each column's selected runs; a file with a claim of another kind must name its module."""
+    (tmp_path / "pair.yaml").write_text(PAIR)
+    experiment = load_experiment("pair", tmp_path)
+    per_seed, folders, recorded = [], {}, {}
+    for seed in range(3):
+        trials = {"a": 10 * seed, "b": 10 * seed + 1}
+        for label, trial in trials.items():
+            record = tmp_path / f"trial-{trial}.json"
+            losses = [x + (0.2 if label == "a" else 0.0) + 0.01 * seed for x in (3.0, 3.1, 2.9, 3.2)]
+            record.write_text(json.dumps({**_scores(losses), "bootstrap_95": [2.9, 3.3]}))
+            folders[trial], recorded[trial] = {seed: str(tmp_path / f"trial-{trial}")}, {seed: str(record)}
+        per_seed.append({"seed": seed, "trial": trials, "selected": {"a": {"lr": 0.01}, "b": {"lr": 0.02}}})
+    report = {"table7": {"column_labels": ["a", "b"], "per_seed": per_seed, "at_grid_edge": {"b": ["lr"]}},
+              "test_score_files": recorded, "trials": {"COMPLETE": 6}, "failed": []}
+    result = experiment.result(report, folders)
+    (check,) = result["checks"]
+    assert check["claim"] == "b reaches a lower test loss than Method A" and check["verdict"] == Verdict.holds.value
+    assert check["mean"] == pytest.approx(0.2) and result["trials"] == {"COMPLETE": 6}
+    assert [row["test"]["mean"] for row in result["rows"]] == pytest.approx([3.26, 3.06])
+    shown = {**result, "experiment": "pair", "scale": "cpu", "title": "t", "basis": "b", "wall_seconds": 1.0,
+             "load_average": [0.1, 0.2]}
+    text = experiment.table(shown)
+    assert "| b† | b | lr=0.02; lr=0.02; lr=0.02 | 3.0600 ± 0.0100 | [2.9000, 3.3000]" in text
+    assert "## The paper's claims" in text and "**holds**" in text
+    assert experiment.figure(shown, tmp_path / "f.png").read_bytes().startswith(b"\x89PNG")
+    (tmp_path / "pair.yaml").write_text(PAIR.replace(", worse: a, better: b", ""))
+    with pytest.raises(ConfigError) as refused:
+        load_experiment("pair", tmp_path)
+    assert "module" in str(refused.value) and str(tmp_path / "pair.yaml") in str(refused.value)
