@@ -38,11 +38,9 @@ SPLITS = {"test": "test split", "final": "final test split (used once)", "extern
 
 
 def run_test_scores(run_dir: str, recorded: str | None) -> dict:
-    """A run's per-window test scores: its trial's own test record, else scored again (once)."""
+    """A run's per-window test scores: its trial's own test record, else scored (once)."""
     if recorded and Path(recorded).is_file():
-        scores = json.loads(Path(recorded).read_text())
-        if "window_losses" in scores:
-            return scores
+        return json.loads(Path(recorded).read_text())
     return score_run(Path(run_dir), "test")
 
 

@@ -7,7 +7,8 @@ sweep's columns also names them, `worse` and `better`, and `soma_pl.reproduce.co
 it). An experiment runs
 either a sweep (`sweeps`: trained runs, selected and scored) or commands (`commands`: measurements
 at fixed weights, as `analyze params` or `analyze variance`, writing JSON into the result's folder,
-named `{folder}` in their arguments). The file names a module whose `<name>_result` and
+named `{folder}` in their arguments). The file names a module (none where every claim is a
+declared comparison: `comparisons.selected_*` serve) whose `<name>_result` and
 `<name>_markdown` turn the sweep's report (or the commands' folder) into the result and its tables in
 the paper's layout, and whose `<name>_figure`, where it has one, draws it; `Experiment.table` puts
 the heading, the claims' verdicts and the run's footer around those tables, one way for all.

@@ -7,8 +7,8 @@ A run's score is kept in `<run_dir>/final_test/` and read back by every later re
 is evaluated once per selected run however often the report is drawn.
 
 `score_run(run_dir, "test")` scores a run on the ordinary test split the same way (into
-`<run_dir>/test_windows/`): `reproduce` uses it for the per-window losses of runs whose trial's
-test predates them (the paired document bootstrap needs them).
+`<run_dir>/test_windows/`): `reproduce` uses it for a selected run whose trial kept no test
+record of its own (the paired document bootstrap needs its per-window losses).
 """
 
 from __future__ import annotations

@@ -120,10 +120,9 @@ def test_fig9_draws_the_curves_and_checks_each_claim_on_the_paired_test_windows(
     assert fig9_figure({**result, "experiment": "fig9", "scale": "cpu"}, tmp_path / "f.png").stat().st_size > 0
 
 
-def test_a_trial_test_record_without_window_losses_is_scored_again(tmp_path, monkeypatch):
+def test_a_selected_run_without_its_trials_test_record_is_scored_on_the_test_split(tmp_path, monkeypatch):
     report, folders, _ = _report(tmp_path)
-    stale = Path(report["test_score_files"][0][0])
-    stale.write_text(json.dumps({"loss": 3.05}))  # an older test record: no per-window losses
+    Path(report["test_score_files"][0][0]).unlink()
     rescored = json.loads(Path(report["test_score_files"][1][0]).read_text())
     calls = []
     scored = comparisons.score_run
