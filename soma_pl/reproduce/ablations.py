@@ -22,6 +22,7 @@ from soma_pl.reproduce.tables import (
     number,
     save_figure,
     selected_text,
+    subplots,
     table_head,
     table_row,
 )
@@ -129,12 +130,7 @@ def fig9_markdown(result: dict) -> str:
 
 def fig9_figure(result: dict, path: Path) -> Path:
     """Ensemble-validation loss against training steps per condition, mean ± standard error."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(7.0, 4.0))
+    fig, axis = subplots(figsize=(7.0, 4.0))
     for label, curve in result["curves"].items():
         se = [s or 0.0 for s in curve["se"]]
         axis.errorbar(curve["steps"], curve["mean"], yerr=se, marker="o", capsize=3, label=label)

@@ -39,6 +39,7 @@ from soma_pl.reproduce.tables import (
     interval_text,
     number,
     save_figure,
+    subplots,
     table_head,
     table_row,
 )
@@ -169,12 +170,7 @@ def fig13_markdown(result: dict) -> str:
 
 def fig13_figure(result: dict, path: Path) -> Path:
     """Loss against aggregate update time per allocation, the threshold dotted (Fig. 13)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(7.5, 4.2))
+    fig, axis = subplots(figsize=(7.5, 4.2))
     for index, (label, runs) in enumerate(result["curves"].items()):
         for seed, curve in enumerate(runs):
             axis.plot(curve["aggregate_seconds"], curve["loss"], "-o", markersize=3, color=f"C{index}",

@@ -25,6 +25,7 @@ from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import (
     number,
     save_figure,
+    subplots,
     table_head,
     table_row,
 )
@@ -158,12 +159,7 @@ def table5_markdown(result: dict) -> str:
 
 def table5_figure(result: dict, path: Path) -> Path:
     """Ensemble-validation loss against the budget, per method and N (mean over seeds)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(7.0, 4.0))
+    fig, axis = subplots(figsize=(7.0, 4.0))
     budgets = result["budgets_seconds"]
     for row in result["rows"]:
         for method, style in (("soma", "-o"), ("bptt", "--s")):

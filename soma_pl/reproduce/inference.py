@@ -41,6 +41,7 @@ from soma_pl.reproduce.tables import (
     interval_text,
     number,
     save_figure,
+    subplots,
     table_head,
     table_row,
 )
@@ -301,10 +302,6 @@ def fig14_markdown(result: dict) -> str:
 def fig14_figure(result: dict, path: Path) -> Path:
     """The budget map of each seed (colour: the selected N), and Fig. 15's two panels: test loss
     against inference multiply-adds per token at the common budget, and with the longer run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import BoundaryNorm, ListedColormap
 
     grid = result["map"]
@@ -312,7 +309,7 @@ def fig14_figure(result: dict, path: Path) -> Path:
     colours = ListedColormap([f"C{i}" for i in range(len(counts))])
     norm = BoundaryNorm([i - 0.5 for i in range(len(counts) + 1)], len(counts))
     panels = len(grid["selected"]) + 2
-    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 4.0))
+    fig, axes = subplots(1, panels, figsize=(4.4 * panels, 4.0))
     for axis, seed, selected in zip(axes, result["seeds"], grid["selected"], strict=False):
         index = np.array([[np.nan if n is None or p > a else counts.index(n)
                            for a, n in zip(grid["aggregate_seconds"], line, strict=True)]

@@ -13,7 +13,7 @@ from pathlib import Path
 from soma_pl.errors import SomaError
 from soma_pl.reproduce.experiments import Experiment, load_experiment
 from soma_pl.reproduce.inference import label_experts
-from soma_pl.reproduce.tables import save_figure, table_head, table_row
+from soma_pl.reproduce.tables import save_figure, subplots, table_head, table_row
 
 MARGIN = 0.1
 """How near a measured ratio must lie to its prediction (relative) for Figs. 10 and 11's predictions to hold."""
@@ -137,12 +137,7 @@ def fig10_markdown(result: dict) -> str:
 
 def fig10_figure(result: dict, path: Path) -> Path:
     """Relative error against N at equal size and against n_pert, measured (points) and predicted (lines)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (left, right) = subplots(1, 2, figsize=(9, 3.6))
     points = result["experts_points"]
     x = [p["num_experts"] for p in points]
     left.errorbar(x, [p["relative_error"] for p in points], yerr=[1.96 * p["stderr"] for p in points], fmt="o",
@@ -278,12 +273,7 @@ def fig6_markdown(result: dict) -> str:
 
 def fig6_figure(result: dict, path: Path) -> Path:
     """Lowest loss (mean over seeds, the seeds' range as bars) against tokens/s, one point per N."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(5, 3.6))
+    fig, axis = subplots(figsize=(5, 3.6))
     for row in result["rows"]:
         mean, losses = statistics.fmean(row["lowest_loss"]), row["lowest_loss"]
         axis.errorbar([row["tokens_per_s"]], [mean], yerr=[[mean - min(losses)], [max(losses) - mean]], fmt="o")
@@ -345,16 +335,11 @@ def fig5_markdown(result: dict) -> str:
 
 def fig5_figure(result: dict, path: Path) -> Path:
     """R against multiply-adds per global step: the N curve at the base, the n_pert and B curves at N = 1."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     base, points = result["base"], result["points"]
     curves = {"N (base n_pert, B)": [p for p in points if (p["n_pert"], p["batch"]) == (base["n_pert"], base["batch"])],
               "n_pert (N = 1)": [p for p in points if p["experts"] == 1 and p["batch"] == base["batch"]],
               "B (N = 1)": [p for p in points if p["experts"] == 1 and p["n_pert"] == base["n_pert"]]}
-    fig, axis = plt.subplots(figsize=(6.5, 4.2))
+    fig, axis = subplots(figsize=(6.5, 4.2))
     for label, curve in curves.items():
         curve = sorted(curve, key=lambda p: p["multiply_adds"])
         axis.errorbar([p["multiply_adds"] for p in curve], [p["relative_error"] for p in curve],

@@ -26,6 +26,7 @@ from soma_pl.reproduce.tables import (
     rows_figure,
     save_figure,
     selected_text,
+    subplots,
     table_head,
     table_row,
 )
@@ -118,12 +119,7 @@ def table4_markdown(result: dict) -> str:
 
 def table4_figure(result: dict, path: Path) -> Path:
     """Fig. 1: each row's ensemble-validation curves over update time (one line per seed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(7.5, 4.2))
+    fig, axis = subplots(figsize=(7.5, 4.2))
     for index, row in enumerate(result["rows"]):
         for seed, curve in enumerate(row["curves"]):
             axis.plot(*zip(*curve, strict=True), "-o", markersize=2, color=f"C{index}", alpha=0.9 if seed == 0 else 0.4,

@@ -35,7 +35,7 @@ from soma_pl.analysis.time_basis import interpolate, update_curve, window_curve
 from soma_pl.errors import SomaError
 from soma_pl.eval.bootstrap import Interval, document_bootstrap
 from soma_pl.reproduce.experiments import Claim, Experiment
-from soma_pl.reproduce.tables import number, save_figure, table_head, table_row
+from soma_pl.reproduce.tables import number, save_figure, subplots, table_head, table_row
 from soma_pl.reproduce.verdicts import LEVEL, Verdict, mean_sd, paired_seeds
 
 FIG8_POINTS = 3
@@ -336,17 +336,11 @@ def fig7_markdown(result: dict) -> str:
 def fig7_figure(result: dict, path: Path) -> Path:
     """Four panels: loss against elapsed time per expert (Fig. 7) and against aggregate time (Fig. 8),
     both on log axes; loss against k (Fig. 16); averaging gain against error correlation (Fig. 17)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(11.0, 8.0))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = subplots(2, 2, figsize=(11.0, 8.0))
     for index, (label, runs) in enumerate(result["curves"].items()):
         for seed, curve in enumerate(runs):
             for axis, basis in ((axes[0][0], "per_expert"), (axes[0][1], "aggregate")):
-                axis.plot(curve[f"{basis}_seconds"], curve["loss"], "-o", markersize=3, color=colours[index % 10],
+                axis.plot(curve[f"{basis}_seconds"], curve["loss"], "-o", markersize=3, color=f"C{index % 10}",
                           alpha=0.9 if seed == 0 else 0.5, label=f"N = {label}" if seed == 0 else None)
     axes[0][0].axvline(result["cutoff_seconds"], color="black", linestyle=":", linewidth=0.8)
     for axis, what in ((axes[0][0], "elapsed update time per expert, U·t̄ₑ (s, one thread; one device per expert)"),
@@ -447,12 +441,7 @@ def fig7_settings_markdown(result: dict) -> str:
 
 def fig7_settings_figure(result: dict, path: Path) -> Path:
     """Two panels, loss against elapsed time per expert on a log axis: the n_pert series and the B series."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.2), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(11.0, 4.2), sharey=True)
     for axis, (name, order) in zip(axes, result["series"].items(), strict=False):
         for index, label in enumerate(order):
             for seed, curve in enumerate(result["curves"][label]):

@@ -16,6 +16,7 @@ from soma_pl.reproduce.tables import (
     interval_text,
     number,
     save_figure,
+    subplots,
     table_head,
     table_row,
 )
@@ -103,13 +104,8 @@ def table7_markdown(result: dict, intro: str = TABLE7_INTRO, table6: bool = True
 
 def table7_figure(result: dict, path: Path) -> Path:
     """Each check's per-seed differences, their mean and 95% seed interval, beside the paper's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     blocks = list(result["blocks"].items())
-    fig, axis = plt.subplots(figsize=(7.5, 3.8))
+    fig, axis = subplots(figsize=(7.5, 3.8))
     paper = result["paper_summary"]
     axis.axhspan(paper["mean"]["difference"] - paper["sd"]["difference"],
                  paper["mean"]["difference"] + paper["sd"]["difference"], color="tab:green", alpha=0.15)
@@ -150,12 +146,7 @@ def main_job_markdown(result: dict) -> str:
 def main_job_figure(result: dict, path: Path) -> Path:
     """Each side's ensemble-validation curves (one line per seed) against updates and against update
     time (updates × the update time calibrated alone)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(11, 3.8), sharey=True)
     names = {"spsa": "monolithic SPSA", "soma": "SOMA N = 2"}
     for index, (side, curves) in enumerate(result["curves"].items()):
         for seed, curve in enumerate(curves):

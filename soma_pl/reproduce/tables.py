@@ -130,14 +130,20 @@ def calibration_text(result: dict) -> str:
     return text
 
 
-def rows_figure(result: dict, path: Path, key: str, ylabel: str, title: str) -> Path:
-    """Each row's score per seed and its mean ± sd (Tables 4 and 9)."""
+def subplots(*grid: int, **options):
+    """`matplotlib.pyplot.subplots` on the file-only Agg backend (matplotlib is imported on a
+    figure's first use: a result without a figure never loads it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axis = plt.subplots(figsize=(7.5, 3.8))
+    return plt.subplots(*grid, **options)
+
+
+def rows_figure(result: dict, path: Path, key: str, ylabel: str, title: str) -> Path:
+    """Each row's score per seed and its mean ± sd (Tables 4 and 9)."""
+    fig, axis = subplots(figsize=(7.5, 3.8))
     for x, row in enumerate(result["rows"]):
         values = list(row["per_seed"].values())
         axis.scatter([x] * len(values), values, color="tab:blue", zorder=3, label="ours, per seed" if x == 0 else None)
