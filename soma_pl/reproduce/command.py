@@ -35,6 +35,7 @@ from soma_pl.analysis.time_basis import accountings, calibration, measured_over_
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_atomic, write_json_atomic
 from soma_pl.locks import die_with_parent
+from soma_pl.reproduce.comparisons import check_columns
 from soma_pl.reproduce.experiments import REPOSITORY, Experiment, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import family
 from soma_pl.sweeps.calibration import (
@@ -379,9 +380,13 @@ def demo(dry_run: bool = False, workers: int | None = None, results: str = "resu
 def _reproduce(chosen: list[Experiment], scale: str, dry_run: bool, workers: int | None, storage: str | None,
                results: Path, progress: bool) -> None:
     """`main` in the repository root."""
-    for experiment in chosen:  # a wrong module or function is refused before anything runs
+    for experiment in chosen:  # a wrong module, function or compared column is refused before anything runs
         for kind in ("result", "markdown"):
             experiment.function(kind)
+        if scale in experiment.sweeps:
+            spec = load_sweep(experiment.sweeps[scale])
+            check_columns(experiment, next(([str(label) for label in factor.choices] for factor in spec.factors
+                                            if factor.name == spec.report.columns), []))
     for experiment in chosen:
         if scale not in experiment.scales:
             why = experiment.cost.get(scale)

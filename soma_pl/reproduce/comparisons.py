@@ -19,7 +19,7 @@ from pathlib import Path
 from soma_pl.errors import ConfigError
 from soma_pl.eval.bootstrap import paired_document_interval
 from soma_pl.io import write_json_atomic
-from soma_pl.reproduce.experiments import FOLDER, Experiment
+from soma_pl.reproduce.experiments import Experiment
 from soma_pl.reproduce.tables import (
     grid_edge_note,
     interval_text,
@@ -81,20 +81,26 @@ def splits(experiment: Experiment) -> list[str]:
     return list(dict.fromkeys(own + (["final"] if experiment.final_test and own else [])))
 
 
+def check_columns(experiment: Experiment, columns: list[str]) -> None:
+    """Refuse a comparison of a column the sweep has not (`reproduce` asks before any trial runs)."""
+    for key, claim in experiment.claims.items():
+        if claim.better is not None and (missing := sorted({claim.better, *claim.sides(columns)} - set(columns))):
+            raise ConfigError(f"{experiment.path}: claims.{key} compares column '{missing[0]}', which the sweep has "
+                              f"not; its columns: {', '.join(columns)}")
+
+
 def comparison_checks(experiment: Experiment, scores: dict[str, dict[str, list[dict]]], **fields) -> list[dict]:
-    """Every declared comparison on its split's `scores` (split → column → per-seed scores), then
-    each again on `final` where it was scored; `fields` fill the claims' text beside the column's
-    `label` and `name` (the experiment's `names`)."""
+    """Every declared comparison on its split's `scores` (split → column → per-seed scores), then,
+    with `final_test`, each again on the final split; `fields` fill the claims' text beside the
+    column's `label` and `name` (the experiment's `names`)."""
+    check_columns(experiment, list(next(iter(scores.values()), {})))
     checks = []
     for final in (False, True):
         for claim in experiment.claims.values():
-            if claim.better is None or (final and "final" not in scores):
+            if claim.better is None or final and (not experiment.final_test or claim.split == "final"):
                 continue
             columns = scores["final" if final else claim.split]
-            if missing := sorted({claim.better, *claim.sides(list(columns))} - set(columns)):
-                raise ConfigError(f"{FOLDER / experiment.name}.yaml: a claim compares column '{missing[0]}', "
-                                  f"which the sweep has not; its columns: {', '.join(columns)}")
-            for worse in claim.sides(columns):
+            for worse in claim.sides(list(columns)):
                 differences = [a["loss"] - b["loss"] for a, b in zip(columns[worse], columns[claim.better],
                                                                       strict=True)]
                 checked = claim.on_final() if final else claim

@@ -124,6 +124,13 @@ class Experiment:
     """A measurement's partner: the experiment whose saved result gives the losses it is paired with."""
     names: dict[str, str] = field(default_factory=dict)
     """Column → the name a comparison's claim gives it (`{name}`; the column's label where none)."""
+    folder: Path = FOLDER
+    """The folder of its file (`path`)."""
+
+    @property
+    def path(self) -> Path:
+        """Its file, which every refusal names."""
+        return self.folder / f"{self.name}.yaml"
 
     @property
     def scales(self) -> dict:
@@ -138,11 +145,11 @@ class Experiment:
         try:
             module = importlib.import_module(self.module)
         except ImportError as error:
-            raise ConfigError(f"{FOLDER / self.name}.yaml: module {self.module} cannot be imported "
+            raise ConfigError(f"{self.path}: module {self.module} cannot be imported "
                               f"({type(error).__name__})") from error
         function = getattr(module, f"{self.name}_{kind}", None)
         if function is None and required:
-            raise ConfigError(f"{FOLDER / self.name}.yaml: module {self.module} has no {self.name}_{kind}")
+            raise ConfigError(f"{self.path}: module {self.module} has no {self.name}_{kind}")
         return function
 
     def result(self, *inputs, **options) -> dict:
@@ -169,9 +176,9 @@ class Experiment:
 
 def _fields(cls: type, entry: object, where: str) -> dict:
     """`entry`'s keys checked against `cls`'s fields: one clear line for a wrong or missing key."""
-    names = {f.name for f in dataclasses.fields(cls)} - {"name"}
+    names = {f.name for f in dataclasses.fields(cls)} - {"name", "folder"}
     required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
-                and f.default_factory is dataclasses.MISSING} - {"name"}
+                and f.default_factory is dataclasses.MISSING} - {"name", "folder"}
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: expected a mapping of {', '.join(sorted(names))}")
     if unknown := sorted(set(entry) - names):
@@ -181,13 +188,25 @@ def _fields(cls: type, entry: object, where: str) -> dict:
     return entry
 
 
+COMPARED_SPLITS = ("test", "final", "external")
+"""The splits a comparison's selected runs are scored on (`soma_pl.reproduce.comparisons`)."""
+
+
 def _claim(entry: dict, where: str) -> Claim:
     """A claim, a comparison's columns read as the sweep's labels (strings)."""
     if (entry.get("worse") is None) != (entry.get("better") is None):
         raise ConfigError(f"{where}: a comparison needs both 'worse' and 'better'")
-    sides = {key: [str(v) for v in value] if isinstance(value, list) else str(value)
-             for key in ("worse", "better") if (value := entry.get(key)) is not None}
-    return Claim(**{**entry, **sides})
+    if entry.get("better") is None:
+        return Claim(**entry)
+    worse = [str(v) for v in entry["worse"]] if isinstance(entry["worse"], list) else str(entry["worse"])
+    better = str(entry["better"])
+    if better == "others" or better in (worse if isinstance(worse, list) else [worse]) or \
+            isinstance(worse, list) and "others" in worse:
+        raise ConfigError(f"{where}: better '{better}' must be one column and not among worse ({worse})")
+    if entry["split"] not in COMPARED_SPLITS:
+        raise ConfigError(f"{where}: split '{entry['split']}': a comparison is scored on one of "
+                          f"{', '.join(COMPARED_SPLITS)}")
+    return Claim(**{**entry, "worse": worse, "better": better})
 
 
 def load(path: Path) -> Experiment:
@@ -207,7 +226,9 @@ def load(path: Path) -> Experiment:
     if not entry.get("module") and not (entry.get("sweeps") and claims and all(c.better for c in claims.values())):
         raise ConfigError(f"{path}: module: name the module of its result and table, or run a sweep and declare "
                           "every claim as a comparison of its columns (worse, better)")
-    return Experiment(name=path.stem, **{**entry, "claims": claims})
+    names = {str(column): name for column, name in (entry.get("names") or {}).items()}
+    return Experiment(name=path.stem, folder=path.parent,
+                      **{**entry, "claims": claims, "module": entry.get("module") or None, "names": names})
 
 
 def all_experiments(folder: Path = FOLDER) -> dict[str, Experiment]:

@@ -82,13 +82,13 @@ def holm_text(check: dict) -> str:
     return "—" if p is None else f"{p:.3g}" if p >= 1e-12 else "< 1e-12"
 
 
-def run_footer(result: dict, reused: str = "finished trials reused") -> str:
+def run_footer(result: dict) -> str:
     """The closing line of every experiment's table: wall time, workers, load average, trial time, trial states."""
     workers = result.get("workers")
     line = f"This run: {result['wall_seconds']:.0f} s"
     if workers:
         line += f" on {workers} worker{'s' if workers > 1 else ''} (one thread per process)"
-    line += (f" ({reused}), load average {result['load_average'][0]:.2f} before, "
+    line += (" (finished trials reused), load average {result['load_average'][0]:.2f} before, "
              f"{result['load_average'][1]:.2f} after")
     if "trial_minutes" in result:
         line += f"; the study's trials took {result['trial_minutes']:.0f} minutes in all (summed over trials)"
@@ -142,7 +142,7 @@ def subplots(*grid: int, **options):
 
 
 def rows_figure(result: dict, path: Path, key: str, ylabel: str, title: str) -> Path:
-    """Each row's score per seed and its mean ± sd (Tables 4 and 9)."""
+    """Each row's score per seed and its mean ± sd (`key`: the score's field in a row)."""
     fig, axis = subplots(figsize=(7.5, 3.8))
     for x, row in enumerate(result["rows"]):
         values = list(row["per_seed"].values())

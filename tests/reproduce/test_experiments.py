@@ -14,9 +14,10 @@ import pytest
 from soma_pl.cli import COMMANDS
 from soma_pl.errors import ConfigError
 from soma_pl.eval.bootstrap import Interval
-from soma_pl.reproduce.comparisons import comparison_checks
+from soma_pl.reproduce.comparisons import check_columns, comparison_checks
 from soma_pl.reproduce.experiments import FOLDER, Claim, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import Verdict
+from soma_pl.sweeps.space import load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = ["fig10", "fig13", "fig14", "fig4", "fig5", "fig6", "fig7", "fig7_settings", "fig9", "main_job", "table11",
@@ -197,3 +198,48 @@ def test_an_experiment_of_comparisons_alone_is_a_file_and_no_module(tmp_path):
     with pytest.raises(ConfigError) as refused:
         load_experiment("pair", tmp_path)
     assert "module" in str(refused.value) and str(tmp_path / "pair.yaml") in str(refused.value)
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda text: text.replace("worse: a, better: b", "worse: [a, b], better: b"), "better"),
+    (lambda text: text.replace("worse: a, better: b", "worse: b, better: others"), "better"),
+    (lambda text: text.replace("split: test, worse", "split: val, worse"), "split"),
+])
+def test_a_comparison_of_a_column_with_itself_or_on_another_split_is_refused(tmp_path, edit, named):
+    (tmp_path / "pair.yaml").write_text(edit(PAIR))
+    with pytest.raises(ConfigError) as refused:
+        load_experiment("pair", tmp_path)
+    assert named in str(refused.value) and str(tmp_path / "pair.yaml") in str(refused.value)
+
+
+def _columns(sweep: str) -> list[str]:
+    spec = load_sweep(ROOT / sweep)
+    return next([str(label) for label in factor.choices] for factor in spec.factors
+                if factor.name == spec.report.columns)
+
+
+def test_every_comparison_names_columns_of_each_of_its_sweeps_and_a_missing_one_is_refused(tmp_path):
+    """Checked before any trial (`reproduce` asks the same), at every scale; a result function of a
+    module that has comparisons judges them through the one engine."""
+    compared = {name: experiment for name, experiment in all_experiments().items()
+                if any(claim.better for claim in experiment.claims.values())}
+    assert sorted(compared) == ["fig4", "fig9", "main_job", "table4", "table7", "table9"]
+    for name, experiment in compared.items():
+        for sweep in experiment.sweeps.values():
+            check_columns(experiment, _columns(sweep))
+        assert "compare_selected(" in inspect.getsource(inspect.getmodule(experiment.function("result"))), name
+    (tmp_path / "pair.yaml").write_text(PAIR.replace("worse: a,", "worse: c,"))
+    with pytest.raises(ConfigError) as refused:
+        check_columns(load_experiment("pair", tmp_path), ["a", "b"])
+    assert "'c'" in str(refused.value) and "claims.lower" in str(refused.value)
+    assert str(tmp_path / "pair.yaml") in str(refused.value)
+
+
+@pytest.mark.parametrize("final_test", ["false", "true"])
+def test_a_comparison_on_the_final_split_is_checked_once(tmp_path, final_test):
+    (tmp_path / "pair.yaml").write_text(PAIR.replace("split: test", "split: final").replace(
+        "final_test: false", f"final_test: {final_test}"))
+    scores = {"final": {label: [_scores([3.0 + shift + 0.01 * seed] * 4) for seed in range(3)]
+                        for label, shift in (("a", 0.1), ("b", 0.0))}}
+    (check,) = comparison_checks(load_experiment("pair", tmp_path), scores)
+    assert check["split"] == "final" and check["mean"] == pytest.approx(0.1)

@@ -149,7 +149,7 @@ def test_a_result_puts_the_paper_beside_ours_and_checks_each_split(monkeypatch):
     # every window gains 0.04 + 0.001·seed: the seed-mean paired gain is 0.041 on every document
     assert verdicts["test"]["document_interval"] == pytest.approx([0.041, 0.041])
     assert verdicts["final"]["verdict"] == Verdict.does_not_hold.value
-    assert set(verdicts) == {"test", "final"}  # every trial ran one budget: no claim on another basis
+    assert [c["split"] for c in result["checks"]] == ["test", "final"]  # one budget: no claim on another basis
     text = load_experiment("table7").table({**result, **RUN})
     assert "| 0 | 3.0500 | 3.0100† | 0.0400 | 2.2641 | 2.2273 | 0.0368 |" in text
     assert "| lr | N=1 | N=2 |" in text and "| 0.025 | 3.1000 ± 0.1000 | 2.9500 ± 0.0707 |" in text
@@ -224,7 +224,9 @@ def test_a_tiny_experiment_runs_scores_checks_and_reuses_its_trials(tmp_path, mo
                                   "data.init_args.dataset.final_test_windows": 4,
                                   "trainer.max_steps": 4, "trainer.val_check_interval": 1})
     spec = load_sweep(path)
-    tiny = dataclasses.replace(load_experiment("table7"), sweeps={"cpu": str(path)}, data={})
+    table7 = load_experiment("table7")
+    claim = dataclasses.replace(table7.claims["test"], worse="0.01", better="0.02")  # this sweep's columns
+    tiny = dataclasses.replace(table7, sweeps={"cpu": str(path)}, data={}, claims={"test": claim})
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     result = command.run(tiny, "cpu", spec, storage, workers=2, results=tmp_path / "results")
     folder = tmp_path / "results" / "table7"
@@ -232,22 +234,23 @@ def test_a_tiny_experiment_runs_scores_checks_and_reuses_its_trials(tmp_path, mo
     assert (folder / "table.md").read_text().startswith("# table7 (cpu scale)")
     assert (folder / "figure.png").stat().st_size > 0
     assert result["trials"] == {"COMPLETE": 4}, result["failed"]
-    # The test split scored again for its windows gives each selected run's own trial test loss.
+    # Each selected run's trial test record gives its test loss and the per-window losses of its check.
     for row, entry in zip(result["rows"], result["blocks"]["test"]["per_seed"], strict=True):
         assert entry["spsa"] == pytest.approx(row["ours"]["spsa"], abs=1e-6)
         assert entry["soma"] == pytest.approx(row["ours"]["soma"], abs=1e-6)
+    assert not list(spec.output_dir.glob("trial-*/**/test_windows"))  # no run scored on the test split again
     # The document interval is the bootstrap of the saved per-window paired differences.
     check = next(c for c in result["checks"] if c["split"] == "test")
-    rescored = sorted(spec.output_dir.glob("trial-*/version_0/test_windows"))
-    assert len(rescored) == 4  # each seed's selected run of each column (each column has one setting), once
-    by_trial = {int(p.parts[-3].split("-")[1]): json.loads(next(p.glob("**/test_scores.json")).read_text())
-                for p in rescored}
+    records = {int(p.relative_to(spec.output_dir).parts[0].split("-")[1]): p
+               for p in spec.output_dir.glob("trial-*/**/test_scores.json") if "final_test" not in p.parts}
+    assert len(records) == 4  # each seed's run of each column (each column has one setting), tested once
+    by_trial = {trial: json.loads(path.read_text()) for trial, path in records.items()}
     spsa, soma = ([by_trial[trial] for trial in _selected(spec, result, label)] for label in ("0.01", "0.02"))
     differences = np.mean([np.subtract(a["window_losses"], b["window_losses"])
                            for a, b in zip(spsa, soma, strict=True)], axis=0)
     expected = document_bootstrap(differences, np.asarray(spsa[0]["doc_ids"]))
     assert check["document_interval"] == pytest.approx([expected.low, expected.high])
-    assert {c["split"] for c in result["checks"]} == {"test", "final"}
+    assert [c["split"] for c in result["checks"]] == ["test", "final"]
     assert all(c["verdict"] in {v.value for v in Verdict} for c in result["checks"])
     # A second run reuses every trial and every score.
     stamps = {p: p.stat().st_mtime_ns for p in spec.output_dir.glob("trial-*/version_0/*/**/test_scores.json")}
