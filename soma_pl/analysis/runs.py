@@ -37,7 +37,7 @@ METRICS = "metrics.csv"
 TEST_SCORES = "test_scores.json"
 VERSION = re.compile(r"version_(\d+)")
 EXPERT_METRIC = re.compile(r"expert/(\d+)/(?:val_loss|train_loss)")
-SUMMARY_FIELDS = {"module": str, "global_step": int, "metrics": dict, "parameters": int}
+SUMMARY_FIELDS = {"module": str, "method": str, "global_step": int, "metrics": dict, "parameters": int}
 COMPUTE_FIELDS = {"updates": int, "experts": int, "token_forwards": int, "aggregate_device_hours": (int, float),
                   "elapsed_training_seconds": (int, float)}
 
@@ -202,12 +202,6 @@ def _experts(summary: dict) -> int:
     return (summary.get("compute") or {}).get("experts") or 1
 
 
-def _method(summary: dict) -> str:
-    """`SPSA`, `SOMA`, `DDPP`, `EGGROLL` or `BPTT`: the summary's method (an earlier version's summary
-    names only its module class, `SOMAModule`)."""
-    return (summary.get("method") or summary["module"].removesuffix("Module")).upper()
-
-
 def _finite(value) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
@@ -232,7 +226,7 @@ def read_run(path: Path, label: str) -> RunRow:
     best = min(finite, key=lambda p: p.val_loss, default=None)
     test = find_test_scores(path)
     test_loss = _finite(_read_json(test, "test scores").get("loss")) if test is not None else None
-    return RunRow(label=label, summary=str(path), method=_method(summary), experts=experts,
+    return RunRow(label=label, summary=str(path), method=summary["method"].upper(), experts=experts,
                   parameters=summary["parameters"], updates=updates, final_val_loss=final,
                   best_val_loss=best.val_loss if best else None, best_val_updates=best.updates if best else None,
                   test_loss=test_loss, test_scores=str(test) if test_loss is not None else None,

@@ -53,7 +53,7 @@ class RunSummary(L.Callback):
         summary = {
             "run_dir": str(run_dir),
             "module": type(pl_module).__name__,
-            "method": getattr(pl_module, "method", None),  # spsa, soma, ddpp, eggroll or bptt
+            "method": pl_module.method,  # spsa, soma, ddpp, eggroll or bptt
             "global_step": trainer.global_step,
             "metrics": dict(sorted({**self._earlier_metrics(trainer, run_dir),
                                     **{k: _plain(v) for k, v in trainer.callback_metrics.items()}}.items())),
