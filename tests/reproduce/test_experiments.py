@@ -243,3 +243,31 @@ def test_a_comparison_on_the_final_split_is_checked_once(tmp_path, final_test):
                         for label, shift in (("a", 0.1), ("b", 0.0))}}
     (check,) = comparison_checks(load_experiment("pair", tmp_path), scores)
     assert check["split"] == "final" and check["mean"] == pytest.approx(0.1)
+
+
+def test_a_file_only_experiment_with_a_final_test_shows_and_checks_both_splits(tmp_path):
+    """With `final_test`, the default result scores each selected run once on the final split too
+    (its record kept in the run folder) and checks the comparison there after the test split."""
+    (tmp_path / "pair.yaml").write_text(PAIR.replace("final_test: false", "final_test: true"))
+    experiment = load_experiment("pair", tmp_path)
+    per_seed, folders = [], {}
+    for seed in range(3):
+        trials = {"a": 10 * seed, "b": 10 * seed + 1}
+        for label, trial in trials.items():
+            run = tmp_path / f"trial-{trial}"
+            for folder, shift in (("test_windows", 0.2), ("final_test", -0.1)):  # a: worse on test, better on final
+                (run / folder / "version_0").mkdir(parents=True)
+                losses = [x + (shift if label == "a" else 0.0) + 0.01 * seed for x in (3.0, 3.1, 2.9, 3.2)]
+                (run / folder / "version_0" / "test_scores.json").write_text(json.dumps(
+                    {**_scores(losses), "bootstrap_95": [2.9, 3.3]}))
+            folders[trial] = {seed: str(run)}
+        per_seed.append({"seed": seed, "trial": trials, "selected": {"a": {"lr": 0.01}, "b": {"lr": 0.02}}})
+    report = {"table7": {"column_labels": ["a", "b"], "per_seed": per_seed}, "trials": {"COMPLETE": 6}, "failed": []}
+    result = experiment.result(report, folders)
+    assert result["splits"] == ["test", "final"]
+    assert [(c["split"], round(c["mean"], 6), c["verdict"]) for c in result["checks"]] == [
+        ("test", 0.2, Verdict.holds.value), ("final", -0.1, Verdict.does_not_hold.value)]
+    assert [row["final"]["mean"] for row in result["rows"]] == pytest.approx([2.96, 3.06])
+    text = experiment.table({**result, "experiment": "pair", "scale": "cpu", "title": "t", "basis": "b",
+                             "wall_seconds": 1.0, "load_average": [0.1, 0.2]})
+    assert "| test split | final test split (used once) |" in text and "| a | Method A |" in text
