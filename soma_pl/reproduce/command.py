@@ -35,7 +35,7 @@ from soma_pl.analysis.time_basis import accountings, calibration, measured_over_
 from soma_pl.errors import ConfigError, SomaError
 from soma_pl.io import write_atomic, write_json_atomic
 from soma_pl.locks import die_with_parent
-from soma_pl.reproduce.comparisons import check_columns
+from soma_pl.reproduce.comparisons import check_columns, sweep_columns
 from soma_pl.reproduce.experiments import REPOSITORY, Experiment, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import family
 from soma_pl.sweeps.calibration import (
@@ -384,9 +384,7 @@ def _reproduce(chosen: list[Experiment], scale: str, dry_run: bool, workers: int
         for kind in ("result", "markdown"):
             experiment.function(kind)
         if scale in experiment.sweeps:
-            spec = load_sweep(experiment.sweeps[scale])
-            check_columns(experiment, next(([str(label) for label in factor.choices] for factor in spec.factors
-                                            if factor.name == spec.report.columns), []))
+            check_columns(experiment, sweep_columns(load_sweep(experiment.sweeps[scale])))
     for experiment in chosen:
         if scale not in experiment.scales:
             why = experiment.cost.get(scale)

@@ -31,6 +31,7 @@ from soma_pl.reproduce.tables import (
 )
 from soma_pl.reproduce.verdicts import mean_sd
 from soma_pl.sweeps.final_test import score_run
+from soma_pl.sweeps.space import SweepSpec
 
 EXTERNAL_TEXT = "data/external/moby_dick"
 """The external text of Table 9 at CPU scale (`python -m soma_pl.cli external-text`)."""
@@ -79,6 +80,13 @@ def splits(experiment: Experiment) -> list[str]:
     """The splits the experiment's comparisons are checked on, in order: their own, then `final`."""
     own = [claim.split for claim in experiment.claims.values() if claim.better is not None]
     return list(dict.fromkeys(own + (["final"] if experiment.final_test and own else [])))
+
+
+def sweep_columns(spec: SweepSpec) -> list[str]:
+    """The labels of the sweep's report columns (its `report.columns` factor), as strings; none
+    without one."""
+    return next(([str(label) for label in factor.choices] for factor in spec.factors
+                 if factor.name == spec.report.columns), [])
 
 
 def check_columns(experiment: Experiment, columns: list[str]) -> None:

@@ -30,6 +30,7 @@ import yaml
 
 from soma_pl.errors import ConfigError
 from soma_pl.eval.bootstrap import Interval
+from soma_pl.reproduce.tables import checks_table, commands_footer, heading, run_footer
 from soma_pl.reproduce.verdicts import LEVEL, Check, agrees, count, decide, estimate
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -162,8 +163,6 @@ class Experiment:
     def table(self, result: dict) -> str:
         """The result → markdown: its heading, the module's tables in the paper's layout (the paper's
         numbers beside ours), the claims' verdicts, and how the run went."""
-        from soma_pl.reproduce.tables import checks_table, commands_footer, heading, run_footer
-
         body = self.function("markdown")(result).strip("\n")
         return "\n".join([*heading(result), body, "", "## The paper's claims", "", *checks_table(result["checks"]), "",
                           run_footer(result) if self.sweeps else commands_footer(result)]) + "\n"

@@ -14,7 +14,7 @@ import pytest
 from soma_pl.cli import COMMANDS
 from soma_pl.errors import ConfigError
 from soma_pl.eval.bootstrap import Interval
-from soma_pl.reproduce.comparisons import check_columns, comparison_checks
+from soma_pl.reproduce.comparisons import check_columns, comparison_checks, sweep_columns
 from soma_pl.reproduce.experiments import FOLDER, Claim, all_experiments, load_experiment
 from soma_pl.reproduce.verdicts import Verdict
 from soma_pl.sweeps.space import load_sweep
@@ -212,12 +212,6 @@ def test_a_comparison_of_a_column_with_itself_or_on_another_split_is_refused(tmp
     assert named in str(refused.value) and str(tmp_path / "pair.yaml") in str(refused.value)
 
 
-def _columns(sweep: str) -> list[str]:
-    spec = load_sweep(ROOT / sweep)
-    return next([str(label) for label in factor.choices] for factor in spec.factors
-                if factor.name == spec.report.columns)
-
-
 def test_every_comparison_names_columns_of_each_of_its_sweeps_and_a_missing_one_is_refused(tmp_path):
     """Checked before any trial (`reproduce` asks the same), at every scale; a result function of a
     module that has comparisons judges them through the one engine."""
@@ -226,7 +220,7 @@ def test_every_comparison_names_columns_of_each_of_its_sweeps_and_a_missing_one_
     assert sorted(compared) == ["fig4", "fig9", "main_job", "table4", "table7", "table9"]
     for name, experiment in compared.items():
         for sweep in experiment.sweeps.values():
-            check_columns(experiment, _columns(sweep))
+            check_columns(experiment, sweep_columns(load_sweep(ROOT / sweep)))
         assert "compare_selected(" in inspect.getsource(inspect.getmodule(experiment.function("result"))), name
     (tmp_path / "pair.yaml").write_text(PAIR.replace("worse: a,", "worse: c,"))
     with pytest.raises(ConfigError) as refused:
