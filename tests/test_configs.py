@@ -145,3 +145,25 @@ def test_the_seed_runs_are_the_papers_recipe(path, monkeypatch):
     assert settings["optimizer"]["init_args"]["lr"] == 0.0025
     if path == "configs/seed.yaml":
         assert (settings["spsa"]["n_pert"], cli.datamodule.batch_size, cli.datamodule.train_subset) == (64, 64, 0.1)
+
+
+SPSA_LAYERS = [path for path in METHODS if (model := _settings(_name(path))["model"])["class_path"].endswith("ZOModule")
+               and "eggroll" not in model["init_args"]]
+"""The zero-order method layers whose estimator is SPSA (monolith, SOMA, DDPP, the seeds and the
+quickstarts); EGGROLL's keep their reference's step (configs/eggroll.yaml)."""
+
+
+@pytest.mark.parametrize("path", SPSA_LAYERS, ids=_name)
+def test_every_spsa_layer_steps_the_papers_update(path, monkeypatch):
+    """Eq. 8, §4, App. E, I.1: Adam moments with coupled weight decay on the estimate of sparse
+    probes, ε starting at the learning rate, and a head that is never perturbed (the delta rule's, or
+    one frozen and shared)."""
+    from soma_pl.lit.optim import ZOAdam
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cli = make_cli(["--config", _name(path)], run=False)
+    settings = cli.config["model"]["init_args"]
+    assert settings["optimizer"]["class_path"] == f"{ZOAdam.__module__}.ZOAdam"
+    assert settings["spsa"]["direction"] == "sparse"
+    assert settings["spsa"]["eps"] == settings["optimizer"]["init_args"]["lr"]
+    assert "head" not in cli.model.perturbed_parameters()
