@@ -54,7 +54,7 @@ VARIANTS = [path for path in CONFIGS if {Path(base) for base in read_layer(path)
 
 def test_found_every_config():
     assert len(CONFIGS) == EXPECTED, [_name(c) for c in CONFIGS]
-    assert len(METHODS) == 18 and LAYERS < set(CONFIGS) and len(VARIANTS) == 2
+    assert len(METHODS) == 18 and LAYERS < set(CONFIGS) and len(VARIANTS) == 2 and len(SPSA_LAYERS) == 12
 
 
 def _flags(settings: dict, prefix: str = "") -> list[str]:
@@ -147,8 +147,12 @@ def test_the_seed_runs_are_the_papers_recipe(path, monkeypatch):
         assert (settings["spsa"]["n_pert"], cli.datamodule.batch_size, cli.datamodule.train_subset) == (64, 64, 0.1)
 
 
-SPSA_LAYERS = [path for path in METHODS if (model := _settings(_name(path))["model"])["class_path"].endswith("ZOModule")
-               and "eggroll" not in model["init_args"]]
+def _spsa(path: Path) -> bool:
+    model = _settings(_name(path))["model"]
+    return model["class_path"].endswith("ZOModule") and "eggroll" not in model["init_args"]
+
+
+SPSA_LAYERS = [path for path in METHODS if _spsa(path)]
 """The zero-order method layers whose estimator is SPSA (monolith, SOMA, DDPP, the seeds and the
 quickstarts); EGGROLL's keep their reference's step (configs/eggroll.yaml)."""
 
@@ -164,6 +168,7 @@ def test_every_spsa_layer_steps_the_papers_update(path, monkeypatch):
     cli = make_cli(["--config", _name(path)], run=False)
     settings = cli.config["model"]["init_args"]
     assert settings["optimizer"]["class_path"] == f"{ZOAdam.__module__}.ZOAdam"
-    assert settings["spsa"]["direction"] == "sparse"
+    assert cli.model.configure_optimizers().defaults["weight_decay"] == 1e-4
+    assert settings["spsa"]["direction"] == "sparse" and settings["spsa"]["eps_schedule"] == "proportional"
     assert settings["spsa"]["eps"] == settings["optimizer"]["init_args"]["lr"]
     assert "head" not in cli.model.perturbed_parameters()
