@@ -128,21 +128,18 @@ def test_no_block_is_copied_from_a_base(path):
 
 @pytest.mark.parametrize("path", ["configs/seed.yaml", "configs/demo/seed.yaml"])
 def test_the_seed_runs_are_the_papers_recipe(path, monkeypatch):
-    """§4, App. D: one model trained by zero-order SPSA (sparse probes, Adam) for 1,000 updates at
-    lr 0.0025 from random weights, its head learning only by the delta rule (trained, never
-    perturbed); at paper scale n_pert = B = 64 on a 10% subset of the corpus."""
+    """§4, App. D: one model trained by zero-order SPSA for 1,000 updates at lr 0.0025 from random
+    weights, its head learning only by the delta rule (trained; the update itself, Adam on sparse
+    probes with the head never perturbed, is every SPSA layer's: test below); at paper scale
+    n_pert = B = 64 on a 10% subset of the corpus."""
     from soma_pl.lit import HeadTraining, ZOModule
-    from soma_pl.lit.optim import ZOAdam
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     cli = make_cli(["--config", path], run=False)
     model, settings = cli.model, cli.config["model"]["init_args"]
     assert isinstance(model, ZOModule) and model.model.num_experts == 1 and model.seed_checkpoint is None
-    assert model.head_training is HeadTraining.decoder_only
-    assert "head" in model.trainable_parameters() and "head" not in model.perturbed_parameters()
-    assert cli.trainer.max_steps == 1000 and settings["spsa"]["direction"] == "sparse"
-    assert settings["optimizer"]["class_path"] == f"{ZOAdam.__module__}.ZOAdam"
-    assert settings["optimizer"]["init_args"]["lr"] == 0.0025
+    assert model.head_training is HeadTraining.decoder_only and "head" in model.trainable_parameters()
+    assert cli.trainer.max_steps == 1000 and settings["optimizer"]["init_args"]["lr"] == 0.0025
     if path == "configs/seed.yaml":
         assert (settings["spsa"]["n_pert"], cli.datamodule.batch_size, cli.datamodule.train_subset) == (64, 64, 0.1)
 
