@@ -52,6 +52,16 @@ VARIANTS = [path for path in CONFIGS if {Path(base) for base in read_layer(path)
 """Layers over one method layer that set only a few of its settings (the seed at another width)."""
 
 
+def _spsa(path: Path) -> bool:
+    model = _settings(_name(path))["model"]
+    return model["class_path"].endswith("ZOModule") and "eggroll" not in model["init_args"]
+
+
+SPSA_LAYERS = [path for path in METHODS if _spsa(path)]
+"""The zero-order method layers whose estimator is SPSA (monolith, SOMA, DDPP, the seeds and the
+quickstarts); EGGROLL's keep their reference's step (configs/eggroll.yaml)."""
+
+
 def test_found_every_config():
     assert len(CONFIGS) == EXPECTED, [_name(c) for c in CONFIGS]
     assert len(METHODS) == 18 and LAYERS < set(CONFIGS) and len(VARIANTS) == 2 and len(SPSA_LAYERS) == 12
@@ -142,16 +152,6 @@ def test_the_seed_runs_are_the_papers_recipe(path, monkeypatch):
     assert cli.trainer.max_steps == 1000 and settings["optimizer"]["init_args"]["lr"] == 0.0025
     if path == "configs/seed.yaml":
         assert (settings["spsa"]["n_pert"], cli.datamodule.batch_size, cli.datamodule.train_subset) == (64, 64, 0.1)
-
-
-def _spsa(path: Path) -> bool:
-    model = _settings(_name(path))["model"]
-    return model["class_path"].endswith("ZOModule") and "eggroll" not in model["init_args"]
-
-
-SPSA_LAYERS = [path for path in METHODS if _spsa(path)]
-"""The zero-order method layers whose estimator is SPSA (monolith, SOMA, DDPP, the seeds and the
-quickstarts); EGGROLL's keep their reference's step (configs/eggroll.yaml)."""
 
 
 @pytest.mark.parametrize("path", SPSA_LAYERS, ids=_name)
