@@ -97,6 +97,26 @@ def test_batched_forward_matches_each_expert_alone(width, head):
             torch.testing.assert_close(logits[expert : expert + 1], alone, atol=1e-5, rtol=1e-5)
 
 
+def test_every_window_starts_from_a_zero_state():
+    """The LSTM state is reset for every window (§6, App. A): a window's loss is the same whatever
+    window came before it, and equals that of the window run from explicit zero states, while the
+    same bytes continued from the state after another window score differently."""
+    model = _model(1, 12, time_chunk=4)
+    first, second = _tokens(1, 1, 17, seed=1), _tokens(1, 1, 17, seed=2)
+    with torch.no_grad():
+        alone = model.window_losses(second)
+        model.window_losses(first)  # a window before it, in an earlier call
+        after = model.window_losses(second)
+        beside = model.window_losses(torch.cat([first, second], dim=1))[:, 1:]  # a row of the same batch
+        zero = model.window_losses(second, state=model.zero_state(dict(model.named_parameters()), 1))
+        carried = model.zero_state(dict(model.named_parameters()), 1)
+        model.window_losses(first, state=carried)  # leaves `carried` at the state after `first`
+        continued = model.window_losses(second, state=carried)
+    assert torch.equal(after, alone) and torch.equal(zero, alone)
+    torch.testing.assert_close(beside, alone, atol=1e-6, rtol=1e-6)
+    assert (continued - alone).abs().item() > 1e-4
+
+
 def test_copy_dimension_matches_each_copy_separately():
     model = _model(2, 10, time_chunk=4)
     copies = 3
