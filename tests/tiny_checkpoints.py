@@ -88,7 +88,8 @@ def _with_router(module: lightning.LightningModule) -> lightning.LightningModule
 
 
 OTHER_METHODS = {
-    "eggroll": lambda: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(rank=2, population=24, group_size=6)),
+    "eggroll": lambda: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(rank=2, population=24, group_size=6),
+                                head_training="trainable"),
     "ddpp": lambda: ZOModule(shape=SHAPE, spsa={"exchange": "scalars"}),
     "bptt": lambda: BPTTModule(shape=SHAPE),
     "bptt_n3": lambda: _with_router(BPTTModule(num_experts=3, shape=SHAPE, top_k=2)),

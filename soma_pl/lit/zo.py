@@ -79,7 +79,9 @@ class ZOModule(ByteLMModule):
         spsa: the SPSA estimator's settings (ε, directions, micro-batch, ε schedule, DDPP exchange).
         eggroll: the EGGROLL estimator's settings; given, EGGROLL is the estimator (of one model) and
             `spsa` is not used.
-        head_training: `trainable`, `decoder_only`, `frozen_shared` or `frozen_random`.
+        head_training: `decoder_only` (the paper's: each expert's head stepped by the decoder-path
+            delta rule, Eq. 7, never perturbed), `trainable` (perturbed with the body: the EGGROLL
+            reference's convention, which `eggroll` needs), `frozen_shared` or `frozen_random`.
         init: `seed` (every expert a copy of `seed_checkpoint`) or `random`; None: `seed` when
             `seed_checkpoint` is given, else `random`. Configs say it explicitly, so a sweep's sides
             can be compared.
@@ -96,7 +98,7 @@ class ZOModule(ByteLMModule):
     """
 
     def __init__(self, num_experts: int = 1, shape: ModelShape = ModelShape(), spsa: SPSAArgs = SPSAArgs(),
-                 eggroll: EGGROLLArgs | None = None, head_training: HeadTraining = HeadTraining.trainable,
+                 eggroll: EGGROLLArgs | None = None, head_training: HeadTraining = HeadTraining.decoder_only,
                  init: Init | None = None, seed_checkpoint: str | None = None, router_path: str | None = None,
                  top_k: int = 4, optimizer: OptimizerCallable = ZOAdam,
                  plateau: PlateauConfig = PlateauConfig(), seed: int = 0, train_context: int = 1024,

@@ -26,7 +26,8 @@ BUILDS = {
     "SOMA": lambda: ZOModule(num_experts=2, shape=SHAPE, init="random", spsa=SPSA, plateau=PLATEAU, top_k=2),
     "EGGROLL": lambda: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(sigma=0.05, rank=2, population=24,
                                                                      group_size=6, fitness="group_own_std",
-                                                                     sigma_schedule="proportional")),
+                                                                     sigma_schedule="proportional"),
+                                head_training="trainable"),
     "BPTT": lambda: BPTTModule(num_experts=2, shape=SHAPE, plateau=PLATEAU, top_k=2),
 }
 GROUPS = ("shape", "estimator", "plateau_config")

@@ -43,7 +43,7 @@ def _module(tmp_path, experts: int) -> ZOModule:
     torch.manual_seed(0)
     spsa = SPSAArgs(eps=EPS, n_pert=CONFIG.n_pert, micro_batch=CONFIG.micro_batch, direction=CONFIG.direction,
                     eps_schedule=EpsSchedule.proportional, exchange=None if experts > 1 else Exchange.scalars)
-    return ZOModule(num_experts=experts, init=Init.random, head_training=HeadTraining.decoder_only,
+    return ZOModule(num_experts=experts, init=Init.random,  # head_training: decoder_only, the default
                     router_path=pinned_router(tmp_path) if experts > 1 else None, top_k=1, seed=SEED,
                     train_context=CONTEXT, shape=SHAPE, spsa=spsa, optimizer=functools.partial(torch.optim.SGD, lr=LR))
 
@@ -89,10 +89,11 @@ def test_a_decoder_only_step_is_sgd_on_the_delta_rule_head_and_the_body_only_est
     assert module.last_update.token_forwards == (2 * CONFIG.n_pert + 1) * windows * positions
 
 
-def test_decoder_only_is_refused_with_eggroll_naming_head_training():
+@pytest.mark.parametrize("given", [{"head_training": HeadTraining.decoder_only}, {}], ids=["given", "default"])
+def test_decoder_only_is_refused_with_eggroll_naming_head_training(given):
     with pytest.raises(ConfigError, match="head_training"):
-        ZOModule(num_experts=1, head_training=HeadTraining.decoder_only, shape=SHAPE,
-                 eggroll=EGGROLLArgs(sigma=0.02, rank=1, population=8, group_size=2))
+        ZOModule(num_experts=1, shape=SHAPE, eggroll=EGGROLLArgs(sigma=0.02, rank=1, population=8, group_size=2),
+                 **given)
 
 
 def _bptt(tmp_path, head_training: HeadTraining) -> BPTTModule:

@@ -23,7 +23,7 @@ EGGROLL = ["--model=soma_pl.lit.ZOModule", "--model.init_args.shape.width=8",
            "--model.init_args.eggroll.rank=2", "--model.init_args.eggroll.population=24",
            "--model.init_args.eggroll.group_size=6",
            "--model.init_args.eggroll.fitness=group", "--model.init_args.eggroll.max_members=10",
-           "--model.init_args.seed=3",
+           "--model.init_args.seed=3", "--model.init_args.head_training=trainable",
            "--model.init_args.optimizer=torch.optim.SGD", "--model.init_args.optimizer.lr=0.16"]
 
 
@@ -91,7 +91,7 @@ def test_halving_the_learning_rate_halves_the_step(monkeypatch, schedule, conven
     eggroll = EGGROLLArgs(sigma=sigma, rank=2, population=24, group_size=6, fitness=fitness,
                           step_convention=convention, sigma_schedule=schedule)
     module = ZOModule(shape=ModelShape(width=8, num_layers=1, embed_dim=8), eggroll=eggroll, train_context=24,
-                           seed=3).double()
+                      head_training="trainable", seed=3).double()
     optimizer = torch.optim.SGD(module.trainable_parameters().values(), lr=lr)
     monkeypatch.setattr(module, "optimizers", lambda: optimizer)  # what the Trainer would hand it
     batch = torch.randint(0, 256, (1, 4, 25), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))

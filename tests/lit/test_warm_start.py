@@ -25,7 +25,8 @@ MONOLITHIC = {
     "spsa": lambda **kw: ZOModule(shape=SHAPE, **kw),
     "spsa_shared_head": lambda **kw: ZOModule(shape=SHAPE, head_training="frozen_shared", **kw),
     "ddpp": lambda **kw: ZOModule(shape=SHAPE, spsa={"exchange": "scalars"}, **kw),
-    "eggroll": lambda **kw: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6), **kw),
+    "eggroll": lambda **kw: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6),
+                                     head_training="trainable", **kw),
     "bptt": lambda **kw: BPTTModule(shape=SHAPE, **kw),
     "bptt_shared_head": lambda **kw: BPTTModule(shape=SHAPE, head_training="frozen_shared", **kw),
 }
@@ -71,7 +72,8 @@ def test_init_says_which_start_a_fresh_fit_takes(name, init, given, start, recwa
 
 @pytest.mark.parametrize(("build", "key"), [
     (lambda: ZOModule(shape=SHAPE, init="seed"), "seed_checkpoint"),
-    (lambda: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6), init="seed"),
+    (lambda: ZOModule(shape=SHAPE, eggroll=EGGROLLArgs(population=24, group_size=6), head_training="trainable",
+                      init="seed"),
      "seed_checkpoint"),
     (lambda: ZOModule(shape=SHAPE, spsa={"exchange": "scalars"}, init="seed"), "seed_checkpoint"),
     (lambda: ZOModule(num_experts=2, shape=SHAPE, init="seed"), "seed_checkpoint"),

@@ -95,7 +95,7 @@ def eggroll(router: str | None) -> ZOModule:
                            max_members=16, step_convention=StepConvention.reference, step_sigma=None,
                            sigma_schedule=EpsSchedule.constant)
     return ZOModule(num_experts=1, eggroll=settings, optimizer=sgd(1.0, 0.0), seed=3, init=Init.random,
-                    seed_checkpoint=None, **COMMON)
+                    seed_checkpoint=None, head_training=HeadTraining.trainable, **COMMON)
 
 
 def ddpp(router: str | None) -> ZOModule:

@@ -150,7 +150,8 @@ def _soma() -> ZOModule:
 
 
 @pytest.mark.parametrize("build", [lambda: ZOModule(**TINY), lambda: BPTTModule(**TINY), _soma,
-                                   lambda: ZOModule(eggroll={"population": 24, "group_size": 6}, **TINY),
+                                   lambda: ZOModule(eggroll={"population": 24, "group_size": 6},
+                                                    head_training="trainable", **TINY),
                                    lambda: ZOModule(spsa={"exchange": "estimates"}, **TINY)],
                          ids=["SPSA", "BPTT", "SOMA", "EGGROLL", "DDPP"])
 def test_every_module_checkpoint_loads_weights_only_enums_and_router_included(build, tmp_path):
