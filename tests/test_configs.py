@@ -169,3 +169,14 @@ def test_every_spsa_layer_steps_the_papers_update(path, monkeypatch):
     assert settings["spsa"]["direction"] == "sparse" and settings["spsa"]["eps_schedule"] == "proportional"
     assert settings["spsa"]["eps"] == settings["optimizer"]["init_args"]["lr"]
     assert "head" not in cli.model.perturbed_parameters()
+
+
+PAPER_LR = {"spsa": 0.0025, "ddpp": 0.0025, "soma_n2": 0.0025, "soma_n8": 0.0025, "soma_n256": 1e-3}
+"""The paper's starting lr = ε (§4, App. I.1): 1e-3 for the width-32 experts of the main sweeps, 0.0025 for the
+wide N = 1, 2, 8 controls (the monolith, and DDPP's one model of its width); the seed's is its own test's."""
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_LR))
+def test_the_paper_scale_layers_start_at_the_papers_learning_rate(name):
+    settings = _settings(f"configs/{name}.yaml")["model"]["init_args"]
+    assert settings["optimizer"]["init_args"]["lr"] == settings["spsa"]["eps"] == PAPER_LR[name]
