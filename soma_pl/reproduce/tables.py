@@ -88,7 +88,7 @@ def run_footer(result: dict) -> str:
     line = f"This run: {result['wall_seconds']:.0f} s"
     if workers:
         line += f" on {workers} worker{'s' if workers > 1 else ''} (one thread per process)"
-    line += (" (finished trials reused), load average {result['load_average'][0]:.2f} before, "
+    line += (f" (finished trials reused), load average {result['load_average'][0]:.2f} before, "
              f"{result['load_average'][1]:.2f} after")
     if "trial_minutes" in result:
         line += f"; the study's trials took {result['trial_minutes']:.0f} minutes in all (summed over trials)"

@@ -193,6 +193,7 @@ def test_a_result_says_which_compute_accounting_its_runs_used(tmp_path):
     footer = run_footer({"wall_seconds": 1.0, "load_average": [0.1, 0.2], "accounting": counts})
     assert f"2 with {Accounting.batched.meaning}" in footer
     assert f"1 with {Accounting.device_per_expert.meaning}" in footer
+    assert "load average 0.10 before, 0.20 after" in footer
 
 
 def test_the_docs_page_has_a_row_per_claim_and_each_table(tmp_path):
