@@ -207,22 +207,23 @@ def _analysis(run_dir: Path, name: str) -> dict:
 
 
 def topk_check(curves: list[dict], k: int, claim: Claim) -> dict:
-    """Fig. 16: top-`k` captures most (> `MOST`) of the gain of each seed's best k over k = 1; the
-    per-window difference (L₁ − L_k) − MOST·(L₁ − L_best), averaged over seeds, is bootstrapped
-    over documents."""
-    shares, windows, documents = [], [], None
+    """Fig. 16: top-`k` captures most (> `MOST`) of the gain of each seed's best k over k = 1, judged
+    on (L₁ − L_k) − MOST·(L₁ − L_best) in nats/byte: per seed, and per window averaged over seeds
+    and bootstrapped over documents. Its sign is that of the share − MOST, but where the best k
+    gains little over k = 1 (a thousandth of a nat) a share is a ratio of two small numbers and its
+    interval over seeds says nothing; the difference stays on the scale of the losses."""
+    differences, windows, documents = [], [], None
     for curve in curves:
         loss = curve["loss_by_k"]
         best = int(np.argmin(loss))
-        gain = loss[0] - loss[best]
-        shares.append((loss[0] - loss[k - 1]) / gain - MOST if gain > 0 else -MOST)
+        differences.append((loss[0] - loss[k - 1]) - MOST * (loss[0] - loss[best]))
         by_k = np.asarray(curve["window_loss_by_k"])
         windows.append((by_k[:, 0] - by_k[:, k - 1]) - MOST * (by_k[:, 0] - by_k[:, best]))
         if documents is not None and list(curve["doc_ids"]) != list(documents):
             raise SomaError("Fig. 16: the seeds' top-k analyses scored different windows; run them on one dataset")
         documents = curve["doc_ids"] if documents is None else documents
     interval = document_bootstrap(np.mean(windows, axis=0), np.asarray(documents))
-    return claim.check(shares, interval, k=k, most=MOST)
+    return claim.check(differences, interval, k=k, most=MOST)
 
 
 def correlation_check(analyses: list[dict], claim: Claim) -> dict:

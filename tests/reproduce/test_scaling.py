@@ -190,9 +190,11 @@ def test_topk_claim_goes_against_the_paper_when_the_numbers_do_and_correlation_n
             "doc_ids": ["a", "b", "c", "d"]}
     other = {**flat, "loss_by_k": [3.0, 2.98, 2.97, 2.7]}
     third = {**flat, "loss_by_k": [3.0, 2.97, 2.96, 2.7]}
-    # k = 2 captures 1/30, 2/30 and 3/30 of the gain of k = 4
+    # k = 2 captures 1/30, 2/30 and 3/30 of the gain of k = 4: (L₁ − L₂) − 0.5·(L₁ − L₄) = −0.14, −0.13, −0.12
     check = topk_check([flat, other, third], 2, CLAIMS["topk"])
-    assert check["verdict"] == "does not hold" and check["mean"] == pytest.approx((1 + 2 + 3) / 30 / 3 - 0.5)
+    assert check["verdict"] == "does not hold" and check["mean"] == pytest.approx(-0.13)
+    half = 4.302653 * 0.01 / 3 ** 0.5  # t(0.975, 2 degrees of freedom) · sd / √3, on the scale of the losses
+    assert check["seed_interval"] == pytest.approx((-0.13 - half, -0.13 + half))
     # every window: (3.0 − 2.99) − 0.5·(3.0 − 2.7) = −0.14
     assert check["document_interval"] == pytest.approx((-0.14, -0.14)) and check["seeds"] == 3
     # the seeds' −r go against the paper, but Fig. 17 keeps no per-window losses: no document interval
