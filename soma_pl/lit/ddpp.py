@@ -56,7 +56,8 @@ def step_exchange_bytes(exchange: Exchange, direction_count: int, parameter_coun
     - `scalars`: the all-gather of 2·E floats (δ and mean loss) per direction, shares padded to
       ⌈n / W⌉: `W · ⌈n / W⌉ · 2 · E · s` (`gather_bytes`).
     - `estimates`: a rank sends its partial estimate of d = `parameter_count` floats (all experts'
-      trainable parameters) plus E partial mean losses to the coordinator and receives the sum:
+      perturbed parameters: the trainable ones less a `decoder_only` head) plus E partial mean
+      losses to the coordinator and receives the sum:
       `2 · (d + E) · s`, the way Fig. 12 counts it (one arrow up, one down per rank; the
       coordinator's own links carry W times that).
     Both are 0 on one process.
@@ -85,7 +86,7 @@ def partial_estimate(params: Mapping[str, Tensor], delta: Tensor, config: SPSACo
         share: the direction indices this rank evaluated.
 
     Returns:
-        `[E, d]` with d the trainable parameters of one expert.
+        `[E, d]` with d the perturbed parameters of one expert.
     """
     gradient = estimate_sum(params, delta, config, step, seed, share)
     return torch.cat([g.reshape(g.shape[0], -1) for g in gradient.values()], dim=1)

@@ -55,7 +55,7 @@ class HeadTraining(str, Enum):
     gradient through the decoder, the hidden states held fixed) with the body's optimizer; a
     zero-order module never perturbs it, BPTT does not differentiate it through the input embedding."""
     frozen_shared = "frozen_shared"
-    """One head shared by all experts, frozen at the seed's values (the N = 256 default)."""
+    """One head shared by all experts, frozen at the seed's values (the width-32 configs', N = 256 among them)."""
     frozen_random = "frozen_random"
     """One shared head frozen at random values."""
 

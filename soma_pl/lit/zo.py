@@ -78,10 +78,11 @@ class ZOModule(ByteLMModule):
         shape: each expert's shape (Table 2's widths: 509 monolithic; 361, 181, 32 for N = 2, 8, 256).
         spsa: the SPSA estimator's settings (ε, directions, micro-batch, ε schedule, DDPP exchange).
         eggroll: the EGGROLL estimator's settings; given, EGGROLL is the estimator (of one model) and
-            `spsa` is not used.
+            `spsa` is not used (with `head_training: trainable` or a frozen head).
         head_training: `decoder_only` (the paper's: each expert's head stepped by the decoder-path
             delta rule, Eq. 7, never perturbed), `trainable` (perturbed with the body: the EGGROLL
-            reference's convention, which `eggroll` needs), `frozen_shared` or `frozen_random`.
+            reference's convention), `frozen_shared` or `frozen_random`; `eggroll` takes any but
+            `decoder_only`.
         init: `seed` (every expert a copy of `seed_checkpoint`) or `random`; None: `seed` when
             `seed_checkpoint` is given, else `random`. Configs say it explicitly, so a sweep's sides
             can be compared.
@@ -115,9 +116,9 @@ class ZOModule(ByteLMModule):
         self.estimator.check_module(self)
         if self.head_training is HeadTraining.decoder_only and isinstance(self.estimator, EGGROLLArgs):
             # EGGROLL's `.grad` is σ₀/√N·Σ φ·ε (the reference's step), not a gradient's scale.
-            raise ConfigError(f"{KEY}.head_training=decoder_only steps the head by its exact gradient with the "
-                              f"estimate's learning rate, which {KEY}.eggroll's step convention does not share: "
-                              f"use head_training: trainable (or frozen_*) with eggroll")
+            raise ConfigError(f"{KEY}.head_training=decoder_only (the default) steps the head by its exact gradient "
+                              f"with the estimate's learning rate, which {KEY}.eggroll's step convention does not "
+                              f"share: use head_training: trainable (or frozen_*) with eggroll")
         self.seed = seed
         self.parallel = ExpertParallel(self, enabled=num_experts > 1)
         """This rank's share of the experts when fitting N > 1 on several processes."""

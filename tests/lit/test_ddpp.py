@@ -152,8 +152,8 @@ def test_estimates_exchange_makes_the_scalars_update_with_d_floats_per_rank(monk
         assert torch.equal(combined[0].gradient[name], combined[1].gradient[name])
         torch.testing.assert_close(combined[0].gradient[name], gradient, rtol=1e-6, atol=1e-7 * gradient.abs().max())
     torch.testing.assert_close(combined[0].loss, reference.loss, rtol=1e-6, atol=0.0)
-    parameters = sum(p.numel() for name, p in estimates.trainable_parameters().items()
-                     if name != "head")  # the head is stepped by the delta rule, never perturbed
+    assert "head" not in estimates.perturbed_parameters()  # the delta rule steps it (the default)
+    parameters = sum(p.numel() for p in estimates.perturbed_parameters().values())
     assert [p.shape for p in payloads] == [torch.Size([1, parameters + 1])] * 2
     assert [update.logs["exchange_bytes"] for update in combined] == [2 * (parameters + 1) * 4] * 2
     assert [update.forwards // (2 * 2 * 16) for update in combined] == [4, 5]  # 9 directions: 4 + 5, 2 windows of 16

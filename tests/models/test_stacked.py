@@ -108,8 +108,9 @@ def test_every_window_starts_from_a_zero_state():
         model.window_losses(first)  # a window before it, in an earlier call
         after = model.window_losses(second)
         beside = model.window_losses(torch.cat([first, second], dim=1))[:, 1:]  # a row of the same batch
-        zero = model.window_losses(second, state=model.zero_state(dict(model.named_parameters()), 1))
-        carried = model.zero_state(dict(model.named_parameters()), 1)
+        zeros = [(torch.zeros(1, 1, 12), torch.zeros(1, 1, 12)) for _ in range(model.num_layers)]
+        zero = model.window_losses(second, state=zeros)
+        carried = [(torch.zeros(1, 1, 12), torch.zeros(1, 1, 12)) for _ in range(model.num_layers)]
         model.window_losses(first, state=carried)  # leaves `carried` at the state after `first`
         continued = model.window_losses(second, state=carried)
     assert torch.equal(after, alone) and torch.equal(zero, alone)

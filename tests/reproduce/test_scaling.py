@@ -113,7 +113,7 @@ def test_fig7_reads_both_time_bases_and_checks_each_claim(tmp_path):
     fig8 = next(c for c in result["checks"] if "every aggregate budget" in c["claim"])
     assert fig8["mean"] == pytest.approx(0.15)  # the comparison most in the claim's favour
     fig16 = next(c for c in result["checks"] if "Fig. 16" in c["claim"])
-    # k = 2 (N = 4: k = N/2) captures 0.1 of the best k's 0.2: exactly half, so share − 0.5 = 0
+    # k = 2 (N = 4: k = N/2) captures 0.1 of the best k's 0.2: (L₁ − L₂) − 0.5·(L₁ − L_best) = 0.1 − 0.5·0.2 = 0
     assert result["top_k"] == 2 and fig16["mean"] == pytest.approx(0.0)
     assert fig16["document_interval"] == pytest.approx((0.0, 0.0), abs=1e-12)
     fig17 = next(c for c in result["checks"] if "Fig. 17" in c["claim"])
