@@ -18,8 +18,10 @@
 // as in soma_pl.models.stacked. No autograd: used only when gradients are off.
 //
 // Also here: the tied head's next-byte cross entropy (grouped_head_nll), its logits formed in
-// registers and reduced at once, and the core's multiply-add throughput (fma_gflops), the limit
-// every ratio of the benchmarks can be read against.
+// registers and reduced at once; the MLP's GELU with EGGROLL's rank-r terms of both its matrices
+// beside it (grouped_gelu) and the rows' thin products with a rank-r factor (grouped_thin), each a
+// single pass over the rows; and the core's multiply-add throughput (fma_gflops), the limit every
+// ratio of the benchmarks can be read against.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -639,6 +641,122 @@ at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t
   return nll;
 }
 
+// erf(x) as x·P(x²)/Q(x²) on [-4, 4] (clamped beyond), the rational approximation of XLA's and
+// Eigen's float erf: within 4e-7 of erf, so the GELU below is within 1.1e-6 of the exact one where
+// 1 + erf cancels (x near -5.7) and within float rounding elsewhere (tests/models/test_recurrence.py).
+// Branch-free on whole registers; a NaN fails both clamps and stays NaN.
+constexpr int kErfP = 7, kErfQ = 5;
+constexpr float kErfAlpha[kErfP] = {-2.72614225801306e-10f, 2.77068142495902e-08f, -2.10102402082508e-06f,
+                                    -5.69250639462346e-05f, -7.34990630326855e-04f, -2.95459980854025e-03f,
+                                    -1.60960333262415e-02f};
+constexpr float kErfBeta[kErfQ] = {-1.45660718464996e-05f, -2.13374055278905e-04f, -1.68282697438203e-03f,
+                                   -7.37332916720468e-03f, -1.42647390514189e-02f};
+
+template <typename T>
+inline T erf_(T x) {
+  const T zero = {}, low = zero - 4.0f, high = zero + 4.0f;  // ±4 in x's type (a float, or every lane of a vec)
+  x = x < low ? low : x;
+  x = x > high ? high : x;
+  const T x2 = x * x;
+  T p = x2 * kErfAlpha[0] + kErfAlpha[1], q = x2 * kErfBeta[0] + kErfBeta[1];
+  for (int i = 2; i < kErfP; ++i) p = p * x2 + kErfAlpha[i];
+  for (int i = 2; i < kErfQ; ++i) q = q * x2 + kErfBeta[i];
+  return x * p / q;
+}
+
+template <typename T>
+inline T gelu_(T x) { return 0.5f * x * (1.0f + erf_(x * 0.70710678118654752f)); }
+
+// The MLP's GELU (the exact one, 0.5·x·(1 + erf(x/√2))) over its hidden rows in place, with
+// EGGROLL's rank-r terms on either side of it while a row is in cache: before it, each member's
+// (x·B_in)·A_inᵀ from the row's normalised input x; after it, the row's thin product with B_out
+// for the second matrix (returned; the caller adds its ·A_outᵀ to that product's output).
+// hidden [K, n, h]; normed [K, n, d], a_in [K, r, h], b_in [K, r, d], b_out [K, r, h] (K groups,
+// each one member); without them, the GELU alone. Returns thin_out [K, n, r] (r = 0: empty).
+at::Tensor grouped_gelu(at::Tensor& hidden, const std::optional<at::Tensor>& normed,
+                        const std::optional<at::Tensor>& a_in, const std::optional<at::Tensor>& b_in,
+                        const std::optional<at::Tensor>& b_out) {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "hidden: contiguous float32 [K, n, h]");
+  const int64_t groups = hidden.size(0), rows = hidden.size(1), width = hidden.size(2);
+  const bool in_terms = a_in.has_value(), out_terms = b_out.has_value();
+  TORCH_CHECK(in_terms == b_in.has_value() && in_terms == normed.has_value(), "normed, a_in and b_in go together");
+  const int64_t rank = in_terms ? a_in->size(1) : out_terms ? b_out->size(1) : 0;
+  const int64_t dim = in_terms ? normed->size(2) : 0;
+  auto check = [&](const at::Tensor& t, std::vector<int64_t> shape, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == at::IntArrayRef(shape),
+                name, ": contiguous float32 of the shape documented");
+  };
+  if (in_terms) {
+    check(*normed, {groups, rows, dim}, "normed");
+    check(*a_in, {groups, rank, width}, "a_in");
+    check(*b_in, {groups, rank, dim}, "b_in");
+  }
+  if (out_terms) check(*b_out, {groups, rank, width}, "b_out");
+  auto thin = at::empty({groups, rows, out_terms ? rank : 0}, hidden.options());
+  float* hid = hidden.data_ptr<float>();
+  float* thin_out = thin.data_ptr<float>();
+  const float* x_in = in_terms ? normed->data_ptr<float>() : nullptr;
+  const float* a1 = in_terms ? a_in->data_ptr<float>() : nullptr;
+  const float* b1 = in_terms ? b_in->data_ptr<float>() : nullptr;
+  const float* b2 = out_terms ? b_out->data_ptr<float>() : nullptr;
+  at::parallel_for(0, groups * rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / rows;
+      float* row = hid + item * width;
+      for (int64_t j = 0; in_terms && j < rank; ++j) {
+        const float* x = x_in + item * dim;
+        const float* b = b1 + (g * rank + j) * dim;
+        float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+        for (int64_t k = 0; k < dim; ++k) t += x[k] * b[k];
+        const float* a = a1 + (g * rank + j) * width;
+#pragma omp simd
+        for (int64_t k = 0; k < width; ++k) row[k] += t * a[k];
+      }
+      for (int64_t k = 0; k < width; k += kVec) {  // whole registers (gcc's own loop took 4 lanes)
+        const int64_t lanes = std::min(kVec, width - k);
+        store(row + k, gelu_(load(row + k, lanes)), lanes);
+      }
+      for (int64_t j = 0; out_terms && j < rank; ++j) {
+        const float* b = b2 + (g * rank + j) * width;
+        float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+        for (int64_t k = 0; k < width; ++k) t += row[k] * b[k];
+        thin_out[item * rank + j] = t;
+      }
+    }
+  });
+  return thin;
+}
+
+// Each row's thin products with its group's rank-r factor: thin[g, i, j] = x[g, i]·b[g, j], for
+// x [K, n, d] and b [K, r, d] (EGGROLL's (x·B) before its ·Aᵀ). A batched matrix-vector product
+// reads x at a fraction of the memory's speed at these shapes; this reads it once, row by row.
+at::Tensor grouped_thin(const at::Tensor& x, const at::Tensor& b) {
+  TORCH_CHECK(x.dim() == 3 && b.dim() == 3 && x.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
+                  x.is_contiguous() && b.is_contiguous(), "contiguous float32 x [K, n, d] and b [K, r, d]");
+  const int64_t groups = x.size(0), rows = x.size(1), dim = x.size(2), rank = b.size(1);
+  TORCH_CHECK(b.size(0) == groups && b.size(2) == dim, "shape mismatch");
+  auto thin = at::empty({groups, rows, rank}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* bs = b.data_ptr<float>();
+  float* out = thin.data_ptr<float>();
+  at::parallel_for(0, groups * rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const float* row = xs + item * dim;
+      for (int64_t j = 0; j < rank; ++j) {
+        const float* w = bs + ((item / rows) * rank + j) * dim;
+        float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+        for (int64_t k = 0; k < dim; ++k) t += row[k] * w[k];
+        out[item * rank + j] = t;
+      }
+    }
+  });
+  return thin;
+}
+
 // GFLOP/s of one thread running `iterations` x 12 independent 16-lane multiply-adds (12 chains
 // cover the latency of two FMA pipes): the core's arithmetic peak, with no memory traffic.
 double fma_gflops(int64_t iterations) {
@@ -667,6 +785,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("a_packed") = pybind11::none(), pybind11::arg("window_major") = false,
         pybind11::arg("residual") = pybind11::none(), pybind11::arg("next_gain") = pybind11::none(),
         pybind11::arg("eps") = 1e-5);
+  m.def("grouped_gelu", &grouped_gelu, "The MLP's GELU in place with EGGROLL's rank-r terms (CPU, no autograd)",
+        pybind11::arg("hidden"), pybind11::arg("normed") = pybind11::none(), pybind11::arg("a_in") = pybind11::none(),
+        pybind11::arg("b_in") = pybind11::none(), pybind11::arg("b_out") = pybind11::none());
+  m.def("grouped_thin", &grouped_thin, "Each row's products with its group's rank-r factor (CPU, no autograd)",
+        pybind11::arg("x"), pybind11::arg("b"));
   m.def("fma_gflops", &fma_gflops, "One thread's multiply-add throughput, GFLOP/s");
   m.def("grouped_head_nll", &grouped_head_nll, "Tied-head next-byte cross entropy per row (CPU, no autograd)",
         pybind11::arg("features"), pybind11::arg("head_t"), pybind11::arg("targets"),

@@ -18,7 +18,8 @@ EGGROLL's members as rows that add their own rank-r terms; the pass decides whic
   (:func:`native_residual_chunk`), and groups that share weights (EGGROLL's members) run as one
   bundle of rows, each adding its rank-r terms.
   Where it cannot be built, ``python`` is used with one warning. The same library fuses the tied
-  head's cross entropy (:func:`native_head_nll`) where :func:`native_applies`.
+  head's cross entropy (:func:`native_head_nll`), the MLP's GELU with the members' rank-r terms
+  (:func:`native_gelu`) and their thin products (:func:`native_thin`) where :func:`native_applies`.
 - ``triton``: many weight sets without gradients on a CUDA GPU, in float32: one Triton program per
   group and 16 or 64 rows runs every step of the chunk (:mod:`soma_pl.models.triton_lstm`); EGGROLL's
   members too, each row adding its member's rank-r term. Chosen by hand on
@@ -223,6 +224,38 @@ def native_head_nll(head_t: Tensor, features: Tensor, targets: Tensor,
     nll = grouped_extension().grouped_head_nll(features.reshape(groups, -1, dim).contiguous(), head,
                                                targets.reshape(groups, -1).long().contiguous(), **low)
     return nll.view(groups, batch, steps)
+
+
+def native_thin(x: Tensor, b: Tensor) -> Tensor:
+    """Each row's products with its group's rank-r factor, ``x·B``: x ``[K, n, d]``, b ``[K, d, r]``
+    → ``[K, n, r]``, reading x once (a batched matrix-vector product reads it at a fraction of the
+    memory's speed at these shapes)."""
+    return grouped_extension().grouped_thin(x.contiguous(), b.transpose(1, 2).contiguous())
+
+
+def native_gelu(hidden: Tensor, normed: Tensor, factors_in: tuple[Tensor, Tensor] | None = None,
+                b_out: Tensor | None = None) -> Tensor | None:
+    """The MLP's exact GELU over ``hidden`` in place, EGGROLL's rank-r terms of the MLP's two
+    matrices beside it, each row once while it is in cache.
+
+    Args:
+        hidden: ``[K, n, h]`` contiguous, ``x·W_inᵀ`` (K groups of one member each); becomes
+            ``GELU(x·W_inᵀ + (x·B_in)·A_inᵀ)``.
+        normed: ``[K, n, d]``, the MLP's input x.
+        factors_in: ``(A_in [K, h, r], B_in [K, d, r])``, or None.
+        b_out: ``B_out [K, h, r]`` of the second matrix, or None.
+
+    Returns:
+        ``GELU(·)·B_out``, ``[K, n, r]`` (the caller adds its ``·A_outᵀ``), or None without ``b_out``.
+    """
+    terms = {}
+    if factors_in is not None:
+        terms = {"normed": normed.contiguous(), "a_in": factors_in[0].transpose(1, 2).contiguous(),
+                 "b_in": factors_in[1].transpose(1, 2).contiguous()}
+    if b_out is not None:
+        terms["b_out"] = b_out.transpose(1, 2).contiguous()
+    thin = grouped_extension().grouped_gelu(hidden, **terms)
+    return None if b_out is None else thin
 
 
 def _build_tag() -> str:

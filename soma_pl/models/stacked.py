@@ -116,12 +116,15 @@ def linear(x: Tensor, weight_t: Tensor, factors: tuple[Tensor, Tensor] | None = 
         return out
     a, b = factors
     members = a.shape[0]
-    thin, by_member = torch.bmm(x.reshape(members, -1, width), b), out.view(members, -1, out.shape[-1])
-    if a.shape[-1] == 1:  # rank 1: an outer product, added elementwise (3-7x baddbmm_'s speed on the CPU)
-        by_member.addcmul_(thin, a.transpose(1, 2))
-    else:
-        by_member.baddbmm_(thin, a.transpose(1, 2))  # into the fresh product
+    add_low_rank(out.view(members, -1, out.shape[-1]), torch.bmm(x.reshape(members, -1, width), b), a)
     return out
+
+
+def add_low_rank(out: Tensor, thin: Tensor, a: Tensor) -> Tensor:
+    """``out += thin·Aᵀ`` in place, per member: out ``[K, n, out]``, thin ``[K, n, r]``, a ``[K, out, r]``."""
+    if a.shape[-1] == 1:  # rank 1: an outer product, added elementwise (3-7x baddbmm_'s speed on the CPU)
+        return out.addcmul_(thin, a.transpose(1, 2))
+    return out.baddbmm_(thin, a.transpose(1, 2))
 
 
 def layer_norm(x: Tensor, gain: Tensor) -> Tensor:
@@ -196,7 +199,8 @@ class Pass:
         if self.head.dim() == 2 and "head" in self.factors:
             raise ValueError("a shared head is not perturbed")
         self.head_t = _transposed(self.head)
-        self.native_head = not self.grad and recurrence.native_applies(kernel, self.head, *self._factor_tensors())
+        # the native head and GELU (no autograd; any number of weight sets, EGGROLL's members too)
+        self.native = not self.grad and recurrence.native_applies(kernel, self.head, *self._factor_tensors())
         gains = params[NORM_GAINS][:, None]
         if noise is not None and NORM_GAINS in noise.offsets:
             gains = gains + noise.offsets[NORM_GAINS]
@@ -288,7 +292,7 @@ class Pass:
         terms, step_terms = self.native_terms[layer], None
         if terms is not None:
             b_ih, kernel_terms = terms
-            thin_in = torch.bmm(normed.reshape(kernel_groups, -1, width), b_ih)
+            thin_in = recurrence.native_thin(normed.reshape(kernel_groups, -1, width), b_ih)
             step_terms = {"thin_in": thin_in.view(kernel_groups, windows, steps, -1), **kernel_terms}
         as_members = (kernel_groups, windows, width)
         mlp_in, (h, c) = recurrence.native_residual_chunk(
@@ -298,9 +302,21 @@ class Pass:
         return x, mlp_in.view(x.shape), (h.view(groups, rows, width), c.view(groups, rows, width))
 
     def mlp(self, layer: int, normed: Tensor) -> Tensor:
-        """Block ``layer``'s MLP over a whole chunk: ``W_out·GELU(W_in·x)``, ``[G, R, Tc, d]``."""
-        hidden = linear(normed, self.mlp_in_t[layer], _member(self.factors.get("mlp_in"), layer))
-        return linear(F.gelu(hidden), self.mlp_out_t[layer], _member(self.factors.get("mlp_out"), layer))
+        """Block ``layer``'s MLP over a whole chunk: ``W_out·GELU(W_in·x)``, ``[G, R, Tc, d]``. Natively,
+        the GELU runs in place with the members' rank-r terms of both matrices beside it
+        (:func:`~soma_pl.models.recurrence.native_gelu`): no pass of their own over the hidden rows."""
+        f_in, f_out = _member(self.factors.get("mlp_in"), layer), _member(self.factors.get("mlp_out"), layer)
+        if not self.native or torch.is_autocast_enabled(normed.device.type):  # autocast: bf16 products
+            hidden = linear(normed, self.mlp_in_t[layer], f_in)
+            return linear(F.gelu(hidden), self.mlp_out_t[layer], f_out)
+        hidden = linear(normed, self.mlp_in_t[layer])
+        groups = normed.shape[0] * self.members
+        thin = recurrence.native_gelu(hidden.view(groups, -1, hidden.shape[-1]), normed.reshape(groups, -1, self.width),
+                                      f_in, None if f_out is None else f_out[1])
+        out = linear(hidden, self.mlp_out_t[layer])
+        if f_out is not None:
+            add_low_rank(out.view(groups, -1, out.shape[-1]), thin, f_out[0])
+        return out
 
     def project(self, name: str, x: Tensor) -> Tensor:
         """The ``in_proj`` or ``out_proj`` product, or ``x`` itself where the width needs none."""
@@ -319,7 +335,8 @@ class Pass:
             return rows
         a, b = factors  # [G·M, 256, r], [G·M, d_E, r]
         flat = index.reshape(a.shape[0], -1, 1).expand(-1, -1, a.shape[-1])
-        return rows + torch.bmm(torch.gather(a, 1, flat), b.transpose(1, 2)).view(rows.shape)
+        add_low_rank(rows.view(a.shape[0], -1, rows.shape[-1]), torch.gather(a, 1, flat), b)
+        return rows
 
     def logits(self, features: Tensor) -> Tensor:
         """The tied head's logits of features ``[G, R, Tc, d_E]``."""
@@ -330,7 +347,7 @@ class Pass:
         head where it applies (no logits written out; a member's rank-r part ``(x·B)·Aᵀ`` inside the
         same register sums, its group's head shared), else the logits and ``F.cross_entropy``."""
         factors = _member(self.factors.get("head"))
-        if not self.native_head:
+        if not self.native:
             logits = linear(features, self.head_t, factors)
             nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.long().reshape(-1), reduction="none")
             return nll.view(targets.shape)
@@ -339,7 +356,7 @@ class Pass:
         low_rank = None
         if factors is not None:
             a, b = factors
-            low_rank = (torch.bmm(flat[:, 0], b), a.transpose(1, 2))
+            low_rank = (recurrence.native_thin(flat[:, 0], b), a.transpose(1, 2))
         nll = recurrence.native_head_nll(self.head_t, flat, targets.reshape(groups, 1, -1), low_rank)
         return nll.view(targets.shape)
 

@@ -168,6 +168,46 @@ def test_native_head_adds_each_groups_rank_r_part():
     assert (got.reshape(-1) - expected).abs().max().item() <= TOLERANCE * expected.abs().max().item()
 
 
+@pytest.mark.parametrize("width", [1, 7, 8, 13, 128])
+def test_native_gelu_is_the_exact_gelu(width):
+    """The MLP's GELU, 0.5·x·(1 + erf(x/√2)), in place on rows of every register tail, against
+    float64: within 2e-6 of it, relatively beyond |GELU| = 1 (measured: 1.06e-6 at x = -5.65, where
+    1 + erf(x/√2) cancels; torch's float32 GELU is within 2.6e-7); a NaN stays NaN, +∞ stays +∞."""
+    x = torch.linspace(-12, 12, 24_001 * width).view(-1)
+    rows = x.clone().view(1, -1, width)
+    assert recurrence.native_gelu(rows, rows) is None
+    exact = torch.nn.functional.gelu(x.double())
+    assert ((rows.view(-1).double() - exact).abs() <= 2e-6 * exact.abs().clamp(min=1)).all()
+    special = torch.tensor([[[float("nan"), float("inf"), 0.0]]])
+    recurrence.native_gelu(special, special)
+    assert special[0, 0, 0].isnan() and special[0, 0, 1] == float("inf") and special[0, 0, 2] == 0
+
+
+def test_native_gelu_adds_each_members_rank_r_terms_on_both_sides():
+    """EGGROLL's members of the MLP: 4 groups (one member each) with rank-2 parts ``A·Bᵀ`` of both
+    matrices; against each member's materialised matrices ``W + A·Bᵀ``, the hidden rows
+    ``GELU(x·W_inᵀ)`` and the second matrix's thin product ``hidden·B_out``."""
+    generator = torch.Generator().manual_seed(9)
+    groups, rows, width, hidden_width, rank = 4, 11, 12, 48, 2
+    x = torch.randn(groups, rows, width, generator=generator)
+    w_in = torch.randn(hidden_width, width, generator=generator) / width ** 0.5
+    a_in, b_in = (torch.randn(groups, size, rank, generator=generator) for size in (hidden_width, width))
+    b_out = torch.randn(groups, hidden_width, rank, generator=generator)
+    member_in = w_in + a_in @ b_in.transpose(1, 2)
+    expected = torch.nn.functional.gelu(torch.einsum("gnk,gok->gno", x.double(), member_in.double()))
+    hidden = (x @ w_in.t()).contiguous()
+    thin = recurrence.native_gelu(hidden, x, (a_in, b_in), b_out)
+    assert (hidden - expected).abs().max().item() <= TOLERANCE * expected.abs().max().item()
+    assert (thin - expected.float() @ b_out).abs().max().item() <= TOLERANCE * thin.abs().max().item()
+
+
+@pytest.mark.parametrize(("width", "rank"), [(32, 1), (13, 3)])
+def test_native_thin_is_the_batched_product(width, rank):
+    generator = torch.Generator().manual_seed(10)
+    x, b = torch.randn(5, 9, width, generator=generator), torch.randn(5, width, rank, generator=generator)
+    assert (recurrence.native_thin(x, b) - torch.bmm(x, b)).abs().max().item() <= TOLERANCE
+
+
 def test_library_kernel_backpropagates_the_same_gradients():
     tokens = torch.randint(0, 256, (1, 4, 30), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     gradients = {}
