@@ -642,9 +642,9 @@ at::Tensor grouped_head_nll(const at::Tensor& features, const at::Tensor& head_t
 }
 
 // erf(x) as x·P(x²)/Q(x²) on [-4, 4] (clamped beyond), the rational approximation of XLA's and
-// Eigen's float erf: within 4e-7 of erf, so the GELU below is within 1.1e-6 of the exact one where
-// 1 + erf cancels (x near -5.7) and within float rounding elsewhere (tests/models/test_recurrence.py).
-// Branch-free on whole registers; a NaN fails both clamps and stays NaN.
+// Eigen's float erf: within about 5e-7 of erf, so the GELU below is within 1.1e-6 of the exact one
+// (relative beyond |GELU| = 1; worst where 1 + erf cancels, x near -5.6: tests/models/test_recurrence.py).
+// Branch-free on whole registers; a NaN fails both clamps and stays NaN, and GELU(-inf) is NaN as torch's.
 constexpr int kErfP = 7, kErfQ = 5;
 constexpr float kErfAlpha[kErfP] = {-2.72614225801306e-10f, 2.77068142495902e-08f, -2.10102402082508e-06f,
                                     -5.69250639462346e-05f, -7.34990630326855e-04f, -2.95459980854025e-03f,
@@ -667,6 +667,13 @@ inline T erf_(T x) {
 template <typename T>
 inline T gelu_(T x) { return 0.5f * x * (1.0f + erf_(x * 0.70710678118654752f)); }
 
+inline float dot(const float* a, const float* b, int64_t n) {
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t k = 0; k < n; ++k) total += a[k] * b[k];
+  return total;
+}
+
 // The MLP's GELU (the exact one, 0.5·x·(1 + erf(x/√2))) over its hidden rows in place, with
 // EGGROLL's rank-r terms on either side of it while a row is in cache: before it, each member's
 // (x·B_in)·A_inᵀ from the row's normalised input x; after it, the row's thin product with B_out
@@ -676,24 +683,24 @@ inline T gelu_(T x) { return 0.5f * x * (1.0f + erf_(x * 0.70710678118654752f));
 at::Tensor grouped_gelu(at::Tensor& hidden, const std::optional<at::Tensor>& normed,
                         const std::optional<at::Tensor>& a_in, const std::optional<at::Tensor>& b_in,
                         const std::optional<at::Tensor>& b_out) {
-  TORCH_CHECK(hidden.dim() == 3 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
-              "hidden: contiguous float32 [K, n, h]");
+  TORCH_CHECK(hidden.dim() == 3 && hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat &&
+                  hidden.is_contiguous(), "hidden: contiguous CPU float32 [K, n, h]");
   const int64_t groups = hidden.size(0), rows = hidden.size(1), width = hidden.size(2);
   const bool in_terms = a_in.has_value(), out_terms = b_out.has_value();
   TORCH_CHECK(in_terms == b_in.has_value() && in_terms == normed.has_value(), "normed, a_in and b_in go together");
-  const int64_t rank = in_terms ? a_in->size(1) : out_terms ? b_out->size(1) : 0;
+  const int64_t rank_in = in_terms ? a_in->size(1) : 0, rank_out = out_terms ? b_out->size(1) : 0;
   const int64_t dim = in_terms ? normed->size(2) : 0;
   auto check = [&](const at::Tensor& t, std::vector<int64_t> shape, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == at::IntArrayRef(shape),
-                name, ": contiguous float32 of the shape documented");
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.sizes() == at::IntArrayRef(shape), name, ": contiguous CPU float32 of the shape documented");
   };
   if (in_terms) {
     check(*normed, {groups, rows, dim}, "normed");
-    check(*a_in, {groups, rank, width}, "a_in");
-    check(*b_in, {groups, rank, dim}, "b_in");
+    check(*a_in, {groups, rank_in, width}, "a_in");
+    check(*b_in, {groups, rank_in, dim}, "b_in");
   }
-  if (out_terms) check(*b_out, {groups, rank, width}, "b_out");
-  auto thin = at::empty({groups, rows, out_terms ? rank : 0}, hidden.options());
+  if (out_terms) check(*b_out, {groups, rank_out, width}, "b_out");
+  auto thin = at::empty({groups, rows, rank_out}, hidden.options());
   float* hid = hidden.data_ptr<float>();
   float* thin_out = thin.data_ptr<float>();
   const float* x_in = in_terms ? normed->data_ptr<float>() : nullptr;
@@ -704,13 +711,9 @@ at::Tensor grouped_gelu(at::Tensor& hidden, const std::optional<at::Tensor>& nor
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / rows;
       float* row = hid + item * width;
-      for (int64_t j = 0; in_terms && j < rank; ++j) {
-        const float* x = x_in + item * dim;
-        const float* b = b1 + (g * rank + j) * dim;
-        float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-        for (int64_t k = 0; k < dim; ++k) t += x[k] * b[k];
-        const float* a = a1 + (g * rank + j) * width;
+      for (int64_t j = 0; j < rank_in; ++j) {
+        const float t = dot(x_in + item * dim, b1 + (g * rank_in + j) * dim, dim);
+        const float* a = a1 + (g * rank_in + j) * width;
 #pragma omp simd
         for (int64_t k = 0; k < width; ++k) row[k] += t * a[k];
       }
@@ -718,13 +721,7 @@ at::Tensor grouped_gelu(at::Tensor& hidden, const std::optional<at::Tensor>& nor
         const int64_t lanes = std::min(kVec, width - k);
         store(row + k, gelu_(load(row + k, lanes)), lanes);
       }
-      for (int64_t j = 0; out_terms && j < rank; ++j) {
-        const float* b = b2 + (g * rank + j) * width;
-        float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-        for (int64_t k = 0; k < width; ++k) t += row[k] * b[k];
-        thin_out[item * rank + j] = t;
-      }
+      for (int64_t j = 0; j < rank_out; ++j) thin_out[item * rank_out + j] = dot(row, b2 + (g * rank_out + j) * width, width);
     }
   });
   return thin;
@@ -734,8 +731,9 @@ at::Tensor grouped_gelu(at::Tensor& hidden, const std::optional<at::Tensor>& nor
 // x [K, n, d] and b [K, r, d] (EGGROLL's (x·B) before its ·Aᵀ). A batched matrix-vector product
 // reads x at a fraction of the memory's speed at these shapes; this reads it once, row by row.
 at::Tensor grouped_thin(const at::Tensor& x, const at::Tensor& b) {
-  TORCH_CHECK(x.dim() == 3 && b.dim() == 3 && x.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
-                  x.is_contiguous() && b.is_contiguous(), "contiguous float32 x [K, n, d] and b [K, r, d]");
+  TORCH_CHECK(x.dim() == 3 && b.dim() == 3 && x.device().is_cpu() && b.device().is_cpu() &&
+                  x.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && x.is_contiguous() && b.is_contiguous(),
+              "contiguous CPU float32 x [K, n, d] and b [K, r, d]");
   const int64_t groups = x.size(0), rows = x.size(1), dim = x.size(2), rank = b.size(1);
   TORCH_CHECK(b.size(0) == groups && b.size(2) == dim, "shape mismatch");
   auto thin = at::empty({groups, rows, rank}, x.options());
@@ -745,13 +743,7 @@ at::Tensor grouped_thin(const at::Tensor& x, const at::Tensor& b) {
   at::parallel_for(0, groups * rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const float* row = xs + item * dim;
-      for (int64_t j = 0; j < rank; ++j) {
-        const float* w = bs + ((item / rows) * rank + j) * dim;
-        float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-        for (int64_t k = 0; k < dim; ++k) t += row[k] * w[k];
-        out[item * rank + j] = t;
-      }
+      for (int64_t j = 0; j < rank; ++j) out[item * rank + j] = dot(row, bs + ((item / rows) * rank + j) * dim, dim);
     }
   });
   return thin;

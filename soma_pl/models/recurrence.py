@@ -233,7 +233,7 @@ def native_thin(x: Tensor, b: Tensor) -> Tensor:
     return grouped_extension().grouped_thin(x.contiguous(), b.transpose(1, 2).contiguous())
 
 
-def native_gelu(hidden: Tensor, normed: Tensor, factors_in: tuple[Tensor, Tensor] | None = None,
+def native_gelu(hidden: Tensor, low_rank_in: tuple[Tensor, Tensor, Tensor] | None = None,
                 b_out: Tensor | None = None) -> Tensor | None:
     """The MLP's exact GELU over ``hidden`` in place, EGGROLL's rank-r terms of the MLP's two
     matrices beside it, each row once while it is in cache.
@@ -241,17 +241,16 @@ def native_gelu(hidden: Tensor, normed: Tensor, factors_in: tuple[Tensor, Tensor
     Args:
         hidden: ``[K, n, h]`` contiguous, ``x·W_inᵀ`` (K groups of one member each); becomes
             ``GELU(x·W_inᵀ + (x·B_in)·A_inᵀ)``.
-        normed: ``[K, n, d]``, the MLP's input x.
-        factors_in: ``(A_in [K, h, r], B_in [K, d, r])``, or None.
+        low_rank_in: ``(x [K, n, d], A_in [K, h, r], B_in [K, d, r])``, x the MLP's input; or None.
         b_out: ``B_out [K, h, r]`` of the second matrix, or None.
 
     Returns:
         ``GELU(·)·B_out``, ``[K, n, r]`` (the caller adds its ``·A_outᵀ``), or None without ``b_out``.
     """
     terms = {}
-    if factors_in is not None:
-        terms = {"normed": normed.contiguous(), "a_in": factors_in[0].transpose(1, 2).contiguous(),
-                 "b_in": factors_in[1].transpose(1, 2).contiguous()}
+    if low_rank_in is not None:
+        x, a, b = low_rank_in
+        terms = {"normed": x.contiguous(), "a_in": a.transpose(1, 2).contiguous(), "b_in": b.transpose(1, 2).contiguous()}
     if b_out is not None:
         terms["b_out"] = b_out.transpose(1, 2).contiguous()
     thin = grouped_extension().grouped_gelu(hidden, **terms)

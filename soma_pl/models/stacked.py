@@ -120,11 +120,12 @@ def linear(x: Tensor, weight_t: Tensor, factors: tuple[Tensor, Tensor] | None = 
     return out
 
 
-def add_low_rank(out: Tensor, thin: Tensor, a: Tensor) -> Tensor:
+def add_low_rank(out: Tensor, thin: Tensor, a: Tensor) -> None:
     """``out += thin·Aᵀ`` in place, per member: out ``[K, n, out]``, thin ``[K, n, r]``, a ``[K, out, r]``."""
     if a.shape[-1] == 1:  # rank 1: an outer product, added elementwise (3-7x baddbmm_'s speed on the CPU)
-        return out.addcmul_(thin, a.transpose(1, 2))
-    return out.baddbmm_(thin, a.transpose(1, 2))
+        out.addcmul_(thin, a.transpose(1, 2))
+    else:
+        out.baddbmm_(thin, a.transpose(1, 2))
 
 
 def layer_norm(x: Tensor, gain: Tensor) -> Tensor:
@@ -199,8 +200,9 @@ class Pass:
         if self.head.dim() == 2 and "head" in self.factors:
             raise ValueError("a shared head is not perturbed")
         self.head_t = _transposed(self.head)
-        # the native head and GELU (no autograd; any number of weight sets, EGGROLL's members too)
-        self.native = not self.grad and recurrence.native_applies(kernel, self.head, *self._factor_tensors())
+        # the native fused head and GELU, whatever the LSTM's kernel (no autograd; any number of weight
+        # sets, EGGROLL's members too)
+        self.fused = not self.grad and recurrence.native_applies(kernel, self.head, *self._factor_tensors())
         gains = params[NORM_GAINS][:, None]
         if noise is not None and NORM_GAINS in noise.offsets:
             gains = gains + noise.offsets[NORM_GAINS]
@@ -306,13 +308,14 @@ class Pass:
         the GELU runs in place with the members' rank-r terms of both matrices beside it
         (:func:`~soma_pl.models.recurrence.native_gelu`): no pass of their own over the hidden rows."""
         f_in, f_out = _member(self.factors.get("mlp_in"), layer), _member(self.factors.get("mlp_out"), layer)
-        if not self.native or torch.is_autocast_enabled(normed.device.type):  # autocast: bf16 products
+        if not self.fused or torch.is_autocast_enabled(normed.device.type):  # autocast: bf16 products
             hidden = linear(normed, self.mlp_in_t[layer], f_in)
             return linear(F.gelu(hidden), self.mlp_out_t[layer], f_out)
         hidden = linear(normed, self.mlp_in_t[layer])
         groups = normed.shape[0] * self.members
-        thin = recurrence.native_gelu(hidden.view(groups, -1, hidden.shape[-1]), normed.reshape(groups, -1, self.width),
-                                      f_in, None if f_out is None else f_out[1])
+        low_rank_in = None if f_in is None else (normed.reshape(groups, -1, normed.shape[-1]), *f_in)
+        thin = recurrence.native_gelu(hidden.view(groups, -1, hidden.shape[-1]), low_rank_in,
+                                      None if f_out is None else f_out[1])
         out = linear(hidden, self.mlp_out_t[layer])
         if f_out is not None:
             add_low_rank(out.view(groups, -1, out.shape[-1]), thin, f_out[0])
@@ -347,7 +350,7 @@ class Pass:
         head where it applies (no logits written out; a member's rank-r part ``(x·B)·Aᵀ`` inside the
         same register sums, its group's head shared), else the logits and ``F.cross_entropy``."""
         factors = _member(self.factors.get("head"))
-        if not self.native:
+        if not self.fused:
             logits = linear(features, self.head_t, factors)
             nll = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.long().reshape(-1), reduction="none")
             return nll.view(targets.shape)
