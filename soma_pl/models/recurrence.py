@@ -250,7 +250,8 @@ def native_gelu(hidden: Tensor, low_rank_in: tuple[Tensor, Tensor, Tensor] | Non
     terms = {}
     if low_rank_in is not None:
         x, a, b = low_rank_in
-        terms = {"normed": x.contiguous(), "a_in": a.transpose(1, 2).contiguous(), "b_in": b.transpose(1, 2).contiguous()}
+        terms = {"normed": x.contiguous(), "a_in": a.transpose(1, 2).contiguous()}
+        terms["b_in"] = b.transpose(1, 2).contiguous()
     if b_out is not None:
         terms["b_out"] = b_out.transpose(1, 2).contiguous()
     thin = grouped_extension().grouped_gelu(hidden, **terms)
