@@ -202,6 +202,31 @@ def test_native_gelu_adds_each_members_rank_r_terms_on_both_sides():
     assert (thin - expected.float() @ b_out).abs().max().item() <= TOLERANCE * thin.abs().max().item()
 
 
+@pytest.mark.parametrize("width", [8, 20, 32])
+def test_native_residual_norm_adds_and_normalises_each_group_under_its_gain(width):
+    """``x += delta`` in place, then PyTorch's gain-only layer_norm of the sum under each group's
+    gain; without delta, the norm alone and x untouched; with a rank-2 term ``thin·Aᵀ`` per group,
+    that added too. Width 20: a register tail; 7 rows a group."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 7, width, generator=generator) + 3.0  # a mean for the norm to remove
+    delta, gains = torch.randn(3, 7, width, generator=generator), torch.rand(3, width, generator=generator) + 0.5
+    stream = x.clone()
+    normed = recurrence.native_residual_norm(stream, gains, 1e-5, delta)
+    assert torch.equal(stream, x + delta)
+    expected = torch.nn.functional.layer_norm(x + delta, (width,), eps=1e-5) * gains[:, None]
+    assert (normed - expected).abs().max().item() <= TOLERANCE
+    alone = recurrence.native_residual_norm(stream, gains, 1e-5)
+    assert torch.equal(stream, x + delta)
+    assert (alone - expected).abs().max().item() <= TOLERANCE
+    thin, a = torch.randn(3, 7, 2, generator=generator), torch.randn(3, width, 2, generator=generator)
+    stream = x.clone()
+    normed = recurrence.native_residual_norm(stream, gains, 1e-5, delta, (thin, a))
+    total = x + delta + thin @ a.transpose(1, 2)
+    assert (stream - total).abs().max().item() <= TOLERANCE
+    expected = torch.nn.functional.layer_norm(total, (width,), eps=1e-5) * gains[:, None]
+    assert (normed - expected).abs().max().item() <= TOLERANCE
+
+
 @pytest.mark.parametrize(("width", "rank"), [(32, 1), (13, 3)])
 def test_native_thin_is_the_batched_product(width, rank):
     generator = torch.Generator().manual_seed(10)
