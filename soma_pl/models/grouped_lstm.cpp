@@ -680,7 +680,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // The MLP's GELU (the exact one, 0.5·x·(1 + erf(x/√2))) over its hidden rows in place, with
 // EGGROLL's rank-r terms on either side of it while a row is in cache: before it, each member's
 // (x·B_in)·A_inᵀ from the row's normalised input x; after it, the row's thin product with B_out
-// for the second matrix (returned; the caller adds its ·A_outᵀ to that product's output).
+// for the second matrix (returned; grouped_residual_norm adds its ·A_outᵀ with the product's output).
 // hidden [K, n, h]; normed [K, n, d], a_in [K, r, h], b_in [K, r, d], b_out [K, r, h] (K groups,
 // each one member); without them, the GELU alone. Returns thin_out [K, n, r] (r = 0: empty).
 at::Tensor grouped_gelu(at::Tensor& hidden, const std::optional<at::Tensor>& normed,
@@ -774,6 +774,7 @@ at::Tensor grouped_residual_norm(at::Tensor& x, const at::Tensor& gains, const s
   TORCH_CHECK(gains.sizes() == at::IntArrayRef({groups, width}), "gains: [K, d]");
   TORCH_CHECK(!delta.has_value() || (cpu_float(*delta) && delta->sizes() == x.sizes()), "delta: x's shape, contiguous");
   TORCH_CHECK(thin.has_value() == a_low.has_value(), "thin and a_low go together");
+  TORCH_CHECK(!thin.has_value() || thin->dim() == 3, "thin [K, n, r]");
   const int64_t rank = thin.has_value() ? thin->size(2) : 0;
   if (rank) {
     TORCH_CHECK(cpu_float(*thin) && cpu_float(*a_low) && thin->sizes() == at::IntArrayRef({groups, rows, rank}) &&

@@ -245,7 +245,7 @@ def native_gelu(hidden: Tensor, low_rank_in: tuple[Tensor, Tensor, Tensor] | Non
         b_out: ``B_out [K, h, r]`` of the second matrix, or None.
 
     Returns:
-        ``GELU(·)·B_out``, ``[K, n, r]`` (the caller adds its ``·A_outᵀ``), or None without ``b_out``.
+        ``GELU(·)·B_out``, ``[K, n, r]`` (:func:`native_residual_norm` adds its ``·A_outᵀ``), or None without ``b_out``.
     """
     terms = {}
     if low_rank_in is not None:

@@ -265,7 +265,7 @@ class Pass:
         the MLP's norm after it.
 
         Args:
-            x: ``[G, R, Tc, d]`` residual stream (updated in place on the native kernel).
+            x: ``[G, R, Tc, d]`` residual stream (updated in place on a fused pass).
             normed: the LSTM's normalised input, same shape.
             state: ``(h, c)``, ``[G, R, d]`` each.
 
@@ -297,7 +297,8 @@ class Pass:
         norm inside each step (:func:`soma_pl.models.recurrence.native_residual_chunk`)."""
         groups, rows, steps, width = x.shape
         kernel_groups, windows = groups * self.members, rows // self.members
-        gates_in = linear(normed, self.w_ih_t[layer], out=self.scratch("gates_in", (*x.shape[:-1], 4 * width)))
+        gates_shape = (*x.shape[:-1], self.w_ih_t[layer].shape[-1])
+        gates_in = linear(normed, self.w_ih_t[layer], out=self.scratch("gates_in", gates_shape))
         terms, step_terms = self.native_terms[layer], None
         if terms is not None:
             b_ih, kernel_terms = terms
@@ -330,7 +331,8 @@ class Pass:
         if not self.fuses(normed):
             hidden = linear(normed, self.mlp_in_t[layer], f_in)
             return self.residual_norm(x, next_norm, linear(F.gelu(hidden), self.mlp_out_t[layer], f_out))
-        hidden = linear(normed, self.mlp_in_t[layer], out=self.scratch("hidden", (*x.shape[:-1], 4 * x.shape[-1])))
+        hidden_shape = (*x.shape[:-1], self.mlp_in_t[layer].shape[-1])
+        hidden = linear(normed, self.mlp_in_t[layer], out=self.scratch("hidden", hidden_shape))
         groups = normed.shape[0] * self.members
         low_rank_in = None if f_in is None else (normed.reshape(groups, -1, normed.shape[-1]), *f_in)
         thin = recurrence.native_gelu(hidden.view(groups, -1, hidden.shape[-1]), low_rank_in,
@@ -341,8 +343,8 @@ class Pass:
 
     def scratch(self, name: str, shape: tuple[int, ...]) -> Tensor:
         """A buffer of ``shape`` that every chunk and block of the pass reuses (fused passes only: no
-        autograd keeps it). Writing fresh pages costs a page fault each: a 32 MB product took 15 ms
-        more into a new tensor than into a reused one (one thread)."""
+        autograd keeps it). Writing fresh pages costs a page fault each: a 32 MB product took 38.1 ms
+        into a new tensor against 25.0 ms into a reused one (one thread)."""
         numel = math.prod(shape)
         buffer = self._scratch.get(name)
         if buffer is None or buffer.numel() < numel:
@@ -357,10 +359,12 @@ class Pass:
                       low_rank: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """``x + delta`` (x without delta) and its gain-only LayerNorm under norm ``index``'s gains;
         natively one pass over the rows, the sum written into x in place, with each member's
-        ``thin·Aᵀ`` (``low_rank``: ``thin [G·M, n, r]``, ``A [G·M, d, r]``; fused passes only)."""
+        ``thin·Aᵀ`` (``low_rank``: ``thin [G·M, n, r]``, ``A [G·M, d, r]``, with a delta)."""
         gain = self.gain(index)
         if not self.fuses(x):
             x = x if delta is None else x + delta
+            if low_rank is not None:
+                add_low_rank(x.view(low_rank[0].shape[0], -1, x.shape[-1]), *low_rank)
             return x, layer_norm(x, gain)
         groups = gain.shape[0] * gain.shape[1]
         rows = x.view(groups, -1, x.shape[-1])
