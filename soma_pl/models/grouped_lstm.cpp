@@ -389,7 +389,7 @@ inline float sum_lanes(vec v) {
 }
 
 // The residual stream and the next layer's input after one step: for each of `rows` rows,
-// x += h (row r of x at x + r * x_row, of h at h + r * width), then the gain-only LayerNorm
+// x += h (row r of x at x + r * x_row, of h at h + r * width; none where h is null), then the gain-only LayerNorm
 // normed = (x - mean(x)) / sqrt(var(x) + eps) * gain (row r at normed + r * x_row; its group's gain
 // at gains + group * width). A block's padding lanes load as zeros, so each adds mean^2 to the
 // centred squares: taken off before the variance.
@@ -399,12 +399,15 @@ void residual_norm(float* x, int64_t x_row, const float* h, float* normed, const
   for (int64_t r = 0; r < rows; ++r) {
     const float* gain = gains + groups.of(r) * width;
     float* xr = x + r * x_row;
-    const float* hr = h + r * width;
+    const float* hr = h ? h + r * width : nullptr;
     vec sums = {};
     for (int64_t j = 0; j < width; j += kVec) {
       const int64_t lanes = std::min(kVec, width - j);
-      const vec sum = load(xr + j, lanes) + load(hr + j, lanes);
-      store(xr + j, sum, lanes);
+      vec sum = load(xr + j, lanes);
+      if (h) {
+        sum += load(hr + j, lanes);
+        store(xr + j, sum, lanes);
+      }
       sums += sum;
     }
     const float mean = sum_lanes(sums) / static_cast<float>(width);
@@ -677,7 +680,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // The MLP's GELU (the exact one, 0.5·x·(1 + erf(x/√2))) over its hidden rows in place, with
 // EGGROLL's rank-r terms on either side of it while a row is in cache: before it, each member's
 // (x·B_in)·A_inᵀ from the row's normalised input x; after it, the row's thin product with B_out
-// for the second matrix (returned; the caller adds its ·A_outᵀ to that product's output).
+// for the second matrix (returned; grouped_residual_norm adds its ·A_outᵀ with the product's output).
 // hidden [K, n, h]; normed [K, n, d], a_in [K, r, h], b_in [K, r, d], b_out [K, r, h] (K groups,
 // each one member); without them, the GELU alone. Returns thin_out [K, n, r] (r = 0: empty).
 at::Tensor grouped_gelu(at::Tensor& hidden, const std::optional<at::Tensor>& normed,
@@ -708,20 +711,26 @@ at::Tensor grouped_gelu(at::Tensor& hidden, const std::optional<at::Tensor>& nor
   const float* b1 = in_terms ? b_in->data_ptr<float>() : nullptr;
   const float* b2 = out_terms ? b_out->data_ptr<float>() : nullptr;
   at::parallel_for(0, groups * rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> t(rank_in);
+    std::vector<vec> sums(rank_out);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / rows;
       float* row = hid + item * width;
-      for (int64_t j = 0; j < rank_in; ++j) {
-        const float t = dot(x_in + item * dim, b1 + (g * rank_in + j) * dim, dim);
-        const float* a = a1 + (g * rank_in + j) * width;
-#pragma omp simd
-        for (int64_t k = 0; k < width; ++k) row[k] += t * a[k];
-      }
-      for (int64_t k = 0; k < width; k += kVec) {  // whole registers (gcc's own loop took 4 lanes)
+      const float* a = a1 + g * rank_in * width;
+      const float* b = b2 + g * rank_out * width;
+      for (int64_t j = 0; j < rank_in; ++j) t[j] = dot(x_in + item * dim, b1 + (g * rank_in + j) * dim, dim);
+      std::fill(sums.begin(), sums.end(), vec{});
+      // one pass over the row in whole registers (gcc's own loops took 4 lanes); padding lanes load
+      // as zeros and add nothing to the sums
+      for (int64_t k = 0; k < width; k += kVec) {
         const int64_t lanes = std::min(kVec, width - k);
-        store(row + k, gelu_(load(row + k, lanes)), lanes);
+        vec h = load(row + k, lanes);
+        for (int64_t j = 0; j < rank_in; ++j) h += t[j] * load(a + j * width + k, lanes);
+        h = gelu_(h);
+        store(row + k, h, lanes);
+        for (int64_t j = 0; j < rank_out; ++j) sums[j] += h * load(b + j * width + k, lanes);
       }
-      for (int64_t j = 0; j < rank_out; ++j) thin_out[item * rank_out + j] = dot(row, b2 + (g * rank_out + j) * width, width);
+      for (int64_t j = 0; j < rank_out; ++j) thin_out[item * rank_out + j] = sum_lanes(sums[j]);
     }
   });
   return thin;
@@ -747,6 +756,53 @@ at::Tensor grouped_thin(const at::Tensor& x, const at::Tensor& b) {
     }
   });
   return thin;
+}
+
+// A residual add and the gain-only LayerNorm after it, one pass over each row (the MLP's add and the
+// next block's or the final norm; the LSTM's own are inside its step): x [K, n, d] += delta in place
+// (none without it), plus each member's rank-r term thin·a_low (EGGROLL's, of the MLP's second
+// matrix: thin [K, n, r] from grouped_gelu, a_low [K, r, d]; none without them), and returns
+// LayerNorm(x) * gains[k] for the rows of group k, gains [K, d].
+at::Tensor grouped_residual_norm(at::Tensor& x, const at::Tensor& gains, const std::optional<at::Tensor>& delta,
+                                 const std::optional<at::Tensor>& thin, const std::optional<at::Tensor>& a_low,
+                                 double eps) {
+  auto cpu_float = [](const at::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
+  };
+  TORCH_CHECK(x.dim() == 3 && cpu_float(x) && cpu_float(gains), "contiguous CPU float32 x [K, n, d] and gains [K, d]");
+  const int64_t groups = x.size(0), rows = x.size(1), width = x.size(2);
+  TORCH_CHECK(gains.sizes() == at::IntArrayRef({groups, width}), "gains: [K, d]");
+  TORCH_CHECK(!delta.has_value() || (cpu_float(*delta) && delta->sizes() == x.sizes()), "delta: x's shape, contiguous");
+  TORCH_CHECK(thin.has_value() == a_low.has_value(), "thin and a_low go together");
+  TORCH_CHECK(!thin.has_value() || thin->dim() == 3, "thin [K, n, r]");
+  const int64_t rank = thin.has_value() ? thin->size(2) : 0;
+  if (rank) {
+    TORCH_CHECK(cpu_float(*thin) && cpu_float(*a_low) && thin->sizes() == at::IntArrayRef({groups, rows, rank}) &&
+                    a_low->sizes() == at::IntArrayRef({groups, rank, width}), "thin [K, n, r] and a_low [K, r, d]");
+  }
+  auto normed = at::empty_like(x);
+  float* xs = x.data_ptr<float>();
+  float* out = normed.data_ptr<float>();
+  const float* hs = delta.has_value() ? delta->data_ptr<float>() : nullptr;
+  const float* gs = gains.data_ptr<float>();
+  const float* ts = rank ? thin->data_ptr<float>() : nullptr;
+  const float* as = rank ? a_low->data_ptr<float>() : nullptr;
+  at::parallel_for(0, groups * rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      float* xr = xs + item * width;
+      const float* a = as + (item / rows) * rank * width;
+      for (int64_t j = 0; j < rank; ++j) {  // the member's rank-r term, into the row while it is in cache
+        const float coefficient = ts[item * rank + j];
+        for (int64_t k = 0; k < width; k += kVec) {
+          const int64_t lanes = std::min(kVec, width - k);
+          store(xr + k, load(xr + k, lanes) + coefficient * load(a + j * width + k, lanes), lanes);
+        }
+      }
+      residual_norm(xr, width, hs ? hs + item * width : nullptr, out + item * width, gs, RowGroups{0, item, rows}, 1,
+                    width, static_cast<float>(eps));
+    }
+  });
+  return normed;
 }
 
 // GFLOP/s of one thread running `iterations` x 12 independent 16-lane multiply-adds (12 chains
@@ -782,6 +838,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("b_in") = pybind11::none(), pybind11::arg("b_out") = pybind11::none());
   m.def("grouped_thin", &grouped_thin, "Each row's products with its group's rank-r factor (CPU, no autograd)",
         pybind11::arg("x"), pybind11::arg("b"));
+  m.def("grouped_residual_norm", &grouped_residual_norm, "Residual add and gain-only LayerNorm (CPU, no autograd)",
+        pybind11::arg("x"), pybind11::arg("gains"), pybind11::arg("delta") = pybind11::none(),
+        pybind11::arg("thin") = pybind11::none(), pybind11::arg("a_low") = pybind11::none(), pybind11::arg("eps") = 1e-5);
   m.def("fma_gflops", &fma_gflops, "One thread's multiply-add throughput, GFLOP/s");
   m.def("grouped_head_nll", &grouped_head_nll, "Tied-head next-byte cross entropy per row (CPU, no autograd)",
         pybind11::arg("features"), pybind11::arg("head_t"), pybind11::arg("targets"),

@@ -245,7 +245,7 @@ def native_gelu(hidden: Tensor, low_rank_in: tuple[Tensor, Tensor, Tensor] | Non
         b_out: ``B_out [K, h, r]`` of the second matrix, or None.
 
     Returns:
-        ``GELU(·)·B_out``, ``[K, n, r]`` (the caller adds its ``·A_outᵀ``), or None without ``b_out``.
+        ``GELU(·)·B_out``, ``[K, n, r]`` (:func:`native_residual_norm` adds its ``·A_outᵀ``), or None without ``b_out``.
     """
     terms = {}
     if low_rank_in is not None:
@@ -256,6 +256,27 @@ def native_gelu(hidden: Tensor, low_rank_in: tuple[Tensor, Tensor, Tensor] | Non
         terms["b_out"] = b_out.transpose(1, 2).contiguous()
     thin = grouped_extension().grouped_gelu(hidden, **terms)
     return None if b_out is None else thin
+
+
+def native_residual_norm(x: Tensor, gains: Tensor, eps: float, delta: Tensor | None = None,
+                         low_rank: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """``x += delta`` in place (none without it), plus each member's rank-r term, and the gain-only
+    LayerNorm of the sum, one pass over each row.
+
+    Args:
+        x: ``[K, n, d]`` contiguous residual stream, updated in place.
+        gains: ``[K, d]``: group k's rows take ``gains[k]``.
+        delta: x's shape, or None.
+        low_rank: ``(thin [K, n, r], A [K, d, r])``: ``thin·Aᵀ`` added as well (an EGGROLL member's
+            term of the matrix that made delta); or None.
+
+    Returns:
+        ``layer_norm(x) · gains``, ``[K, n, d]``.
+    """
+    terms = {} if delta is None else {"delta": delta.contiguous()}
+    if low_rank is not None:
+        terms |= {"thin": low_rank[0].contiguous(), "a_low": low_rank[1].transpose(1, 2).contiguous()}
+    return grouped_extension().grouped_residual_norm(x, gains.contiguous(), eps=eps, **terms)
 
 
 def _build_tag() -> str:

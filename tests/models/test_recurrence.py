@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from soma_pl.models import recurrence, triton_lstm
+from soma_pl.models import recurrence, stacked, triton_lstm
 from soma_pl.models.recurrence import Kernel, resolve_kernel
 from soma_pl.models.reference import TorchExpert
 from soma_pl.models.stacked import StackedExperts
@@ -200,6 +200,51 @@ def test_native_gelu_adds_each_members_rank_r_terms_on_both_sides():
     thin = recurrence.native_gelu(hidden, (x, a_in, b_in), b_out)
     assert (hidden - expected).abs().max().item() <= TOLERANCE * expected.abs().max().item()
     assert (thin - expected.float() @ b_out).abs().max().item() <= TOLERANCE * thin.abs().max().item()
+
+
+@pytest.mark.parametrize("width", [8, 20, 32])
+def test_native_residual_norm_adds_and_normalises_each_group_under_its_gain(width):
+    """``x += delta`` in place, then PyTorch's gain-only layer_norm of the sum under each group's
+    gain; without delta, the norm alone and x untouched; with a rank-2 term ``thin·Aᵀ`` per group,
+    that added too. Width 20: a register tail; 7 rows a group."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 7, width, generator=generator) + 3.0  # a mean for the norm to remove
+    delta, gains = torch.randn(3, 7, width, generator=generator), torch.rand(3, width, generator=generator) + 0.5
+    stream = x.clone()
+    normed = recurrence.native_residual_norm(stream, gains, 1e-5, delta)
+    assert torch.equal(stream, x + delta)
+    expected = torch.nn.functional.layer_norm(x + delta, (width,), eps=1e-5) * gains[:, None]
+    assert (normed - expected).abs().max().item() <= TOLERANCE
+    alone = recurrence.native_residual_norm(stream, gains, 1e-5)
+    assert torch.equal(stream, x + delta)
+    assert (alone - expected).abs().max().item() <= TOLERANCE
+    thin, a = torch.randn(3, 7, 2, generator=generator), torch.randn(3, width, 2, generator=generator)
+    stream = x.clone()
+    normed = recurrence.native_residual_norm(stream, gains, 1e-5, delta, (thin, a))
+    total = x + delta + thin @ a.transpose(1, 2)
+    assert (stream - total).abs().max().item() <= TOLERANCE
+    expected = torch.nn.functional.layer_norm(total, (width,), eps=1e-5) * gains[:, None]
+    assert (normed - expected).abs().max().item() <= TOLERANCE
+
+
+def test_a_passs_residual_norm_is_the_same_fused_and_in_pytorch():
+    """``Pass.residual_norm`` with a member's rank-r term: the fused pass (native, x in place) and
+    the PyTorch one (the python kernel) give the same sum and norm, under each member's gains."""
+    model = _model(2, 12, "native")
+    params = model.group_parameters(_copies(model, 2), 2)
+    generator = torch.Generator().manual_seed(12)
+    x, delta = torch.randn(2, 6, 5, 12, generator=generator), torch.randn(2, 6, 5, 12, generator=generator)
+    low_rank = (torch.randn(2, 30, 2, generator=generator), torch.randn(2, 12, 2, generator=generator))
+    with torch.no_grad():
+        fused = stacked.Pass(model, params)
+        plain = stacked.Pass(model, params, kernel=Kernel.python)
+        assert fused.fused and not plain.fused
+        expected = plain.residual_norm(x, 2, delta, low_rank)
+        stream = x.clone()
+        result = fused.residual_norm(stream, 2, delta, low_rank)
+    assert result[0] is stream
+    for got, want in zip(result, expected, strict=True):
+        assert (got - want).abs().max().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize(("width", "rank"), [(32, 1), (13, 3)])
