@@ -143,7 +143,7 @@ def library_chunk(x: Tensor, weights: tuple[Tensor, Tensor], state: tuple[Tensor
         # cuDNN asks for weights in one flat buffer and copies them when they are not; one copy
         # per chunk is small next to the chunk's work.
         warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous")
-        out, h, c = torch._VF.lstm(x[0], (h, c), list(weights), False, 1, 0.0, torch.is_grad_enabled(),
+        out, h, c = torch._VF.lstm(x.squeeze(0), (h, c), list(weights), False, 1, 0.0, torch.is_grad_enabled(),
                                    False, True)
     return out[None], (h, c)
 

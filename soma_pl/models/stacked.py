@@ -111,7 +111,8 @@ def linear(x: Tensor, weight_t: Tensor, factors: tuple[Tensor, Tensor] | None = 
     groups, width = x.shape[0], x.shape[-1]
     shape = (*x.shape[:-1], weight_t.shape[-1])
     if weight_t.dim() == 2 or groups == 1:
-        weight = weight_t if weight_t.dim() == 2 else weight_t[0]
+        # squeeze, not [0]: a view, whose backward writes no zero-filled copy of the weight
+        weight = weight_t if weight_t.dim() == 2 else weight_t.squeeze(0)
         flat = x.reshape(-1, width)
         product = flat @ weight if out is None else torch.mm(flat, weight, out=out.view(flat.shape[0], -1))
     else:
