@@ -211,14 +211,16 @@ def choose_rows(run: Callable[[int | None], object], total_rows: int, smallest: 
     """The fastest windows-per-call for ``run(max_rows)``: the given one, or the best candidate.
 
     Each distinct candidate (None = all ``total_rows`` in one call; ``smallest`` = the rows of the
-    smallest possible call) is timed once after one warmup run. Returns the choice and each
-    candidate's seconds.
+    smallest possible call) is timed ``settings.repeats`` times, the candidates in turns, after one
+    warmup run each, and the median chooses: on a noisy CPU one timing can be 40% off, and a choice
+    made on it misleads the measurement that follows. Returns the choice and each candidate's
+    median seconds.
     """
     if settings.max_rows is not None:
         return settings.max_rows, []
     candidates = [rows for rows in ROW_CANDIDATES if rows is None or smallest <= rows < total_rows]
-    timings = [{"max_rows": rows, "seconds": median_seconds({"run": lambda rows=rows: run(rows)}, 1, 1)["run"]}
-               for rows in candidates]
+    seconds = median_seconds({str(rows): lambda rows=rows: run(rows) for rows in candidates}, settings.repeats, 1)
+    timings = [{"max_rows": rows, "seconds": seconds[str(rows)]} for rows in candidates]
     best = min(timings, key=lambda timing: timing["seconds"])
     return best["max_rows"], timings
 

@@ -16,8 +16,9 @@ from soma_pl.bench.zo import ZOBenchSettings, bench_zo, eggroll_record, median_s
 
 TINY = ZOBenchSettings(n_pert=4, micro_batch=2, context=16, repeats=1)
 REPO = Path(__file__).resolve().parents[2]
-SECONDS = {"update": 0.5, "inference": 0.125, "naive": 0.75, "batched": 0.4, "sequential": 1.0, "run": 1.0}
-"""The median seconds `scripted_medians` reports for each timed run, by name."""
+SECONDS = {"update": 0.5, "inference": 0.125, "naive": 0.75, "batched": 0.4, "sequential": 1.0}
+"""The median seconds `scripted_medians` reports for each timed run, by name (1 s for each rows-per-call
+candidate, which `choose_rows` names by its rows)."""
 TOKENS = 2 * 4 * 2 * 16
 """Token forwards of one update of TINY: 2 · n_pert · B · T."""
 
@@ -26,7 +27,7 @@ def scripted_medians(runs, repeats, warmup):
     """`median_seconds` with the medians fixed by `SECONDS`; every run still runs once."""
     for run in runs.values():
         run()
-    return {name: SECONDS[name] for name in runs}
+    return {name: SECONDS.get(name, 1.0) for name in runs}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,26 @@ def test_median_seconds_takes_the_runs_in_turn_and_reports_each_median(monkeypat
     monkeypatch.setattr(zo, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     assert median_seconds({"a": run("a"), "b": run("b")}, repeats=3, warmup=1) == {"a": 3.0, "b": 11.0}
     assert clock.calls == ["a", "b"] + ["a", "b"] * 3
+
+
+def test_rows_per_call_are_chosen_on_medians_of_timings_in_turns(monkeypatch):
+    """300 rows, calls of at least 100: candidates None (all 300), 256 and 128. All rows in one call
+    is fastest once (1 s) but slowest in the median; 256 rows per call has the smallest median."""
+    clock = SimpleNamespace(now=0.0, calls=[])
+    durations = {None: iter([50.0, 1.0, 9.0, 9.0]), 256: iter([50.0, 5.0, 5.0, 5.0]),
+                 128: iter([50.0, 6.0, 4.0, 7.0])}  # warmup first
+
+    def run(rows):
+        clock.calls.append(rows)
+        clock.now += next(durations[rows])
+
+    monkeypatch.setattr(zo, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    chosen, timings = zo.choose_rows(run, total_rows=300, smallest=100, settings=ZOBenchSettings(repeats=3))
+    assert chosen == 256
+    assert timings == [{"max_rows": None, "seconds": 9.0}, {"max_rows": 256, "seconds": 5.0},
+                       {"max_rows": 128, "seconds": 6.0}]
+    assert clock.calls == [None, 256, 128] * 4
+    assert zo.choose_rows(run, 300, 100, ZOBenchSettings(max_rows=64)) == (64, [])
 
 
 def test_report_has_one_zo_record_per_width_and_the_soma_record(report):
