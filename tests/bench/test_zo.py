@@ -16,9 +16,10 @@ from soma_pl.bench.zo import ZOBenchSettings, bench_zo, eggroll_record, median_s
 
 TINY = ZOBenchSettings(n_pert=4, micro_batch=2, context=16, repeats=1)
 REPO = Path(__file__).resolve().parents[2]
-SECONDS = {"update": 0.5, "inference": 0.125, "naive": 0.75, "batched": 0.4, "sequential": 1.0}
-"""The median seconds `scripted_medians` reports for each timed run, by name (1 s for each rows-per-call
-candidate, which `choose_rows` names by its rows)."""
+SECONDS = {"update": 0.5, "inference": 0.125, "naive": 0.75, "batched": 0.4, "sequential": 1.0, "None": 2.0}
+"""The median seconds `scripted_medians` reports for each timed run, by name. ``"None"``: the one
+rows-per-call candidate of TINY's records (all rows in one call: each record has fewer rows than
+the smallest candidate), as `choose_rows` names it."""
 TOKENS = 2 * 4 * 2 * 16
 """Token forwards of one update of TINY: 2 · n_pert · B · T."""
 
@@ -27,7 +28,7 @@ def scripted_medians(runs, repeats, warmup):
     """`median_seconds` with the medians fixed by `SECONDS`; every run still runs once."""
     for run in runs.values():
         run()
-    return {name: SECONDS.get(name, 1.0) for name in runs}
+    return {name: SECONDS[name] for name in runs}
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +61,22 @@ def test_median_seconds_takes_the_runs_in_turn_and_reports_each_median(monkeypat
 
 
 def test_rows_per_call_are_chosen_on_medians_of_timings_in_turns(monkeypatch):
-    """300 rows, calls of at least 100: candidates None (all 300), 256 and 128. All rows in one call
-    is fastest once (1 s) but slowest in the median; 256 rows per call has the smallest median."""
+    """300 rows, calls of at least 100: candidates None (all 300), 256 and 128, 5 timings each. All
+    rows in one call is fastest once (1 s) but slowest in the median; 256 rows has the smallest median."""
     clock = SimpleNamespace(now=0.0, calls=[])
-    durations = {None: iter([50.0, 1.0, 9.0, 9.0]), 256: iter([50.0, 5.0, 5.0, 5.0]),
-                 128: iter([50.0, 6.0, 4.0, 7.0])}  # warmup first
+    durations = {None: iter([50.0, 1.0, 9.0, 9.0, 2.0, 9.0]), 256: iter([50.0, 5.0, 5.0, 5.0, 9.0, 4.0]),
+                 128: iter([50.0, 6.0, 4.0, 7.0, 6.0, 8.0])}  # warmup first
 
     def run(rows):
         clock.calls.append(rows)
         clock.now += next(durations[rows])
 
     monkeypatch.setattr(zo, "time", SimpleNamespace(perf_counter=lambda: clock.now))
-    chosen, timings = zo.choose_rows(run, total_rows=300, smallest=100, settings=ZOBenchSettings(repeats=3))
+    chosen, timings = zo.choose_rows(run, total_rows=300, smallest=100, settings=ZOBenchSettings(repeats=5))
     assert chosen == 256
     assert timings == [{"max_rows": None, "seconds": 9.0}, {"max_rows": 256, "seconds": 5.0},
                        {"max_rows": 128, "seconds": 6.0}]
-    assert clock.calls == [None, 256, 128] * 4
+    assert clock.calls == [None, 256, 128] * 6
     assert zo.choose_rows(run, 300, 100, ZOBenchSettings(max_rows=64)) == (64, [])
 
 
