@@ -72,7 +72,7 @@ def test_greedy_is_the_argmax_of_a_full_forward_pass(tiny, prompt_file, method, 
 
 @pytest.mark.parametrize("method", sorted(OTHER_METHODS))
 def test_every_methods_checkpoint_generates_its_greedy_continuation(method, prompt_file, tmp_path, capsys):
-    torch.manual_seed(0)
+    torch.manual_seed(4)  # weights whose greedy continuation varies (seeds 0, 3, 5 repeat one byte)
     module = OTHER_METHODS[method]()
     checkpoint = module_checkpoint(module, tmp_path / f"{method}.ckpt")
     record = _generate(capsys, tmp_path, "--checkpoint", checkpoint, "--prompt_file", prompt_file, "--temperature", "0",

@@ -3,8 +3,8 @@
 The reference is what a researcher would otherwise write (:class:`soma_pl.models.reference.TorchExpert`):
 ``torch.nn.Embedding`` tied to the output head, bias-free ``torch.nn.Linear`` projections, and per
 block ``x + nn.LSTM(nn.LayerNorm(x))`` then ``x + MLP(nn.LayerNorm(x))`` (``bias=False`` throughout;
-the LSTM on oneDNN on the CPU, cuDNN on a GPU), loaded with exactly our weights (gate rows permuted
-to PyTorch's order). Three measurements per width, each a ratio of tokens per second:
+the LSTM on oneDNN on the CPU, cuDNN on a GPU), loaded with exactly our weights (the same gate order).
+Three measurements per width, each a ratio of tokens per second:
 
 - ``inference``: one weight set, logits of ``b`` windows of ``T`` bytes, no gradients.
 - ``bptt``: one weight set, forward, cross entropy and backward through time.

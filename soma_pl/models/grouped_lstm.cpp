@@ -14,8 +14,8 @@
 //
 // The recurrent weights come packed by the caller (soma_pl.models.recurrence.pack_recurrent):
 // [G, nb, d, 4, 16], for each block of 16 hidden units and each input k the 16 weights of each
-// gate, zero beyond d, so a step reads them contiguously. Gate order (input, forget, output, cell),
-// as in soma_pl.models.stacked. No autograd: used only when gradients are off.
+// gate, zero beyond d, so a step reads them contiguously. Gate order (input, forget, cell, output),
+// torch.nn.LSTM's, as in soma_pl.models.stacked. No autograd: used only when gradients are off.
 //
 // Also here: the tied head's next-byte cross entropy (grouped_head_nll), its logits formed in
 // registers and reduced at once; the MLP's GELU with EGGROLL's rank-r terms of both its matrices
@@ -147,23 +147,23 @@ inline void inverse_one_plus_exp(__m512* x) {  // x[i] <- 1 / (1 + exp(x[i]))
 }
 
 // Rows rows' new cells and hidden states of 16 units from their gates' pre-activations (input,
-// forget, output, cell): sigmoid(x) = 1 / (1 + exp(-x)), tanh(x) = 2 / (1 + exp(-2x)) - 1.
+// forget, cell, output): sigmoid(x) = 1 / (1 + exp(-x)), tanh(x) = 2 / (1 + exp(-2x)) - 1.
 template <int Rows>
 inline void cell_update(vec (*gates)[kGates], vec* cell, vec* hidden) {
   __m512 a[Rows * kGates], t[Rows];
   const __m512 minus_one = _mm512_set1_ps(-1.0f), minus_two = _mm512_set1_ps(-2.0f), two = _mm512_set1_ps(2.0f),
                one = _mm512_set1_ps(1.0f);
   for (int r = 0; r < Rows; ++r)
-    for (int q = 0; q < kGates; ++q) a[r * kGates + q] = _mm512_mul_ps((__m512)gates[r][q], q == 3 ? minus_two : minus_one);
+    for (int q = 0; q < kGates; ++q) a[r * kGates + q] = _mm512_mul_ps((__m512)gates[r][q], q == 2 ? minus_two : minus_one);
   inverse_one_plus_exp<Rows * kGates>(a);
   for (int r = 0; r < Rows; ++r) {
-    const __m512 candidate = _mm512_fmsub_ps(two, a[r * kGates + 3], one);
+    const __m512 candidate = _mm512_fmsub_ps(two, a[r * kGates + 2], one);
     const __m512 next = _mm512_fmadd_ps(a[r * kGates + 1], (__m512)cell[r], _mm512_mul_ps(a[r * kGates], candidate));
     cell[r] = (vec)next;
     t[r] = _mm512_mul_ps(next, minus_two);
   }
   inverse_one_plus_exp<Rows>(t);
-  for (int r = 0; r < Rows; ++r) hidden[r] = (vec)_mm512_mul_ps(a[r * kGates + 2], _mm512_fmsub_ps(two, t[r], one));
+  for (int r = 0; r < Rows; ++r) hidden[r] = (vec)_mm512_mul_ps(a[r * kGates + 3], _mm512_fmsub_ps(two, t[r], one));
 }
 #else
 template <int Rows>
@@ -176,9 +176,9 @@ inline void cell_update(vec (*gates)[kGates], vec* cell, vec* hidden) {
     std::memcpy(c, &cell[r], sizeof(c));
 #pragma omp simd
     for (int64_t l = 0; l < kVec; ++l) {
-      const float next = sigmoid(g[1][l]) * c[l] + sigmoid(g[0][l]) * tanh_(g[3][l]);
+      const float next = sigmoid(g[1][l]) * c[l] + sigmoid(g[0][l]) * tanh_(g[2][l]);
       c[l] = next;
-      h[l] = sigmoid(g[2][l]) * tanh_(next);
+      h[l] = sigmoid(g[3][l]) * tanh_(next);
     }
     std::memcpy(&cell[r], c, sizeof(c));
     std::memcpy(&hidden[r], h, sizeof(h));

@@ -6,8 +6,8 @@ EGGROLL's members as rows that add their own rank-r terms; the pass decides whic
 
 - ``library``: one weight set (``G = 1``: BPTT, the monolithic model, the seed model, one expert at
   a time) runs ``torch._VF.lstm``, the kernel behind ``torch.nn.LSTM``: oneDNN's fused LSTM on the
-  CPU, cuDNN on a GPU. Our gate rows (input, forget, output, cell) are permuted once per forward to
-  PyTorch's (input, forget, cell, output). Differentiable, so BPTT uses it too.
+  CPU, cuDNN on a GPU. Our weights are stored in its gate order (input, forget, cell, output), so it
+  reads them as they are. Differentiable, so BPTT uses it too.
 - ``native``: many weight sets without gradients (the zero-order hot path and routed evaluation) on
   the CPU run the C++ loop in ``grouped_lstm.cpp``, built on first use with the system compiler
   (about a minute, announced by one line naming its cache folder; cached in ``$TORCH_EXTENSIONS_DIR``,
@@ -121,18 +121,9 @@ def _library_lacks_bf16(weights: Tensor) -> bool:
     return bf16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def torch_gate_order(weight: Tensor) -> Tensor:
-    """Gate rows (input, forget, output, cell) → PyTorch's (input, forget, cell, output), and back:
-    the permutation swaps the last two blocks, so it is its own inverse."""
-    width = weight.shape[-2] // 4
-    i_f, out, cell = weight[..., : 2 * width, :], weight[..., 2 * width : 3 * width, :], weight[..., 3 * width :, :]
-    return torch.cat([i_f, cell, out], dim=-2)
-
-
 def library_weights(w_ih: Tensor, w_hh: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """Per-layer PyTorch-ordered weights of the one group. w_ih, w_hh: ``[1, L, 4d, d]``."""
-    pairs = zip(torch_gate_order(w_ih.squeeze(0)).unbind(0), torch_gate_order(w_hh.squeeze(0)).unbind(0), strict=True)
-    return list(pairs)
+    """Per-layer weights of the one group for ``torch._VF.lstm``. w_ih, w_hh: ``[1, L, 4d, d]``."""
+    return list(zip(w_ih.squeeze(0).unbind(0), w_hh.squeeze(0).unbind(0), strict=True))
 
 
 def library_chunk(x: Tensor, weights: tuple[Tensor, Tensor], state: tuple[Tensor, Tensor]

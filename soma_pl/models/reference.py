@@ -8,7 +8,6 @@ import torch
 from torch import Tensor, nn
 
 from soma_pl import VOCAB_SIZE
-from soma_pl.models.recurrence import torch_gate_order
 from soma_pl.models.stacked import MLP_RATIO, NORM_EPS, NORMS_PER_BLOCK, StackedExperts
 
 
@@ -53,7 +52,7 @@ class TorchExpert(nn.Module):
     @classmethod
     @torch.no_grad()
     def of(cls, model: StackedExperts, expert: int = 0) -> TorchExpert:
-        """Expert ``expert`` of ``model`` with the same weights (the LSTM gates in PyTorch's order)."""
+        """Expert ``expert`` of ``model`` with the same weights (the LSTM gates in the same order)."""
         own = {name: param if model.is_shared(name) else param[expert] for name, param in model.named_parameters()}
         built = cls(model.width, model.embed_dim, model.num_layers).to(own["w_ih"])
         built.embedding.weight.copy_(own["head"])
@@ -63,8 +62,8 @@ class TorchExpert(nn.Module):
         for layer, block in enumerate(built.blocks):
             block.lstm_norm.weight.copy_(own["norm_gains"][NORMS_PER_BLOCK * layer])
             block.mlp_norm.weight.copy_(own["norm_gains"][NORMS_PER_BLOCK * layer + 1])
-            block.lstm.weight_ih_l0.copy_(torch_gate_order(own["w_ih"][layer]))
-            block.lstm.weight_hh_l0.copy_(torch_gate_order(own["w_hh"][layer]))
+            block.lstm.weight_ih_l0.copy_(own["w_ih"][layer])
+            block.lstm.weight_hh_l0.copy_(own["w_hh"][layer])
             block.mlp[0].weight.copy_(own["mlp_in"][layer])
             block.mlp[2].weight.copy_(own["mlp_out"][layer])
         built.norm.weight.copy_(own["norm_gains"][-1])
@@ -73,5 +72,5 @@ class TorchExpert(nn.Module):
         return built
 
     def gate_gradients(self) -> Tensor:
-        """The recurrent weights' gradients in soma_pl's gate order, ``[D, 4d, d]``."""
-        return torch.stack([torch_gate_order(block.lstm.weight_hh_l0.grad) for block in self.blocks])
+        """The recurrent weights' gradients, ``[D, 4d, d]``."""
+        return torch.stack([block.lstm.weight_hh_l0.grad for block in self.blocks])

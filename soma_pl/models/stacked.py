@@ -146,13 +146,13 @@ def layer_norm(x: Tensor, gain: Tensor) -> Tensor:
 
 
 def lstm_cell(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-    """One LSTM step from its pre-activations. gates: ``[..., 4d]`` (input, forget, output, cell); c: ``[..., d]``."""
+    """One LSTM step from its pre-activations. gates: ``[..., 4d]`` (input, forget, cell, output); c: ``[..., d]``."""
     width = c.shape[-1]
-    sig = torch.sigmoid(gates[..., : 3 * width])
-    cell = torch.tanh(gates[..., 3 * width :])
+    sig = torch.sigmoid(gates)  # the cell block's sigmoid is unused: one kernel, not two
+    cell = torch.tanh(gates[..., 2 * width : 3 * width])
     # New tensors each step (no in-place updates) so autograd can backpropagate through time.
     c = torch.addcmul(sig[..., width : 2 * width] * c, sig[..., :width], cell)
-    return sig[..., 2 * width :] * torch.tanh(c), c
+    return sig[..., 3 * width :] * torch.tanh(c), c
 
 
 def _python_chunk(gates_in: Tensor, w_hh_t: Tensor, recurrent: tuple[Tensor, Tensor] | None,
@@ -562,7 +562,8 @@ class StackedExperts(ExpertStack):
         head: ``[256, d_E]`` tied embedding / output head (no leading ``E`` when shared);
         in_proj: ``[d_t, d_E]`` and out_proj: ``[d_E, d_t]``, only when ``d_t ≠ d_E``;
         norm_gains: ``[2D + 1, d_t]`` (each block's LSTM norm and MLP norm, then the final norm);
-        w_ih, w_hh: ``[D, 4·d_t, d_t]`` bias-free LSTM weights, gate rows (input, forget, output, cell);
+        w_ih, w_hh: ``[D, 4·d_t, d_t]`` bias-free LSTM weights, gate rows (input, forget, cell, output),
+            ``torch.nn.LSTM``'s order;
         mlp_in: ``[D, 4·d_t, d_t]`` and mlp_out: ``[D, d_t, 4·d_t]`` bias-free MLP weights.
 
     Args:

@@ -58,8 +58,8 @@ def _chunk_body(gates_in, w_hh_t, hidden, cell, out, a_hh, b_hh, steps, rows, wi
             at = gates_in + ((group * steps + t) * rows + row[:, None]) * gates + unit[None, :]
             acc_i = tl.load(at, mask=ok, other=0.0)
             acc_f = tl.load(at + width, mask=ok, other=0.0)
-            acc_o = tl.load(at + 2 * width, mask=ok, other=0.0)
-            acc_c = tl.load(at + 3 * width, mask=ok, other=0.0)
+            acc_c = tl.load(at + 2 * width, mask=ok, other=0.0)
+            acc_o = tl.load(at + 3 * width, mask=ok, other=0.0)
             for start in range(0, width, BLOCK_K):
                 k = start + tl.arange(0, BLOCK_K)
                 h = tl.load(hidden + ((group * 2 + read) * rows + row[:, None]) * width + k[None, :],
@@ -68,8 +68,8 @@ def _chunk_body(gates_in, w_hh_t, hidden, cell, out, a_hh, b_hh, steps, rows, wi
                 w_ok = (k < width)[:, None] & (unit < width)[None, :]
                 acc_i += tl.dot(h, tl.load(w_at, mask=w_ok, other=0.0), input_precision=PRECISION)
                 acc_f += tl.dot(h, tl.load(w_at + width, mask=w_ok, other=0.0), input_precision=PRECISION)
-                acc_o += tl.dot(h, tl.load(w_at + 2 * width, mask=w_ok, other=0.0), input_precision=PRECISION)
-                acc_c += tl.dot(h, tl.load(w_at + 3 * width, mask=w_ok, other=0.0), input_precision=PRECISION)
+                acc_c += tl.dot(h, tl.load(w_at + 2 * width, mask=w_ok, other=0.0), input_precision=PRECISION)
+                acc_o += tl.dot(h, tl.load(w_at + 3 * width, mask=w_ok, other=0.0), input_precision=PRECISION)
             for r in range(RANK):  # EGGROLL: each row's member adds its own rank-r term (h·B_hh)·A_hhᵀ
                 member = group * members + row // windows
                 # Σ_k h·B_hh[:, r] for every row, repeated across the block's units by a product with
@@ -86,8 +86,8 @@ def _chunk_body(gates_in, w_hh_t, hidden, cell, out, a_hh, b_hh, steps, rows, wi
                 a_at = a_hh + (member[:, None] * gates + unit[None, :]) * RANK + r
                 acc_i += thin * tl.load(a_at, mask=ok, other=0.0)
                 acc_f += thin * tl.load(a_at + width * RANK, mask=ok, other=0.0)
-                acc_o += thin * tl.load(a_at + 2 * width * RANK, mask=ok, other=0.0)
-                acc_c += thin * tl.load(a_at + 3 * width * RANK, mask=ok, other=0.0)
+                acc_c += thin * tl.load(a_at + 2 * width * RANK, mask=ok, other=0.0)
+                acc_o += thin * tl.load(a_at + 3 * width * RANK, mask=ok, other=0.0)
             c_at = cell + (group * rows + row[:, None]) * width + unit[None, :]
             # sigmoid and tanh from exp (a core op: the interpreter runs it whenever Triton was imported)
             c = (tl.load(c_at, mask=ok, other=0.0) / (1.0 + tl.exp(-acc_f))
@@ -147,7 +147,7 @@ def triton_chunk(gates_in: Tensor, w_hh_t: Tensor, state: tuple[Tensor, Tensor],
     """One layer over a chunk with the Triton kernel (``python``'s arithmetic, float32).
 
     Args:
-        gates_in: ``[G, Tc, b, 4d]`` input projections, gate columns (input, forget, output, cell).
+        gates_in: ``[G, Tc, b, 4d]`` input projections, gate columns (input, forget, cell, output).
         w_hh_t: ``[G, d, 4d]`` transposed recurrent weights, same order.
         state: ``(h, c)``, each ``[G, b, d]``.
         low_rank: EGGROLL's recurrent factors ``(A_hh [G·M, 4d, r], B_hh [G·M, d, r])`` of the

@@ -79,10 +79,11 @@ def test_three_soma_steps_are_per_expert_adam_with_coupled_decay_on_the_estimate
 
 def _assert_equal(trained: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     """Equal to float64 rounding (the module scales an expert's step by interpolating, the reference by
-    its lr; a loss difference's rounding, divided by ε, moves Adam's normalised step on coordinates of
-    tiny gradient by ~1e-9), far below the steps (≥ 1e-3) or what λθ adds to them."""
+    its lr; a loss difference's rounding, divided by ε, moves Adam's normalised step), far below the
+    steps (≥ 1e-3) or what λθ adds to them. Measured: at most 1.06e-8 (one head coordinate of 8,960;
+    the next largest 5.3e-9), against at least 7.5e-6 in every tensor without the decay."""
     for name, weight in trained.items():
-        torch.testing.assert_close(weight, expected[name], rtol=0, atol=1e-8, msg=name)
+        torch.testing.assert_close(weight, expected[name], rtol=0, atol=1e-7, msg=name)
 
 
 def test_zo_adam_is_the_papers_adam_with_coupled_decay():

@@ -93,7 +93,7 @@ def test_native_chunk_layouts_agree_and_saturate_like_the_library_activations():
     h, c = state
     for step in range(steps):
         pre = gates[:, step] + torch.bmm(h, weights.transpose(1, 2))
-        i, f, o, g = pre.split(width, dim=-1)
+        i, f, g, o = pre.split(width, dim=-1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
         assert (time_major[0][:, step] - h).abs().max().item() <= TOLERANCE
