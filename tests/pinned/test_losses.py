@@ -10,10 +10,10 @@ training arithmetic moves them; a refactor that changes none leaves them passing
 are of models that learned something.
 
 The numbers were printed by `python -m tests.pinned.runs` on a clean checkout of commit
-317c1ec16ba947abd64385de8574489d47a3867e (torch 2.13.0+cpu, lightning 2.6.6, x86-64 CPU). Two runs in
+88c8372efaf9813ea4ff71756726344fa520d44c (torch 2.13.0+cpu, lightning 2.6.6, x86-64 CPU). Two runs in
 fresh processes agreed to the last bit; running the LSTM sublayers with the PyTorch reference loop
 instead of the library and native kernels (`SOMA_PL_LSTM_KERNEL=python`) moved them by at most
-5.7e-7 relative, so `TOLERANCE` (1e-5 relative) leaves room for another CPU's rounding and none for
+1.9e-6 relative, so `TOLERANCE` (1e-5 relative) leaves room for another CPU's rounding and none for
 a change of the arithmetic. The zero-order runs perturb by ε = 0.05: Adam steps every coordinate by
 about lr, so a loss difference's rounding, divided by 2ε, reaches the weights (at ε = 0.01 the two
 kernels parted by 1e-4).
@@ -31,7 +31,7 @@ from tests.pinned.runs import RUNS, fit, fit_on_processes, one_thread, untrained
 TOLERANCE = 1e-5
 """Relative tolerance of every pinned loss."""
 LEARNED = 0.05
-"""Nats/byte the final `val/loss` must lie below the untrained model's (the least measured: 0.103, EGGROLL)."""
+"""Nats/byte the final `val/loss` must lie below the untrained model's (the least measured: 0.148, EGGROLL)."""
 
 
 @dataclass(frozen=True)
@@ -46,29 +46,29 @@ class Pinned:
 
 PINNED = {
     "spsa": Pinned(
-        train=[5.5406280, 5.4632473, 5.2459154, 5.0476952, 4.7194767, 4.4119563],
-        val=[{"expert/0/val_loss": 5.0069809, "val/loss": 5.0184221},
-             {"expert/0/val_loss": 4.0443110, "val/loss": 4.0618114}]),
+        train=[5.5617943, 5.4925342, 5.2511673, 5.0184155, 4.7477679, 4.4659600],
+        val=[{"expert/0/val_loss": 4.9782534, "val/loss": 4.9830823},
+             {"expert/0/val_loss": 4.1328993, "val/loss": 4.1402812}]),
     "soma_n2": Pinned(
-        train=[5.5492048, 5.4277840, 5.3143892, 5.1019335, 4.8786249, 4.6100588],
-        val=[{"expert/0/val_loss": 5.0399375, "expert/1/val_loss": 5.1342263, "val/loss": 5.0946336},
-             {"expert/0/val_loss": 4.2548957, "expert/1/val_loss": 4.1898508, "val/loss": 4.2231045}]),
+        train=[5.5494008, 5.5279846, 5.4640417, 5.3717675, 5.2446632, 5.1225977],
+        val=[{"expert/0/val_loss": 5.3616405, "expert/1/val_loss": 5.3402405, "val/loss": 5.3529654},
+             {"expert/0/val_loss": 4.9285197, "expert/1/val_loss": 4.7253232, "val/loss": 4.8213720}]),
     "eggroll": Pinned(
-        train=[5.5487943, 5.5300221, 5.5208106, 5.5115175, 5.4723220, 5.4956331],
-        val=[{"expert/0/val_loss": 5.4952745, "val/loss": 5.4978437},
-             {"expert/0/val_loss": 5.4338284, "val/loss": 5.4391379}]),
+        train=[5.5611763, 5.5556121, 5.5377665, 5.4930563, 5.4794750, 5.4342651],
+        val=[{"expert/0/val_loss": 5.4681273, "val/loss": 5.4724083},
+             {"expert/0/val_loss": 5.4078302, "val/loss": 5.4110441}]),
     "ddpp": Pinned(
-        train=[5.5384736, 5.4389277, 5.2772007, 5.0296130, 4.7195878, 4.4079828],
-        val=[{"expert/0/val_loss": 5.0190921, "val/loss": 5.0324135},
-             {"expert/0/val_loss": 4.1733451, "val/loss": 4.1929684}]),
+        train=[5.5628037, 5.4503088, 5.2329440, 4.9328833, 4.6129918, 4.2894430],
+        val=[{"expert/0/val_loss": 4.9429731, "val/loss": 4.9455423},
+             {"expert/0/val_loss": 4.0346651, "val/loss": 4.0416532}]),
     "bptt_n1": Pinned(
-        train=[5.5385776, 5.5812578, 5.2542324, 4.9810352, 4.6692696, 4.3348894],
-        val=[{"expert/0/val_loss": 4.9883866, "val/loss": 4.9962435},
-             {"expert/0/val_loss": 3.9837523, "val/loss": 3.9924018}]),
+        train=[5.5627394, 5.5809488, 5.3374004, 5.0241184, 4.7334390, 4.3563375],
+        val=[{"expert/0/val_loss": 5.0337148, "val/loss": 5.0391831},
+             {"expert/0/val_loss": 3.9882045, "val/loss": 3.9914305}]),
     "bptt_n2": Pinned(
-        train=[5.5493321, 5.5061321, 5.4535084, 5.3259745, 5.1600318, 4.9072118],
-        val=[{"expert/0/val_loss": 5.2562146, "expert/1/val_loss": 5.4370022, "val/loss": 5.3490844},
-             {"expert/0/val_loss": 4.4196277, "expert/1/val_loss": 4.6588302, "val/loss": 4.5497336}]),
+        train=[5.5498772, 5.5292082, 5.5006943, 5.4344473, 5.3629131, 5.2114658],
+        val=[{"expert/0/val_loss": 5.4307566, "expert/1/val_loss": 5.4608612, "val/loss": 5.4453077},
+             {"expert/0/val_loss": 4.8979983, "expert/1/val_loss": 4.9532099, "val/loss": 4.9153433}]),
 }
 
 
