@@ -5,15 +5,14 @@ EGGROLL's members as rows that add their own rank-r terms; the pass decides whic
 (:func:`resolve_kernel`, called by :class:`~soma_pl.models.stacked.Pass`):
 
 - ``library``: one weight set (``G = 1``: BPTT, the monolithic model, the seed model, one expert at
-  a time; without gradients only on GPUs and CPUs without AVX-512) runs ``torch._VF.lstm``, the kernel
-  behind ``torch.nn.LSTM``: oneDNN's fused LSTM on the CPU, cuDNN on a GPU. Our weights are stored in
-  its gate order (input, forget, cell, output), so it reads them as they are. Differentiable, so BPTT
-  uses it too.
+  a time) runs ``torch._VF.lstm``, the kernel behind ``torch.nn.LSTM``: oneDNN's fused LSTM on the
+  CPU, cuDNN on a GPU. Our weights are stored in its gate order (input, forget, cell, output), so it
+  reads them as they are. Differentiable, so BPTT uses it too.
 - ``native``: many weight sets without gradients (the zero-order hot path and routed evaluation) on
-  the CPU, and one without gradients on a CPU with AVX-512, run the C++ loop in ``grouped_lstm.cpp``,
-  built on first use with the system compiler (about a minute, announced by one line naming its
-  cache folder; cached in ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``): each group
-  runs the chunk's steps in turn (its recurrent weights stay in cache), a step one
+  the CPU run the C++ loop in ``grouped_lstm.cpp``, built on first use with the system compiler
+  (about a minute, announced by one line naming its cache folder; cached in ``$TORCH_EXTENSIONS_DIR``,
+  by default ``~/.cache/torch_extensions``):
+  each group runs the chunk's steps in turn (its recurrent weights stay in cache), a step one
   register-blocked product fused with the gate activations and the cell, no library call per step;
   the step also adds the hidden state to the residual stream and applies the MLP's LayerNorm
   (:func:`native_residual_chunk`), and groups that share weights (EGGROLL's members) run as one
@@ -29,8 +28,7 @@ EGGROLL's members as rows that add their own rank-r terms; the pass decides whic
   step); the reference the others are tested against, and what grouped training under autograd
   (BPTT with ``N > 1`` experts) runs, and GPUs without Triton.
 
-``Kernel.auto`` picks ``library`` for one weight set (no members), except without gradients in float32 on a
-CPU with AVX-512, where ``native`` is faster (:func:`native_alone`); for several without gradients in float32,
+``Kernel.auto`` picks ``library`` for one weight set (no members); for several without gradients in float32,
 ``native`` on the CPU, and on a CUDA GPU ``triton`` (where Triton imports) for layers up to
 :data:`TRITON_MAX_WIDTH` units and ``python`` above (:func:`cuda_choice`); ``python`` otherwise.
 ``SOMA_PL_LSTM_KERNEL=python|library|native|triton|auto`` overrides the choice for a whole process
@@ -94,12 +92,7 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor], low_rank:
     weights = params["w_hh"]
     single = weights.shape[0] == 1 and not low_rank
     if chosen is Kernel.auto:
-        if weights.is_cuda:
-            chosen = Kernel.library if single else cuda_choice(weights.shape[-1])
-        elif single and not (native_alone() and native_applies(Kernel.native, *params.values())):
-            chosen = Kernel.library
-        else:
-            chosen = Kernel.native
+        chosen = Kernel.library if single else cuda_choice(weights.shape[-1]) if weights.is_cuda else Kernel.native
     if chosen is Kernel.library and (not single or _library_lacks_bf16(weights)):
         return Kernel.python
     if chosen is Kernel.triton:
@@ -111,14 +104,6 @@ def resolve_kernel(kernel: Kernel | str, params: Mapping[str, Tensor], low_rank:
     if chosen is Kernel.native and not native_applies(chosen, *params.values()):
         return Kernel.python
     return chosen
-
-
-def native_alone() -> bool:
-    """Whether ``auto`` runs one weight set without gradients on the CPU on the native kernel rather
-    than the library LSTM: where the CPU has AVX-512. There it was 1.19-1.55x the library LSTM at
-    d_t = 32 and 181 and level at 509 (one thread; ``docs/kernels.md``, 2026-12-07); without AVX-512
-    one weight set is unmeasured, and the kernel lost to PyTorch's own loop on grouped shapes."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def cuda_choice(width: int) -> Kernel:

@@ -10,7 +10,6 @@ import torch
 from soma_pl.bench import kernels, memory
 from soma_pl.bench.kernels import KernelSettings, KernelShape, bench_kernels
 from soma_pl.cli import main
-from soma_pl.models import recurrence
 from soma_pl.models.reference import TorchExpert
 from soma_pl.models.stacked import StackedExperts
 
@@ -61,8 +60,7 @@ def test_every_pair_is_checked_equal_and_rounds_interleave(report):
     assert [(r["d_t"], r["kind"]) for r in record["results"]] == one_round
     for result in record["results"]:
         assert result["max_abs_diff"] <= 1e-5, result
-        alone = "native" if recurrence.native_alone() else "library"  # one weight set without gradients
-        assert result["kernel"] == {"inference": alone, "bptt": "library", "grouped": "native"}[result["kind"]]
+        assert result["kernel"] == {"inference": "library", "bptt": "library", "grouped": "native"}[result["kind"]]
     grouped = record["results"][2]
     assert grouped["tokens_per_call"] == 3 * 2 * 10 and grouped["groups"] == 3 and grouped["windows"] == 6
     assert record["results"][0]["tokens_per_call"] == 2 * 24

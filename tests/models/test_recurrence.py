@@ -273,10 +273,6 @@ def test_the_choice_follows_groups_grad_mode_and_the_override(monkeypatch):
     assert resolve_kernel(Kernel.auto, one) is Kernel.library
     with torch.no_grad():
         assert resolve_kernel(Kernel.auto, many) is Kernel.native
-        for capability, alone in (("AVX512", Kernel.native), ("AVX2", Kernel.library), ("DEFAULT", Kernel.library)):
-            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
-            assert resolve_kernel(Kernel.auto, one) is alone, capability  # one weight set: native with AVX-512
-            assert resolve_kernel(Kernel.auto, {"w_hh": model.w_hh[:1].double()}) is Kernel.library  # float32 only
         assert resolve_kernel(Kernel.library, many) is Kernel.python  # one weight set only
     assert resolve_kernel(Kernel.auto, many) is Kernel.python  # gradients: the native kernel has no backward
     monkeypatch.setenv(recurrence.KERNEL_ENV, "python")
