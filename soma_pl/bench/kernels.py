@@ -169,7 +169,7 @@ def _pair(kind: str, shape: KernelShape, settings: KernelSettings, model: Stacke
     def check() -> float:
         ours()
         theirs()
-        return (model.w_hh.grad[0] - reference.gate_gradients()).abs().max().item()
+        return (model.w_hh.grad[0] - reference.recurrent_gradients()).abs().max().item()
 
     return check, ours, theirs, tokens.numel()
 

@@ -32,7 +32,9 @@ from soma_pl.io import write_atomic, write_json_atomic
 from soma_pl.models.router import Router, encoder_from_saved
 from soma_pl.models.stacked import HeadMode, StackedExperts
 
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2
+"""2: the LSTM gate rows in ``torch.nn.LSTM``'s order (input, forget, cell, output); 1 had (input,
+forget, output, cell) and is refused."""
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CARD_FILE = "README.md"

@@ -71,6 +71,6 @@ class TorchExpert(nn.Module):
             block.lstm.flatten_parameters()  # cuDNN wants one flat buffer
         return built
 
-    def gate_gradients(self) -> Tensor:
+    def recurrent_gradients(self) -> Tensor:
         """The recurrent weights' gradients, ``[D, 4d, d]``."""
         return torch.stack([block.lstm.weight_hh_l0.grad for block in self.blocks])

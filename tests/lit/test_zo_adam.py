@@ -78,7 +78,7 @@ def test_three_soma_steps_are_per_expert_adam_with_coupled_decay_on_the_estimate
 
 
 def _assert_equal(trained: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """Equal to float64 rounding (the module scales an expert's step by interpolating, the reference by
+    """Equal to float64 rounding, amplified (the module scales an expert's step by interpolating, the reference by
     its lr; a loss difference's rounding, divided by ε, moves Adam's normalised step), far below the
     steps (≥ 1e-3) or what λθ adds to them. Measured: at most 1.06e-8 (one head coordinate of 8,960;
     the next largest 5.3e-9), against at least 7.5e-6 in every tensor without the decay."""
