@@ -16,7 +16,7 @@ import soma_pl
 from soma_pl.cli import main
 from soma_pl.lit.loading import load_module
 from soma_pl.models.checkpoints import load_checkpoint, trained_on
-from soma_pl.models.export import ExportedModel, load_exported
+from soma_pl.models.export import EXPORT_FORMAT, ExportedModel, load_exported
 from soma_pl.models.router import prefix_batch
 from tests.robustness.cli import cli, one_error
 from tests.tiny_checkpoints import OTHER_METHODS, PROMPT, ROUTED, module_checkpoint, tiny_checkpoints
@@ -177,7 +177,7 @@ def test_bad_input_is_one_error_line(tiny, exported, tmp_path, capsys):
     one_error(cli(capsys, "generate", "--checkpoint", str(exported["soma"]), "--prompt", "x", "--router",
                   str(tiny.router)), "exported folder", "leave out --config and --router")
     (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "config.json").write_text(json.dumps({"format": 1, "model": {}}))
+    (tmp_path / "broken" / "config.json").write_text(json.dumps({"format": EXPORT_FORMAT, "model": {}}))
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"\x00" * 16)
     one_error(cli(capsys, "generate", "--checkpoint", str(tmp_path / "broken"), "--prompt", "x"),
               "unreadable", "model.safetensors")
