@@ -3,7 +3,9 @@
 Every record times whole updates on random bytes: an update is :func:`spsa_estimate`, the estimate
 written into ``.grad`` and one ``torch.optim.SGD`` step. Token-forwards per update are
 ``2 · n_pert · B · T`` per expert (± evaluations of ``B`` windows of ``T`` predicted bytes). Each
-time is the median of ``repeats`` runs after ``warmup`` untimed ones, on this process's threads.
+time is the median of ``repeats`` runs after ``warmup`` untimed ones, on this process's threads; the
+runs compared take turns, and a ratio of two of them (``efficiency``, ``speedup``) is the median of
+the ratios within each turn, all of which the record lists.
 
 Records:
     ``zo``: one expert of width d_t, batched SPSA vs inference of the unperturbed model on the
@@ -53,8 +55,8 @@ class ZOBenchSettings:
     """Windows per expert per update (B; one micro-batch)."""
     context: int = 256
     """Predicted bytes per window (T); windows hold T + 1 bytes."""
-    repeats: int = 3
-    """Timed runs per measurement (the median is reported)."""
+    repeats: int = 5
+    """Timed turns per measurement (the median is reported; ratios are medians of each turn's)."""
     warmup: int = 1
     """Untimed runs before each measurement (allocator, caches, thread pool)."""
     max_rows: int | None = None
@@ -93,8 +95,8 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def median_seconds(runs: Mapping[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, float]:
-    """Median wall time of each ``run()`` over ``repeats`` calls, after ``warmup`` untimed calls each.
+def turn_seconds(runs: Mapping[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Wall time of each ``run()`` in each of ``repeats`` turns, after ``warmup`` untimed calls each.
 
     The runs take turns (a, b, a, b, ...) so that a slow spell from another process on the machine
     lands on all of them alike and their ratios stay fair. CUDA is synchronised around every call.
@@ -110,7 +112,19 @@ def median_seconds(runs: Mapping[str, Callable[[], object]], repeats: int, warmu
             run()
             _synchronize()
             times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def median_seconds(runs: Mapping[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median of each run's :func:`turn_seconds`."""
+    return {name: statistics.median(values) for name, values in turn_seconds(runs, repeats, warmup).items()}
+
+
+def turn_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> tuple[float, list[float]]:
+    """The ratio of two runs' times within each turn, and their median: a slow spell on a shared
+    machine lengthens both runs of a turn, so it moves their ratio less than either median."""
+    ratios = [round(top / bottom, 4) for top, bottom in zip(numerator, denominator, strict=True)]
+    return statistics.median(ratios), ratios
 
 
 def random_windows(experts: int, settings: ZOBenchSettings) -> Tensor:
@@ -243,7 +257,8 @@ def zo_record(width: int, settings: ZOBenchSettings) -> dict:
     same token count as one update), under the same threads, dtype and time chunk, at its own
     fastest windows-per-call. The naive loop is timed on ``naive_directions`` directions and its
     time scaled linearly to n_pert (every direction costs the same two forwards; scaling its one
-    optimizer step too overstates the naive time by a negligible few milliseconds).
+    optimizer step too overstates the naive time by a negligible few milliseconds). ``efficiency``: the
+    median over turns of inference seconds / update seconds.
     """
     model, windows = build_model(1, width, settings), random_windows(1, settings)
     updater = Updater(model, windows, settings)
@@ -253,13 +268,14 @@ def zo_record(width: int, settings: ZOBenchSettings) -> dict:
     max_rows, chunk_timings = choose_rows(updater.spsa, total_rows, 2 * settings.micro_batch, settings)
     inference_rows, _ = choose_rows(lambda rows: inference(model, repeated, rows), total_rows, 1, settings)
     timed = min(settings.n_pert, settings.naive_directions)
-    seconds = median_seconds({
+    turns = turn_seconds({
         "update": lambda: updater.spsa(max_rows),
         "inference": lambda: inference(model, repeated, inference_rows),
         "naive": lambda: updater.naive(timed),
     }, settings.repeats, settings.warmup)
-    update, inferred = seconds["update"], seconds["inference"]
-    naive = seconds["naive"] * settings.n_pert / timed
+    update, inferred, naive = (statistics.median(turns[name]) for name in ("update", "inference", "naive"))
+    naive *= settings.n_pert / timed
+    efficiency, efficiency_turns = turn_ratios(turns["inference"], turns["update"])
     zo_speed, inference_speed = _throughput(tokens, update), _throughput(tokens, inferred)
     return {
         "record": "zo", "d_t": width, "experts": 1, "params": sum(p.numel() for p in model.parameters()),
@@ -269,7 +285,7 @@ def zo_record(width: int, settings: ZOBenchSettings) -> dict:
         "update_seconds": update, "inference_seconds": inferred, "naive_update_seconds": naive,
         "naive_directions_timed": timed,
         "zo_tokens_per_s": zo_speed, "inference_tokens_per_s": inference_speed,
-        "efficiency": round(zo_speed / inference_speed, 4), "naive_speedup": round(naive / update, 2),
+        "efficiency": efficiency, "efficiency_turns": efficiency_turns, "naive_speedup": round(naive / update, 2),
         "gflops": _gflops(model, tokens, {"update": update, "inference": inferred, "naive": naive}),
     }
 
@@ -278,7 +294,7 @@ def soma_record(experts: int, width: int, settings: ZOBenchSettings) -> dict:
     """E experts of width d_t: one batched update of all of them vs E single-expert updates in turn.
 
     Both sides run the same SPSA update (n_pert, B, T) on the same windows, each at its own fastest
-    windows-per-call; ``speedup`` = sequential seconds / batched seconds.
+    windows-per-call; ``speedup``: the median over turns of sequential seconds / batched seconds.
     """
     windows = random_windows(experts, settings)
     batched = Updater(build_model(experts, width, settings), windows, settings)
@@ -293,9 +309,10 @@ def soma_record(experts: int, width: int, settings: ZOBenchSettings) -> dict:
         for single in singles:
             single.spsa(single_rows)
 
-    seconds = median_seconds({"batched": lambda: batched.spsa(max_rows), "sequential": one_after_another},
-                             settings.repeats, settings.warmup)
-    together, sequential = seconds["batched"], seconds["sequential"]
+    turns = turn_seconds({"batched": lambda: batched.spsa(max_rows), "sequential": one_after_another},
+                         settings.repeats, settings.warmup)
+    together, sequential = statistics.median(turns["batched"]), statistics.median(turns["sequential"])
+    speedup, speedup_turns = turn_ratios(turns["sequential"], turns["batched"])
     tokens = experts * rows_per_expert * settings.context
     return {
         "record": "soma_batched_vs_sequential", "d_t": width, "experts": experts,
@@ -305,7 +322,7 @@ def soma_record(experts: int, width: int, settings: ZOBenchSettings) -> dict:
         "batched_seconds": together, "sequential_seconds": sequential,
         "batched_tokens_per_s": _throughput(tokens, together),
         "sequential_tokens_per_s": _throughput(tokens, sequential),
-        "speedup": round(sequential / together, 2),
+        "speedup": speedup, "speedup_turns": speedup_turns,
         "gflops": _gflops(batched.model, tokens, {"batched": together, "sequential": sequential}),
     }
 
@@ -314,7 +331,8 @@ def eggroll_record(width: int, settings: ZOBenchSettings) -> dict:
     """One model of width d_t: EGGROLL updates vs inference of the unperturbed model on the same rows.
 
     Both sides evaluate ``2 · n_pert · B`` rows of T bytes (each window once per member that shares
-    it), each at its own fastest rows per call; ``efficiency`` = inference seconds / update seconds.
+    it), each at its own fastest rows per call; ``efficiency``: the median over turns of inference
+    seconds / update seconds.
     The update includes regenerating the noise twice, shaping the fitness and the SGD step.
     """
     model, windows = build_model(1, width, settings), random_windows(1, settings)
@@ -324,10 +342,11 @@ def eggroll_record(width: int, settings: ZOBenchSettings) -> dict:
     repeated = windows.repeat_interleave(group, dim=1)
     max_members, timings = choose_rows(updater.eggroll, population, 2, settings)
     inference_rows, _ = choose_rows(lambda rows: inference(model, repeated, rows), population, 1, settings)
-    seconds = median_seconds({"update": lambda: updater.eggroll(max_members),
-                              "inference": lambda: inference(model, repeated, inference_rows)},
-                             settings.repeats, settings.warmup)
-    update, inferred = seconds["update"], seconds["inference"]
+    turns = turn_seconds({"update": lambda: updater.eggroll(max_members),
+                          "inference": lambda: inference(model, repeated, inference_rows)},
+                         settings.repeats, settings.warmup)
+    update, inferred = statistics.median(turns["update"]), statistics.median(turns["inference"])
+    efficiency, efficiency_turns = turn_ratios(turns["inference"], turns["update"])
     tokens = population * settings.context
     eggroll_speed, inference_speed = _throughput(tokens, update), _throughput(tokens, inferred)
     return {
@@ -337,7 +356,7 @@ def eggroll_record(width: int, settings: ZOBenchSettings) -> dict:
         "max_members_timings": timings, "inference_max_rows": inference_rows, "token_forwards_per_update": tokens,
         "update_seconds": update, "inference_seconds": inferred,
         "eggroll_tokens_per_s": eggroll_speed, "inference_tokens_per_s": inference_speed,
-        "efficiency": round(eggroll_speed / inference_speed, 4),
+        "efficiency": efficiency, "efficiency_turns": efficiency_turns,
         "gflops": _gflops(model, tokens, {"update": update, "inference": inferred}),
     }
 

@@ -12,23 +12,23 @@ import pytest
 import torch
 
 from soma_pl.bench import zo
-from soma_pl.bench.zo import ZOBenchSettings, bench_zo, eggroll_record, median_seconds
+from soma_pl.bench.zo import ZOBenchSettings, bench_zo, eggroll_record, median_seconds, turn_ratios
 
 TINY = ZOBenchSettings(n_pert=4, micro_batch=2, context=16, repeats=1)
 REPO = Path(__file__).resolve().parents[2]
 SECONDS = {"update": 0.5, "inference": 0.125, "naive": 0.75, "batched": 0.4, "sequential": 1.0, "None": 2.0}
-"""The median seconds `scripted_medians` reports for each timed run, by name. ``"None"``: the one
+"""The seconds `scripted_turns` reports for each timed run in its one turn, by name. ``"None"``: the one
 rows-per-call candidate of TINY's records (all rows in one call: each record has fewer rows than
 the smallest candidate), as `choose_rows` names it."""
 TOKENS = 2 * 4 * 2 * 16
 """Token forwards of one update of TINY: 2 · n_pert · B · T."""
 
 
-def scripted_medians(runs, repeats, warmup):
-    """`median_seconds` with the medians fixed by `SECONDS`; every run still runs once."""
+def scripted_turns(runs, repeats, warmup):
+    """`turn_seconds` with one turn whose times `SECONDS` fixes; every run still runs once."""
     for run in runs.values():
         run()
-    return {name: SECONDS[name] for name in runs}
+    return {name: [SECONDS[name]] for name in runs}
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,9 @@ def report() -> dict:
 
 @pytest.fixture(scope="module")
 def scripted() -> dict:
-    """The report of `report`'s settings with every median time fixed (`scripted_medians`)."""
+    """The report of `report`'s settings with every time fixed (`scripted_turns`)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(zo, "median_seconds", scripted_medians)
+        patch.setattr(zo, "turn_seconds", scripted_turns)
         return bench_zo(widths=(8,), settings=TINY, soma_experts=2, soma_width=8, eggroll_widths=(8,))
 
 
@@ -58,6 +58,15 @@ def test_median_seconds_takes_the_runs_in_turn_and_reports_each_median(monkeypat
     monkeypatch.setattr(zo, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     assert median_seconds({"a": run("a"), "b": run("b")}, repeats=3, warmup=1) == {"a": 3.0, "b": 11.0}
     assert clock.calls == ["a", "b"] + ["a", "b"] * 3
+
+
+def test_a_ratio_of_two_runs_is_the_median_of_each_turns_ratio():
+    """A slow spell in turn 2 doubles both runs: the turns' ratios stay 0.9 (and one outlier turn 3
+    reads 0.3), where the ratio of the two medians would read 0.45."""
+    update, inference = [1.0, 2.0, 3.0], [0.9, 1.8, 0.9]
+    assert turn_ratios(inference, update) == (0.9, [0.9, 0.9, 0.3])
+    with pytest.raises(ValueError):
+        turn_ratios(inference, update[:2])
 
 
 def test_rows_per_call_are_chosen_on_medians_of_timings_in_turns(monkeypatch):
@@ -106,7 +115,7 @@ def test_zo_record_figures_follow_from_the_measured_times(scripted):
     assert (record["update_seconds"], record["inference_seconds"]) == (0.5, 0.125)
     assert record["naive_update_seconds"] == 0.75 * 4 / 4  # timed on 4 directions, scaled to n_pert = 4
     assert (record["zo_tokens_per_s"], record["inference_tokens_per_s"]) == (TOKENS / 0.5, TOKENS / 0.125)
-    assert record["efficiency"] == 0.25 and record["naive_speedup"] == 1.5
+    assert record["efficiency"] == 0.25 and record["efficiency_turns"] == [0.25] and record["naive_speedup"] == 1.5
 
 
 def test_soma_record_speedup_is_sequential_over_batched(report):
@@ -121,7 +130,7 @@ def test_soma_record_figures_follow_from_the_measured_times(scripted):
     assert record["record"] == "soma_batched_vs_sequential" and record["token_forwards_per_update"] == 2 * TOKENS
     assert (record["batched_seconds"], record["sequential_seconds"]) == (0.4, 1.0)
     assert (record["batched_tokens_per_s"], record["sequential_tokens_per_s"]) == (2 * TOKENS / 0.4, 2 * TOKENS / 1.0)
-    assert record["speedup"] == 2.5
+    assert record["speedup"] == 2.5 and record["speedup_turns"] == [2.5]
 
 
 def test_eggroll_record_figures_follow_from_the_measured_times(scripted):
@@ -129,7 +138,7 @@ def test_eggroll_record_figures_follow_from_the_measured_times(scripted):
     assert record["record"] == "eggroll" and record["token_forwards_per_update"] == TOKENS
     assert (record["update_seconds"], record["inference_seconds"]) == (0.5, 0.125)
     assert (record["eggroll_tokens_per_s"], record["inference_tokens_per_s"]) == (TOKENS / 0.5, TOKENS / 0.125)
-    assert record["efficiency"] == 0.25
+    assert record["efficiency"] == 0.25 and record["efficiency_turns"] == [0.25]
 
 
 def test_cli_writes_the_report(tmp_path):
