@@ -115,9 +115,14 @@ def turn_seconds(runs: Mapping[str, Callable[[], object]], repeats: int, warmup:
     return times
 
 
+def medians(turns: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Each run's median of its times in :func:`turn_seconds`."""
+    return {name: statistics.median(values) for name, values in turns.items()}
+
+
 def median_seconds(runs: Mapping[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, float]:
     """Median of each run's :func:`turn_seconds`."""
-    return {name: statistics.median(values) for name, values in turn_seconds(runs, repeats, warmup).items()}
+    return medians(turn_seconds(runs, repeats, warmup))
 
 
 def turn_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> tuple[float, list[float]]:
@@ -273,8 +278,9 @@ def zo_record(width: int, settings: ZOBenchSettings) -> dict:
         "inference": lambda: inference(model, repeated, inference_rows),
         "naive": lambda: updater.naive(timed),
     }, settings.repeats, settings.warmup)
-    update, inferred, naive = (statistics.median(turns[name]) for name in ("update", "inference", "naive"))
-    naive *= settings.n_pert / timed
+    seconds = medians(turns)
+    update, inferred = seconds["update"], seconds["inference"]
+    naive = seconds["naive"] * settings.n_pert / timed
     efficiency, efficiency_turns = turn_ratios(turns["inference"], turns["update"])
     zo_speed, inference_speed = _throughput(tokens, update), _throughput(tokens, inferred)
     return {
@@ -311,7 +317,8 @@ def soma_record(experts: int, width: int, settings: ZOBenchSettings) -> dict:
 
     turns = turn_seconds({"batched": lambda: batched.spsa(max_rows), "sequential": one_after_another},
                          settings.repeats, settings.warmup)
-    together, sequential = statistics.median(turns["batched"]), statistics.median(turns["sequential"])
+    seconds = medians(turns)
+    together, sequential = seconds["batched"], seconds["sequential"]
     speedup, speedup_turns = turn_ratios(turns["sequential"], turns["batched"])
     tokens = experts * rows_per_expert * settings.context
     return {
@@ -345,7 +352,8 @@ def eggroll_record(width: int, settings: ZOBenchSettings) -> dict:
     turns = turn_seconds({"update": lambda: updater.eggroll(max_members),
                           "inference": lambda: inference(model, repeated, inference_rows)},
                          settings.repeats, settings.warmup)
-    update, inferred = statistics.median(turns["update"]), statistics.median(turns["inference"])
+    seconds = medians(turns)
+    update, inferred = seconds["update"], seconds["inference"]
     efficiency, efficiency_turns = turn_ratios(turns["inference"], turns["update"])
     tokens = population * settings.context
     eggroll_speed, inference_speed = _throughput(tokens, update), _throughput(tokens, inferred)
